@@ -1,0 +1,157 @@
+"""Plain value types the engine takes and returns.
+
+These are the engine's `*Input/*Output` layer: small frozen dataclasses over numpy
+arrays. The gRPC services convert protobuf messages to and from these at the edge;
+nothing inside the engine sees a protobuf or a client object.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+# Module-name suffixes for Tinker's coarse LoRA switches (Qwen/Llama naming).
+ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One adapter's LoRA shape: `x -> W0 x + scaling * B A x` on every targeted linear.
+
+    `target_modules` follows PEFT: the string `'all-linear'` (every linear layer of the
+    decoder except the output head), or a tuple of module-name suffixes. `scaling` is
+    `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`.
+    """
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"
+    use_rslora: bool = False
+    seed: int | None = None
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @classmethod
+    def from_tinker(
+        cls,
+        rank: int,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> LoraSpec:
+        """Tinker's options: alpha 32 as in Tinker, targets chosen by the three switches."""
+        targets = (
+            (ATTN_MODULES if train_attn else ())
+            + (MLP_MODULES if train_mlp else ())
+            + (UNEMBED_MODULES if train_unembed else ())
+        )
+        return cls(rank=rank, alpha=32.0, target_modules=targets, seed=seed)
+
+    @classmethod
+    def from_peft(cls, config: object, seed: int | None = None) -> LoraSpec:
+        """From a `peft.LoraConfig` (or anything with its attribute names)."""
+        targets = getattr(config, "target_modules", None) or "all-linear"
+        if not isinstance(targets, str):
+            targets = tuple(sorted(targets))
+        return cls(
+            rank=int(config.r),
+            alpha=float(config.lora_alpha),
+            dropout=float(getattr(config, "lora_dropout", 0.0) or 0.0),
+            target_modules=targets,
+            use_rslora=bool(getattr(config, "use_rslora", False)),
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training sequence in Tinker form.
+
+    `input_ids` is int64 `[T]`. `loss_inputs` holds per-position arrays aligned with it:
+    `target_tokens` (int64, `[T]`, the token to predict at each position), `weights`
+    (float32 `[T]`), and for RL losses `logprobs` (the sampler's logprobs) and
+    `advantages` (float32 `[T]`).
+    """
+
+    input_ids: np.ndarray
+    loss_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss by name with its numeric config (`clip_low_threshold`, `beta`, `epsilon`, ...)."""
+
+    name: str
+    config: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Result of forward / forward_backward for one request: per-datum target logprobs,
+    the scalar loss and metrics keyed `name:reduction` (e.g. `loss:sum`)."""
+
+    logprobs: list[np.ndarray]
+    loss: float
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Tinker's per-step AdamW hyper-parameters (`grad_clip_norm` 0 = no clipping)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters; `top_k` 0 and `top_p` 1.0 mean no truncation."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+StopReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One completion: int32 tokens, float32 logprob of each sampled token, why it stopped."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stop_reason: StopReason
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Caps enforced before any compute; each violation is an `InvalidArgument` or
+    `ResourceExhausted` naming the limit."""
+
+    max_adapters: int = 32
+    max_rank: int = 128
+    max_seq_len: int = 4096
+    max_batch_tokens: int = 262_144
