@@ -123,7 +123,11 @@ class AdamParams:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters; `top_k` 0 and `top_p` 1.0 mean no truncation."""
+    """Per-request decoding parameters; `top_k` <= 0 and `top_p` 1.0 mean no truncation.
+
+    `stop_on_eos` False is Tinker's `stop=[]`: generation ignores the EOS tokens too and
+    runs to `max_tokens` unless an explicit stop token or string is hit.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -132,6 +136,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    stop_on_eos: bool = True
 
 
 StopReason = Literal["stop", "length"]
