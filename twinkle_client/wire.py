@@ -43,6 +43,11 @@ _WIRE_DTYPES: dict[str, int] = {
     "float32": pb.FLOAT32,
     "float64": pb.FLOAT64,
 }
+_WIRE_BY_NUMPY: dict[np.dtype, int] = {
+    np.dtype(name): wire for name, wire in _WIRE_DTYPES.items() if np.dtype(name).isnative
+}
+if np.little_endian is False:  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("twinkle_client.wire assumes a little-endian host")
 _INTEGER_WIRE = {pb.INT64, pb.INT32}
 
 # Loss inputs whose values are token ids (validated as such).
@@ -66,26 +71,36 @@ def _dtype_name(dtype: int) -> str:
 
 def encode_array(value: Any, field: str = "tensor") -> pb.Tensor:
     """Encode a numpy array, a torch tensor (bf16 kept as bf16) or a list as a dense Tensor."""
+    tensor = pb.Tensor()
+    _fill(tensor, value, field)
+    return tensor
+
+
+def _fill(tensor: pb.Tensor, value: Any, field: str) -> None:
+    """Write `value` into a Tensor message in place (no intermediate message to copy)."""
     if _is_torch(value):
         import torch
 
-        tensor = value.detach().cpu().contiguous()
-        if tensor.dtype == torch.bfloat16:
-            raw = tensor.view(torch.int16).numpy()
-            return pb.Tensor(dtype=pb.BFLOAT16, shape=raw.shape, data=raw.tobytes())
-        value = tensor.numpy()
-    array = np.asarray(value)
-    if array.dtype == np.bool_:
-        array = array.astype(np.float32)
-    name = array.dtype.name
-    if name not in _WIRE_DTYPES:
-        raise WireError(
-            f"{field}: dtype {name} is not supported on the wire "
-            f"(use one of {sorted(_WIRE_DTYPES)} or bfloat16)"
-        )
-    wire = _WIRE_DTYPES[name]
-    data = array.astype(_NP_DTYPES[wire], copy=False).tobytes()
-    return pb.Tensor(dtype=wire, shape=array.shape, data=data)
+        value = value.detach().cpu().contiguous()
+        if value.dtype == torch.bfloat16:
+            raw = value.view(torch.int16).numpy()
+            tensor.dtype = pb.BFLOAT16
+            tensor.shape[:] = raw.shape
+            tensor.data = raw.tobytes()
+            return
+        value = value.numpy()
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    wire = _WIRE_BY_NUMPY.get(array.dtype)
+    if wire is None:
+        if array.dtype != np.bool_:
+            raise WireError(
+                f"{field}: dtype {array.dtype} is not supported on the wire "
+                f"(use one of {sorted(_WIRE_DTYPES)} or bfloat16)"
+            )
+        array, wire = array.astype(np.float32), pb.FLOAT32
+    tensor.dtype = wire
+    tensor.shape[:] = array.shape
+    tensor.data = array.tobytes()
 
 
 def _check_shape(shape: Sequence[int], field: str) -> int:
@@ -187,21 +202,26 @@ def _as_token_array(value: Any, field: str) -> np.ndarray:
         raise WireError(f"{field}: token ids must be 1-D, got shape {list(array.shape)}")
     if array.min() < 0:
         raise WireError(f"{field}: token ids must be non-negative, found {int(array.min())}")
-    if array.max() > np.iinfo(np.int32).max:
+    if array.dtype != np.int32 and array.max() > np.iinfo(np.int32).max:
         raise WireError(f"{field}: token id {int(array.max())} does not fit in int32")
     return array
 
 
 def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> pb.Datum:
     """Encode token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum."""
-    ids = _as_token_array(input_ids, f"datum[{index}].input_ids").astype("<i4", copy=False)
-    datum = pb.Datum(input_ids=pb.Tensor(dtype=pb.INT32, shape=ids.shape, data=ids.tobytes()))
+    ids = _as_token_array(input_ids, f"datum[{index}].input_ids")
+    if ids.dtype != np.int32:
+        ids = ids.astype(np.int32)
+    datum = pb.Datum()
+    datum.input_ids.dtype = pb.INT32
+    datum.input_ids.shape.append(ids.shape[0])
+    datum.input_ids.data = ids.tobytes()
     for key, value in loss_inputs.items():
         field = f"datum[{index}].loss_inputs[{key!r}]"
         if hasattr(value, "sparse_crow_indices"):
             datum.loss_inputs[key].CopyFrom(encode_tensor_data(value, field))
         else:
-            datum.loss_inputs[key].CopyFrom(encode_array(value, field))
+            _fill(datum.loss_inputs[key], value, field)
     _check_lengths(ids.shape[0], datum.loss_inputs, index)
     return datum
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each module measures and prints; none passes or fails on time."""
