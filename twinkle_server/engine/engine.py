@@ -272,7 +272,16 @@ class Engine:
                 logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
                 loss=float(loss.detach()), metrics=metrics)
         if to_backward:
+            # Autograd also reaches adapters in the batch whose loss is not backpropagated
+            # (forward-only, or discarded), adding exact zeros; keep their "no gradient"
+            # state so an optimizer never steps on them because of someone else's batch.
+            trained = {r.adapter_id for r, s in zip(requests, slots, strict=True)
+                       if r.backward and isinstance(results[s], ForwardOutput)}
+            untouched = [p for a in {r.adapter_id for r in requests} - trained
+                         for p in self.adapters[a].parameters() if p.grad is None]
             torch.stack(to_backward).sum().backward()
+            for param in untouched:
+                param.grad = None
 
     # ------------------------------------------------------------------ Tinker optimizer
 
