@@ -1,68 +1,187 @@
-"""The embedded tiny model: deterministic bytes, loadable offline, ChatML template."""
+"""The embedded tiny model: deterministic bytes, loadable offline, ChatML template, cache."""
 
 from __future__ import annotations
 
+import json
 import os
-import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from twinkle_server.engine.tiny_model import IM_END, SPECIAL_TOKENS, build_tiny_model
+from twinkle_server.engine import tiny_model
+from twinkle_server.engine.errors import FailedPrecondition
+from twinkle_server.engine.tiny_model import (
+    IM_END,
+    IM_START,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    TINY_MODEL_NAME,
+    build_tiny_model,
+    recipe_hash,
+)
+
+TWO_TURNS = [
+    {"role": "user", "content": "Who are you?"},
+    {"role": "assistant", "content": "I am Twinkle."},
+]
 
 
 def _files(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
-def test_two_builds_give_byte_identical_files(tmp_path):
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-cache"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(built):
+    return AutoTokenizer.from_pretrained(built)
+
+
+def test_two_builds_in_different_cache_dirs_give_byte_identical_files(tmp_path):
     first = build_tiny_model(tmp_path / "a")
     second = build_tiny_model(tmp_path / "b")
-    assert first.name == second.name
-    assert _files(first) == _files(second)
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(_files(first))
+    assert first.name == second.name == f"tiny-qwen3-{recipe_hash()}"
+    files = _files(first)
+    assert files == _files(second)
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(files)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        text = files[name].decode()
+        assert "transformers_version" not in text
+        assert text == json.dumps(json.loads(text), sort_keys=True, indent=1,
+                                  ensure_ascii=False) + "\n"
 
 
-def test_loads_offline_with_auto_classes_and_runs_forward(tmp_path, monkeypatch):
+def test_config_is_the_small_untied_float32_qwen3_of_the_recipe(built):
+    config = json.loads((built / "config.json").read_text())
+    assert config["model_type"] == "qwen3"
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["intermediate_size"]) == (
+        128, 4, 4, 2, 32, 384)
+    assert config["vocab_size"] == 4096
+    assert config["max_position_embeddings"] == 4096
+    assert config["tie_word_embeddings"] is False
+    assert config["dtype"] == "float32"
+
+
+def test_loads_offline_with_auto_classes_and_forward_gives_vocab_logits(built, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    path = build_tiny_model(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(built)
+    tokenizer = AutoTokenizer.from_pretrained(built)
+    assert model.dtype == torch.float32
+    assert model.get_input_embeddings().weight.data_ptr() != (
+        model.get_output_embeddings().weight.data_ptr())
     ids = tokenizer("Who are you?", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
-    assert model.config.vocab_size == len(tokenizer)
+    assert logits.shape == (1, ids.shape[1], 4096)
+    assert torch.isfinite(logits).all()
+    assert len(tokenizer) == model.config.vocab_size == 4096
 
 
-def test_chat_template_renders_chatml(tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path))
-    messages = [{"role": "user", "content": "Who are you?"},
-                {"role": "assistant", "content": "I am Twinkle."}]
-    assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+def test_chat_template_renders_two_turns_as_chatml_exactly(tokenizer):
+    assert tokenizer.apply_chat_template(TWO_TURNS, tokenize=False) == (
         "<|im_start|>user\nWho are you?<|im_end|>\n"
         "<|im_start|>assistant\nI am Twinkle.<|im_end|>\n"
     )
-    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_tokenizer_round_trips_text_and_special_tokens_are_single_ids(tmp_path):
+def test_add_generation_prompt_appends_the_assistant_header(tokenizer):
+    prompt = tokenizer.apply_chat_template(TWO_TURNS[:1], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.apply_chat_template(TWO_TURNS[:1], add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert ids[0] == tokenizer.convert_tokens_to_ids(IM_START)
+    assert tokenizer.decode(ids) == prompt
+
+
+@pytest.mark.parametrize("text", [
+    "héllo wörld ✨ 日本語 — Привет, ¿qué tal? 🙂",
+    "12 + 35 = 47\n#### 47",
+    "-521 0.25 3.14159 1,000,000 $65 100%",
+    "  spaced\ttabs\n\nand blank lines  ",
+    "",
+])
+def test_tokenizer_round_trips_unicode_and_numbers(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+
+
+def test_special_tokens_are_single_ids_and_survive_inside_text(tokenizer):
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS]
+    assert ids == [0, 1, 2]
+    for token, token_id in zip(SPECIAL_TOKENS, ids, strict=True):
+        assert tokenizer(token)["input_ids"] == [token_id]
+    encoded = tokenizer(f"{IM_START}user\nhi{IM_END}\n")["input_ids"]
+    assert encoded[0] == 1 and encoded.count(2) == 1
+    assert tokenizer.decode(encoded, skip_special_tokens=True) == "user\nhi\n"
+    assert tokenizer.bos_token is None  # nothing is prepended to encoded text
+
+
+def test_config_eos_and_pad_ids_match_the_tokenizer(built, tokenizer):
+    config = json.loads((built / "config.json").read_text())
+    generation = json.loads((built / "generation_config.json").read_text())
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    pad = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    assert tokenizer.eos_token == IM_END and tokenizer.pad_token == PAD_TOKEN
+    assert config["eos_token_id"] == generation["eos_token_id"] == im_end
+    assert config["pad_token_id"] == generation["pad_token_id"] == pad
+
+
+def test_second_call_with_same_cache_dir_returns_cached_dir_without_rebuilding(
+        tmp_path, monkeypatch):
     path = build_tiny_model(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    for text in ["héllo wörld ✨ 日本", "12 + 35 = 47\n#### 47", "  spaced\ttabs"]:
-        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
-    for token in SPECIAL_TOKENS:
-        assert len(tokenizer(token)["input_ids"]) == 1
-    config = AutoModelForCausalLM.from_pretrained(path).config
-    assert config.eos_token_id == tokenizer.convert_tokens_to_ids(IM_END)
+    before = {p.name: os.stat(p).st_mtime_ns for p in path.iterdir()}
 
+    def fail_if_rebuilt(out):
+        raise AssertionError("a complete cached model was rebuilt")
 
-def test_second_call_returns_the_cached_directory_without_rebuilding(tmp_path):
-    path = build_tiny_model(tmp_path)
-    mtime = os.stat(path / "model.safetensors").st_mtime_ns
-    start = time.perf_counter()
+    monkeypatch.setattr(tiny_model, "_write_model", fail_if_rebuilt)
     assert build_tiny_model(tmp_path) == path
-    assert time.perf_counter() - start < 0.5
-    assert os.stat(path / "model.safetensors").st_mtime_ns == mtime
+    assert {p.name: os.stat(p).st_mtime_ns for p in path.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_default_location_is_under_twinkle_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TWINKLE_CACHE_DIR", str(tmp_path / "env-cache"))
+    path = build_tiny_model()
+    assert path == tmp_path / "env-cache" / f"tiny-qwen3-{recipe_hash()}"
+    assert TINY_MODEL_NAME == "tiny"
+
+
+def test_builder_that_loses_the_rename_race_returns_the_winners_dir(tmp_path, monkeypatch):
+    real_write = tiny_model._write_model
+    winner = {}
+
+    def concurrent_winner_finishes_first(out):
+        # Another builder completes and renames into place while this one is still writing.
+        monkeypatch.setattr(tiny_model, "_write_model", real_write)
+        winner["path"] = build_tiny_model(tmp_path)
+        winner["mtime"] = os.stat(winner["path"] / "model.safetensors").st_mtime_ns
+        real_write(out)
+
+    monkeypatch.setattr(tiny_model, "_write_model", concurrent_winner_finishes_first)
+    path = build_tiny_model(tmp_path)
+    assert path == winner["path"]
+    assert os.stat(path / "model.safetensors").st_mtime_ns == winner["mtime"]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # loser's scratch removed
+
+
+def test_incomplete_dir_at_the_target_raises_failed_precondition(tmp_path):
+    (tmp_path / f"tiny-qwen3-{recipe_hash()}").mkdir()
+    with pytest.raises(FailedPrecondition, match="cache_dir: .*not a complete"):
+        build_tiny_model(tmp_path)
+
+
+def test_building_does_not_move_the_callers_torch_random_stream(tmp_path):
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    build_tiny_model(tmp_path)
+    assert torch.equal(torch.rand(3), expected)

@@ -1,9 +1,15 @@
 """The embedded `tiny` base model: a small Qwen3 causal LM built offline, deterministically.
 
-Tests and the demo use it instead of a hub model. The recipe below (architecture, seed,
-tokenizer settings) and the shipped corpus `tiny_corpus.txt` fully determine the output:
-the same code gives byte-identical files (config, safetensors weights, tokenizer), cached
-in a directory named by a hash of that recipe, so a changed recipe never reuses stale files.
+Tests and the demo use it instead of a hub model (`--model tiny`). The recipe below
+(architecture, seed, tokenizer settings, chat template) and the shipped corpus
+`tiny_corpus.txt` fully determine the output: the same code gives byte-identical files
+(sorted JSON without version stamps, safetensors weights, tokenizer). The cache directory is
+named by a hash of recipe + template + corpus, so a changed recipe never reuses stale files.
+
+Layout of a built directory (a normal Hugging Face model dir, loadable offline with
+`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)`):
+`config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json` (with the ChatML `chat_template`) and an empty `.complete` marker.
 """
 
 from __future__ import annotations
@@ -14,17 +20,25 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from twinkle_server.engine.errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TINY_MODEL_NAME = "tiny"
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+# Order fixes the ids: pad 0, im_start 1, im_end 2 (the BPE trainer adds them first).
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END)
 
-# Qwen3 architecture, about 1.1M parameters: small enough that a CPU test trains it in seconds.
+# Qwen3 architecture, about 1.8M parameters (1M of them the two untied 4096 x 128 embeddings):
+# small enough that a CPU test trains it in seconds.
 RECIPE: dict[str, object] = {
-    "max_vocab_size": 2048,  # BPE trainer cap; the shipped corpus yields fewer tokens
+    "vocab_size": 4096,  # BPE trainer target; the shipped corpus has enough merges to reach it
     "hidden_size": 128,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
@@ -34,7 +48,7 @@ RECIPE: dict[str, object] = {
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
     "init_seed": 1234,
-    "format": 1,
+    "format": 2,  # bump when the writer changes the files for the same recipe
 }
 
 CHAT_TEMPLATE = (
@@ -57,6 +71,7 @@ def recipe_hash() -> str:
 
 
 def default_cache_root() -> Path:
+    """`$TWINKLE_CACHE_DIR`, else `~/.cache/twinkle`: the parent of the built model dir."""
     env = os.environ.get("TWINKLE_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "twinkle"
 
@@ -64,41 +79,68 @@ def default_cache_root() -> Path:
 def build_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the directory of the tiny model, building it first if it is not cached.
 
-    Safe to call from several processes at once: each builds into its own temp dir and
-    renames it into place; a process that loses the race uses the winner's directory.
+    Args:
+        cache_dir: parent folder of the model dir; defaults to `default_cache_root()`.
+
+    Returns:
+        `<cache_dir>/tiny-qwen3-<recipe_hash()>`, complete. A cached dir is returned at once
+        (this runs at every server start); a build takes a few seconds, mostly imports.
+
+    Raises:
+        FailedPrecondition: the target path exists but is not a complete build (it was not
+            written by this function, which only ever renames finished builds into place).
+
+    Safe to call from several processes at once: each builds into its own temp dir beside
+    the target and renames it into place; a process that loses the race uses the winner's.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     target = root / f"tiny-qwen3-{recipe_hash()}"
-    if (target / _DONE_MARKER).exists():
+    if _is_complete(target):
         return target
+    if target.exists():
+        raise FailedPrecondition(
+            f"cache_dir: {target} exists but is not a complete tiny-model build "
+            f"(no {_DONE_MARKER} marker); delete it and retry")
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
     try:
         _write_model(scratch)
-        (scratch / _DONE_MARKER).write_text("")
+        (scratch / _DONE_MARKER).write_bytes(b"")
         try:
             os.rename(scratch, target)
         except OSError:
-            if not (target / _DONE_MARKER).exists():
+            # Lost the race: another builder renamed its identical build into place first.
+            if not _is_complete(target):
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
-def _train_tokenizer():
+def _is_complete(path: Path) -> bool:
+    return (path / _DONE_MARKER).is_file()
+
+
+def _corpus_records() -> list[str]:
+    """The corpus split at blank lines, newlines kept, so BPE also learns line breaks."""
+    text = _CORPUS.read_text(encoding="utf-8")
+    return [record.strip("\n") + "\n" for record in text.split("\n\n") if record.strip()]
+
+
+def _train_tokenizer() -> Tokenizer:
+    """Byte-level BPE (as GPT-2/Qwen): every string encodes, and decodes back unchanged."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=int(RECIPE["max_vocab_size"]),
+        vocab_size=int(RECIPE["vocab_size"]),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.read_text().splitlines(), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus_records(), trainer=trainer)
     return tokenizer
 
 
@@ -108,12 +150,17 @@ def _write_model(out: Path) -> None:
 
     raw = _train_tokenizer()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, pad_token=PAD_TOKEN, eos_token=IM_END,
-        additional_special_tokens=[IM_START], model_max_length=int(RECIPE["max_position_embeddings"]),
+        tokenizer_object=raw,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        model_max_length=int(RECIPE["max_position_embeddings"]),
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
+    # Template inside tokenizer_config.json, where older transformers and other tools look.
+    tokenizer.save_pretrained(out, save_jinja_files=False)
 
+    pad_id, eos_id = raw.token_to_id(PAD_TOKEN), raw.token_to_id(IM_END)
     config = Qwen3Config(
         vocab_size=raw.get_vocab_size(),
         hidden_size=RECIPE["hidden_size"],
@@ -125,27 +172,28 @@ def _write_model(out: Path) -> None:
         max_position_embeddings=RECIPE["max_position_embeddings"],
         rope_theta=RECIPE["rope_theta"],
         tie_word_embeddings=False,
-        bos_token_id=raw.token_to_id(IM_START),
-        eos_token_id=raw.token_to_id(IM_END),
-        pad_token_id=raw.token_to_id(PAD_TOKEN),
-        torch_dtype="float32",
+        # As in Qwen3: bos is <|endoftext|> in the config, and the tokenizer adds no bos.
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
     )
-    generator_state = torch.random.get_rng_state()
-    try:
+    # Seed a forked RNG so building never shifts the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(RECIPE["init_seed"]))
-        model = Qwen3ForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+        model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.generation_config.bos_token_id = pad_id
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
     model.save_pretrained(out, safe_serialization=True)
     _canonicalise_json(out)
 
 
 def _canonicalise_json(out: Path) -> None:
     """Sort keys and drop version stamps so the same recipe gives the same bytes."""
-    for path in out.glob("*.json"):
-        data = json.loads(path.read_text())
+    for path in sorted(out.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict):
             data.pop("transformers_version", None)
-        path.write_text(json.dumps(data, sort_keys=True, indent=1, ensure_ascii=False) + "\n")
+        text = json.dumps(data, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+        path.write_text(text, encoding="utf-8")
