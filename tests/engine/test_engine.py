@@ -68,7 +68,7 @@ def test_gradient_accumulation_of_two_half_batches_equals_one_full_batch(engine,
     _add(engine, fresh, "full", spec)
     for name in ("accum", "full"):
         engine.set_loss(name, LossSpec("CrossEntropyLoss"))
-        engine.set_optimizer(name, "AdamW", {"lr": 1e-2})
+        engine.set_optimizer(name, "AdamW", {"lr": 1e-3})
     equal = [d for d in datums if d.num_tokens == datums[0].num_tokens] or datums[:1]
     half = equal * 2
     for _ in range(2):

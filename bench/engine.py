@@ -1,0 +1,176 @@
+"""Engine benchmarks on the tiny model: overhead vs plain PEFT, merging, memory.
+
+Run: `.venv/bin/python -m bench.engine` (also part of `make bench`). Each section runs
+both sides in this one process, side by side, and prints throughput ratios; memory is
+measured in fresh subprocesses so each RSS figure starts from the same baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
+from twinkle_server.executor import FORWARD, EngineExecutor
+from twinkle_server.scheduler import Op, Scheduler
+
+CE = LossSpec("cross_entropy")
+ADAM = AdamParams(learning_rate=1e-4)
+SPEC = LoraSpec(rank=16, alpha=32, seed=0)
+
+
+def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(3, vocab, length + 1)
+        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
+                                    "weights": np.ones(length, np.float32)}))
+    return out
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def overhead(engine: Engine, repeats: int = 5) -> None:
+    """forward_backward + optim_step, 8 x 256 tokens: engine vs transformers + peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch = _datums(8, 256, engine.base.vocab_size)
+    engine.add_adapter("overhead", SPEC)
+
+    def engine_step():
+        engine.forward_batch([ForwardRequest("overhead", batch, CE, True)])
+        engine.optim_step("overhead", ADAM)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_weights("overhead", f"{tmp}/a")
+        base = AutoModelForCausalLM.from_pretrained(engine.base.model_dir, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, f"{tmp}/a", is_trainable=True)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
+                            eps=ADAM.eps)
+    ids = torch.from_numpy(np.stack([d.input_ids for d in batch]))
+    targets = torch.from_numpy(np.stack([d.loss_inputs["target_tokens"] for d in batch]))
+
+    def peft_step():
+        logits = peft_model(input_ids=ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 reduction="sum")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    tokens = 8 * 256
+    rows = []
+    for _ in range(2):  # alternate to even out machine noise
+        rows.append((_time(peft_step, repeats), _time(engine_step, repeats)))
+    peft_s = min(r[0] for r in rows)
+    engine_s = min(r[1] for r in rows)
+    engine.remove_adapter("overhead")
+    print("overhead: forward_backward + optim_step, 8 x 256 tokens, rank 16 all-linear")
+    print(f"  {'path':<22}{'s/step':>10}{'tokens/s':>12}")
+    print(f"  {'transformers + peft':<22}{peft_s:>10.4f}{tokens / peft_s:>12.0f}")
+    print(f"  {'twinkle engine':<22}{engine_s:>10.4f}{tokens / engine_s:>12.0f}")
+    print(f"  engine / peft throughput: {peft_s / engine_s:.2f}x")
+
+
+def merging(engine: Engine, adapters: int = 8, steps: int = 4) -> None:
+    """8 adapters each sending forward_backward batches: merged vs timeshare scheduling,
+    with the scheduler's default token budget per merged pass."""
+    ids = [f"m{i}" for i in range(adapters)]
+    for adapter_id in ids:
+        engine.add_adapter(adapter_id, SPEC)
+    print(f"merging: {adapters} adapters, {steps} forward_backward ops each")
+    print(f"  {'batch per adapter':<20}{'timeshare tok/s':>16}{'merged tok/s':>14}{'ratio':>8}")
+    for n, length in ((1, 128), (8, 512)):
+        batch = _datums(n, length, engine.base.vocab_size)
+        speeds = {}
+        for mode in ("timeshare", "merged", "timeshare", "merged"):
+            sched = Scheduler(EngineExecutor(engine), mode=mode)
+            for adapter_id in ids:
+                sched.register_model(adapter_id)
+            start = time.perf_counter()
+            futures = [sched.submit(Op(a, s, "forward_backward", FORWARD, n * length,
+                                       ForwardRequest(a, batch, CE, True)))
+                       for s in range(steps) for a in ids]
+            sched.start()
+            for f in futures:
+                f.result()
+            elapsed = time.perf_counter() - start
+            sched.stop()
+            speeds[mode] = max(speeds.get(mode, 0.0), adapters * steps * n * length / elapsed)
+        label = f"{n} x {length}"
+        print(f"  {label:<20}{speeds['timeshare']:>16.0f}{speeds['merged']:>14.0f}"
+              f"{speeds['merged'] / speeds['timeshare']:>7.2f}x")
+    for adapter_id in ids:
+        engine.remove_adapter(adapter_id)
+
+
+_MEMORY_CHILD = """
+import json, sys
+from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
+from bench.engine import _datums
+engine = Engine.load('tiny')
+n = int(sys.argv[1])
+batch = _datums(1, 64, engine.base.vocab_size)
+state = 0
+for i in range(n):
+    engine.add_adapter(f'a{i}', LoraSpec(rank=16, alpha=32, seed=i))
+    engine.forward_batch([ForwardRequest(f'a{i}', batch, LossSpec('cross_entropy'), True)])
+    engine.optim_step(f'a{i}', AdamParams())
+    state += engine.adapter_info(f'a{i}')['state_bytes']
+if n == 0:
+    engine.add_adapter('probe', LoraSpec(rank=16, alpha=32, seed=0))
+    engine.remove_adapter('probe')
+import gc; gc.collect()
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
+hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))
+print(json.dumps({'rss': int(hwm.split()[1]) * 1024, 'state': state}))
+"""
+
+
+def memory(adapters: int = 16) -> None:
+    """Peak RSS with 16 adapters (r=16, all-linear, AdamW state) vs the base alone."""
+    def run(n: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(n)], check=True,
+                             capture_output=True, text=True, env=os.environ)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    base, full = run(0), run(adapters)
+    extra = full["rss"] - base["rss"]
+    print(f"memory: {adapters} adapters, rank 16, all-linear, with AdamW state")
+    print(f"  base only peak RSS           {base['rss'] / 2**20:8.1f} MiB")
+    print(f"  with {adapters} adapters peak RSS    {full['rss'] / 2**20:8.1f} MiB")
+    print(f"  adapters' state (w+g+m+v)    {full['state'] / 2**20:8.1f} MiB")
+    print(f"  extra RSS / state bytes      {extra / max(full['state'], 1):8.2f}x")
+    print(f"  {adapters} separate processes     {adapters * base['rss'] / 2**20:8.1f} MiB "
+          "(one base model each, before their adapters)")
+
+
+def main() -> None:
+    engine = Engine.load("tiny")
+    print(f"device {engine.base.device}, dtype {engine.base.dtype}, "
+          f"torch threads {torch.get_num_threads()}")
+    memory()
+    overhead(engine)
+    merging(engine)
+
+
+if __name__ == "__main__":
+    main()
