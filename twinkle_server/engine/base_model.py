@@ -16,7 +16,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BaseModel:
-    """The frozen causal LM, its tokenizer and the facts about it the server reports."""
+    """The frozen causal LM, its tokenizer and the facts about it the server reports.
+
+    `model` has `requires_grad` False everywhere and is in eval mode; the engine's
+    multi-LoRA layers are the only trainable tensors. `model_dir` holds the config,
+    weights and tokenizer files (the server ships the tokenizer files to clients).
+    """
 
     model: torch.nn.Module
     tokenizer: object
@@ -30,11 +35,18 @@ class BaseModel:
         return self.model.config
 
     @property
+    def tokenizer_dir(self) -> Path:
+        """The directory holding the tokenizer files (`tokenizer.json`, its config)."""
+        return self.model_dir
+
+    @property
     def vocab_size(self) -> int:
+        """Rows of the input embedding: valid token ids are `[0, vocab_size)`."""
         return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
     def max_seq_len(self) -> int:
+        """The model's context length (`max_position_embeddings`)."""
         return int(getattr(self.config, "max_position_embeddings", 0) or 4096)
 
     @property

@@ -224,31 +224,45 @@ class Engine:
 
     def _run_forward(self, requests: list[ForwardRequest], slots: list[int],
                      results: list) -> None:
-        rows = [(r.adapter_id, d) for r in requests for d in r.datums]
+        # Group the rows by adapter (stable, first appearance): the router needs each
+        # adapter's rows contiguous, and a single-adapter batch becomes one fast segment.
+        first_seen: dict[str, int] = {}
+        for request in requests:
+            first_seen.setdefault(request.adapter_id, len(first_seen))
+        order = sorted(range(len(requests)), key=lambda i: first_seen[requests[i].adapter_id])
+        requests = [requests[i] for i in order]
+        slots = [slots[i] for i in order]
+        rows = [(r, d) for r in requests for d in r.datums]
         device = self.base.device
         lengths = [d.num_tokens for _, d in rows]
         width = max(lengths)
         ids = torch.full((len(rows), width), self.base.pad_token_id, dtype=torch.long)
-        targets = torch.zeros((len(rows), width), dtype=torch.long)
         for row, (_, datum) in enumerate(rows):
             ids[row, :datum.num_tokens] = torch.from_numpy(np.asarray(datum.input_ids))
-            target = datum.loss_inputs["target_tokens"]
-            if target.ndim == 1:
-                targets[row, :datum.num_tokens] = torch.from_numpy(np.asarray(target))
         # No mask when nothing is padded: the plain causal path is the fastest kernel.
         mask = None
         if min(lengths) != width:
             mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(device)
         backward = any(r.backward for r in requests)
-        with torch.set_grad_enabled(backward), self.router.route([a for a, _ in rows]):
+        route = self.router.route([r.adapter_id for r, _ in rows],
+                                  [r.backward for r, _ in rows])
+        with torch.set_grad_enabled(backward), route:
             logits = self.base.model(input_ids=ids.to(device), attention_mask=mask,
                                      use_cache=False).logits
-        targets = targets.to(device)
-        # One fused cross-entropy over every row's positions, not one call per datum.
-        flat = target_logprobs(logits.flatten(0, 1), targets.flatten()).view(len(rows), width)
+        # One fused cross-entropy over the real (unpadded) positions of every row with
+        # per-position targets, not one call per datum and nothing spent on padding.
+        simple = [d.loss_inputs["target_tokens"].ndim == 1 for _, d in rows]
+        real = torch.cat([row * width + torch.arange(n)
+                          for row, n in enumerate(lengths) if simple[row]] or
+                         [torch.zeros(0, dtype=torch.long)]).to(device)
+        flat_logits = logits.flatten(0, 1)[real]
+        flat_targets = torch.cat([torch.from_numpy(np.asarray(d.loss_inputs["target_tokens"]))
+                                  for (_, d), ok in zip(rows, simple, strict=True) if ok]
+                                 or [torch.zeros(0, dtype=torch.long)]).to(device)
+        flat = target_logprobs(flat_logits, flat_targets)
         with torch.no_grad():
-            hits = (logits.argmax(-1) == targets).float()
-        row = 0
+            hits = (flat_logits.argmax(-1) == flat_targets).float()
+        row, offset = 0, 0
         to_backward: list[torch.Tensor] = []
         for request, slot in zip(requests, slots, strict=True):
             adapter = self.adapters[request.adapter_id]
@@ -259,10 +273,10 @@ class Engine:
                 n = datum.num_tokens
                 tensors = {k: torch.from_numpy(np.asarray(v)).to(device)
                            for k, v in datum.loss_inputs.items()}
-                if tensors["target_tokens"].ndim == 1:
-                    lp = flat[row, :n]
+                if simple[row]:
+                    lp, hit = flat[offset:offset + n], hits[offset:offset + n]
+                    offset += n
                     weights = tensors.get("weights")
-                    hit = hits[row, :n]
                     correct += float((hit * (weights != 0) if weights is not None else hit).sum())
                 else:
                     lp = target_logprobs(logits[row, :n], tensors["target_tokens"])
@@ -286,16 +300,25 @@ class Engine:
                 logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
                 loss=float(loss.detach()), metrics=metrics)
         if to_backward:
-            # Autograd also reaches adapters in the batch whose loss is not backpropagated
-            # (forward-only, or discarded), adding exact zeros; keep their "no gradient"
-            # state so an optimizer never steps on them because of someone else's batch.
-            trained = {r.adapter_id for r, s in zip(requests, slots, strict=True)
-                       if r.backward and isinstance(results[s], ForwardOutput)}
-            untouched = [p for a in {r.adapter_id for r in requests} - trained
-                         for p in self.adapters[a].parameters() if p.grad is None]
-            torch.stack(to_backward).sum().backward()
-            for param in untouched:
-                param.grad = None
+            self._backward(to_backward, requests, slots, results)
+
+    def _backward(self, to_backward: list[torch.Tensor], requests: list[ForwardRequest],
+                  slots: list[int], results: list) -> None:
+        """Backpropagate the kept losses; adapters not trained by them keep their grads.
+
+        Autograd also reaches adapters in the batch whose loss is not backpropagated
+        (forward-only, or discarded as non-finite): their rows add zeros, or NaN when
+        their own logits are NaN (0 * NaN in the fused cross-entropy backward). Their
+        gradients are saved before and put back after, bit for bit.
+        """
+        trained = {r.adapter_id for r, s in zip(requests, slots, strict=True)
+                   if r.backward and isinstance(results[s], ForwardOutput)}
+        kept = [(p, None if p.grad is None else p.grad.clone())
+                for a in {r.adapter_id for r in requests} - trained
+                for p in self.adapters[a].parameters()]
+        torch.stack(to_backward).sum().backward()
+        for param, grad in kept:
+            param.grad = grad
 
     # ------------------------------------------------------------------ Tinker optimizer
 

@@ -2,17 +2,20 @@
 
 For a batch whose rows belong to different adapters, every targeted linear layer computes
 
-    y = W0 x                                  for all rows at once (frozen base)
-    y[rows of a] += s_a * B_a A_a dropout_a(x[rows of a])   for each adapter a
+    y = W0 x                                                  all rows at once (frozen base)
+    y[rows of a] += s_a * B_a A_a dropout_a(x[rows of a])     for each adapter a in the batch
 
-with `A_a: [r_a, in]`, `B_a: [out, r_a]`, `s_a = alpha_a / r_a` (or `/ sqrt(r_a)` with rsLoRA).
+with `A_a: [r_a, in]`, `B_a: [out, r_a]`, `s_a = alpha_a / r_a` (or `alpha_a / sqrt(r_a)`
+with rsLoRA). PEFT's own mixed-adapter batches are inference-only, so this layer is ours;
+PEFT supplies the target-matching rules and the on-disk format.
 
-Layout: each `MultiLoraLinear` keeps a dict `adapter id -> LoraWeights` (plain dict, so the
-base model's own state dict is unchanged); the `LoraWeights` objects belong to the engine's
-adapter records and are only referenced here. Which rows belong to which adapter is held
-once, by the `Router` shared by every layer of the model: a list of contiguous row
-segments set for the duration of one forward pass. A single segment covering the batch is
-the fast path (no indexing); rows of no adapter get the base projection only.
+Layout: each `MultiLoraLinear` keeps a plain dict `adapter id -> LoraWeights` (a plain
+dict, so the base model's `state_dict` never changes); the `LoraWeights` objects belong
+to the engine's `Adapter` records and are only referenced here. Which rows belong to
+which adapter is held once, by the `Router` shared by every layer of the model: a tuple of
+contiguous row `Segment`s set for the duration of one forward pass. A single segment
+covering the batch is the fast path (no indexing, no Python loop over adapters); rows of
+no adapter get the base projection only.
 
 Rows never mix: each row is its own sequence, so an adapter's output and gradient depend
 only on its own rows.
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,14 +35,21 @@ from torch.nn import functional as F
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import LoraSpec
 
+ALL_LINEAR = "all-linear"
+
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows `[start, end)` of the batch use adapter `adapter_id` (None: base only)."""
+    """Rows `[start, end)` of the batch use adapter `adapter_id` (None: base only).
+
+    `train` switches the adapter's dropout on for these rows (training forward passes);
+    evaluation and sampling rows never drop.
+    """
 
     adapter_id: str | None
     start: int
     end: int
+    train: bool = False
 
 
 class Router:
@@ -50,21 +59,28 @@ class Router:
         self.segments: tuple[Segment, ...] = ()
 
     @contextlib.contextmanager
-    def route(self, row_adapter_ids: Sequence[str | None]) -> Iterator[None]:
-        """Within this block, batch row i uses adapter `row_adapter_ids[i]`.
+    def route(self, row_adapter_ids: Sequence[str | None],
+              train_rows: Sequence[bool] | None = None) -> Iterator[None]:
+        """Within this block, batch row i uses adapter `row_adapter_ids[i]` (None: base).
 
-        Rows of one adapter must be contiguous; raises ValueError if an adapter's rows
-        are split, since the layers slice by segment.
+        `train_rows[i]` True applies dropout on row i (default: no row trains). The rows
+        of one adapter must be contiguous: raises ValueError otherwise, since the layers
+        slice by segment and the engine is the one that orders the batch.
         """
+        train = list(train_rows) if train_rows is not None else [False] * len(row_adapter_ids)
+        if len(train) != len(row_adapter_ids):
+            raise ValueError(f"train_rows has {len(train)} entries for "
+                             f"{len(row_adapter_ids)} rows")
         segments: list[Segment] = []
-        for row, adapter_id in enumerate(row_adapter_ids):
-            if segments and segments[-1].adapter_id == adapter_id:
-                last = segments[-1]
-                segments[-1] = Segment(adapter_id, last.start, row + 1)
-            else:
-                if adapter_id is not None and any(s.adapter_id == adapter_id for s in segments):
-                    raise ValueError(f"rows of adapter {adapter_id!r} are not contiguous")
-                segments.append(Segment(adapter_id, row, row + 1))
+        for row, (adapter_id, row_train) in enumerate(zip(row_adapter_ids, train, strict=True)):
+            last = segments[-1] if segments else None
+            if last is not None and (last.adapter_id, last.train) == (adapter_id, row_train):
+                segments[-1] = Segment(adapter_id, last.start, row + 1, row_train)
+                continue
+            if (adapter_id is not None and last is not None and last.adapter_id != adapter_id
+                    and any(s.adapter_id == adapter_id for s in segments)):
+                raise ValueError(f"rows of adapter {adapter_id!r} are not contiguous")
+            segments.append(Segment(adapter_id, row, row + 1, row_train))
         previous, self.segments = self.segments, tuple(segments)
         try:
             yield
@@ -73,28 +89,42 @@ class Router:
 
 
 class LoraWeights(nn.Module):
-    """One adapter's low-rank pair for one linear layer: `delta(x) = s * B(A(dropout(x)))`."""
+    """One adapter's low-rank pair on one linear layer: `delta(x) = s * B A dropout(x)`.
+
+    Parameters are float32 whatever the base dtype (`lora_A: [rank, in]`,
+    `lora_B: [out, rank]`), so AdamW state and small updates keep full precision on a
+    bf16 base; inputs are cast up and the delta cast back by the layer.
+
+    Initialisation is PEFT's: `A` kaiming-uniform with `a = sqrt(5)` (uniform in
+    `±1/sqrt(in)`), `B` zeros, so a new adapter leaves the base model unchanged. `A` is
+    drawn from `generator`, so the same `LoraSpec.seed` gives the same adapter.
+    """
 
     def __init__(self, in_features: int, out_features: int, spec: LoraSpec,
-                 generator: torch.Generator, device: torch.device) -> None:
+                 generator: torch.Generator, device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.lora_A = nn.Parameter(torch.empty(spec.rank, in_features, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, spec.rank, device=device))
-        # PEFT's default init: A kaiming-uniform with a = sqrt(5), B zeros (delta starts at 0).
+        # kaiming_uniform_(a=sqrt(5)): gain sqrt(2/(1+5)) * sqrt(3/fan_in) = 1/sqrt(fan_in).
         bound = 1.0 / math.sqrt(in_features)
-        with torch.no_grad():
-            values = torch.rand(self.lora_A.shape, generator=generator) * 2 * bound - bound
-            self.lora_A.copy_(values.to(device))
+        a = (torch.rand((spec.rank, in_features), generator=generator) * 2 - 1) * bound
+        self.lora_A = nn.Parameter(a.to(device))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, spec.rank, device=device))
         self.scaling = spec.scaling
-        self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        self.dropout_p = float(spec.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(x.to(self.lora_A.dtype))
+    def forward(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
+        x = x.to(self.lora_A.dtype)
+        if train and self.dropout_p > 0:
+            x = F.dropout(x, self.dropout_p, training=True)
         return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
 
 class MultiLoraLinear(nn.Module):
-    """A frozen `nn.Linear` plus the LoRA deltas of every adapter that targets it."""
+    """A frozen `nn.Linear` plus the LoRA deltas of every adapter that targets it.
+
+    `forward(x)` with `x: [batch, seq, in]` returns `W0 x (+ bias)` for every row plus,
+    for each router segment whose adapter targets this layer, that adapter's delta on the
+    segment's rows. `adapters` maps adapter id -> `LoraWeights` (references, not owned).
+    """
 
     def __init__(self, base_layer: nn.Linear, router: Router) -> None:
         super().__init__()
@@ -120,12 +150,13 @@ class MultiLoraLinear(nn.Module):
         if not segments:
             return out
         if len(segments) == 1 and segments[0].start == 0 and segments[0].end == x.shape[0]:
-            return out + self.adapters[segments[0].adapter_id](x).to(out.dtype)
+            only = segments[0]
+            return out + self.adapters[only.adapter_id](x, only.train).to(out.dtype)
         pieces, cursor = [], 0
         for seg in segments:
             if seg.start > cursor:
                 pieces.append(out[cursor:seg.start])
-            delta = self.adapters[seg.adapter_id](x[seg.start:seg.end])
+            delta = self.adapters[seg.adapter_id](x[seg.start:seg.end], seg.train)
             pieces.append(out[seg.start:seg.end] + delta.to(out.dtype))
             cursor = seg.end
         if cursor < out.shape[0]:
@@ -151,32 +182,39 @@ def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
 
 
 def resolve_targets(layers: dict[str, MultiLoraLinear], spec: LoraSpec,
-                    output_layer: str) -> list[str]:
-    """Names of the layers `spec.target_modules` selects, with PEFT's matching rules.
+                    output_layer: str | None) -> list[str]:
+    """Names of the layers `spec.target_modules` selects, with PEFT's own matching rules.
 
-    `'all-linear'` is every linear except the output head (as in PEFT); any other string
-    is a full-match regex; a tuple lists module-name suffixes. A target that matches
-    nothing raises InvalidArgument naming it.
+    `'all-linear'` is every linear except the output head (`output_layer`), as PEFT's
+    `_maybe_include_all_linear_layers` does; any other string is a full-match regex; a
+    tuple lists names or dotted suffixes (`peft.tuners.tuners_utils.
+    check_target_module_exists`). Each pattern that matches nothing raises
+    InvalidArgument naming it and a few available module names.
     """
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
     names = sorted(layers)
     targets = spec.target_modules
-    if targets == "all-linear":
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         return [n for n in names if n != output_layer]
-    if isinstance(targets, str):
-        chosen = [n for n in names if re.fullmatch(targets, n)]
-        if not chosen:
-            raise InvalidArgument(_no_match(targets, names))
-        return chosen
-    chosen = []
-    for target in targets:
-        hits = [n for n in names if n == target or n.endswith(f".{target}")]
+    patterns = [targets] if isinstance(targets, str) else list(targets)
+    if not patterns:
+        raise InvalidArgument("lora.target_modules: is empty; list module names or use "
+                              f"{ALL_LINEAR!r}")
+    chosen: set[str] = set()
+    for pattern in patterns:
+        config = LoraConfig(r=spec.rank, target_modules=pattern if isinstance(targets, str)
+                            else [pattern])
+        hits = [n for n in names if check_target_module_exists(config, n)]
         if not hits:
-            raise InvalidArgument(_no_match(target, names))
-        chosen.extend(hits)
-    return sorted(set(chosen))
+            raise InvalidArgument(_no_match(pattern, names))
+        chosen.update(hits)
+    return sorted(chosen)
 
 
 def _no_match(target: str, names: list[str]) -> str:
     suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
     return (f"lora.target_modules: {target!r} matches no linear layer of the base model; "
-            f"available module names end in {suffixes} (or use 'all-linear')")
+            f"available module names end in {suffixes}, e.g. {names[:3]} "
+            f"(or use {ALL_LINEAR!r})")
