@@ -235,3 +235,12 @@ def test_drain_fails_ops_whose_earlier_seq_never_arrived(make):
     sched.stop(drain=True, timeout=5)
     with pytest.raises(SchedulerClosed, match="earlier seq_ids"):
         orphan.result(1)
+
+
+def test_reusing_a_seq_for_a_different_kind_of_op_is_refused(make):
+    sched = make()
+    sched.register_model("a")
+    sched.start()
+    sched.submit(fwd("a", 0)).result(5)
+    with pytest.raises(OutOfOrder, match="seq_id: 0 was already used by a forward_backward"):
+        sched.submit(optim("a", 0)).result(5)

@@ -10,26 +10,36 @@ ready head of every queue and hands a batch to the executor (the engine glue):
 - `timeshare`: one queue per batch, queues in turn (what other multi-LoRA servers do;
   the benchmarks' baseline).
 
-Ops with `merge_group=None` (optimizer steps, saves, loads) always run alone. The
-decisions are the pure function `plan_batch`; the class only adds locking and threads.
-This module imports neither torch nor grpc.
+Ops with `merge_group=None` (optimizer steps, saves, loads) always run alone, so they fall
+between passes. A queue has at most one op in flight, so two ops of one queue never share
+a batch and an `optim_step` never overtakes its model's `forward_backward`.
+
+The decisions are the pure function `plan_batch`; the class adds one lock, one condition
+variable and one thread. Futures are resolved outside the lock, because resolving runs
+the callers' callbacks (asyncio's `wrap_future` among them). This module imports neither
+torch nor grpc.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from twinkle_server.engine.errors import InvalidArgument
+
 Mode = Literal["merged", "timeshare"]
-# How far ahead of the next expected seq an op may arrive: bounds what a client can park.
+MODES: tuple[str, ...] = ("merged", "timeshare")
+# How far ahead of the next expected seq an op may arrive: bounds what one client can park
+# in server memory while an earlier seq_id is missing.
 MAX_SEQ_AHEAD = 1024
-# Tokens per merged pass. Past ~8k tokens a CPU pass is memory-bound and merging more
-# rows stops paying (bench/engine.py measured 8 x 8 x 512 merged at 0.36x timeshare).
-DEFAULT_TOKEN_BUDGET = 8192
+# Tokens per merged pass when the caller gives none; the server passes its own
+# `merge_token_budget` from the config.
+DEFAULT_TOKEN_BUDGET = 16384
+DEFAULT_RESULT_CACHE_SIZE = 256
 
 
 class SchedulerClosed(Exception):
@@ -37,7 +47,7 @@ class SchedulerClosed(Exception):
 
 
 class OutOfOrder(Exception):
-    """The op's seq_id can never run (too old and forgotten, or too far ahead)."""
+    """The op's seq_id can never run (too old and forgotten, too far ahead, or reused)."""
 
 
 class UnknownQueue(Exception):
@@ -46,7 +56,12 @@ class UnknownQueue(Exception):
 
 @dataclass(frozen=True)
 class Op:
-    """One unit of work for the executor; `payload` is opaque to the scheduler."""
+    """One unit of work for the executor; `payload` is opaque to the scheduler.
+
+    `seq_id` None means unordered: the op runs in arrival order and is not idempotent.
+    `merge_group` names which ops may share a pass ('forward', 'sample'); None runs alone.
+    `tokens` is the op's share of a merged pass's `token_budget`.
+    """
 
     queue_id: str
     seq_id: int | None
@@ -58,16 +73,29 @@ class Op:
 
 
 class Executor(Protocol):
+    """What the worker calls: the engine glue (`twinkle_server.executor`) or a test fake."""
+
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
-        """One result per op, in order; a per-op failure is returned as an exception value."""
+        """One result per op, in order; a per-op failure is returned as an exception value.
+
+        Raising fails every op of the batch with that exception.
+        """
 
 
-def plan_batch(heads: Sequence[Op], mode: Mode, token_budget: int) -> list[Op]:
-    """Which of the ready heads (one per queue, in rotation order) run together now.
+def plan_batch(heads: Sequence[Op], mode: str, token_budget: int) -> list[Op]:
+    """Which of the ready heads (at most one per queue, in rotation order) run together now.
 
-    The first head always runs. In merged mode, later heads of other queues join it when
-    they share its merge group and the batch stays within `token_budget`.
+    The first head always runs, even when it alone exceeds `token_budget`, so no op can be
+    starved by its size. In `merged` mode, later heads of other queues join it when they
+    share its (non-None) merge group and the batch stays within `token_budget`; a head
+    that does not fit is skipped, and a smaller one after it may still join. In
+    `timeshare` mode every batch is one op.
+
+    Raises:
+        InvalidArgument: `mode` is not 'merged' or 'timeshare'.
     """
+    if mode not in MODES:
+        raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
     if not heads:
         return []
     first = heads[0]
@@ -87,33 +115,76 @@ def plan_batch(heads: Sequence[Op], mode: Mode, token_budget: int) -> list[Op]:
     return batch
 
 
-@dataclass
+class _OpFuture(Future):
+    """A future its caller cannot cancel.
+
+    An ordered op keeps its place even when the caller stops waiting (an RPC cancelled
+    by a disconnect cancels its `wrap_future`): later seq_ids of the queue wait on it, and
+    a retry of the same seq_id shares this future and must get the real result.
+    """
+
+    def cancel(self) -> bool:
+        return False
+
+
+@dataclass(eq=False)
+class _Entry:
+    op: Op
+    future: _OpFuture
+    # Arrival number: orders a queue's ordered and unordered ops against each other.
+    ticket: int
+
+
+@dataclass(eq=False)
 class _Queue:
     next_seq: int
-    pending: dict[int, tuple[Op, Future]] = field(default_factory=dict)
-    unordered: list[tuple[Op, Future]] = field(default_factory=list)
-    running: dict[int, Future] = field(default_factory=dict)
-    done: OrderedDict[int, Future] = field(default_factory=OrderedDict)
-    busy: bool = False
+    pending: dict[int, _Entry] = field(default_factory=dict)
+    unordered: deque[_Entry] = field(default_factory=deque)
+    running: _Entry | None = None
+    done: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
 
-    def head(self) -> tuple[Op, Future] | None:
-        if self.busy:
+    def head(self) -> _Entry | None:
+        """The op this queue would run next, or None while one runs or none is ready."""
+        if self.running is not None:
             return None
-        if self.next_seq in self.pending:
-            return self.pending[self.next_seq]
-        if self.unordered:
-            return self.unordered[0]
-        return None
+        ordered = self.pending.get(self.next_seq)
+        loose = self.unordered[0] if self.unordered else None
+        if ordered is None or loose is None:
+            return ordered or loose
+        return ordered if ordered.ticket < loose.ticket else loose
+
+    def take_waiting(self) -> list[_Entry]:
+        """Remove and return every op not yet running."""
+        waiting = list(self.pending.values()) + list(self.unordered)
+        self.pending.clear()
+        self.unordered.clear()
+        return waiting
 
 
 class Scheduler:
-    """Per-queue ordering, idempotent retries and one worker that batches ready heads."""
+    """Per-queue ordering, idempotent retries and one worker that batches ready heads.
+
+    Args:
+        executor: runs each batch on the worker thread.
+        mode: 'merged' (ops of different queues share a pass) or 'timeshare' (one op
+            per batch, queues in turn).
+        token_budget: most `Op.tokens` in one merged batch (a single larger op still runs).
+        result_cache_size: finished results kept per queue for retried seq_ids.
+
+    Example:
+        >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
+        >>> sched.submit(Op("run-1", 0, "forward", "forward", 128, payload)).result()
+    """
 
     def __init__(self, executor: Executor, mode: Mode = "merged",
                  token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 result_cache_size: int = 256) -> None:
-        if mode not in ("merged", "timeshare"):
-            raise ValueError(f"scheduling: {mode!r} is not 'merged' or 'timeshare'")
+                 result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE) -> None:
+        if mode not in MODES:
+            raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
+        if token_budget < 1:
+            raise InvalidArgument(f"token_budget: {token_budget} must be at least 1")
+        if result_cache_size < 0:
+            raise InvalidArgument(f"result_cache_size: {result_cache_size} must be at least 0")
         self.executor = executor
         self.mode: Mode = mode
         self.token_budget = token_budget
@@ -121,39 +192,66 @@ class Scheduler:
         self._queues: dict[str, _Queue] = {}
         self._order: list[str] = []
         self._cursor = 0
+        self._tickets = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._stopping = False
         self._thread: threading.Thread | None = None
-        self._stats = {"ops": 0, "batches": 0, "merged_ops": 0}
+        self._ops_run = 0
+        self._batches_run = 0
+        self._merged_ops = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="twinkle-compute", daemon=True)
-        self._thread.start()
+        """Start the worker thread; a second call does nothing.
+
+        Raises:
+            SchedulerClosed: the scheduler was already stopped.
+        """
+        with self._cond:
+            if self._closed:
+                raise SchedulerClosed("start: the scheduler was stopped; build a new one")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._work, name="twinkle-compute",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Refuse new ops; with `drain` finish queued ones, else fail them."""
-        failed: list[Future] = []
+        """Refuse new ops with `SchedulerClosed`; with `drain` finish queued ones first.
+
+        Without `drain` (or when the worker never started) every op not yet running fails
+        with `SchedulerClosed`. Draining ends when no op is ready: ops still waiting for an
+        earlier seq_id that never came then fail. If `timeout` seconds pass first, what
+        is still waiting fails and the worker exits after its current batch.
+        """
         with self._cond:
             self._closed = True
-            if not drain:
-                for queue in self._queues.values():
-                    failed += [f for _, f in queue.pending.values()]
-                    failed += [f for _, f in queue.unordered]
-                    queue.pending.clear()
-                    queue.unordered.clear()
-            self._stopping = True
+            thread = self._thread
+            failed = [] if drain and thread is not None else self._take_all_waiting()
             self._cond.notify_all()
-        for fut in failed:
-            _fail(fut, SchedulerClosed("the server is shutting down; the op was not run"))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        _fail_all(failed, SchedulerClosed("the server is shutting down; the op was not run"))
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            with self._cond:
+                failed = self._take_all_waiting()
+            _fail_all(failed, SchedulerClosed(
+                f"the server stopped draining after {timeout} s; the op was not run"))
+
+    def _take_all_waiting(self) -> list[_Entry]:
+        return [e for queue in self._queues.values() for e in queue.take_waiting()]
 
     # ------------------------------------------------------------------ queues
 
     def register_model(self, queue_id: str, next_seq: int = 0) -> None:
+        """Create the queue `queue_id`, whose first ordered op is `next_seq`.
+
+        Registering an id that exists does nothing (its queue and next seq are kept).
+        """
+        if next_seq < 0:
+            raise InvalidArgument(f"next_seq: {next_seq} must be at least 0")
         with self._cond:
             if queue_id not in self._queues:
                 self._queues[queue_id] = _Queue(next_seq=next_seq)
@@ -165,105 +263,146 @@ class Scheduler:
             queue = self._queues.pop(queue_id, None)
             if queue is None:
                 return
-            self._order.remove(queue_id)
-            failed = [f for _, f in queue.pending.values()] + [f for _, f in queue.unordered]
-        for fut in failed:
-            _fail(fut, reason)
+            index = self._order.index(queue_id)
+            del self._order[index]
+            # Keep the rotation pointing at the same next queue.
+            if index < self._cursor:
+                self._cursor -= 1
+            failed = queue.take_waiting()
+        _fail_all(failed, reason)
 
     def next_seq(self, queue_id: str) -> int:
+        """The seq_id the queue runs next (what a reconnecting client should send).
+
+        Raises:
+            UnknownQueue: no such queue.
+        """
         with self._cond:
             queue = self._queues.get(queue_id)
             if queue is None:
-                raise UnknownQueue(f"model_id: no model or sampling session {queue_id!r}")
+                raise UnknownQueue(_unknown(queue_id))
             return queue.next_seq
 
     def submit(self, op: Op) -> Future:
-        """Queue `op`; returns at once with a future of the executor's result."""
-        fut: Future = Future()
+        """Queue `op`; returns at once with a future of the executor's result.
+
+        A seq_id that is queued, running or finished (and still cached) returns that op's
+        future. Refusals come back as failed futures: `SchedulerClosed`, `UnknownQueue`,
+        `OutOfOrder`.
+        """
         with self._cond:
-            if self._closed:
-                _fail(fut, SchedulerClosed("the server is shutting down; not accepting ops"))
-                return fut
-            queue = self._queues.get(op.queue_id)
-            if queue is None:
-                _fail(fut, UnknownQueue(f"model_id: no model or sampling session "
-                                        f"{op.queue_id!r}"))
-                return fut
-            if op.seq_id is None:
-                queue.unordered.append((op, fut))
+            fut = _OpFuture()
+            error = self._admit(op, fut)
+            if isinstance(error, _OpFuture):
+                return error
+            if error is None:
                 self._cond.notify()
                 return fut
-            seq = op.seq_id
-            existing = (queue.done.get(seq) or queue.running.get(seq)
-                        or (queue.pending[seq][1] if seq in queue.pending else None))
-            if existing is not None:
-                return existing
-            if seq < queue.next_seq:
-                _fail(fut, OutOfOrder(
-                    f"seq_id: {seq} already ran and its result is no longer kept; the model "
-                    f"expects seq_id {queue.next_seq} next"))
-                return fut
-            if seq > queue.next_seq + MAX_SEQ_AHEAD:
-                _fail(fut, OutOfOrder(
-                    f"seq_id: {seq} is more than {MAX_SEQ_AHEAD} ahead of the expected "
-                    f"{queue.next_seq}"))
-                return fut
-            queue.pending[seq] = (op, fut)
-            self._cond.notify()
+        fut.set_exception(error)
         return fut
 
+    def _admit(self, op: Op, fut: _OpFuture) -> Exception | _OpFuture | None:
+        """Queue `op` under `fut` (None), name why not, or return the future it shares."""
+        if self._closed:
+            return SchedulerClosed("the server is shutting down; not accepting ops")
+        queue = self._queues.get(op.queue_id)
+        if queue is None:
+            return UnknownQueue(_unknown(op.queue_id))
+        if op.tokens < 0:
+            return InvalidArgument(f"tokens: {op.tokens} must be at least 0")
+        self._tickets += 1
+        entry = _Entry(op, fut, self._tickets)
+        if op.seq_id is None:
+            queue.unordered.append(entry)
+            return None
+        seq = op.seq_id
+        running = queue.running if queue.running and queue.running.op.seq_id == seq else None
+        existing = queue.done.get(seq) or running or queue.pending.get(seq)
+        if existing is not None:
+            if existing.op.kind != op.kind:
+                return OutOfOrder(
+                    f"seq_id: {seq} was already used by a {existing.op.kind} op; this "
+                    f"{op.kind} needs a new seq_id (the model expects {queue.next_seq})")
+            return existing.future
+        if seq < 0:
+            return InvalidArgument(f"seq_id: {seq} must be at least 0; the model expects "
+                                   f"seq_id {queue.next_seq} next")
+        if seq < queue.next_seq:
+            return OutOfOrder(
+                f"seq_id: {seq} already ran and its result is no longer kept; the model "
+                f"expects seq_id {queue.next_seq} next")
+        if seq > queue.next_seq + MAX_SEQ_AHEAD:
+            return OutOfOrder(
+                f"seq_id: {seq} is more than {MAX_SEQ_AHEAD} ahead of the expected "
+                f"{queue.next_seq}")
+        queue.pending[seq] = entry
+        return None
+
     def stats(self) -> dict[str, Any]:
+        """Counters for logs and benchmarks.
+
+        `depths` maps each queue to its ops not yet running; `merged_ops` counts ops that
+        ran in batches of two or more.
+        """
         with self._cond:
             depths = {q: len(v.pending) + len(v.unordered) for q, v in self._queues.items()}
-            return {**self._stats, "queues": len(self._queues), "queued": sum(depths.values()),
-                    "depths": depths}
+            return {
+                "mode": self.mode,
+                "queues": len(self._queues),
+                "depths": depths,
+                "queued": sum(depths.values()),
+                "running": sum(v.running is not None for v in self._queues.values()),
+                "ops_run": self._ops_run,
+                "batches_run": self._batches_run,
+                "merged_ops": self._merged_ops,
+            }
 
     # ------------------------------------------------------------------ worker
 
-    def _ready_heads(self) -> list[tuple[Op, Future]]:
+    def _ready_heads(self) -> list[_Entry]:
         """Ready heads in rotation order starting at the cursor (call with the lock)."""
         n = len(self._order)
         heads = []
         for i in range(n):
-            queue_id = self._order[(self._cursor + i) % n]
-            head = self._queues[queue_id].head()
+            head = self._queues[self._order[(self._cursor + i) % n]].head()
             if head is not None:
                 heads.append(head)
         return heads
 
-    def _take(self) -> list[tuple[Op, Future]] | None:
-        """Wait for ready heads and claim a batch of them; None once stopped and drained."""
-        stranded: list[Future] = []
+    def _take(self) -> list[tuple[_Queue, _Entry]] | None:
+        """Wait for ready heads and claim a batch of them; None once closed and drained."""
+        stranded: list[_Entry] = []
         with self._cond:
             heads = self._ready_heads()
-            while not heads:
-                if self._stopping and not any(q.busy for q in self._queues.values()):
-                    # Draining is over: what is left waits on a seq_id that never came.
-                    for queue in self._queues.values():
-                        stranded += [f for _, f in queue.pending.values()]
-                        queue.pending.clear()
-                    break
+            while not heads and not self._closed:
                 self._cond.wait()
                 heads = self._ready_heads()
-            chosen = self._claim(heads) if heads else None
-        for fut in stranded:
-            _fail(fut, SchedulerClosed("the server shut down before this op's earlier "
-                                       "seq_ids arrived; it was not run"))
-        return chosen
+            if heads:
+                return self._claim(heads)
+            # Closed with nothing ready (this worker runs nothing now): what is left
+            # waits on a seq_id that never came.
+            for queue in self._queues.values():
+                stranded += queue.take_waiting()
+        _fail_all(stranded, SchedulerClosed("the server shut down before this op's earlier "
+                                            "seq_ids arrived; it was not run"))
+        return None
 
-    def _claim(self, heads: list[tuple[Op, Future]]) -> list[tuple[Op, Future]]:
+    def _claim(self, heads: list[_Entry]) -> list[tuple[_Queue, _Entry]]:
         """Mark the planned ops running (call with the lock)."""
-        ops = plan_batch([op for op, _ in heads], self.mode, self.token_budget)
-        chosen = [next(h for h in heads if h[0] is op) for op in ops]
-        for op, fut in chosen:
+        ops = plan_batch([e.op for e in heads], self.mode, self.token_budget)
+        by_op = {id(e.op): e for e in heads}
+        chosen = []
+        for op in ops:
+            entry = by_op[id(op)]
             queue = self._queues[op.queue_id]
-            queue.busy = True
             if op.seq_id is None:
-                queue.unordered.pop(0)
+                queue.unordered.popleft()
             else:
                 del queue.pending[op.seq_id]
-                queue.running[op.seq_id] = fut
-        self._cursor = (self._order.index(chosen[0][0].queue_id) + 1) % len(self._order)
+            queue.running = entry
+            chosen.append((queue, entry))
+        # The queue after the batch's first one leads the next rotation.
+        self._cursor = (self._order.index(ops[0].queue_id) + 1) % len(self._order)
         return chosen
 
     def _work(self) -> None:
@@ -271,42 +410,69 @@ class Scheduler:
             chosen = self._take()
             if chosen is None:
                 return
-            ops = [op for op, _ in chosen]
-            try:
-                results = list(self.executor.run_batch(ops))
-                if len(results) != len(ops):
-                    error = RuntimeError(f"executor returned {len(results)} results for "
-                                         f"{len(ops)} ops")
-                    results = [error] * len(ops)
-            except Exception as exc:  # the worker must outlive any executor failure
-                results = [exc] * len(ops)
+            results = self._run([entry.op for _, entry in chosen])
             self._finish(chosen, results)
 
-    def _finish(self, chosen: list[tuple[Op, Future]], results: list[Any]) -> None:
+    def _run(self, ops: list[Op]) -> list[Any]:
+        """The executor's results, one per op; whatever it does becomes per-op values."""
+        n = len(ops)
+        try:
+            raw = self.executor.run_batch(ops)
+        except Exception as exc:
+            return [exc] * n
+        except BaseException as exc:  # the worker outlives even SystemExit from an op
+            return [_wrapped(exc)] * n
+        try:
+            results = list(raw)
+        except TypeError:
+            error = RuntimeError(f"executor: run_batch returned {type(raw).__name__}, not "
+                                 f"a sequence of {n} results")
+            return [error] * n
+        if len(results) != n:
+            kinds = ", ".join(op.kind for op in ops)
+            error = RuntimeError(f"executor: run_batch returned {len(results)} results for "
+                                 f"{n} ops ({kinds}); none of them is trusted")
+            return [error] * n
+        return results
+
+    def _finish(self, chosen: list[tuple[_Queue, _Entry]], results: list[Any]) -> None:
         with self._cond:
-            self._stats["ops"] += len(chosen)
-            self._stats["batches"] += 1
+            self._ops_run += len(chosen)
+            self._batches_run += 1
             if len(chosen) > 1:
-                self._stats["merged_ops"] += len(chosen)
-            for op, fut in chosen:
-                queue = self._queues.get(op.queue_id)
-                if queue is None:
-                    continue
-                queue.busy = False
-                if op.seq_id is not None:
-                    queue.running.pop(op.seq_id, None)
-                    queue.done[op.seq_id] = fut
-                    queue.next_seq = op.seq_id + 1
-                    while len(queue.done) > self.result_cache_size:
-                        queue.done.popitem(last=False)
+                self._merged_ops += len(chosen)
+            for queue, entry in chosen:
+                # `queue` may be unregistered by now; updating the orphan is harmless.
+                queue.running = None
+                seq = entry.op.seq_id
+                if seq is not None:
+                    queue.next_seq = seq + 1
+                    if self.result_cache_size:
+                        queue.done[seq] = entry
+                        while len(queue.done) > self.result_cache_size:
+                            queue.done.popitem(last=False)
             self._cond.notify_all()
-        for (_, fut), result in zip(chosen, results, strict=True):
-            if isinstance(result, BaseException):
-                _fail(fut, result)
+        for (_, entry), result in zip(chosen, results, strict=True):
+            if isinstance(result, Exception):
+                entry.future.set_exception(result)
+            elif isinstance(result, BaseException):
+                entry.future.set_exception(_wrapped(result))
             else:
-                fut.set_result(result)
+                entry.future.set_result(result)
 
 
-def _fail(fut: Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+def _unknown(queue_id: str) -> str:
+    return f"model_id: no model or sampling session {queue_id!r} is registered"
+
+
+def _wrapped(exc: BaseException) -> RuntimeError:
+    """A non-`Exception` (SystemExit, KeyboardInterrupt) must not escape into callers."""
+    error = RuntimeError(f"executor: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _fail_all(entries: list[_Entry], exc: BaseException) -> None:
+    for entry in entries:
+        if not entry.future.done():
+            entry.future.set_exception(exc)

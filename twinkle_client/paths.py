@@ -1,0 +1,56 @@
+"""Checkpoint paths: `twinkle://<run_id>/weights/<name>` and `.../sampler_weights/<name>`.
+
+The Tinker shim shows the same path as `tinker://...`; both schemes are accepted
+everywhere. Names are validated so a path can never leave its run's directory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SCHEMES = ("twinkle://", "tinker://")
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+
+
+class PathError(ValueError):
+    """A malformed checkpoint path or name; the message says what is allowed."""
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """A checkpoint name: 1-128 of letters, digits, '.', '_', '-'; no '/', '..' or controls."""
+    if not _NAME.fullmatch(name or "") or ".." in name:
+        raise PathError(f"{field}: {name!r} is not a valid checkpoint name; use 1-128 letters, "
+                        "digits, '.', '_' or '-', starting with a letter or digit, no '..'")
+    return name
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    run_id: str
+    kind: str  # "training" or "sampler"
+    name: str
+
+    @property
+    def segment(self) -> str:
+        return "weights" if self.kind == "training" else "sampler_weights"
+
+    def twinkle(self) -> str:
+        return f"twinkle://{self.run_id}/{self.segment}/{self.name}"
+
+    def tinker(self) -> str:
+        return f"tinker://{self.run_id}/{self.segment}/{self.name}"
+
+
+def parse(path: str, field: str = "path") -> CheckpointPath:
+    """Parse a `twinkle://` or `tinker://` checkpoint path."""
+    scheme = next((s for s in SCHEMES if (path or "").startswith(s)), None)
+    if scheme is None:
+        raise PathError(f"{field}: {path!r} must start with twinkle:// or tinker://")
+    parts = path[len(scheme):].split("/")
+    if len(parts) != 3 or parts[1] not in SEGMENTS or not _RUN.fullmatch(parts[0]):
+        raise PathError(f"{field}: {path!r} is not <scheme><run_id>/weights/<name> or "
+                        "<scheme><run_id>/sampler_weights/<name>")
+    return CheckpointPath(parts[0], SEGMENTS[parts[1]], check_name(parts[2], field))

@@ -1,0 +1,136 @@
+"""`twinkle-server`: serve, manage API keys, and inspect runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from twinkle_server import config as config_mod
+from twinkle_server.store import Store
+
+
+def _data_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", type=Path,
+                        default=Path(os.environ.get("TWINKLE_DATA_DIR", "./twinkle-data")),
+                        help="SQLite store and checkpoint files (env TWINKLE_DATA_DIR)")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from twinkle_server.server import ConfigError, serve
+
+    cfg = config_mod.from_args(args)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(cfg))
+    except ConfigError as exc:
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    store = Store(args.data_dir)
+    if args.action == "create":
+        key_id, key = store.create_key(args.tenant)
+        print(f"created key {key_id} for tenant {args.tenant}; it is shown only this once:")
+        print(key)
+    elif args.action == "list":
+        rows = [[k.key_id, k.tenant, _when(k.created_at), _when(k.revoked_at)]
+                for k in store.list_keys()]
+        print(_table(["KEY ID", "TENANT", "CREATED", "REVOKED"], rows))
+    else:
+        if not store.revoke_key(args.key_id):
+            print(f"no active key {args.key_id!r}", file=sys.stderr)
+            return 1
+        print(f"revoked key {args.key_id}")
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    store = Store(args.data_dir)
+    if args.action == "list":
+        runs, total = store.list_runs(args.tenant, args.limit, 0)
+        rows = [[r.run_id, r.tenant, r.base_model, str(r.lora["rank"]), _when(r.created_at),
+                 _when(r.last_request_time)] for r in runs]
+        print(_table(["RUN", "TENANT", "BASE MODEL", "RANK", "CREATED", "LAST REQUEST"], rows))
+        print(f"{len(runs)} of {total} runs")
+        return 0
+    run = next((r for r in store.list_runs(None, 1_000_000, 0)[0] if r.run_id == args.run_id),
+               None)
+    if run is None:
+        print(f"no run {args.run_id!r}", file=sys.stderr)
+        return 1
+    checkpoints, _ = store.list_checkpoints(run.tenant, run.run_id)
+    if args.action == "show":
+        for label, value in (("run", run.run_id), ("tenant", run.tenant),
+                             ("base model", run.base_model), ("lora", str(run.lora)),
+                             ("metadata", str(run.user_metadata)),
+                             ("created", _when(run.created_at)),
+                             ("last request", _when(run.last_request_time)),
+                             ("checkpoints", str(len(checkpoints)))):
+            print(f"{label:<14}{value}")
+        return 0
+    rows = [[f"twinkle://{c.run_id}/{c.checkpoint_id}", c.kind, str(c.size_bytes),
+             "yes" if c.has_optimizer else "no", _when(c.created_at)] for c in checkpoints]
+    print(_table(["PATH", "TYPE", "BYTES", "OPTIMIZER", "CREATED"], rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="twinkle-server", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gRPC training server")
+    config_mod.add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="create, list or revoke API keys")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    create = keys_sub.add_parser("create", help="create a key for a tenant (printed once)")
+    create.add_argument("--tenant", required=True)
+    keys_sub.add_parser("list", help="list keys (never their values)")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id")
+    for p in (create, *keys_sub.choices.values()):
+        if not any(a.dest == "data_dir" for a in p._actions):
+            _data_dir(p)
+    keys.set_defaults(func=cmd_keys)
+
+    runs = sub.add_parser("runs", help="inspect training runs and checkpoints")
+    runs_sub = runs.add_subparsers(dest="action", required=True)
+    listing = runs_sub.add_parser("list", help="every run, newest first")
+    listing.add_argument("--tenant", default=None)
+    listing.add_argument("--limit", type=int, default=50)
+    for name in ("show", "checkpoints"):
+        p = runs_sub.add_parser(name, help=f"{name} of one run")
+        p.add_argument("run_id")
+    for p in runs_sub.choices.values():
+        _data_dir(p)
+    runs.set_defaults(func=cmd_runs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

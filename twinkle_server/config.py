@@ -1,0 +1,79 @@
+"""Server configuration: one typed object; its field descriptions produce `--help`.
+
+Every field can also come from an environment variable `TWINKLE_<FIELD>` (upper case);
+a command-line flag wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+from twinkle_server.engine.types import EngineLimits
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = _opt("tiny", "base model: 'tiny' (built offline), a local HF directory, or an "
+                              "id already in the local Hugging Face cache")
+    model_alias: tuple[str, ...] = _opt((), "extra name this base model answers to "
+                                            "(repeatable), e.g. Qwen/Qwen3-4B", repeat=True)
+    host: str = _opt("127.0.0.1", "address to bind; non-loopback needs API keys")
+    port: int = _opt(0, "port; 0 picks a free one (printed as 'listening on HOST:PORT')")
+    data_dir: Path = _opt(Path("./twinkle-data"), "SQLite store and checkpoint files")
+    scheduling: str = _opt("merged", "merged: one base pass for many tenants; timeshare: one "
+                                     "model per pass (the baseline)", choices=("merged", "timeshare"))
+    device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
+    dtype: str = _opt("auto", "float32, bfloat16 or auto (float32 on CPU, bf16 on CUDA)")
+    max_adapters: int = _opt(32, "adapters loaded at once (all tenants)")
+    max_adapters_per_tenant: int = _opt(8, "adapters one tenant may have loaded at once")
+    max_sessions_per_tenant: int = _opt(64, "open sessions one tenant may hold")
+    max_rank: int = _opt(128, "largest LoRA rank")
+    max_seq_len: int = _opt(4096, "longest sequence in tokens")
+    max_batch_tokens: int = _opt(262_144, "most tokens in one forward/forward_backward request")
+    merge_token_budget: int = _opt(8192, "most tokens in one merged base-model pass")
+    session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
+                                         "adapters are unloaded (checkpoints stay)")
+    tls_cert: Path | None = _opt(None, "PEM certificate: serve TLS")
+    tls_key: Path | None = _opt(None, "PEM private key for --tls-cert")
+    log_level: str = _opt("info", "debug, info, warning or error")
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(max_adapters=self.max_adapters, max_rank=self.max_rank,
+                            max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, help text from the field, defaults from TWINKLE_* env vars."""
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = os.environ.get(f"TWINKLE_{f.name.upper()}")
+        default = f.default if f.default is not MISSING else None
+        kwargs = {"help": f"{f.metadata['help']} (env TWINKLE_{f.name.upper()})",
+                  "dest": f.name}
+        if f.metadata.get("repeat"):
+            kwargs.update(action="append", default=list(env.split(",")) if env else [])
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            kwargs.update(type=kind, default=kind(env) if env is not None else default)
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, **kwargs)
+
+
+def from_args(args: argparse.Namespace) -> ServerConfig:
+    values = {}
+    for f in fields(ServerConfig):
+        value = getattr(args, f.name)
+        if f.name == "model_alias":
+            value = tuple(value or ())
+        elif f.name in ("data_dir", "tls_cert", "tls_key") and value is not None:
+            value = Path(value)
+        values[f.name] = value
+    return ServerConfig(**values)

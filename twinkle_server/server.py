@@ -1,0 +1,116 @@
+"""Assembly: engine + scheduler + store behind a grpc.aio server with health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from twinkle_client._proto.twinkle.v1 import (
+    runs_pb2,
+    runs_pb2_grpc,
+    sampling_pb2,
+    sampling_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+    training_pb2,
+    training_pb2_grpc,
+)
+from twinkle_client.wire import MAX_MESSAGE_BYTES
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.engine import Engine
+from twinkle_server.runtime import Runtime
+from twinkle_server.service.runs import RunsServicer
+from twinkle_server.service.sampling import SamplingServicer
+from twinkle_server.service.session import SessionServicer
+from twinkle_server.service.training import TrainingServicer
+from twinkle_server.store import Store
+
+log = logging.getLogger("twinkle_server")
+SERVICE_NAMES = tuple(
+    module.DESCRIPTOR.services_by_name[name].full_name
+    for module, name in ((session_pb2, "SessionService"), (training_pb2, "TrainingService"),
+                         (sampling_pb2, "SamplingService"), (runs_pb2, "RunsService")))
+EXPIRY_CHECK_SECONDS = 1.0
+
+
+class ConfigError(Exception):
+    """The configuration cannot work; the message says how to fix it."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM, then drain and flush the store."""
+    store = Store(config.data_dir)
+    if not store.has_keys() and not is_loopback(config.host):
+        store.close()
+        raise ConfigError(
+            f"--host {config.host}: no API keys exist, so the server would be open to anyone; "
+            "it binds only to a loopback address (127.0.0.1) without keys. Create one with "
+            "'twinkle-server keys create --tenant NAME' first.")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("--tls-cert and --tls-key: give both or neither")
+    engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
+                         cache_dir=None, limits=config.limits())
+    rt = Runtime(config, engine, store)
+    rt.scheduler.start()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(rt), server)
+    training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(rt), server)
+    sampling_pb2_grpc.add_SamplingServiceServicer_to_server(SamplingServicer(rt), server)
+    runs_pb2_grpc.add_RunsServiceServicer_to_server(RunsServicer(rt), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
+    log.info("serving %s on %s, scheduling %s, %s", config.model, engine.base.device,
+             config.scheduling, mode)
+    print(f"listening on {config.host}:{port}", flush=True)
+    if ready is not None:
+        ready.set()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def expire() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(EXPIRY_CHECK_SECONDS)
+            await rt.expire_sessions()
+
+    expiry = asyncio.create_task(expire())
+    await stop.wait()
+    log.info("draining: finishing in-flight ops, refusing new ones")
+    rt.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    expiry.cancel()
+    await asyncio.to_thread(rt.scheduler.stop, True, 60.0)
+    await server.stop(grace=5.0)
+    store.close()
+    log.info("stopped")

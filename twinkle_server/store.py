@@ -1,0 +1,249 @@
+"""The SQLite registry (`twinkle.db` in the data dir, WAL): API keys, sessions, runs and
+checkpoint records. Checkpoint files live under `checkpoints/<tenant>/<run_id>/`.
+
+Keys are stored only as SHA-256 hashes; the plain key exists once, when it is created.
+Lookups go by hash, and the final comparison is `hmac.compare_digest`, so timing says
+nothing about a key. Every query is scoped by tenant: another tenant's run or
+checkpoint is simply not found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KEY_PREFIX = "tw-"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_hash TEXT PRIMARY KEY, key_id TEXT UNIQUE NOT NULL, tenant TEXT NOT NULL,
+    created_at REAL NOT NULL, revoked_at REAL);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL, closed_at REAL, tags TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, base_model TEXT NOT NULL,
+    lora TEXT NOT NULL, user_metadata TEXT NOT NULL, session_id TEXT,
+    created_at REAL NOT NULL, last_request_time REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, tenant TEXT NOT NULL,
+    rel_path TEXT NOT NULL, size_bytes INTEGER NOT NULL, has_optimizer INTEGER NOT NULL,
+    created_at REAL NOT NULL, user_metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (run_id, kind, name));
+CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant, created_at);
+CREATE INDEX IF NOT EXISTS checkpoints_by_tenant ON checkpoints (tenant, created_at);
+"""
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    key_id: str
+    tenant: str
+    created_at: float
+    revoked_at: float | None
+
+
+@dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    tenant: str
+    base_model: str
+    lora: dict[str, Any]
+    user_metadata: dict[str, str]
+    session_id: str | None
+    created_at: float
+    last_request_time: float
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    run_id: str
+    kind: str            # "training" or "sampler"
+    name: str
+    tenant: str
+    rel_path: str
+    size_bytes: int
+    has_optimizer: bool
+    created_at: float
+    user_metadata: dict[str, str]
+
+    @property
+    def segment(self) -> str:
+        return "weights" if self.kind == "training" else "sampler_weights"
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.segment}/{self.name}"
+
+
+class Store:
+    """Thread-safe access to the registry; one connection guarded by a lock."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_root = self.data_dir / "checkpoints"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.data_dir / "twinkle.db", check_same_thread=False,
+                                   isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.close()
+
+    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # ------------------------------------------------------------------ keys
+
+    def create_key(self, tenant: str) -> tuple[str, str]:
+        """A new key for `tenant`: returns (key_id, plain key); only the hash is stored."""
+        if not tenant or len(tenant) > 64 or not tenant.replace("-", "").replace("_", "").isalnum():
+            raise ValueError("tenant: use 1-64 letters, digits, '-' or '_'")
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = secrets.token_hex(4)
+        self._query("INSERT INTO api_keys VALUES (?, ?, ?, ?, NULL)",
+                    (hash_key(key), key_id, tenant, time.time()))
+        return key_id, key
+
+    def list_keys(self) -> list[KeyRow]:
+        rows = self._query("SELECT key_id, tenant, created_at, revoked_at FROM api_keys "
+                           "ORDER BY created_at")
+        return [KeyRow(*r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? "
+                                   "AND revoked_at IS NULL", (time.time(), key_id))
+            return cur.rowcount > 0
+
+    def has_keys(self) -> bool:
+        return bool(self._query("SELECT 1 FROM api_keys LIMIT 1"))
+
+    def tenant_for_key(self, key: str) -> str | None:
+        """The tenant of an active key, or None."""
+        digest = hash_key(key)
+        rows = self._query("SELECT key_hash, tenant FROM api_keys WHERE key_hash = ? "
+                           "AND revoked_at IS NULL", (digest,))
+        for stored, tenant in rows:
+            if hmac.compare_digest(stored, digest):
+                return tenant
+        return None
+
+    # ------------------------------------------------------------------ sessions
+
+    def create_session(self, tenant: str, tags: dict[str, str]) -> str:
+        session_id = "sess-" + secrets.token_hex(8)
+        now = time.time()
+        self._query("INSERT INTO sessions VALUES (?, ?, ?, ?, NULL, ?)",
+                    (session_id, tenant, now, now, json.dumps(tags)))
+        return session_id
+
+    def session_tenant(self, session_id: str) -> str | None:
+        rows = self._query("SELECT tenant FROM sessions WHERE session_id = ? "
+                           "AND closed_at IS NULL", (session_id,))
+        return rows[0][0] if rows else None
+
+    def heartbeat(self, session_id: str) -> None:
+        self._query("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?",
+                    (time.time(), session_id))
+
+    def close_session(self, session_id: str) -> None:
+        self._query("UPDATE sessions SET closed_at = ? WHERE session_id = ?",
+                    (time.time(), session_id))
+
+    def open_sessions(self, tenant: str) -> int:
+        return self._query("SELECT COUNT(*) FROM sessions WHERE tenant = ? AND closed_at IS "
+                           "NULL", (tenant,))[0][0]
+
+    def expired_sessions(self, timeout_s: float) -> list[str]:
+        rows = self._query("SELECT session_id FROM sessions WHERE closed_at IS NULL AND "
+                           "last_heartbeat < ?", (time.time() - timeout_s,))
+        return [r[0] for r in rows]
+
+    # ------------------------------------------------------------------ runs
+
+    def create_run(self, run_id: str, tenant: str, base_model: str, lora: dict[str, Any],
+                   user_metadata: dict[str, str], session_id: str | None) -> RunRow:
+        now = time.time()
+        self._query("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, tenant, base_model, json.dumps(lora), json.dumps(user_metadata),
+                     session_id, now, now))
+        return self.get_run(tenant, run_id)  # type: ignore[return-value]
+
+    def touch_run(self, run_id: str) -> None:
+        self._query("UPDATE runs SET last_request_time = ? WHERE run_id = ?",
+                    (time.time(), run_id))
+
+    def get_run(self, tenant: str, run_id: str) -> RunRow | None:
+        rows = self._query("SELECT * FROM runs WHERE run_id = ? AND tenant = ?",
+                           (run_id, tenant))
+        return _run(rows[0]) if rows else None
+
+    def list_runs(self, tenant: str | None, limit: int, offset: int) -> tuple[list[RunRow], int]:
+        where, args = ("WHERE tenant = ?", (tenant,)) if tenant else ("", ())
+        total = self._query(f"SELECT COUNT(*) FROM runs {where}", args)[0][0]
+        rows = self._query(f"SELECT * FROM runs {where} ORDER BY created_at DESC, run_id "
+                           "LIMIT ? OFFSET ?", (*args, limit, offset))
+        return [_run(r) for r in rows], total
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_dir(self, tenant: str, run_id: str, kind: str, name: str) -> Path:
+        segment = "weights" if kind == "training" else "sampler_weights"
+        return self.checkpoint_root / tenant / run_id / segment / name
+
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        self._query("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (row.run_id, row.kind, row.name, row.tenant, row.rel_path, row.size_bytes,
+                     int(row.has_optimizer), row.created_at, json.dumps(row.user_metadata)))
+
+    def get_checkpoint(self, tenant: str, run_id: str, kind: str, name: str
+                       ) -> CheckpointRow | None:
+        rows = self._query("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ? "
+                           "AND tenant = ?", (run_id, kind, name, tenant))
+        return _checkpoint(rows[0]) if rows else None
+
+    def list_checkpoints(self, tenant: str | None, run_id: str | None, limit: int = 1000,
+                         offset: int = 0) -> tuple[list[CheckpointRow], int]:
+        clauses, args = [], []
+        if tenant:
+            clauses.append("tenant = ?")
+            args.append(tenant)
+        if run_id:
+            clauses.append("run_id = ?")
+            args.append(run_id)
+        where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
+        total = self._query(f"SELECT COUNT(*) FROM checkpoints {where}", tuple(args))[0][0]
+        rows = self._query(f"SELECT * FROM checkpoints {where} ORDER BY created_at DESC, name "
+                           "LIMIT ? OFFSET ?", (*args, limit, offset))
+        return [_checkpoint(r) for r in rows], total
+
+    def delete_checkpoint(self, row: CheckpointRow) -> None:
+        self._query("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                    (row.run_id, row.kind, row.name))
+
+
+def _run(r: tuple) -> RunRow:
+    return RunRow(r[0], r[1], r[2], json.loads(r[3]), json.loads(r[4]), r[5], r[6], r[7])
+
+
+def _checkpoint(r: tuple) -> CheckpointRow:
+    return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], json.loads(r[8]))
