@@ -28,12 +28,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 demo: $(STAMP)
-	@echo "make demo: the server and examples are not built yet; see README.md 'Status'." >&2
-	@exit 1
+	$(PY) examples/demo.py
 
 serve: $(STAMP)
-	@echo "make serve: the gRPC server is not built yet; see README.md 'Status'." >&2
-	@exit 1
+	$(VENV)/bin/twinkle-server serve --model tiny
 
 bench: $(STAMP)
 	$(PY) -m bench

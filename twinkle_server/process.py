@@ -1,0 +1,65 @@
+"""Start and stop a local `twinkle-server` process: for the demo, tests and benchmarks.
+
+The process prints `listening on HOST:PORT` once bound; `start_server` waits for that
+line and for the standard health check to answer SERVING.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_S = 120
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    address: str
+    data_dir: Path
+    log_path: Path
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal the server (SIGTERM drains) and wait for it to exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def start_server(data_dir: Path, *extra: str) -> ServerProcess:
+    """Run `twinkle-server serve --port 0` on `data_dir`; returns once it serves."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / f"server-{time.time_ns()}.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "twinkle_server.cli", "serve", "--port", "0",
+         "--data-dir", str(data_dir), *extra],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    address = None
+    while time.monotonic() < deadline and address is None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log_path.read_text()}")
+        match = re.search(r"^listening on (\S+)$", log_path.read_text(), re.M)
+        address = match.group(1) if match else None
+        time.sleep(0.1)
+    if address is None:
+        proc.kill()
+        raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
+    with grpc.insecure_channel(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=30)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    return ServerProcess(proc, address, data_dir, log_path)
