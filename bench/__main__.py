@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench import codec
+from bench import codec, engine, server
 
-for module in (codec,):
+for module in (codec, engine, server):
     print(f"== {module.__name__}")
     module.main()
     print()
