@@ -1,14 +1,16 @@
 """Scheduler decisions and threading, with no model: a recording executor stands in for
-the engine glue; the scheduler itself is the real thing."""
+the engine glue; the scheduler itself is the real thing under test."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
 
 import pytest
 
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.scheduler import (
+    MAX_SEQ_AHEAD,
     Op,
     OutOfOrder,
     Scheduler,
@@ -17,23 +19,34 @@ from twinkle_server.scheduler import (
     plan_batch,
 )
 
+WAIT_SECONDS = 5
+
 
 class Recorder:
-    def __init__(self, delay: float = 0.0, fail_kind: str | None = None):
+    """Records every batch; op kinds steer failures: 'bad' returns an exception value,
+    'explode' makes run_batch raise, 'short' makes it return one result too few."""
+
+    def __init__(self) -> None:
         self.batches: list[list[tuple[str, int | None, str]]] = []
-        self.delay = delay
-        self.fail_kind = fail_kind
+        self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
 
     def run_batch(self, ops):
-        self.gate.wait(5)
-        time.sleep(self.delay)
         self.batches.append([(o.queue_id, o.seq_id, o.kind) for o in ops])
-        if self.fail_kind == "raise" and any(o.kind == "explode" for o in ops):
+        self.entered.set()
+        assert self.gate.wait(WAIT_SECONDS), "test never opened the gate"
+        kinds = {o.kind for o in ops}
+        if "explode" in kinds:
             raise RuntimeError("executor blew up")
-        return [ValueError(f"bad {o.seq_id}") if o.kind == "bad" else (o.queue_id, o.seq_id)
-                for o in ops]
+        if "exit" in kinds:
+            raise SystemExit(3)
+        results = [ValueError(f"bad {o.seq_id}") if o.kind == "bad" else (o.queue_id, o.seq_id)
+                   for o in ops]
+        return results[:-1] if "short" in kinds else results
+
+    def ran(self, queue: str) -> list[int | None]:
+        return [s for b in self.batches for (q, s, _) in b if q == queue]
 
 
 def fwd(queue, seq, tokens=10, kind="forward_backward"):
@@ -44,34 +57,51 @@ def optim(queue, seq):
     return Op(queue, seq, "optim_step", None, 0, None)
 
 
+def sample(queue, seq, tokens=10):
+    return Op(queue, seq, "sample", "sample", tokens, None)
+
+
 @pytest.fixture
 def make():
     made = []
 
-    def build(executor=None, **kw):
+    def build(executor=None, queues=(), **kw):
         sched = Scheduler(executor or Recorder(), **kw)
+        for q in queues:
+            sched.register_model(q)
         made.append(sched)
         return sched
     yield build
     for sched in made:
-        sched.stop(drain=False, timeout=5)
+        sched.stop(drain=False, timeout=WAIT_SECONDS)
 
+
+# ---------------------------------------------------------------- ordering and retries
 
 def test_ops_submitted_out_of_order_run_in_seq_order(make):
     rec = Recorder()
-    sched = make(rec)
-    sched.register_model("a")
+    sched = make(rec, queues="a")
     futures = [sched.submit(fwd("a", s)) for s in (3, 1, 2, 0)]
     sched.start()
-    assert [f.result(5) for f in futures] == [("a", 3), ("a", 1), ("a", 2), ("a", 0)]
-    assert [b[0][1] for b in rec.batches] == [0, 1, 2, 3]
+    assert [f.result(WAIT_SECONDS) for f in futures] == [("a", 3), ("a", 1), ("a", 2), ("a", 0)]
+    assert rec.ran("a") == [0, 1, 2, 3]
 
 
-def test_concurrent_submissions_from_eight_threads_still_run_in_order(make):
+def test_a_later_seq_waits_while_its_predecessor_is_missing(make):
     rec = Recorder()
-    sched = make(rec)
-    for q in ("a", "b"):
-        sched.register_model(q)
+    sched = make(rec, queues="a")
+    sched.start()
+    later = sched.submit(fwd("a", 1))
+    with pytest.raises(TimeoutError):
+        later.result(0.05)
+    assert rec.batches == []
+    sched.submit(fwd("a", 0))
+    assert later.result(WAIT_SECONDS) == ("a", 1)
+
+
+def test_eight_threads_per_queue_submitting_concurrently_still_run_in_order(make):
+    rec = Recorder()
+    sched = make(rec, queues="ab")
     sched.start()
     futures = []
     lock = threading.Lock()
@@ -82,165 +112,419 @@ def test_concurrent_submissions_from_eight_threads_still_run_in_order(make):
             with lock:
                 futures.append(f)
 
-    threads = [threading.Thread(target=client, args=(q, range(i, 40, 4)))
-               for q in ("a", "b") for i in range(4)]
+    threads = [threading.Thread(target=client, args=(q, range(i, 80, 8)))
+               for q in "ab" for i in reversed(range(8))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for f in futures:
-        f.result(10)
-    for q in ("a", "b"):
-        seen = [s for b in rec.batches for (qq, s, _) in b if qq == q]
-        assert seen == list(range(40))
+        f.result(WAIT_SECONDS)
+    assert rec.ran("a") == list(range(80))
+    assert rec.ran("b") == list(range(80))
 
 
 def test_retried_seq_returns_the_stored_result_and_runs_once(make):
     rec = Recorder()
-    sched = make(rec)
-    sched.register_model("a")
+    sched = make(rec, queues="a")
     sched.start()
-    first = sched.submit(fwd("a", 0)).result(5)
-    again = sched.submit(fwd("a", 0)).result(5)
+    first = sched.submit(fwd("a", 0)).result(WAIT_SECONDS)
+    again = sched.submit(fwd("a", 0)).result(WAIT_SECONDS)
     assert first == again == ("a", 0)
-    assert sum(len(b) for b in rec.batches) == 1
+    assert rec.ran("a") == [0]
 
 
-def test_retry_while_pending_shares_the_future(make):
-    sched = make()
-    sched.register_model("a")
-    one, two = sched.submit(fwd("a", 5)), sched.submit(fwd("a", 5))
-    assert one is two
+def test_retried_failed_seq_returns_the_same_failure_without_rerunning(make):
+    rec = Recorder()
+    sched = make(rec, queues="a")
+    sched.start()
+    with pytest.raises(ValueError, match="bad 0"):
+        sched.submit(Op("a", 0, "bad", "forward", 1, None)).result(WAIT_SECONDS)
+    with pytest.raises(ValueError, match="bad 0"):
+        sched.submit(Op("a", 0, "bad", "forward", 1, None)).result(WAIT_SECONDS)
+    assert rec.ran("a") == [0]
 
 
-def test_forgotten_or_far_future_seq_fails_with_a_clear_message(make):
-    sched = make(result_cache_size=1)
-    sched.register_model("a")
+def test_retry_while_pending_or_running_shares_the_future(make):
+    rec = Recorder()
+    sched = make(rec, queues="a")
+    waiting = sched.submit(fwd("a", 5))
+    assert sched.submit(fwd("a", 5)) is waiting
+    rec.gate.clear()
+    sched.start()
+    running = sched.submit(fwd("a", 0))
+    assert rec.entered.wait(WAIT_SECONDS)
+    assert sched.submit(fwd("a", 0)) is running
+    rec.gate.set()
+    assert running.result(WAIT_SECONDS) == ("a", 0)
+    assert rec.ran("a") == [0]
+
+
+def test_forgotten_far_ahead_negative_or_unknown_fail_with_a_clear_message(make):
+    sched = make(queues="a", result_cache_size=1)
     sched.start()
     for s in range(3):
-        sched.submit(fwd("a", s)).result(5)
+        sched.submit(fwd("a", s)).result(WAIT_SECONDS)
+    assert sched.submit(fwd("a", 2)).result(WAIT_SECONDS) == ("a", 2)  # still cached
     with pytest.raises(OutOfOrder, match="seq_id: 0 already ran.*expects seq_id 3"):
-        sched.submit(fwd("a", 0)).result(5)
-    with pytest.raises(OutOfOrder, match="more than 1024 ahead"):
-        sched.submit(fwd("a", 5000)).result(5)
+        sched.submit(fwd("a", 0)).result(WAIT_SECONDS)
+    far = 3 + MAX_SEQ_AHEAD + 1
+    with pytest.raises(OutOfOrder, match=f"seq_id: {far} is more than 1024 ahead.*expected 3"):
+        sched.submit(fwd("a", far)).result(WAIT_SECONDS)
+    with pytest.raises(InvalidArgument, match="seq_id: -1 must be at least 0"):
+        sched.submit(fwd("a", -1)).result(WAIT_SECONDS)
+    with pytest.raises(InvalidArgument, match="tokens: -5 must be at least 0"):
+        sched.submit(fwd("a", 3, tokens=-5)).result(WAIT_SECONDS)
     with pytest.raises(UnknownQueue, match="no model or sampling session 'zz'"):
-        sched.submit(fwd("zz", 0)).result(5)
+        sched.submit(fwd("zz", 0)).result(WAIT_SECONDS)
+    assert sched.next_seq("a") == 3
+    with pytest.raises(UnknownQueue):
+        sched.next_seq("zz")
 
+
+def test_exactly_max_ahead_is_accepted(make):
+    sched = make(queues="a")
+    fut = sched.submit(fwd("a", MAX_SEQ_AHEAD))
+    assert not fut.done()
+
+
+def test_reusing_a_seq_for_a_different_kind_of_op_is_refused(make):
+    sched = make(queues="a")
+    sched.start()
+    sched.submit(fwd("a", 0)).result(WAIT_SECONDS)
+    with pytest.raises(OutOfOrder, match="seq_id: 0 was already used by a forward_backward"):
+        sched.submit(optim("a", 0)).result(WAIT_SECONDS)
+
+
+def test_register_model_starts_at_next_seq_and_reregistering_keeps_the_queue(make):
+    rec = Recorder()
+    sched = make(rec)
+    sched.register_model("a", next_seq=7)
+    sched.start()
+    assert sched.submit(fwd("a", 7)).result(WAIT_SECONDS) == ("a", 7)
+    sched.register_model("a", next_seq=0)
+    assert sched.next_seq("a") == 8
+
+
+def test_unordered_ops_run_in_arrival_order_interleaved_with_ordered_ones(make):
+    rec = Recorder()
+    sched = make(rec, queues="a")
+    futures = [sched.submit(fwd("a", None, kind="u1")), sched.submit(fwd("a", 1)),
+               sched.submit(fwd("a", 0)), sched.submit(fwd("a", None, kind="u2")),
+               sched.submit(fwd("a", None, kind="u2"))]
+    sched.start()
+    for f in futures:
+        f.result(WAIT_SECONDS)
+    # Seq 1 arrived before u2 but waits for seq 0; no idempotency for unordered ops.
+    assert [k for b in rec.batches for (_, _, k) in b] == [
+        "u1", "forward_backward", "forward_backward", "u2", "u2"]
+    assert rec.ran("a") == [None, 0, 1, None, None]
+
+
+# ---------------------------------------------------------------- batching
 
 def test_merged_mode_merges_forwards_of_different_models_within_budget(make):
     rec = Recorder()
-    sched = make(rec, token_budget=25)
-    for q in "abcd":
-        sched.register_model(q)
+    sched = make(rec, queues="abcd", token_budget=25)
     futures = [sched.submit(fwd(q, 0)) for q in "abcd"]
     futures += [sched.submit(fwd("a", 1)), sched.submit(optim("b", 1))]
     sched.start()
     for f in futures:
-        f.result(5)
+        f.result(WAIT_SECONDS)
     assert rec.batches[0] == [("a", 0, "forward_backward"), ("b", 0, "forward_backward")]
     for batch in rec.batches:
-        assert len({q for q, _, _ in batch}) == len(batch)
-        assert sum(10 for _ in batch) <= 25
+        assert len({q for q, _, _ in batch}) == len(batch)  # never two ops of one queue
+        assert 10 * len(batch) <= 25
         if any(kind == "optim_step" for _, _, kind in batch):
             assert len(batch) == 1
+    stats = sched.stats()
+    assert stats["ops_run"] == 6
+    assert stats["merged_ops"] == sum(len(b) for b in rec.batches if len(b) > 1)
+    assert stats["batches_run"] == len(rec.batches) < 6
+    assert stats["queued"] == 0
+
+
+def test_merged_mode_merges_all_ready_forwards_in_one_pass(make):
+    rec = Recorder()
+    sched = make(rec, queues="abcd", token_budget=1000)
+    futures = [sched.submit(fwd(q, 0)) for q in "abcd"]
+    sched.start()
+    for f in futures:
+        f.result(WAIT_SECONDS)
+    assert rec.batches == [[(q, 0, "forward_backward") for q in "abcd"]]
+    assert sched.stats()["merged_ops"] == 4
+
+
+def test_merged_mode_never_mixes_groups_nor_merges_a_lone_op(make):
+    rec = Recorder()
+    sched = make(rec, queues="abcd", token_budget=1000)
+    futures = [sched.submit(fwd("a", 0)), sched.submit(sample("b", 0)),
+               sched.submit(optim("c", 0)), sched.submit(sample("d", 0))]
+    sched.start()
+    for f in futures:
+        f.result(WAIT_SECONDS)
+    groups = [sorted(q for q, _, _ in b) for b in rec.batches]
+    assert sorted(groups) == [["a"], ["b", "d"], ["c"]]
+
+
+def test_an_op_larger_than_the_budget_still_runs_alone(make):
+    rec = Recorder()
+    sched = make(rec, queues="ab", token_budget=5)
+    futures = [sched.submit(fwd("a", 0, tokens=50)), sched.submit(fwd("b", 0, tokens=50))]
+    sched.start()
+    assert [f.result(WAIT_SECONDS) for f in futures] == [("a", 0), ("b", 0)]
+    assert rec.batches == [[("a", 0, "forward_backward")], [("b", 0, "forward_backward")]]
 
 
 def test_optim_step_waits_for_its_model_while_other_models_proceed(make):
     rec = Recorder()
-    sched = make(rec)
-    sched.register_model("a")
-    sched.register_model("b")
+    sched = make(rec, queues="ab")
     opt = sched.submit(optim("a", 1))
     b_done = sched.submit(fwd("b", 0))
     sched.start()
-    assert b_done.result(5) == ("b", 0)
+    assert b_done.result(WAIT_SECONDS) == ("b", 0)
     assert not opt.done()
-    sched.submit(fwd("a", 0))
-    assert opt.result(5) == ("a", 1)
+    fb = sched.submit(fwd("a", 0))
+    assert opt.result(WAIT_SECONDS) == ("a", 1)
+    assert fb.done()
+    assert rec.ran("a") == [0, 1]
 
 
-def test_timeshare_batches_hold_one_model_and_rotate_fairly(make):
+def test_timeshare_batches_hold_one_model_and_rotate_without_starvation(make):
     rec = Recorder()
-    sched = make(rec, mode="timeshare")
-    sched.register_model("flood")
-    sched.register_model("small")
+    sched = make(rec, queues=("flood", "x", "y"), mode="timeshare")
     futures = [sched.submit(fwd("flood", s)) for s in range(10)]
-    futures.append(sched.submit(fwd("small", 0)))
+    futures += [sched.submit(fwd(q, s)) for q in "xy" for s in range(2)]
     sched.start()
     for f in futures:
-        f.result(5)
+        f.result(WAIT_SECONDS)
     assert all(len(b) == 1 for b in rec.batches)
-    position = [b[0][0] for b in rec.batches].index("small")
-    assert position <= 1
+    order = [b[0][0] for b in rec.batches]
+    assert order[:6] == ["flood", "x", "y", "flood", "x", "y"]
+    assert order[6:] == ["flood"] * 8
 
 
-def test_plan_batch_decisions():
-    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 30),
-             Op("e", 0, "sample", "sample", 5, None)]
-    assert plan_batch(heads, "merged", 25) == heads[:2]
-    assert plan_batch(heads, "timeshare", 25) == heads[:1]
-    assert plan_batch(heads[2:], "merged", 100) == [heads[2]]
-    assert plan_batch([fwd("a", 0, 100)], "merged", 10) == [fwd("a", 0, 100)]
-    assert plan_batch([], "merged", 10) == []
+def test_merged_mode_rotates_the_first_queue_for_fairness(make):
+    rec = Recorder()
+    # Budget fits one op, so every batch holds only its rotation leader.
+    sched = make(rec, queues="abc", token_budget=10)
+    futures = [sched.submit(fwd(q, s)) for q in "abc" for s in range(2)]
+    sched.start()
+    for f in futures:
+        f.result(WAIT_SECONDS)
+    assert [b[0][0] for b in rec.batches] == list("abcabc")
 
 
-def test_a_failed_op_fails_only_itself_and_an_executor_crash_only_its_batch(make):
-    rec = Recorder(fail_kind="raise")
-    sched = make(rec, mode="timeshare")
-    sched.register_model("a")
+# ---------------------------------------------------------------- failures
+
+def test_a_failed_op_value_fails_only_that_op(make):
+    rec = Recorder()
+    sched = make(rec, queues="ab")
     bad = sched.submit(Op("a", 0, "bad", "forward", 1, None))
-    boom = sched.submit(Op("a", 1, "explode", None, 1, None))
-    good = sched.submit(fwd("a", 2))
+    good = sched.submit(fwd("b", 0))
     sched.start()
     with pytest.raises(ValueError, match="bad 0"):
-        bad.result(5)
-    with pytest.raises(RuntimeError, match="executor blew up"):
-        boom.result(5)
-    assert good.result(5) == ("a", 2)
+        bad.result(WAIT_SECONDS)
+    assert good.result(WAIT_SECONDS) == ("b", 0)
+    assert len(rec.batches) == 1  # they shared one merged pass
 
 
-def test_stop_with_drain_finishes_work_then_refuses(make):
-    rec = Recorder(delay=0.01)
-    sched = make(rec)
-    sched.register_model("a")
+def test_executor_raising_fails_its_batch_and_later_ops_still_run(make):
+    rec = Recorder()
+    sched = make(rec, queues="ab")
+    boom_a = sched.submit(Op("a", 0, "explode", "forward", 1, None))
+    boom_b = sched.submit(fwd("b", 0))
+    later = sched.submit(fwd("a", 1))
+    sched.start()
+    for fut in (boom_a, boom_b):
+        with pytest.raises(RuntimeError, match="executor blew up"):
+            fut.result(WAIT_SECONDS)
+    assert later.result(WAIT_SECONDS) == ("a", 1)
+
+
+def test_wrong_result_count_or_system_exit_fail_the_batch_with_a_clear_error(make):
+    rec = Recorder()
+    sched = make(rec, queues="ab")
+    short = [sched.submit(Op("a", 0, "short", "forward", 1, None)), sched.submit(fwd("b", 0))]
+    sched.start()
+    for fut in short:
+        with pytest.raises(RuntimeError, match="returned 1 results for 2 ops"):
+            fut.result(WAIT_SECONDS)
+    with pytest.raises(RuntimeError, match="SystemExit"):
+        sched.submit(Op("a", 1, "exit", None, 0, None)).result(WAIT_SECONDS)
+    assert sched.submit(fwd("a", 2)).result(WAIT_SECONDS) == ("a", 2)
+
+
+def test_executor_returning_a_non_sequence_fails_the_batch_clearly(make):
+    class NoneExecutor:
+        def run_batch(self, ops):
+            return None
+
+    sched = make(NoneExecutor(), queues="a")
+    sched.start()
+    with pytest.raises(RuntimeError, match="returned NoneType, not a sequence of 1 results"):
+        sched.submit(fwd("a", 0)).result(WAIT_SECONDS)
+
+
+def test_cancelling_a_caller_future_does_not_unsubmit_the_op(make):
+    rec = Recorder()
+    sched = make(rec, queues="a")
+    fut = sched.submit(fwd("a", 0))
+    assert fut.cancel() is False
+    sched.start()
+    assert fut.result(WAIT_SECONDS) == ("a", 0)
+
+
+def test_a_cancelled_asyncio_waiter_leaves_the_worker_and_the_retry_intact(make):
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues="a")
+    sched.start()
+
+    async def scenario():
+        waiter = asyncio.ensure_future(asyncio.wrap_future(sched.submit(fwd("a", 0))))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        rec.gate.set()
+        return await asyncio.wrap_future(sched.submit(fwd("a", 0)))
+
+    assert asyncio.run(scenario()) == ("a", 0)
+    assert sched.submit(fwd("a", 1)).result(WAIT_SECONDS) == ("a", 1)
+    assert rec.ran("a") == [0, 1]
+
+
+# ---------------------------------------------------------------- stop and unregister
+
+def test_stop_with_drain_finishes_queued_work_then_refuses(make):
+    rec = Recorder()
+    sched = make(rec, queues="a")
     futures = [sched.submit(fwd("a", s)) for s in range(5)]
     sched.start()
-    sched.stop(drain=True, timeout=5)
+    sched.stop(drain=True, timeout=WAIT_SECONDS)
     assert [f.result(0) for f in futures] == [("a", s) for s in range(5)]
     with pytest.raises(SchedulerClosed):
         sched.submit(fwd("a", 5)).result(1)
-
-
-def test_stop_without_drain_and_unregister_fail_pending_ops(make):
-    sched = make()
-    sched.register_model("a")
-    sched.register_model("b")
-    waiting_a = sched.submit(fwd("a", 1))
-    waiting_b = sched.submit(fwd("b", 1))
-    sched.unregister("a", LookupError("session expired"))
-    with pytest.raises(LookupError, match="session expired"):
-        waiting_a.result(1)
-    assert not waiting_b.done()
-    sched.start()
-    sched.stop(drain=False, timeout=5)
     with pytest.raises(SchedulerClosed):
-        waiting_b.result(1)
+        sched.start()
 
 
 def test_drain_fails_ops_whose_earlier_seq_never_arrived(make):
-    sched = make()
-    sched.register_model("a")
+    sched = make(queues="a")
     sched.start()
     orphan = sched.submit(fwd("a", 3))
-    sched.stop(drain=True, timeout=5)
+    sched.stop(drain=True, timeout=WAIT_SECONDS)
     with pytest.raises(SchedulerClosed, match="earlier seq_ids"):
         orphan.result(1)
 
 
-def test_reusing_a_seq_for_a_different_kind_of_op_is_refused(make):
-    sched = make()
-    sched.register_model("a")
+def test_stop_without_drain_fails_waiting_ops_but_lets_the_running_one_finish(make):
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues="a")
+    running = sched.submit(fwd("a", 0))
+    waiting = sched.submit(fwd("a", 1))
     sched.start()
-    sched.submit(fwd("a", 0)).result(5)
-    with pytest.raises(OutOfOrder, match="seq_id: 0 was already used by a forward_backward"):
-        sched.submit(optim("a", 0)).result(5)
+    assert rec.entered.wait(WAIT_SECONDS)
+    stopper = threading.Thread(target=sched.stop, kwargs={"drain": False})
+    stopper.start()
+    with pytest.raises(SchedulerClosed, match="shutting down"):
+        waiting.result(WAIT_SECONDS)
+    rec.gate.set()
+    stopper.join(WAIT_SECONDS)
+    assert running.result(WAIT_SECONDS) == ("a", 0)
+    assert rec.ran("a") == [0]
+
+
+def test_stop_of_a_never_started_scheduler_fails_pending_even_with_drain(make):
+    sched = make(queues="a")
+    fut = sched.submit(fwd("a", 0))
+    sched.stop(drain=True, timeout=1)
+    with pytest.raises(SchedulerClosed):
+        fut.result(0)
+
+
+def test_drain_past_its_timeout_fails_what_is_still_waiting(make):
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues="a")
+    running = sched.submit(fwd("a", 0))
+    waiting = sched.submit(fwd("a", 1))
+    sched.start()
+    assert rec.entered.wait(WAIT_SECONDS)
+    sched.stop(drain=True, timeout=0.05)
+    with pytest.raises(SchedulerClosed, match="stopped draining after 0.05 s"):
+        waiting.result(0)
+    rec.gate.set()
+    assert running.result(WAIT_SECONDS) == ("a", 0)
+
+
+def test_unregister_fails_only_that_queues_waiting_ops(make):
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues="abc", mode="timeshare")
+    running_a = sched.submit(fwd("a", 0))
+    waiting_a = sched.submit(fwd("a", 1))
+    b = sched.submit(fwd("b", 0))
+    sched.start()
+    assert rec.entered.wait(WAIT_SECONDS)
+    sched.unregister("a", LookupError("session expired"))
+    with pytest.raises(LookupError, match="session expired"):
+        waiting_a.result(WAIT_SECONDS)
+    with pytest.raises(UnknownQueue):
+        sched.submit(fwd("a", 1)).result(WAIT_SECONDS)
+    sched.register_model("a")  # a fresh queue under the same id starts at seq 0
+    rec.gate.set()
+    assert running_a.result(WAIT_SECONDS) == ("a", 0)
+    assert b.result(WAIT_SECONDS) == ("b", 0)
+    assert sched.next_seq("a") == 0
+    assert sched.submit(fwd("a", 0)).result(WAIT_SECONDS) == ("a", 0)
+    sched.unregister("never-registered", LookupError("ignored"))
+
+
+def test_stats_report_queue_depths(make):
+    sched = make(queues="ab")
+    sched.submit(fwd("a", 1))
+    sched.submit(fwd("a", 2))
+    sched.submit(fwd("b", None))
+    stats = sched.stats()
+    assert stats["depths"] == {"a": 2, "b": 1}
+    assert (stats["queued"], stats["queues"], stats["ops_run"], stats["running"]) == (3, 2, 0, 0)
+
+
+# ---------------------------------------------------------------- plan_batch and config
+
+def test_plan_batch_decisions():
+    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 30),
+             sample("e", 0, 5), fwd("f", 0, 5)]
+    assert plan_batch(heads, "merged", 25) == heads[:2] + [heads[5]]  # d skipped, f fits
+    assert plan_batch(heads, "merged", 20) == heads[:2]
+    assert plan_batch(heads, "timeshare", 1000) == heads[:1]
+    assert plan_batch(heads[2:], "merged", 1000) == [heads[2]]  # a lone op leads: alone
+    assert plan_batch(heads[4:], "merged", 1000) == [heads[4]]  # sample never joins forward
+    assert plan_batch([fwd("a", 0, 100)], "merged", 10) == [fwd("a", 0, 100)]
+    assert plan_batch([fwd("a", 0), fwd("a", 1)], "merged", 1000) == [fwd("a", 0)]
+    assert plan_batch([], "merged", 10) == []
+    with pytest.raises(InvalidArgument, match="scheduling: 'fifo'"):
+        plan_batch(heads, "fifo", 10)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "fifo"}, "scheduling: 'fifo'"),
+    ({"token_budget": 0}, "token_budget: 0 must be at least 1"),
+    ({"result_cache_size": -1}, "result_cache_size: -1 must be at least 0"),
+])
+def test_bad_configuration_is_refused_naming_the_field(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        Scheduler(Recorder(), **kwargs)
+
+
+def test_scheduler_module_imports_neither_torch_nor_grpc():
+    import subprocess
+    import sys
+    code = ("import sys, twinkle_server.scheduler; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
