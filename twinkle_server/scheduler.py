@@ -36,9 +36,11 @@ MODES: tuple[str, ...] = ("merged", "timeshare")
 # How far ahead of the next expected seq an op may arrive: bounds what one client can park
 # in server memory while an earlier seq_id is missing.
 MAX_SEQ_AHEAD = 1024
-# Tokens per merged pass when the caller gives none; the server passes its own
-# `merge_token_budget` from the config.
-DEFAULT_TOKEN_BUDGET = 16384
+# Tokens per merged pass when the caller gives none (the server passes its config's
+# `merge_token_budget`, same default). Past ~8k tokens a CPU pass is memory-bound and
+# merging more rows stops paying: bench/engine.py measured 8 x 8 x 512 tokens merged
+# into one pass at 0.36x timeshare.
+DEFAULT_TOKEN_BUDGET = 8192
 DEFAULT_RESULT_CACHE_SIZE = 256
 
 
