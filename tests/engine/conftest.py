@@ -1,10 +1,16 @@
+"""Engine fixtures: one tiny-model engine per session (the tiny model is built once into
+a temp cache by `tests/conftest.py::tiny_cache`), fixed datums, and adapter helpers."""
+
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 
 from twinkle_server.engine.engine import Engine
-from twinkle_server.engine.types import Datum, EngineLimits
+from twinkle_server.engine.types import Datum, EngineLimits, LoraSpec
 
 SENTENCES = [
     "I am Twinkle, a small assistant made by the Twinkle team.",
@@ -44,3 +50,34 @@ def fresh(engine):
     for adapter_id in created:
         if adapter_id in engine.adapters:
             engine.remove_adapter(adapter_id)
+
+
+@pytest.fixture
+def add(engine, fresh) -> Callable[..., dict]:
+    """`add(name, spec, **kw)`: add an adapter that is removed again after the test."""
+    def _add(name: str, spec: LoraSpec, **kw) -> dict:
+        info = engine.add_adapter(name, spec, **kw)
+        fresh.append(name)
+        return info
+    return _add
+
+
+def adapter_weights(engine: Engine, name: str) -> dict[str, torch.Tensor]:
+    """A copy of an adapter's weights under their PEFT keys."""
+    return {k: v.detach().clone()
+            for k, v in engine._peft_tensors(engine.adapters[name]).items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture
+def snapshot(engine) -> Callable[[str], dict[str, torch.Tensor]]:
+    return lambda name: adapter_weights(engine, name)
+
+
+@pytest.fixture
+def diff() -> Callable[..., float]:
+    return max_diff

@@ -1,12 +1,13 @@
-"""The engine against plain PEFT, against itself alone vs merged, and its error paths."""
+"""The engine merged vs alone (isolation), its limits and validation, learning, sampling.
+
+PEFT parity lives in test_parity_peft.py, checkpoints in test_checkpoint.py.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from twinkle_server.engine.engine import ForwardRequest, SampleRequest
 from twinkle_server.engine.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -27,61 +28,6 @@ def _weights(engine, name):
 
 def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def _peft_model(engine, path):
-    base = AutoModelForCausalLM.from_pretrained(engine.base.model_dir, dtype=torch.float32)
-    return PeftModel.from_pretrained(base, str(path), is_trainable=True)
-
-
-def _peft_logprobs(model, datum):
-    ids = torch.from_numpy(datum.input_ids)[None]
-    logits = model(input_ids=ids).logits[0].float()
-    targets = torch.from_numpy(datum.loss_inputs["target_tokens"])
-    return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-
-
-def test_three_adamw_steps_match_a_plain_peft_loop(engine, datums, fresh, tmp_path):
-    _add(engine, fresh, "parity", LoraSpec(rank=8, alpha=16, seed=7))
-    engine.save_weights("parity", tmp_path / "init")
-    model = _peft_model(engine, tmp_path / "init")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
-                            eps=ADAM.eps, weight_decay=ADAM.weight_decay)
-    batch = datums[:4]
-    for _ in range(3):
-        engine.forward_batch([ForwardRequest("parity", batch, CE, True)])
-        engine.optim_step("parity", ADAM)
-        loss = sum(-(_peft_logprobs(model, d) * torch.from_numpy(d.loss_inputs["weights"])).sum()
-                   for d in batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    peft_weights = {k.replace(".default", ""): v for k, v in model.state_dict().items()
-                    if "lora_" in k}
-    assert _max_diff(_weights(engine, "parity"), peft_weights) <= 1e-5
-
-
-def test_gradient_accumulation_of_two_half_batches_equals_one_full_batch(engine, datums, fresh):
-    spec = LoraSpec(rank=4, alpha=8, seed=3)
-    _add(engine, fresh, "accum", spec, gradient_accumulation_steps=2)
-    _add(engine, fresh, "full", spec)
-    for name in ("accum", "full"):
-        engine.set_loss(name, LossSpec("CrossEntropyLoss"))
-        engine.set_optimizer(name, "AdamW", {"lr": 1e-3})
-    equal = [d for d in datums if d.num_tokens == datums[0].num_tokens] or datums[:1]
-    half = equal * 2
-    for _ in range(2):
-        for micro in (half[:len(half) // 2], half[len(half) // 2:]):
-            engine.forward_batch([ForwardRequest("accum", micro, None, True)])
-            engine.clip_grad_norm("accum", 0.0)
-            engine.step("accum")
-            engine.zero_grad("accum")
-        engine.forward_batch([ForwardRequest("full", half, None, True)])
-        engine.step("full")
-        engine.zero_grad("full")
-    assert engine.adapters["accum"].step == engine.adapters["full"].step == 2
-    assert _max_diff(_weights(engine, "accum"), _weights(engine, "full")) <= 1e-5
 
 
 def test_adapter_trained_merged_with_three_others_equals_trained_alone(engine, datums, fresh):
@@ -123,40 +69,6 @@ def test_one_requests_nan_loss_or_bad_batch_never_touches_another_adapter(engine
     for a, b in zip(victim.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
     assert all(p.grad is None for p in engine.adapters["bad"].parameters())
-
-
-def test_saved_adapter_gives_the_engines_logits_in_peft(engine, datums, fresh, tmp_path):
-    _add(engine, fresh, "export", LoraSpec.from_tinker(rank=8, seed=9))
-    for _ in range(2):
-        engine.forward_batch([ForwardRequest("export", datums[:4], CE, True)])
-        engine.optim_step("export", ADAM)
-    engine.save_weights("export", tmp_path / "export")
-    model = _peft_model(engine, tmp_path / "export").eval()
-    ours = engine.forward_batch([ForwardRequest("export", datums[:1], CE, False)])[0]
-    with torch.no_grad():
-        theirs = _peft_logprobs(model, datums[0]).numpy()
-    np.testing.assert_allclose(ours.logprobs[0], theirs, atol=1e-5)
-
-
-def test_load_state_with_optimizer_resumes_to_the_uninterrupted_weights(
-        engine, datums, fresh, tmp_path):
-    spec = LoraSpec(rank=4, alpha=8, seed=21)
-    _add(engine, fresh, "straight", spec)
-    _add(engine, fresh, "first", spec)
-
-    def train(name, steps):
-        for _ in range(steps):
-            engine.forward_batch([ForwardRequest(name, datums[:3], CE, True)])
-            engine.optim_step(name, ADAM)
-
-    train("straight", 4)
-    train("first", 2)
-    engine.save_state("first", tmp_path / "mid", include_optimizer=True)
-    _add(engine, fresh, "resumed", engine.read_checkpoint_spec(tmp_path / "mid"))
-    engine.load_state("resumed", tmp_path / "mid", include_optimizer=True)
-    train("resumed", 2)
-    assert engine.adapters["resumed"].step == 4
-    assert _max_diff(_weights(engine, "straight"), _weights(engine, "resumed")) <= 1e-6
 
 
 def test_limits_and_bad_requests_name_the_field(engine, datums, fresh):
@@ -222,3 +134,69 @@ def test_sampled_logprobs_equal_a_teacher_forced_forward(engine, datums, fresh):
     forced = engine.compute_logprobs("tf", None, full)[prompt.size:]
     np.testing.assert_allclose(seq.logprobs, forced, atol=1e-4)
     assert seq.stop_reason == "length" and seq.tokens.size == 6
+
+
+def test_nan_adapter_in_a_merged_pass_keeps_everyones_gradients(engine, datums, fresh):
+    _add(engine, fresh, "sick", LoraSpec(rank=2, alpha=2, seed=1))
+    _add(engine, fresh, "well", LoraSpec(rank=2, alpha=2, seed=2))
+    _add(engine, fresh, "twin", LoraSpec(rank=2, alpha=2, seed=2))
+    engine.forward_batch([ForwardRequest("sick", datums[:1], CE, True)])
+    pending = [p.grad.clone() for p in engine.adapters["sick"].parameters()]
+    with torch.no_grad():  # NaN logits on its rows: 0 * NaN would reach its gradient
+        next(iter(engine.adapters["sick"].weights.values())).lora_B.fill_(float("nan"))
+    results = engine.forward_batch([ForwardRequest("sick", datums[:2], CE, True),
+                                    ForwardRequest("well", datums[2:4], CE, True)])
+    engine.forward_batch([ForwardRequest("twin", datums[2:4], CE, True)])
+    assert isinstance(results[0], InvalidArgument) and "not finite" in str(results[0])
+    for a, b in zip(engine.adapters["sick"].parameters(), pending, strict=True):
+        assert torch.equal(a.grad, b)
+    for a, b in zip(engine.adapters["well"].parameters(), engine.adapters["twin"].parameters(),
+                    strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_split_requests_of_one_adapter_and_forward_only_rows_in_one_pass(engine, datums, fresh):
+    _add(engine, fresh, "p", LoraSpec(rank=2, alpha=2, seed=1))
+    _add(engine, fresh, "q", LoraSpec(rank=2, alpha=2, seed=2))
+    results = engine.forward_batch([ForwardRequest("p", datums[:1], CE, True),
+                                    ForwardRequest("q", datums[1:2], CE, False),
+                                    ForwardRequest("p", datums[2:3], CE, True)])
+    alone = [engine.forward_batch([ForwardRequest(a, d, CE, False)])[0]
+             for a, d in (("p", datums[:1]), ("q", datums[1:2]), ("p", datums[2:3]))]
+    for got, want in zip(results, alone, strict=True):
+        np.testing.assert_allclose(got.logprobs[0], want.logprobs[0], atol=1e-5)
+    assert all(p.grad is not None for p in engine.adapters["p"].parameters())
+    assert all(p.grad is None for p in engine.adapters["q"].parameters())
+
+
+def test_add_adapter_reports_params_bytes_and_refuses_what_memory_cannot_hold(
+        engine, fresh, monkeypatch):
+    import twinkle_server.engine.engine as engine_module
+
+    with pytest.raises(InvalidArgument, match="'dup' already exists"):
+        _add(engine, fresh, "dup", LoraSpec(rank=2, alpha=2, seed=1))
+        engine.add_adapter("dup", LoraSpec(rank=2, alpha=2))
+    info = engine.adapter_info("dup")
+    layers = engine.layers
+    params = sum(2 * (layers[n].in_features + layers[n].out_features)
+                 for n in info["target_modules"])
+    assert info["trainable_params"] == params and info["state_bytes"] == 16 * params
+    assert engine.estimate_adapter_bytes(LoraSpec(rank=2, alpha=2)) == 16 * params
+    # The machine's free memory is read at add time; pretend only 1 KiB is left.
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 1024)
+    with pytest.raises(ResourceExhausted, match=r"needs .* MiB .* only 0.0 MiB are free; "
+                                                r"use a smaller rank or fewer target modules"):
+        engine.add_adapter("big", LoraSpec(rank=8, alpha=8))
+    assert "big" not in engine.adapters
+
+
+def test_token_ids_outside_the_vocabulary_name_datum_value_and_size(engine, datums, fresh):
+    _add(engine, fresh, "tok", LoraSpec(rank=2, alpha=2, seed=1))
+    vocab = engine.base.vocab_size
+    bad = Datum(np.array([1, 2, vocab + 5]), {"target_tokens": np.array([1, 2, 3])})
+    with pytest.raises(InvalidArgument, match=rf"datum\[1\].input_ids: token id {vocab + 5} is "
+                                              rf"outside the vocabulary \[0, {vocab}\)"):
+        engine.validate_forward(ForwardRequest("tok", [datums[0], bad], CE, True))
+    neg = Datum(np.array([1, 2]), {"target_tokens": np.array([1, -3])})
+    with pytest.raises(InvalidArgument, match=r"datum\[0\].target_tokens: token id -3"):
+        engine.validate_forward(ForwardRequest("tok", [neg], CE, True))

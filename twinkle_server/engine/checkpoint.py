@@ -93,11 +93,16 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose tensors are not exactly the adapter's (names and shapes)."""
     missing = sorted(set(expected) - set(found))
     if missing:
         raise InvalidArgument(f"checkpoint: lacks {len(missing)} tensors, e.g. {missing[0]!r}; "
-                              "it was saved for a different adapter shape")
+                              "it was saved for a different adapter shape (target modules)")
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise InvalidArgument(f"checkpoint: has {len(extra)} tensors the adapter does not, "
+                              f"e.g. {extra[0]!r}; it was saved for different target modules")
     for key, shape in expected.items():
         if found[key].shape != shape:
             raise InvalidArgument(f"checkpoint: {key} has shape {list(found[key].shape)}, "
-                                  f"the adapter needs {list(shape)}")
+                                  f"the adapter needs {list(shape)} (a different rank?)")

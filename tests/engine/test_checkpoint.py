@@ -1,0 +1,154 @@
+"""PEFT-format checkpoints: what peft writes, what peft loads, exact resume, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.engine.test_parity_peft import peft_logprobs, peft_model
+from twinkle_server.engine.engine import ForwardRequest, SampleRequest
+from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
+from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec, SamplingParams
+
+CE = LossSpec("cross_entropy")
+ADAM = AdamParams(learning_rate=5e-3, eps=1e-8, weight_decay=0.01)
+
+
+def _train(engine, name, datums, steps):
+    for _ in range(steps):
+        engine.forward_batch([ForwardRequest(name, datums[:3], CE, True)])
+        engine.optim_step(name, ADAM)
+
+
+def test_files_have_the_keys_shapes_and_config_peft_itself_writes(engine, add, tmp_path):
+    spec = LoraSpec(rank=4, alpha=8, dropout=0.1, target_modules=("q_proj", "down_proj"),
+                    seed=1)
+    add("fmt", spec)
+    written = engine.save_weights("fmt", tmp_path / "ours")
+    base = AutoModelForCausalLM.from_pretrained(engine.base.model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                    target_modules=["q_proj", "down_proj"])
+                   ).save_pretrained(str(tmp_path / "peft"))
+    ours = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
+    theirs = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in ours
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["lora_dropout"],
+            config["use_rslora"]) == ("LORA", 4, 8, 0.1, False)
+    assert config["base_model_name_or_path"] == str(engine.base.model_dir)
+    assert written == sum(f.stat().st_size for f in (tmp_path / "ours").iterdir())
+    spec_back = engine.read_checkpoint_spec(tmp_path / "ours")
+    assert (spec_back.rank, spec_back.alpha, spec_back.dropout) == (4, 8.0, 0.1)
+
+
+def test_saved_adapter_gives_the_engines_logits_in_peft(engine, datums, add, tmp_path):
+    add("export", LoraSpec.from_tinker(rank=8, seed=9))  # attention, MLP and lm_head
+    _train(engine, "export", datums, 2)
+    engine.save_weights("export", tmp_path / "export")
+    model = peft_model(engine, tmp_path / "export", trainable=False).eval()
+    ours = engine.forward_batch([ForwardRequest("export", datums[:2], CE, False)])[0]
+    with torch.no_grad():
+        for index in range(2):
+            theirs = peft_logprobs(model, datums[index]).numpy()
+            np.testing.assert_allclose(ours.logprobs[index], theirs, atol=1e-5)
+
+
+def test_load_state_with_optimizer_resumes_to_the_uninterrupted_weights(
+        engine, datums, add, snapshot, diff, tmp_path):
+    spec = LoraSpec(rank=4, alpha=8, seed=21)
+    add("straight", spec)
+    add("first", spec)
+    _train(engine, "straight", datums, 4)
+    _train(engine, "first", datums, 2)
+    engine.save_state("first", tmp_path / "mid", include_optimizer=True)
+    add("resumed", engine.read_checkpoint_spec(tmp_path / "mid"))
+    engine.load_state("resumed", tmp_path / "mid", include_optimizer=True)
+    _train(engine, "resumed", datums, 2)
+    assert engine.adapters["resumed"].step == 4
+    assert diff(snapshot("straight"), snapshot("resumed")) <= 1e-6
+
+
+def test_native_optimizer_scheduler_and_counters_survive_a_save_and_load(
+        engine, datums, add, snapshot, diff, tmp_path):
+    spec = LoraSpec(rank=2, alpha=4, seed=2)
+
+    def native(name, steps):
+        for _ in range(steps):
+            engine.forward_batch([ForwardRequest(name, datums[:2], None, True)])
+            engine.step(name)
+            engine.zero_grad(name)
+            engine.lr_step(name)
+
+    for name in ("a", "b"):
+        add(name, spec, gradient_accumulation_steps=2)
+        engine.set_loss(name, LossSpec("CrossEntropyLoss"))
+        engine.set_optimizer(name, "AdamW", {"lr": 1e-2})
+        engine.set_lr_scheduler(name, "CosineAnnealingLR", {"T_max": 4})
+    native("a", 6)
+    native("b", 3)  # stops mid accumulation window, with a pending gradient lost on save
+    engine.save_state("b", tmp_path / "b", include_optimizer=True)
+    add("c", spec)
+    engine.load_state("c", tmp_path / "b", include_optimizer=True)
+    configs = engine.get_train_configs("c")
+    json.dumps(configs)
+    assert configs["lr_scheduler"]["name"] == "CosineAnnealingLR"
+    assert (configs["gradient_accumulation_steps"], configs["micro_step"]) == (2, 3)
+    assert engine.adapters["c"].learning_rate() == engine.adapters["b"].learning_rate()
+    native("c", 1)  # finishes the window with only this micro-batch's gradient
+    native("b", 1)
+    assert diff(snapshot("b"), snapshot("c")) > 0  # b still held its pending gradient
+    assert engine.adapters["c"].step == engine.adapters["b"].step == 2
+
+
+def test_an_existing_target_is_never_overwritten_and_no_temp_dir_is_left(engine, add,
+                                                                         tmp_path):
+    add("once", LoraSpec(rank=2, alpha=2, seed=1))
+    engine.save_weights("once", tmp_path / "ckpt")
+    before = (tmp_path / "ckpt" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(FailedPrecondition, match="'ckpt' already exists"):
+        engine.save_state("once", tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "adapter_model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_loading_a_checkpoint_of_another_shape_or_without_state_is_refused(engine, add,
+                                                                           tmp_path):
+    add("r2", LoraSpec(rank=2, alpha=2, seed=1))
+    add("r4", LoraSpec(rank=4, alpha=2, seed=1))
+    add("mlp", LoraSpec(rank=2, alpha=2, seed=1, target_modules=("up_proj",)))
+    engine.save_weights("r2", tmp_path / "r2")
+    engine.save_weights("mlp", tmp_path / "mlp")
+    with pytest.raises(InvalidArgument, match=r"has shape \[2, \d+\], the adapter needs \[4"):
+        engine.load_state("r4", tmp_path / "r2", include_optimizer=False)
+    with pytest.raises(InvalidArgument, match=r"has \d+ tensors the adapter does not"):
+        engine.load_state("mlp", tmp_path / "r2", include_optimizer=False)
+    with pytest.raises(InvalidArgument, match=r"lacks 48 tensors, e.g. .*down_proj"):
+        engine.load_state("r2", tmp_path / "mlp", include_optimizer=False)
+    with pytest.raises(FailedPrecondition, match="without optimizer state"):
+        engine.load_state("r2", tmp_path / "r2", include_optimizer=True)
+    with pytest.raises(NotFound, match="no adapter_config.json"):
+        engine.read_checkpoint_spec(tmp_path / "missing")
+
+
+def test_sampling_from_saved_weights_equals_sampling_the_live_adapter(engine, datums, add,
+                                                                      tmp_path):
+    add("live", LoraSpec.from_tinker(rank=4, seed=3))
+    _train(engine, "live", datums, 2)
+    engine.save_weights("live", tmp_path / "sampler")
+    params = SamplingParams(max_tokens=6, seed=5, stop_on_eos=False)
+    prompt = datums[0].input_ids[:4]
+    live, saved = engine.sample_batch([
+        SampleRequest("live", None, prompt, 1, params),
+        SampleRequest(None, str(tmp_path / "sampler"), prompt, 1, params)])
+    np.testing.assert_array_equal(live[0].tokens, saved[0].tokens)
+    np.testing.assert_allclose(live[0].logprobs, saved[0].logprobs, atol=1e-5)
+    np.testing.assert_allclose(
+        engine.compute_logprobs(None, str(tmp_path / "sampler"), datums[1].input_ids),
+        engine.compute_logprobs("live", None, datums[1].input_ids), atol=1e-5)
