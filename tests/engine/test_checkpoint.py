@@ -11,12 +11,26 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.engine.test_parity_peft import peft_logprobs, peft_model
 from twinkle_server.engine.engine import ForwardRequest, SampleRequest
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec, SamplingParams
 
 CE = LossSpec("cross_entropy")
+
+
+def peft_model(engine, path, trainable: bool = False):
+    """The base reloaded from disk with a saved adapter, as any PEFT user would load it."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(engine.base.model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
+
+
+def peft_logprobs(model, datum) -> torch.Tensor:
+    ids = torch.from_numpy(datum.input_ids)[None]
+    logits = model(input_ids=ids).logits[0].float()
+    targets = torch.from_numpy(datum.loss_inputs["target_tokens"])
+    return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 ADAM = AdamParams(learning_rate=5e-3, eps=1e-8, weight_decay=0.01)
 
 
