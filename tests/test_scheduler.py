@@ -510,6 +510,25 @@ def test_plan_batch_decisions():
         plan_batch(heads, "fifo", 10)
 
 
+def test_plan_batch_starts_at_start_index_and_wraps_around():
+    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 10)]
+    # d leads, then the pass wraps to a; b no longer fits in 20 tokens.
+    assert plan_batch(heads, "merged", 20, start_index=3) == [heads[3], heads[0]]
+    assert plan_batch(heads, "merged", 1000, start_index=1) == [heads[1], heads[3], heads[0]]
+    assert plan_batch(heads, "merged", 1000, start_index=2) == [heads[2]]
+    assert plan_batch(heads, "timeshare", 1000, start_index=3) == [heads[3]]
+    for bad in (-1, 4):
+        with pytest.raises(InvalidArgument, match=f"start_index: {bad} is outside the 4 heads"):
+            plan_batch(heads, "merged", 10, start_index=bad)
+
+
+def test_refusals_belong_to_the_families_the_service_maps():
+    from twinkle_server.engine.errors import FailedPrecondition
+    assert issubclass(OutOfOrder, FailedPrecondition)
+    assert issubclass(UnknownQueue, LookupError)
+    assert str(UnknownQueue("model_id: x")) == "model_id: x"  # no KeyError-style quotes
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mode": "fifo"}, "scheduling: 'fifo'"),
     ({"token_budget": 0}, "token_budget: 0 must be at least 1"),

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
 
 Mode = Literal["merged", "timeshare"]
 MODES: tuple[str, ...] = ("merged", "timeshare")
@@ -48,12 +48,15 @@ class SchedulerClosed(Exception):
     """The server is shutting down; the op was not run."""
 
 
-class OutOfOrder(Exception):
+class OutOfOrder(FailedPrecondition):
     """The op's seq_id can never run (too old and forgotten, too far ahead, or reused)."""
 
 
-class UnknownQueue(Exception):
-    """No model or sampling session with this id is registered."""
+class UnknownQueue(LookupError):
+    """No model or sampling session with this id is registered.
+
+    A `LookupError` like `KeyError`, without `KeyError`'s quoting of the message.
+    """
 
 
 @dataclass(frozen=True)
@@ -84,29 +87,36 @@ class Executor(Protocol):
         """
 
 
-def plan_batch(heads: Sequence[Op], mode: str, token_budget: int) -> list[Op]:
+def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
+               start_index: int = 0) -> list[Op]:
     """Which of the ready heads (at most one per queue, in rotation order) run together now.
 
-    The first head always runs, even when it alone exceeds `token_budget`, so no op can be
-    starved by its size. In `merged` mode, later heads of other queues join it when they
-    share its (non-None) merge group and the batch stays within `token_budget`; a head
-    that does not fit is skipped, and a smaller one after it may still join. In
-    `timeshare` mode every batch is one op.
+    The pass starts at `heads[start_index]` and wraps around, so moving `start_index`
+    round-robin lets every queue lead in turn. The leading head always runs, even when it
+    alone exceeds `token_budget`, so no op can be starved by its size. In `merged` mode,
+    later heads of other queues join it when they share its (non-None) merge group and
+    the batch stays within `token_budget`; a head that does not fit is skipped, and a
+    smaller one after it may still join. In `timeshare` mode every batch is one op.
 
     Raises:
-        InvalidArgument: `mode` is not 'merged' or 'timeshare'.
+        InvalidArgument: `mode` is not 'merged' or 'timeshare', or `start_index` is
+            outside `heads`.
     """
     if mode not in MODES:
         raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
     if not heads:
         return []
-    first = heads[0]
+    if not 0 <= start_index < len(heads):
+        raise InvalidArgument(f"start_index: {start_index} is outside the {len(heads)} heads "
+                              f"(0..{len(heads) - 1})")
+    rotated = list(heads[start_index:]) + list(heads[:start_index])
+    first = rotated[0]
     batch = [first]
     if mode == "timeshare" or first.merge_group is None:
         return batch
     tokens = first.tokens
     seen = {first.queue_id}
-    for op in heads[1:]:
+    for op in rotated[1:]:
         if op.merge_group != first.merge_group or op.queue_id in seen:
             continue
         if tokens + op.tokens > token_budget:
@@ -361,26 +371,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker
 
-    def _ready_heads(self) -> list[_Entry]:
-        """Ready heads in rotation order starting at the cursor (call with the lock)."""
-        n = len(self._order)
+    def _ready_heads(self) -> tuple[list[_Entry], int]:
+        """Ready heads in registration order, and the index of the first one at or after
+        the rotation cursor (call with the lock)."""
         heads = []
-        for i in range(n):
-            head = self._queues[self._order[(self._cursor + i) % n]].head()
+        start = None
+        for i, queue_id in enumerate(self._order):
+            head = self._queues[queue_id].head()
             if head is not None:
+                if start is None and i >= self._cursor:
+                    start = len(heads)
                 heads.append(head)
-        return heads
+        return heads, start or 0
 
     def _take(self) -> list[tuple[_Queue, _Entry]] | None:
         """Wait for ready heads and claim a batch of them; None once closed and drained."""
         stranded: list[_Entry] = []
         with self._cond:
-            heads = self._ready_heads()
+            heads, start = self._ready_heads()
             while not heads and not self._closed:
                 self._cond.wait()
-                heads = self._ready_heads()
+                heads, start = self._ready_heads()
             if heads:
-                return self._claim(heads)
+                return self._claim(heads, start)
             # Closed with nothing ready (this worker runs nothing now): what is left
             # waits on a seq_id that never came.
             for queue in self._queues.values():
@@ -389,9 +402,9 @@ class Scheduler:
                                             "seq_ids arrived; it was not run"))
         return None
 
-    def _claim(self, heads: list[_Entry]) -> list[tuple[_Queue, _Entry]]:
+    def _claim(self, heads: list[_Entry], start: int) -> list[tuple[_Queue, _Entry]]:
         """Mark the planned ops running (call with the lock)."""
-        ops = plan_batch([e.op for e in heads], self.mode, self.token_budget)
+        ops = plan_batch([e.op for e in heads], self.mode, self.token_budget, start)
         by_op = {id(e.op): e for e in heads}
         chosen = []
         for op in ops:
