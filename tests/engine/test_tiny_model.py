@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import pytest
 import torch
@@ -71,6 +72,14 @@ def test_config_is_the_small_untied_float32_qwen3_of_the_recipe(built):
 
 def test_loads_offline_with_auto_classes_and_forward_gives_vocab_logits(built, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE at import, so the env alone proves little here:
+    # refuse every connection, and any attempt to reach a hub fails the test.
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"tiny model load tried to open a connection: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
     model = AutoModelForCausalLM.from_pretrained(built)
     tokenizer = AutoTokenizer.from_pretrained(built)
     assert model.dtype == torch.float32
