@@ -1,136 +1,295 @@
-"""Each loss against a hand computation in numpy from the same logprobs and inputs."""
+"""Each loss against a hand computation in numpy from the same logprobs and inputs.
+
+The reference formulas are written out here in numpy, independently of the torch code,
+so a change of semantics (a hidden mean, a missing clip branch) fails a test.
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.losses import compute_loss, validate_loss
+from twinkle_server.engine.losses import LOSS_NAMES, compute_loss, validate_loss
 from twinkle_server.engine.types import Datum, LossSpec
 
-RNG = np.random.default_rng(0)
-LENGTHS = (5, 9, 3)
+SHIFTS = (-0.7, -0.05, 0.0, 0.05, 0.7)   # logp - old_logp: ratio 0.50, 0.95, 1, 1.05, 2.01
+ADVANTAGES = (-1.5, -0.2, 0.4, 2.0)
 
 
-def _case():
-    """Logprobs whose ratios land below, inside and above the clip ranges."""
-    logp = [RNG.uniform(-3, -0.1, n) for n in LENGTHS]
-    shift = [RNG.choice([-0.7, -0.05, 0.0, 0.05, 0.7], n) for n in LENGTHS]
-    old = [lp - s for lp, s in zip(logp, shift, strict=True)]
-    adv = [RNG.choice([-1.5, -0.2, 0.4, 2.0], n) for n in LENGTHS]
-    weights = [RNG.choice([0.0, 0.3, 1.0, 2.5], n) for n in LENGTHS]
+def _case(seed: int = 0):
+    """Three datums of different lengths; the first holds every (ratio, advantage) pair so
+    both clip regions meet both signs of advantage; weights are non-binary."""
+    rng = np.random.default_rng(seed)
+    grid = np.array(list(itertools.product(SHIFTS, ADVANTAGES)))
+    shifts = [grid[:, 0], rng.choice(SHIFTS, 7), rng.choice(SHIFTS, 3)]
+    adv = [grid[:, 1], rng.choice(ADVANTAGES, 7), rng.choice(ADVANTAGES, 3)]
+    logp = [rng.uniform(-3, -0.1, len(s)) for s in shifts]
+    old = [lp - s for lp, s in zip(logp, shifts, strict=True)]
+    weights = [rng.choice([0.0, 0.3, 1.0, 2.5], len(s)) for s in shifts]
+    weights[2][:] = 0.0  # one sequence with no weighted token
     return logp, old, adv, weights
 
 
 def _run(name, logp, old, adv, weights, config=None, micro=1):
+    """compute_loss in float64 and backward; returns loss, metrics, d loss / d logp."""
     lps = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in logp]
-    inputs = [{"target_tokens": torch.zeros(len(x), dtype=torch.long),
-               "weights": torch.tensor(w), "logprobs": torch.tensor(o),
-               "advantages": torch.tensor(a)}
-              for x, o, a, w in zip(logp, old, adv, weights, strict=True)]
+    inputs = []
+    for x, o, a, w in zip(logp, old, adv, weights, strict=True):
+        item = {"target_tokens": torch.zeros(x.shape, dtype=torch.long),
+                "logprobs": torch.tensor(o), "advantages": torch.tensor(a)}
+        if w is not None:
+            item["weights"] = torch.tensor(w)
+        inputs.append(item)
     loss, metrics = compute_loss(LossSpec(name, config or {}), lps, inputs, micro)
     loss.backward()
     return float(loss.detach()), metrics, [lp.grad.numpy() for lp in lps]
 
 
-def test_cross_entropy_is_the_weighted_sum_with_any_float_weights():
+def _zip(*arrays):
+    return zip(*arrays, strict=True)
+
+
+def test_cross_entropy_is_the_weighted_sum_with_gradient_minus_weights():
     logp, old, adv, w = _case()
     loss, metrics, grads = _run("cross_entropy", logp, old, adv, w)
-    expected = -sum((lp * wi).sum() for lp, wi in zip(logp, w, strict=True))
-    assert loss == pytest.approx(expected, rel=1e-9)
-    assert metrics["loss:sum"] == pytest.approx(expected, rel=1e-6)
-    for g, wi in zip(grads, w, strict=True):
-        np.testing.assert_allclose(g, -wi)
+    expected = -sum((lp * wi).sum() for lp, wi in _zip(logp, w))
+    assert loss == pytest.approx(expected, rel=1e-12)
+    assert metrics["loss:sum"] == pytest.approx(expected, rel=1e-12)
+    assert metrics["tokens:sum"] == sum(float((wi != 0).sum()) for wi in w)
+    for g, wi in _zip(grads, w):
+        np.testing.assert_allclose(g, -wi, rtol=1e-12)
 
 
-def test_importance_sampling_is_minus_ratio_times_advantage():
+def test_cross_entropy_without_weights_counts_every_token_once():
+    logp, old, adv, _ = _case()
+    loss, metrics, _ = _run("cross_entropy", logp, old, adv, [None] * len(logp))
+    assert loss == pytest.approx(-sum(lp.sum() for lp in logp), rel=1e-12)
+    assert metrics["tokens:sum"] == sum(len(lp) for lp in logp)
+
+
+def test_cross_entropy_accepts_two_dimensional_targets():
+    rng = np.random.default_rng(1)
+    logp, w = rng.uniform(-3, 0, (4, 3)), rng.uniform(0, 2, (4, 3))
+    loss, _, grads = _run("cross_entropy", [logp], [logp], [np.zeros_like(logp)], [w])
+    assert loss == pytest.approx(-(logp * w).sum(), rel=1e-12)
+    np.testing.assert_allclose(grads[0], -w, rtol=1e-12)
+
+
+def test_importance_sampling_is_minus_ratio_times_advantage_ignoring_weights():
     logp, old, adv, w = _case()
-    loss, _, _ = _run("importance_sampling", logp, old, adv, w)
-    expected = -sum((np.exp(lp - o) * a).sum() for lp, o, a in zip(logp, old, adv, strict=True))
-    assert loss == pytest.approx(expected, rel=1e-9)
+    loss, metrics, grads = _run("importance_sampling", logp, old, adv, w)
+    ratio = [np.exp(lp - o) for lp, o in _zip(logp, old)]
+    assert loss == pytest.approx(-sum((r * a).sum() for r, a in _zip(ratio, adv)), rel=1e-12)
+    for g, r, a in _zip(grads, ratio, adv):
+        np.testing.assert_allclose(g, -r * a, rtol=1e-12)  # d ratio / d logp = ratio
+    active = np.concatenate(w) != 0
+    assert metrics["ratio:mean"] == pytest.approx(np.concatenate(ratio)[active].mean())
+    assert metrics["clip_fraction:mean"] == 0.0
 
 
 @pytest.mark.parametrize(("config", "lo", "hi"),
                          [({}, 0.8, 1.2), ({"clip_low_threshold": 0.9,
                                            "clip_high_threshold": 1.1}, 0.9, 1.1)])
-def test_ppo_takes_the_pessimistic_clipped_term(config, lo, hi):
+def test_ppo_takes_the_pessimistic_clipped_term_in_both_regions(config, lo, hi):
     logp, old, adv, w = _case()
-    loss, metrics, _ = _run("ppo", logp, old, adv, w, config)
+    loss, metrics, grads = _run("ppo", logp, old, adv, w, config)
     expected = 0.0
-    for lp, o, a in zip(logp, old, adv, strict=True):
+    for lp, o, a, g in _zip(logp, old, adv, grads):
         r = np.exp(lp - o)
-        expected -= np.minimum(r * a, np.clip(r, lo, hi) * a).sum()
-    assert loss == pytest.approx(expected, rel=1e-9)
-    ratios = np.concatenate([np.exp(lp - o) for lp, o in zip(logp, old, strict=True)])
-    assert (ratios < lo).any() and (ratios > hi).any()
+        unclipped, clipped = r * a, np.clip(r, lo, hi) * a
+        expected -= np.minimum(unclipped, clipped).sum()
+        # The gradient flows only where the unclipped term is the smaller one.
+        np.testing.assert_allclose(g, np.where(unclipped <= clipped, -r * a, 0.0), rtol=1e-12)
+    assert loss == pytest.approx(expected, rel=1e-12)
+    r0, a0 = np.exp(logp[0] - old[0]), adv[0]
+    # Every combination is present: clipped away (no gradient) and kept, low and high.
+    assert ((r0 > hi) & (a0 > 0)).any() and ((r0 < lo) & (a0 < 0)).any()
+    assert ((r0 > hi) & (a0 < 0)).any() and ((r0 < lo) & (a0 > 0)).any()
+    ratios, active = np.concatenate([np.exp(lp - o) for lp, o in _zip(logp, old)]), \
+        np.concatenate(w) != 0
+    assert metrics["clip_fraction:mean"] == pytest.approx(
+        ((ratios[active] < lo) | (ratios[active] > hi)).mean())
+
+
+def test_cispo_detaches_the_clipped_ratio_so_the_gradient_is_clip_times_advantage():
+    logp, old, adv, w = _case()
+    loss, metrics, grads = _run("cispo", logp, old, adv, w, {"clip_high_threshold": 1.3})
+    expected = 0.0
+    for lp, o, a, g in _zip(logp, old, adv, grads):
+        c = np.clip(np.exp(lp - o), 0.0, 1.3)
+        expected -= (c * lp * a).sum()
+        np.testing.assert_allclose(g, -c * a, rtol=1e-12)
+    assert loss == pytest.approx(expected, rel=1e-12)
     assert 0.0 < metrics["clip_fraction:mean"] < 1.0
 
 
-def test_cispo_detaches_the_clipped_ratio():
+def test_cispo_defaults_clip_at_four():
     logp, old, adv, w = _case()
-    loss, _, grads = _run("cispo", logp, old, adv, w, {"clip_high_threshold": 1.3})
-    expected = 0.0
-    for lp, o, a, g in zip(logp, old, adv, grads, strict=True):
-        c = np.clip(np.exp(lp - o), 0.0, 1.3)
-        expected -= (c * lp * a).sum()
-        np.testing.assert_allclose(g, -c * a, rtol=1e-9)
-    assert loss == pytest.approx(expected, rel=1e-9)
+    loss, _, _ = _run("cispo", logp, [lp - 2.0 for lp in logp], adv, w)  # ratio e^2 = 7.39
+    assert loss == pytest.approx(-sum((4.0 * lp * a).sum() for lp, a in _zip(logp, adv)))
 
 
-def test_dro_adds_the_quadratic_penalty_with_beta():
+@pytest.mark.parametrize(("config", "beta"), [({"beta": 0.3}, 0.3), ({}, 1.0)])
+def test_dro_adds_the_quadratic_penalty_with_beta(config, beta):
     logp, old, adv, w = _case()
-    loss, _, _ = _run("dro", logp, old, adv, w, {"beta": 0.3})
-    expected = -sum((lp * a - 0.5 * 0.3 * (lp - o) ** 2).sum()
-                    for lp, o, a in zip(logp, old, adv, strict=True))
-    assert loss == pytest.approx(expected, rel=1e-9)
+    loss, _, grads = _run("dro", logp, old, adv, w, config)
+    expected = -sum((lp * a - 0.5 * beta * (lp - o) ** 2).sum()
+                    for lp, o, a in _zip(logp, old, adv))
+    assert loss == pytest.approx(expected, rel=1e-12)
+    for g, lp, o, a in _zip(grads, logp, old, adv):
+        np.testing.assert_allclose(g, -(a - beta * (lp - o)), rtol=1e-12)
 
 
 def test_native_cross_entropy_is_a_token_mean_divided_by_micro_batches():
     logp, old, adv, w = _case()
     loss, metrics, _ = _run("CrossEntropyLoss", logp, old, adv, w, micro=2)
     total_w = sum(wi.sum() for wi in w)
-    expected = -sum((lp * wi).sum() for lp, wi in zip(logp, w, strict=True)) / total_w / 2
-    assert loss == pytest.approx(expected, rel=1e-9)
-    assert "loss:mean" in metrics
+    expected = -sum((lp * wi).sum() for lp, wi in _zip(logp, w)) / total_w / 2
+    assert loss == pytest.approx(expected, rel=1e-12)
+    assert metrics["loss:mean"] == pytest.approx(expected, rel=1e-12)
+    assert "loss:sum" not in metrics
+
+
+def test_native_cross_entropy_two_micro_batches_accumulate_to_one_batch():
+    rng = np.random.default_rng(2)
+    logp = [rng.uniform(-3, 0, n) for n in (3, 5, 8)]
+    w = [np.ones(n) for n in (3, 5, 8)]  # micro-batches {0, 1} and {2} weigh 8 each
+    zeros = [np.zeros_like(x) for x in logp]
+    _, _, whole = _run("CrossEntropyLoss", logp, zeros, zeros, w, micro=1)
+    _, _, first = _run("CrossEntropyLoss", logp[:2], zeros[:2], zeros[:2], w[:2], micro=2)
+    _, _, second = _run("CrossEntropyLoss", logp[2:], zeros[2:], zeros[2:], w[2:], micro=2)
+    for g, acc in _zip(whole, first + second):
+        np.testing.assert_allclose(g, acc, rtol=1e-12)
 
 
 def test_native_cross_entropy_with_no_weighted_tokens_is_zero_not_nan():
     logp, old, adv, w = _case()
-    loss, _, _ = _run("CrossEntropyLoss", logp, old, adv, [np.zeros_like(x) for x in w])
-    assert loss == 0.0
+    loss, metrics, grads = _run("CrossEntropyLoss", logp, old, adv, [np.zeros_like(x) for x in w])
+    assert loss == 0.0 and metrics["loss:mean"] == 0.0 and metrics["tokens:sum"] == 0.0
+    assert all(np.all(g == 0) for g in grads)
+
+
+def _grpo_reference(logp, old, adv, w, lo, hi):
+    means = []
+    for lp, o, a, wi in _zip(logp, old, adv, w):
+        r = np.exp(lp - o)
+        term = np.minimum(r * a, np.clip(r, lo, hi) * a)
+        if (wi > 0).any():
+            means.append(term[wi > 0].mean())
+    return -np.mean(means)
 
 
 def test_grpo_averages_tokens_per_sequence_then_sequences():
     logp, old, adv, w = _case()
-    loss, _, _ = _run("GRPOLoss", logp, old, adv, w, {"epsilon": 0.2, "epsilon_high": 0.28})
-    means = []
-    for lp, o, a, wi in zip(logp, old, adv, w, strict=True):
-        r = np.exp(lp - o)
-        term = np.minimum(r * a, np.clip(r, 0.8, 1.28) * a)
-        mask = wi > 0
-        if mask.any():
-            means.append(term[mask].mean())
-    assert loss == pytest.approx(-np.mean(means), rel=1e-9)
+    loss, metrics, _ = _run("GRPOLoss", logp, old, adv, w, {"epsilon": 0.2,
+                                                            "epsilon_high": 0.28})
+    expected = _grpo_reference(logp, old, adv, w, 0.8, 1.28)
+    assert loss == pytest.approx(expected, rel=1e-12)
+    assert metrics["loss:mean"] == pytest.approx(expected, rel=1e-12)
+    # A flat token mean over the batch weighs the 20-token sequence more: not the same.
+    flat = np.concatenate(w) > 0
+    r = np.concatenate([np.exp(lp - o) for lp, o in _zip(logp, old)])
+    a = np.concatenate(adv)
+    assert not math.isclose(loss, -np.minimum(r * a, np.clip(r, 0.8, 1.28) * a)[flat].mean(),
+                            rel_tol=1e-3)
+
+
+def test_grpo_epsilon_high_defaults_to_epsilon_and_divides_by_micro_batches():
+    logp, old, adv, w = _case()
+    loss, _, _ = _run("GRPOLoss", logp, old, adv, w, {"epsilon": 0.1}, micro=3)
+    assert loss == pytest.approx(_grpo_reference(logp, old, adv, w, 0.9, 1.1) / 3, rel=1e-12)
+    default, _, _ = _run("GRPOLoss", logp, old, adv, w)
+    assert default == pytest.approx(_grpo_reference(logp, old, adv, w, 0.8, 1.2), rel=1e-12)
+
+
+def test_tinker_losses_ignore_num_micro_batches():
+    logp, old, adv, w = _case()
+    for name in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro"):
+        one, _, _ = _run(name, logp, old, adv, w, micro=1)
+        four, _, _ = _run(name, logp, old, adv, w, micro=4)
+        assert one == four, name
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_NAMES))
+def test_every_loss_reports_finite_metrics_under_name_reduction_keys(name):
+    logp, old, adv, w = _case(seed=3)
+    _, metrics, _ = _run(name, logp, old, adv, w)
+    loss_key = "loss:mean" if name in ("CrossEntropyLoss", "GRPOLoss") else "loss:sum"
+    expected = {loss_key, "tokens:sum"}
+    if name not in ("cross_entropy", "CrossEntropyLoss"):
+        expected |= {"ratio:mean", "clip_fraction:mean"}
+    assert set(metrics) == expected
+    assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+
+
+def test_compute_loss_rejects_a_bad_micro_batch_count_and_mismatched_logprobs():
+    lp = [torch.zeros(3, requires_grad=True)]
+    inputs = [{"target_tokens": torch.zeros(3, dtype=torch.long)}]
+    with pytest.raises(InvalidArgument, match="num_micro_batches: must be an integer >= 1"):
+        compute_loss(LossSpec("CrossEntropyLoss"), lp, inputs, 0)
+    with pytest.raises(InvalidArgument, match=r"logprobs shape \[2\] differs"):
+        compute_loss(LossSpec("cross_entropy"), [torch.zeros(2)], inputs)
 
 
 def _datum(n, **inputs):
     return Datum(np.zeros(n, np.int64), {"target_tokens": np.zeros(n, np.int64), **inputs})
 
 
+_RL = {"logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32)}
+
+
 @pytest.mark.parametrize(("spec", "datum", "message"), [
-    (LossSpec("hinge"), _datum(2), "unknown loss 'hinge'; valid losses are"),
+    (LossSpec("hinge"), _datum(2),
+     r"unknown loss 'hinge'; valid losses are \['CrossEntropyLoss', 'GRPOLoss', 'cispo'"),
     (LossSpec("ppo"), _datum(2, logprobs=np.zeros(2, np.float32)),
      r"datum\[0\].loss_fn_inputs: ppo needs 'advantages'"),
-    (LossSpec("ppo", {"clip": 0.1}), _datum(2), "'clip' is not a parameter of ppo"),
-    (LossSpec("dro", {"beta": float("nan")}), _datum(2), "beta: must be finite"),
+    (LossSpec("importance_sampling"), _datum(2, advantages=np.zeros(2, np.float32)),
+     r"datum\[0\].loss_fn_inputs: importance_sampling needs 'logprobs'"),
+    (LossSpec("ppo", {"clip": 0.1}), _datum(2, **_RL),
+     r"'clip' is not a parameter of ppo \(it takes \['clip_high_threshold'"),
+    (LossSpec("cross_entropy", {"beta": 1.0}), _datum(2),
+     "not a parameter of cross_entropy .it takes no parameters"),
+    (LossSpec("dro", {"beta": float("nan")}), _datum(2, **_RL), "beta: must be finite"),
+    (LossSpec("dro", {"beta": -0.5}), _datum(2, **_RL), "beta: must be >= 0"),
+    (LossSpec("dro", {"beta": "1"}), _datum(2, **_RL), "beta: must be a number, got str"),
+    (LossSpec("GRPOLoss", {"epsilon": float("inf")}), _datum(2, **_RL), "epsilon: must be fin"),
+    (LossSpec("ppo", {"clip_low_threshold": 1.3}), _datum(2, **_RL),
+     "clip_low_threshold 1.3 is above clip_high_threshold 1.2"),
     (LossSpec("cross_entropy"), _datum(3, weights=np.ones(2, np.float32)),
-     r"\['weights'\]: shape \[2\] differs from target_tokens' \[3\]"),
+     r"datum\[0\].loss_fn_inputs\['weights'\]: shape \[2\] differs from target_tokens' \[3\]"),
+    (LossSpec("cross_entropy"),
+     Datum(np.zeros(2, np.int64), {"target_tokens": np.zeros((2, 3), np.int64),
+                                   "weights": np.ones((2, 2), np.float32)}),
+     r"\['weights'\]: shape \[2, 2\] differs from target_tokens' \[2, 3\]"),
+    (LossSpec("cross_entropy"), Datum(np.zeros(2, np.int64),
+                                      {"target_tokens": np.zeros(2, np.float32)}),
+     r"\['target_tokens'\]: must be integer"),
     (LossSpec("importance_sampling"),
      _datum(2, logprobs=np.zeros(2, np.float32), advantages=np.array([1.0, np.nan], np.float32)),
-     r"\['advantages'\]: contains NaN or infinity"),
+     r"datum\[0\].loss_fn_inputs\['advantages'\]: contains NaN or infinity"),
+    (LossSpec("cross_entropy"), _datum(2, weights=np.array([np.inf, 1.0], np.float32)),
+     r"\['weights'\]: contains NaN or infinity"),
 ])
 def test_validate_loss_names_the_field(spec, datum, message):
     with pytest.raises(InvalidArgument, match=message):
         validate_loss(spec, [datum])
+
+
+def test_validate_loss_names_the_index_of_the_bad_datum():
+    good = _datum(2, **_RL)
+    bad = _datum(2, logprobs=np.array([0.0, -np.inf], np.float32),
+                 advantages=np.ones(2, np.float32))
+    with pytest.raises(InvalidArgument, match=r"datum\[1\].loss_fn_inputs\['logprobs'\]"):
+        validate_loss(LossSpec("ppo"), [good, bad])
+
+
+def test_validate_loss_accepts_well_formed_inputs_for_every_loss():
+    for name in LOSS_NAMES:
+        validate_loss(LossSpec(name), [_datum(2, weights=np.ones(2, np.float32), **_RL)])
+    validate_loss(LossSpec("GRPOLoss", {"epsilon": 0.2, "epsilon_high": 0.28}),
+                  [_datum(2, **_RL)])
