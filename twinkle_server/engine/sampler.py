@@ -30,6 +30,8 @@ Route = Callable[[Sequence[str | None]], AbstractContextManager]
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """`num_samples` completions of one int64 `[T]` prompt under one adapter (None = base)."""
+
     adapter_id: str | None
     prompt: np.ndarray
     num_samples: int
@@ -37,9 +39,11 @@ class GenerationRequest:
 
 
 def validate(request: GenerationRequest) -> None:
+    """Raise `InvalidArgument` naming the field and its limit; the engine may call this per
+    request first so that one bad request does not fail the whole batch."""
     p = request.params
-    if request.prompt.size == 0:
-        raise InvalidArgument("prompt: is empty")
+    if np.asarray(request.prompt).size == 0:
+        raise InvalidArgument("prompt: is empty (needs >= 1 token)")
     if request.num_samples < 1:
         raise InvalidArgument(f"num_samples: must be >= 1, got {request.num_samples}")
     if p.max_tokens < 1:
@@ -49,6 +53,11 @@ def validate(request: GenerationRequest) -> None:
                               f"got {p.temperature}")
     if not (0.0 < p.top_p <= 1.0):
         raise InvalidArgument(f"sampling_params.top_p: must be in (0, 1], got {p.top_p}")
+    # -1 is Tinker's default for "no limit" (its SDK sends it unchanged), so it means off
+    # like 0; anything lower is a mistake.
+    if p.top_k < -1:
+        raise InvalidArgument(f"sampling_params.top_k: must be >= 0 (or -1 = no limit), "
+                              f"got {p.top_k}")
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
@@ -57,18 +66,21 @@ def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     if params.temperature == 0 or params.top_k == 1:
         return logits.argmax(-1)
     scores = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
+    if 0 < params.top_k < scores.shape[-1]:
+        # topk returns its values sorted, so top-p below sorts only k columns, not V.
+        ordered, order = torch.topk(scores, params.top_k, dim=-1)
+    elif params.top_p < 1.0:
         ordered, order = torch.sort(scores, dim=-1, descending=True)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if params.top_p < 1.0:
         probs = torch.softmax(ordered, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= params.top_p
         ordered = ordered.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    pick = torch.multinomial(torch.softmax(ordered, dim=-1), 1, generator=generator)
+    return order.gather(-1, pick).squeeze(-1)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
@@ -77,16 +89,40 @@ def _cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """One stream per request, on the logits' device so sampling copies nothing to the host."""
+    return torch.Generator(device=device).manual_seed(
+        seed if seed is not None else secrets.randbits(63))
+
+
 @torch.inference_mode()
 def generate(model: torch.nn.Module, route: Route, requests: Sequence[GenerationRequest], *,
              eos_token_ids: Sequence[int], pad_token_id: int,
              decode: Callable[[Sequence[int]], str]) -> list[list[SampledSequence]]:
-    """Sample every request's completions in one batch; results in request order."""
+    """Sample every request's completions in one left-padded, KV-cached batch.
+
+    Args:
+        model: a causal LM; every forward runs inside `route(row_adapter_ids)`.
+        route: the multi-LoRA router; row i of each forward uses adapter ids[i].
+        requests: rows of request r are contiguous, in request order.
+        eos_token_ids: stop tokens for requests with `stop_on_eos`.
+        pad_token_id: left-padding id (masked out, never attended to).
+        decode: token ids -> text, for stop strings.
+
+    Returns:
+        Per request, its `num_samples` `SampledSequence`s (int32 tokens, float32 untempered
+        logprobs, 'stop' or 'length').
+
+    Raises:
+        InvalidArgument: a request's field is out of range (checked before any compute).
+
+    Rows that finish leave the batch (and the KV cache), so later steps only pay for the
+    rows still decoding.
+    """
     for request in requests:
         validate(request)
     device = next(model.parameters()).device
     owners = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
-    row_ids = [requests[i].adapter_id for i in owners]
     prompts = [np.asarray(requests[i].prompt, dtype=np.int64) for i in owners]
     width = max(p.size for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
@@ -95,47 +131,54 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         ids[row, width - prompt.size:] = torch.from_numpy(prompt)
         mask[row, width - prompt.size:] = 1
     ids, mask = ids.to(device), mask.to(device)
-    generators = [torch.Generator().manual_seed(
-        r.params.seed if r.params.seed is not None else secrets.randbits(63)) for r in requests]
+    generators = [_generator(r.params.seed, device) for r in requests]
     stops = [set(r.params.stop_token_ids) | (set(eos_token_ids) if r.params.stop_on_eos else set())
              for r in requests]
     out_tokens: list[list[int]] = [[] for _ in owners]
     out_logprobs: list[list[float]] = [[] for _ in owners]
     reasons: list[str | None] = [None] * len(owners)
-    steps = max(r.params.max_tokens for r in requests)
+    active = list(range(len(owners)))  # global row index of each batch row, in order
     cache_kw = _cache_keyword(model)
     cache = None
     step_input, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
-    for _ in range(steps):
-        with route(row_ids):
+    while active:
+        with route([requests[owners[row]].adapter_id for row in active]):
             out = model(input_ids=step_input, attention_mask=mask, position_ids=positions,
                         use_cache=True, logits_to_keep=1, **{cache_kw: cache})
         cache = getattr(out, cache_kw)
         logits = out.logits[:, -1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = torch.empty(len(owners), dtype=torch.long, device=device)
+        chosen = torch.empty(len(active), dtype=torch.long, device=device)
         start = 0
-        for i, request in enumerate(requests):
-            end = start + request.num_samples
-            chosen[start:end] = _pick(logits[start:end], request.params, generators[i])
+        while start < len(active):  # one contiguous segment per request, in request order
+            owner = owners[active[start]]
+            end = start
+            while end < len(active) and owners[active[end]] == owner:
+                end += 1
+            chosen[start:end] = _pick(logits[start:end], requests[owner].params,
+                                      generators[owner])
             start = end
-        chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1).cpu().tolist()
-        chosen_list = chosen.cpu().tolist()
-        for row, owner in enumerate(owners):
-            if reasons[row] is not None:
-                continue
-            params = requests[owner].params
-            out_tokens[row].append(chosen_list[row])
-            out_logprobs[row].append(chosen_logp[row])
-            if chosen_list[row] in stops[owner]:
+        chosen_logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+        chosen_list, logp_list = chosen.tolist(), chosen_logp.tolist()
+        keep = []
+        for batch_row, row in enumerate(active):
+            params = requests[owners[row]].params
+            token = chosen_list[batch_row]
+            out_tokens[row].append(token)
+            out_logprobs[row].append(logp_list[batch_row])
+            if token in stops[owners[row]]:
                 reasons[row] = "stop"
             elif params.stop_strings and any(s in decode(out_tokens[row])
                                               for s in params.stop_strings):
                 reasons[row] = "stop"
             elif len(out_tokens[row]) >= params.max_tokens:
                 reasons[row] = "length"
-        if all(r is not None for r in reasons):
-            break
+            else:
+                keep.append(batch_row)
+        if len(keep) < len(active):
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            cache.batch_select_indices(index)
+            chosen, mask, positions = chosen[index], mask[index], positions[index]
+            active = [active[i] for i in keep]
         step_input = chosen[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
         positions = positions[:, -1:] + 1
@@ -144,7 +187,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         results[owner].append(SampledSequence(
             tokens=np.asarray(out_tokens[row], dtype=np.int32),
             logprobs=np.asarray(out_logprobs[row], dtype=np.float32),
-            stop_reason=reasons[row] or "length"))
+            stop_reason=reasons[row]))
     return results
 
 
