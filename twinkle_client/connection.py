@@ -1,0 +1,348 @@
+"""One connection to a Twinkle server, shared by both clients.
+
+It owns what every call needs: the gRPC channel (plaintext or TLS, from the base URL), the
+`authorization: Bearer <key>` metadata, a session kept alive by a background heartbeat,
+the per-model `seq_id` counters that order a model's ops, the thread pool that runs calls
+so they can be submitted before they are awaited, retries of idempotent calls while the
+server is unreachable, and the mapping of a failed call to an exception (`errors`).
+
+`twinkle_client` and `tinker_compat` add only their own types on top; neither opens a
+channel or converts a tensor itself (tensors go through `wire`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import grpc
+import numpy as np
+
+from twinkle_client import errors, wire
+from twinkle_client._proto.twinkle.v1 import (
+    common_pb2,
+    runs_pb2,
+    runs_pb2_grpc,
+    sampling_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+    training_pb2,
+    training_pb2_grpc,
+)
+from twinkle_client.futures import Future
+
+log = logging.getLogger("twinkle_client")
+
+CALL_TIMEOUT_S = 600.0
+"""Deadline of one call. Ops queue behind a model's earlier ops, so this is generous."""
+RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Back-off before each retry of an idempotent call answered UNAVAILABLE (~8 s in all)."""
+MAX_INFLIGHT_CALLS = 64
+"""Threads that carry calls; more submitted calls wait in order for a free one."""
+
+T = TypeVar("T")
+
+
+def parse_base_url(base_url: str) -> tuple[str, bool]:
+    """`http://host:port` -> plaintext, `https://host:port` -> TLS, bare `host:port` ->
+    plaintext. Returns (gRPC target, use TLS)."""
+    if not base_url or not base_url.strip():
+        raise ValueError("base_url: empty; pass e.g. 'http://127.0.0.1:8000'")
+    text = base_url.strip()
+    if "://" not in text:
+        return text.rstrip("/"), False
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https", "grpc", "grpcs"):
+        raise ValueError(f"base_url: scheme {parts.scheme!r} of {base_url!r} is not one of "
+                         "http, https, grpc, grpcs")
+    secure = parts.scheme in ("https", "grpcs")
+    if not parts.hostname:
+        raise ValueError(f"base_url: {base_url!r} has no host")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = parts.port or (443 if secure else 80)
+    return f"{host}:{port}", secure
+
+
+def setting(value: str | None, *env_names: str) -> str | None:
+    """`value` if given, else the first of `env_names` that is set and not empty."""
+    if value:
+        return value
+    return next((os.environ[name] for name in env_names if os.environ.get(name)), None)
+
+
+@dataclass
+class ForwardResult:
+    """What a forward/forward_backward returns: per-datum outputs in datum order (each a
+    dict such as {"logprobs": float32 [T]}), the loss and the metrics ("name:reduction")."""
+
+    outputs: list[dict[str, np.ndarray]]
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Connection:
+    """A channel, a session and the ordered-op machinery for one server and one API key.
+
+    Args:
+        base_url: `http://host:port`, `https://host:port` or `host:port`.
+        api_key: sent as `authorization: Bearer <key>`; None for an open (keyless) server.
+        client_name: reported to the server when the session opens.
+        error_factory: builds the exception for a failed call from its category; each
+            client passes its own exception family.
+        root_certificates: PEM bytes of the CA for a TLS server with a private CA (else
+            the file named by `TWINKLE_TLS_CA_FILE`, else the system roots).
+        open_session: open a session with a heartbeat thread (models created under it are
+            unloaded by the server when the heartbeat stops).
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, *, client_name: str,
+                 error_factory: errors.ErrorFactory = errors.native_error,
+                 root_certificates: bytes | None = None, open_session: bool = True,
+                 tags: Mapping[str, str] | None = None) -> None:
+        self.base_url = base_url
+        self.target, secure = parse_base_url(base_url)
+        self.error_factory = error_factory
+        if secure:
+            ca_file = os.environ.get("TWINKLE_TLS_CA_FILE")
+            if root_certificates is None and ca_file:
+                root_certificates = Path(ca_file).read_bytes()
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(self.target, credentials)
+        else:
+            self.channel = grpc.insecure_channel(self.target)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {api_key}"),) if api_key else ())
+        self.session = session_pb2_grpc.SessionServiceStub(self.channel)
+        self.training = training_pb2_grpc.TrainingServiceStub(self.channel)
+        self.sampling = sampling_pb2_grpc.SamplingServiceStub(self.channel)
+        self.runs = runs_pb2_grpc.RunsServiceStub(self.channel)
+        self._pool = ThreadPoolExecutor(MAX_INFLIGHT_CALLS, thread_name_prefix="twinkle-call")
+        self._seq: dict[str, int] = {}
+        self._seq_lock = threading.Lock()
+        self._closed = threading.Event()
+        self.session_id: str | None = None
+        self._heartbeat: threading.Thread | None = None
+        self._capabilities = None
+        if open_session:
+            self._open_session(client_name, tags or {})
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, method: Any, request: Any, *, timeout: float | None = None,
+             retry: bool = True) -> Any:
+        """A unary call with this connection's key and deadline.
+
+        Idempotent calls (`retry=True`: reads, and every op carrying a seq_id, which the
+        server answers from its stored result when repeated) are retried while the server
+        is UNAVAILABLE. Failures raise the client's exception for the status.
+        """
+        name = _method_name(method)
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            try:
+                return method(request, metadata=self.metadata,
+                              timeout=timeout or CALL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if not self._retryable(exc, retry, attempt):
+                    raise errors.from_rpc_error(exc, name, self.error_factory) from None
+            time.sleep(RETRY_DELAYS_S[attempt])
+        raise AssertionError("unreachable")
+
+    def _retryable(self, exc: grpc.RpcError, retry: bool, attempt: int) -> bool:
+        return (retry and attempt < len(RETRY_DELAYS_S) and not self._closed.is_set()
+                and exc.code() == grpc.StatusCode.UNAVAILABLE
+                and "shutting down" not in (exc.details() or ""))
+
+    def stream(self, method: Any, request: Any, *, timeout: float | None = None
+               ) -> Iterator[Any]:
+        """A server-streaming call's messages; failures raise like `call`."""
+        try:
+            yield from method(request, metadata=self.metadata, timeout=timeout or CALL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc, _method_name(method), self.error_factory) from None
+
+    def submit(self, fn: Callable[..., T], *args: Any, future_class: type[Future] = Future,
+               **kwargs: Any) -> Future[T]:
+        """Run `fn(*args, **kwargs)` on the call pool; returns its future at once."""
+        if self._closed.is_set():
+            raise self.error_factory("failed_precondition",
+                                     f"connection to {self.base_url} is closed", "")
+        return future_class(self._pool.submit(fn, *args, **kwargs))
+
+    # ------------------------------------------------------------------ ordered ops
+
+    def register_model(self, model_id: str, next_seq_id: int) -> None:
+        """Start numbering `model_id`'s ops where the server expects them."""
+        with self._seq_lock:
+            self._seq[model_id] = next_seq_id
+
+    def op(self, model_id: str) -> common_pb2.OpHeader:
+        """The header of `model_id`'s next op: seq_ids in call order, a fresh request id."""
+        with self._seq_lock:
+            if model_id not in self._seq:
+                raise self.error_factory("failed_precondition",
+                                         f"model_id: {model_id!r} was not created or loaded "
+                                         "through this connection", "")
+            seq = self._seq[model_id]
+            self._seq[model_id] = seq + 1
+        return common_pb2.OpHeader(model_id=model_id, seq_id=seq, request_id=uuid.uuid4().hex)
+
+    def create_model(self, request: training_pb2.CreateModelRequest) -> training_pb2.ModelInfo:
+        """CreateModel under this session; registers the new model's seq counter."""
+        if self.session_id and not request.session_id:
+            request.session_id = self.session_id
+        info = self.call(self.training.CreateModel, request, retry=False)
+        self.register_model(info.model_id, info.next_seq_id)
+        return info
+
+    def forward(self, header: common_pb2.OpHeader, datums: Sequence[common_pb2.Datum],
+                loss: common_pb2.LossFn | None = None, backward: bool = True,
+                chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> ForwardResult:
+        """Stream encoded datums in chunks under `chunk_bytes` as one Forward(Backward) op.
+
+        Chunks are made before anything is sent, so an oversized datum fails here and
+        never reaches the server. The op is retried whole (same seq_id) while the server
+        is unreachable.
+        """
+        chunks = list(wire.chunk_datums(datums, chunk_bytes))
+        first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
+            op=header, loss=loss or common_pb2.LossFn(), num_datums=len(datums)))
+        method = self.training.ForwardBackward if backward else self.training.Forward
+
+        def messages() -> Iterator[training_pb2.ForwardChunk]:
+            yield first
+            for group in chunks:
+                yield training_pb2.ForwardChunk(datums=group)
+
+        name = _method_name(method)
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            try:
+                replies = list(method(messages(), metadata=self.metadata,
+                                      timeout=CALL_TIMEOUT_S))
+                break
+            except grpc.RpcError as exc:
+                if not self._retryable(exc, True, attempt):
+                    raise errors.from_rpc_error(exc, name, self.error_factory) from None
+            time.sleep(RETRY_DELAYS_S[attempt])
+        outputs = [{key: wire.decode_array(tensor, f"outputs[{i}][{key!r}]")
+                    for key, tensor in out.outputs.items()}
+                   for i, out in enumerate(o for reply in replies for o in reply.outputs)]
+        last = replies[-1]
+        return ForwardResult(outputs, last.loss, dict(last.metrics))
+
+    # ------------------------------------------------------------------ server facts
+
+    def capabilities(self, refresh: bool = False) -> session_pb2.ServerCapabilities:
+        """The server's served models, limits and allow-lists (cached after the first call)."""
+        if self._capabilities is None or refresh:
+            self._capabilities = self.call(self.session.GetServerCapabilities,
+                                           common_pb2.Empty())
+        return self._capabilities
+
+    def download_checkpoint(self, path: str, dest: str | os.PathLike) -> Path:
+        """Every file of checkpoint `path` into directory `dest` (made if missing)."""
+        chunks = self.stream(self.runs.DownloadCheckpoint, runs_pb2.CheckpointRef(path=path))
+        return _write_files(chunks, Path(dest))
+
+    def download_tokenizer(self, model: str, dest: str | os.PathLike) -> Path:
+        """The tokenizer files of served `model` into `dest`, so no model hub is needed."""
+        chunks = self.stream(self.session.GetTokenizer,
+                             session_pb2.GetTokenizerRequest(model=model))
+        return _write_files(chunks, Path(dest))
+
+    # ------------------------------------------------------------------ session
+
+    def _open_session(self, client_name: str, tags: Mapping[str, str]) -> None:
+        reply = self.call(self.session.CreateSession, session_pb2.CreateSessionRequest(
+            client_name=client_name, tags=dict(tags)), retry=False)
+        self.session_id = reply.session_id
+        interval = max(0.5, reply.heartbeat_interval_s)
+        self._heartbeat = threading.Thread(target=self._beat, args=(interval,),
+                                           name="twinkle-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self, interval_s: float) -> None:
+        request = session_pb2.HeartbeatRequest(session_id=self.session_id)
+        while not self._closed.wait(interval_s):
+            try:
+                self.session.Heartbeat(request, metadata=self.metadata, timeout=interval_s)
+            except grpc.RpcError as exc:
+                log.warning("heartbeat of session %s failed: %s", self.session_id,
+                            exc.details() or exc.code())
+
+    def close(self) -> None:
+        """Stop the heartbeat, close the session (the server unloads its models; saved
+        checkpoints stay), wait for submitted calls, and close the channel."""
+        if self._closed.is_set():
+            return
+        self._pool.shutdown(wait=True)
+        self._closed.set()
+        if self.session_id:
+            try:
+                self.session.CloseSession(session_pb2.CloseSessionRequest(
+                    session_id=self.session_id), metadata=self.metadata, timeout=10)
+            except grpc.RpcError as exc:
+                log.warning("closing session %s: %s", self.session_id, exc.details())
+        self.channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _method_name(method: Any) -> str:
+    raw = getattr(method, "_method", b"")
+    return (raw.decode() if isinstance(raw, bytes) else str(raw)).rsplit("/", 1)[-1]
+
+
+def _write_files(chunks: Iterator[common_pb2.FileChunk], dest: Path) -> Path:
+    """Write streamed files into `dest` through a temp dir, so `dest` never holds a partial
+    download. File names from the server are checked: they may not leave `dest`."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=dest.parent))
+    try:
+        for chunk in chunks:
+            name = chunk.path
+            if not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise errors.InvalidArgumentError(f"download: server sent an unsafe file "
+                                                  f"name {name!r}")
+            with open(staging / name, "ab" if chunk.offset else "wb") as handle:
+                handle.write(chunk.data)
+        dest.mkdir(exist_ok=True)
+        for item in staging.iterdir():
+            os.replace(item, dest / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+_default: Connection | None = None
+_default_lock = threading.Lock()
+
+
+def set_default_connection(connection: Connection | None) -> None:
+    """Make `connection` the one that objects created without a client use
+    (`MultiLoraTransformersModel`, templates fetching a tokenizer)."""
+    global _default
+    with _default_lock:
+        _default = connection
+
+
+def get_default_connection() -> Connection | None:
+    return _default
