@@ -214,20 +214,12 @@ class Connection:
         never reaches the server. The op is retried whole (same seq_id) while the server
         is unreachable.
         """
-        chunks = list(wire.chunk_datums(datums, chunk_bytes))
-        first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
-            op=header, loss=loss or common_pb2.LossFn(), num_datums=len(datums)))
+        messages = forward_messages(header, datums, loss, chunk_bytes)
         method = self.training.ForwardBackward if backward else self.training.Forward
-
-        def messages() -> Iterator[training_pb2.ForwardChunk]:
-            yield first
-            for group in chunks:
-                yield training_pb2.ForwardChunk(datums=group)
-
         name = _method_name(method)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                replies = list(method(messages(), metadata=self.metadata,
+                replies = list(method(iter(messages), metadata=self.metadata,
                                       timeout=CALL_TIMEOUT_S))
                 break
             except grpc.RpcError as exc:
@@ -252,13 +244,13 @@ class Connection:
     def download_checkpoint(self, path: str, dest: str | os.PathLike) -> Path:
         """Every file of checkpoint `path` into directory `dest` (made if missing)."""
         chunks = self.stream(self.runs.DownloadCheckpoint, runs_pb2.CheckpointRef(path=path))
-        return _write_files(chunks, Path(dest))
+        return write_files(chunks, Path(dest))
 
     def download_tokenizer(self, model: str, dest: str | os.PathLike) -> Path:
         """The tokenizer files of served `model` into `dest`, so no model hub is needed."""
         chunks = self.stream(self.session.GetTokenizer,
                              session_pb2.GetTokenizerRequest(model=model))
-        return _write_files(chunks, Path(dest))
+        return write_files(chunks, Path(dest))
 
     # ------------------------------------------------------------------ session
 
@@ -306,12 +298,23 @@ class Connection:
         self.close()
 
 
+def forward_messages(header: common_pb2.OpHeader, datums: Sequence[common_pb2.Datum],
+                     loss: common_pb2.LossFn | None = None,
+                     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+                     ) -> list[training_pb2.ForwardChunk]:
+    """The messages of one Forward(Backward) stream: the header, then datum chunks."""
+    first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
+        op=header, loss=loss or common_pb2.LossFn(), num_datums=len(datums)))
+    return [first, *(training_pb2.ForwardChunk(datums=group)
+                     for group in wire.chunk_datums(datums, chunk_bytes))]
+
+
 def _method_name(method: Any) -> str:
     raw = getattr(method, "_method", b"")
     return (raw.decode() if isinstance(raw, bytes) else str(raw)).rsplit("/", 1)[-1]
 
 
-def _write_files(chunks: Iterator[common_pb2.FileChunk], dest: Path) -> Path:
+def write_files(chunks: Iterator[common_pb2.FileChunk], dest: Path) -> Path:
     """Write streamed files into `dest` through a temp dir, so `dest` never holds a partial
     download. File names from the server are checked: they may not leave `dest`."""
     dest.parent.mkdir(parents=True, exist_ok=True)

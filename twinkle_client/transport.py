@@ -1,7 +1,9 @@
 """The raw transport: one gRPC channel, API-key metadata and per-model seq counters.
 
-Both clients build on this; it speaks only the protobuf contract and the codec. Errors
-surface as `grpc.RpcError` carrying the server's status code and message.
+Server tests, benchmarks and the demo use it to drive the contract directly; errors
+surface as raw `grpc.RpcError`s carrying the server's status code and message. The
+clients build on `twinkle_client.connection` instead, which shares its stream and
+download code with this module.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from twinkle_client._proto.twinkle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
+from twinkle_client.connection import forward_messages, write_files
 
 CALL_TIMEOUT_S = 60
 
@@ -63,16 +66,10 @@ class Transport:
         (per-datum logprobs, the final result chunk with loss and metrics)."""
         encoded = [d if isinstance(d, common_pb2.Datum) else wire.encode_datum(d[0], d[1], i)
                    for i, d in enumerate(datums)]
-        header = training_pb2.ForwardHeader(op=self.header(model_id, seq),
-                                            loss=common_pb2.LossFn(name=loss),
-                                            num_datums=len(encoded))
-
-        def chunks():
-            yield training_pb2.ForwardChunk(header=header)
-            for group in wire.chunk_datums(encoded, chunk_bytes):
-                yield training_pb2.ForwardChunk(datums=group)
+        messages = forward_messages(self.header(model_id, seq), encoded,
+                                    common_pb2.LossFn(name=loss), chunk_bytes)
         method = self.training.ForwardBackward if backward else self.training.Forward
-        results = list(method(chunks(), metadata=self.metadata, timeout=CALL_TIMEOUT_S))
+        results = list(method(iter(messages), metadata=self.metadata, timeout=CALL_TIMEOUT_S))
         outputs = [wire.decode_array(o.outputs["logprobs"]) for r in results for o in r.outputs]
         return outputs, results[-1]
 
@@ -91,9 +88,6 @@ class Transport:
 
     def download(self, path: str, dest: Path) -> Path:
         """Write every file of checkpoint `path` under `dest`."""
-        dest.mkdir(parents=True, exist_ok=True)
-        for chunk in self.runs.DownloadCheckpoint(runs_pb2.CheckpointRef(path=path),
-                                                  metadata=self.metadata, timeout=CALL_TIMEOUT_S):
-            with open(dest / chunk.path, "ab" if chunk.offset else "wb") as handle:
-                handle.write(chunk.data)
-        return dest
+        return write_files(self.runs.DownloadCheckpoint(
+            runs_pb2.CheckpointRef(path=path), metadata=self.metadata, timeout=CALL_TIMEOUT_S),
+            Path(dest))

@@ -11,7 +11,7 @@ import pytest
 
 from twinkle_client import errors, wire
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
-from twinkle_client.connection import Connection, _write_files, parse_base_url, setting
+from twinkle_client.connection import Connection, write_files, parse_base_url, setting
 from twinkle_client.tokenizer import load_tokenizer, served_name
 from twinkle_server.process import start_server
 
@@ -45,7 +45,7 @@ def test_setting_prefers_the_argument_then_env_names_in_order(monkeypatch):
 def test_download_refuses_a_file_name_that_leaves_the_directory(tmp_path):
     chunks = iter([common_pb2.FileChunk(path="../escape", data=b"x", total_size=1, last=True)])
     with pytest.raises(errors.InvalidArgumentError, match="unsafe file name"):
-        _write_files(chunks, tmp_path / "dest")
+        write_files(chunks, tmp_path / "dest")
     assert not (tmp_path / "escape").exists()
     assert not (tmp_path / "dest").exists()
 
