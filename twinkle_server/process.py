@@ -38,8 +38,12 @@ class ServerProcess:
         return self.log_path.read_text()
 
 
-def start_server(data_dir: Path, *extra: str) -> ServerProcess:
-    """Run `twinkle-server serve --port 0` on `data_dir`; returns once it serves."""
+def start_server(data_dir: Path, *extra: str, tls_ca: bytes | None = None) -> ServerProcess:
+    """Run `twinkle-server serve --port 0` on `data_dir`; returns once it serves.
+
+    `tls_ca`: PEM of the CA that signed the server's `--tls-cert`, for the health check of
+    a TLS server.
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / f"server-{time.time_ns()}.log"
     log = open(log_path, "w")
@@ -58,7 +62,9 @@ def start_server(data_dir: Path, *extra: str) -> ServerProcess:
     if address is None:
         proc.kill()
         raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca))
+               if tls_ca is not None else grpc.insecure_channel(address))
+    with channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                            timeout=30)
         assert status.status == health_pb2.HealthCheckResponse.SERVING
