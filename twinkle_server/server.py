@@ -29,6 +29,7 @@ from twinkle_server.service.runs import RunsServicer
 from twinkle_server.service.sampling import SamplingServicer
 from twinkle_server.service.session import SessionServicer
 from twinkle_server.service.training import TrainingServicer
+from twinkle_server.service.undecodable import RejectUndecodable
 from twinkle_server.store import Store
 
 log = logging.getLogger("twinkle_server")
@@ -67,7 +68,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
                          cache_dir=None, limits=config.limits())
     rt = Runtime(config, engine, store)
     rt.scheduler.start()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(rt), server)
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(rt), server)

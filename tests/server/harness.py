@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from twinkle_client import wire
+from twinkle_client._proto.twinkle.v1 import common_pb2
 from twinkle_client.transport import Transport as Client  # noqa: F401
 from twinkle_server.process import ServerProcess, start_server  # noqa: F401
 
@@ -24,3 +26,21 @@ def toy_datums(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0):
         out.append((ids[:-1], {"target_tokens": ids[1:],
                                "weights": np.ones(length, np.float32)}))
     return out
+
+
+def encoded_datums(n: int = 2, length: int = 8, seed: int = 0) -> list[common_pb2.Datum]:
+    """`toy_datums` already encoded, for tests that drive `twinkle_client.connection`."""
+    return [wire.encode_datum(ids, inputs, i)
+            for i, (ids, inputs) in enumerate(toy_datums(n, length, seed=seed))]
+
+
+def small_lora(rank: int = 4) -> common_pb2.LoraConfig:
+    """A seeded LoRA on attention and MLP layers: quick to create and to train."""
+    return common_pb2.LoraConfig(rank=rank, seed=0, train_mlp=True, train_attn=True)
+
+
+def create_key(data_dir, tenant: str) -> str:
+    """A new API key for `tenant` in `data_dir`, through the CLI."""
+    out = twinkle_server("keys", "create", "--tenant", tenant, "--data-dir", str(data_dir))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]

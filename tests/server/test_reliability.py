@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import threading
 import time
 
@@ -102,6 +103,8 @@ def test_kill_9_during_saves_leaves_only_complete_checkpoints_and_restarts(
             folder = client.download(checkpoint.path, tmp_path / checkpoint.name)
             assert (folder / "adapter_config.json").is_file()
             assert load_file(str(folder / "adapter_model.safetensors"))
+        with sqlite3.connect(data_dir / "twinkle.db") as db:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         resumed = client.create_model(from_checkpoint=reported[-1], load_optimizer=True)
         client.forward_backward(resumed, toy_datums(2))
     finally:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,37 +28,21 @@ from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 from twinkle_server.server import SERVICE_NAMES
 
+from .harness import create_key, encoded_datums, small_lora
+
 pytestmark = pytest.mark.integration
-
-
-def _create_key(data_dir: Path, tenant: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "keys", "create",
-                          "--tenant", tenant, "--data-dir", str(data_dir)],
-                         capture_output=True, text=True, check=True, timeout=120)
-    return out.stdout.strip().splitlines()[-1]
-
-
-def _datums() -> list[common_pb2.Datum]:
-    rng = np.random.default_rng(0)
-    return [wire.encode_datum(rng.integers(3, 200, 8),
-                              {"target_tokens": rng.integers(3, 200, 8),
-                               "weights": np.ones(8, np.float32)})]
-
-
-def _lora() -> common_pb2.LoraConfig:
-    return common_pb2.LoraConfig(rank=4, seed=0, train_mlp=True, train_attn=True)
 
 
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory, tiny_cache):
     """A keyed server with alice's model, session, sampler and checkpoints, and bob."""
     data_dir = tmp_path_factory.mktemp("secure")
-    keys = {t: _create_key(data_dir, t) for t in ("alice", "bob")}
+    keys = {t: create_key(data_dir, t) for t in ("alice", "bob")}
     proc = start_server(data_dir)
     alice = Connection(proc.address, keys["alice"], client_name="test")
     bob = Connection(proc.address, keys["bob"], client_name="test")
-    model = alice.create_model(training_pb2.CreateModelRequest(lora=_lora())).model_id
-    alice.forward(alice.op(model), _datums(), common_pb2.LossFn(name="cross_entropy"))
+    model = alice.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
+    alice.forward(alice.op(model), encoded_datums(), common_pb2.LossFn(name="cross_entropy"))
     saved = alice.call(alice.training.SaveState, training_pb2.SaveRequest(
         op=alice.op(model), name="mine", include_optimizer=True)).path
     sampler_ckpt = alice.call(alice.training.SaveWeightsForSampler, training_pb2.SaveRequest(
@@ -68,7 +50,7 @@ def tenants(tmp_path_factory, tiny_cache):
     sampler = alice.call(alice.sampling.CreateSamplingSession,
                          sampling_pb2.CreateSamplingSessionRequest(
                              model_path=sampler_ckpt)).sampling_session_id
-    bob_model = bob.create_model(training_pb2.CreateModelRequest(lora=_lora())).model_id
+    bob_model = bob.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
     bob.register_model(model, 0)  # bob may guess alice's id; the server must still refuse
     objects = {"model": model, "saved": saved, "sampler_ckpt": sampler_ckpt,
                "sampler": sampler, "session": alice.session_id, "bob_model": bob_model}
@@ -97,8 +79,8 @@ def _isolation_cases(bob: Connection, o: dict[str, str], tmp: Path
             from_checkpoint=o["saved"]), retry=False),
         "GetInfo": lambda: bob.call(t.GetInfo, training_pb2.GetInfoRequest(model_id=m)),
         "UnloadModel": lambda: bob.call(t.UnloadModel, training_pb2.UnloadModelRequest(model_id=m)),
-        "Forward": lambda: bob.forward(bob.op(m), _datums(), backward=False),
-        "ForwardBackward": lambda: bob.forward(bob.op(m), _datums(),
+        "Forward": lambda: bob.forward(bob.op(m), encoded_datums(), backward=False),
+        "ForwardBackward": lambda: bob.forward(bob.op(m), encoded_datums(),
                                                common_pb2.LossFn(name="cross_entropy")),
         "OptimStep": op(t.OptimStep, training_pb2.OptimStepRequest,
                         adam=training_pb2.AdamParams(learning_rate=1e-3)),
@@ -211,8 +193,8 @@ def test_tls_round_trip_with_a_self_signed_certificate(tmp_path, tiny_cache):
     try:
         with Connection(f"https://{proc.address}", client_name="test",
                         root_certificates=pem) as conn:
-            model = conn.create_model(training_pb2.CreateModelRequest(lora=_lora())).model_id
-            result = conn.forward(conn.op(model), _datums(),
+            model = conn.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
+            result = conn.forward(conn.op(model), encoded_datums(),
                                   common_pb2.LossFn(name="cross_entropy"))
             assert np.isfinite(result.loss) and result.outputs[0]["logprobs"].shape == (8,)
         # The same server refuses a plaintext client: the handshake fails, nothing is served.
@@ -224,7 +206,7 @@ def test_tls_round_trip_with_a_self_signed_certificate(tmp_path, tiny_cache):
 
 def test_per_tenant_session_and_adapter_limits_hold_back_only_that_tenant(tmp_path, tiny_cache):
     data_dir = tmp_path / "limits"
-    keys = {t: _create_key(data_dir, t) for t in ("greedy", "polite")}
+    keys = {t: create_key(data_dir, t) for t in ("greedy", "polite")}
     proc = start_server(data_dir, "--max-sessions-per-tenant", "2",
                         "--max-adapters-per-tenant", "1")
     try:
@@ -232,13 +214,13 @@ def test_per_tenant_session_and_adapter_limits_hold_back_only_that_tenant(tmp_pa
         second = Connection(proc.address, keys["greedy"], client_name="test")
         with pytest.raises(errors.ResourceExhaustedError, match="--max-sessions-per-tenant"):
             Connection(proc.address, keys["greedy"], client_name="test")
-        first.create_model(training_pb2.CreateModelRequest(lora=_lora()))
+        first.create_model(training_pb2.CreateModelRequest(lora=small_lora()))
         with pytest.raises(errors.ResourceExhaustedError, match="--max-adapters-per-tenant"):
-            second.create_model(training_pb2.CreateModelRequest(lora=_lora()))
+            second.create_model(training_pb2.CreateModelRequest(lora=small_lora()))
         with Connection(proc.address, keys["polite"], client_name="test") as polite:
-            polite.create_model(training_pb2.CreateModelRequest(lora=_lora()))
+            polite.create_model(training_pb2.CreateModelRequest(lora=small_lora()))
         first.close()  # frees the session and the adapter slot
-        second.create_model(training_pb2.CreateModelRequest(lora=_lora()))
+        second.create_model(training_pb2.CreateModelRequest(lora=small_lora()))
         second.close()
     finally:
         proc.stop()

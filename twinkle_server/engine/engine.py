@@ -13,7 +13,7 @@ import os
 import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -546,10 +546,13 @@ class Engine:
         batch, slots = [], []
         for i, request in enumerate(requests):
             try:
-                route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
                 self._check_prompt(request.prompt)
-                batch.append(sampler.GenerationRequest(route_id, np.asarray(request.prompt),
-                                                       request.num_samples, request.params))
+                generation = sampler.GenerationRequest(None, np.asarray(request.prompt),
+                                                       request.num_samples, request.params)
+                sampler.validate(generation)
+                self._check_sample_size(request)
+                route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
+                batch.append(replace(generation, adapter_id=route_id))
                 slots.append(i)
             except EngineError as exc:
                 results[i] = exc
@@ -561,6 +564,21 @@ class Engine:
             for slot, out in zip(slots, outputs, strict=True):
                 results[slot] = out
         return results
+
+    def _check_sample_size(self, request: SampleRequest) -> None:
+        """Bound a sample's compute before it starts: one runaway request would hold the
+        only worker, and so every tenant, for as long as it decodes."""
+        n, limits = request.prompt.size + request.params.max_tokens, self.limits
+        if n > limits.max_seq_len:
+            raise InvalidArgument(
+                f"sampling_params.max_tokens: prompt ({request.prompt.size} tokens) + "
+                f"max_tokens ({request.params.max_tokens}) is over the {limits.max_seq_len}-"
+                "token limit (--max-seq-len)")
+        if request.num_samples * n > limits.max_batch_tokens:
+            raise InvalidArgument(
+                f"num_samples: {request.num_samples} x (prompt + max_tokens) = "
+                f"{request.num_samples * n} tokens is over the {limits.max_batch_tokens}-token "
+                "limit (--max-batch-tokens); use fewer samples or a shorter max_tokens")
 
     def _check_prompt(self, prompt: np.ndarray) -> None:
         if prompt.size == 0:

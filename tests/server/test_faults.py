@@ -1,0 +1,106 @@
+"""Faults around a real server: a client killed mid-stream, SIGTERM with ops in flight."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from twinkle_client import errors
+from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+from twinkle_client.connection import Connection
+from twinkle_server.process import start_server
+
+from .harness import encoded_datums, small_lora
+
+pytestmark = pytest.mark.integration
+
+CE = common_pb2.LossFn(name="cross_entropy")
+
+
+# A client that opens a ForwardBackward stream, sends the header and one chunk, says so,
+# and then waits to be killed with the stream still open.
+_STREAMER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from twinkle_client import wire
+    from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+    from twinkle_client.connection import Connection
+
+    address, model, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    conn = Connection(address, client_name="killed", open_session=False)
+    ids = np.arange(5, 1005) % 200 + 3
+    datum = wire.encode_datum(ids, {"target_tokens": ids, "weights": np.ones(1000, np.float32)})
+
+    def chunks():
+        yield training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
+            op=common_pb2.OpHeader(model_id=model, seq_id=seq), num_datums=1000,
+            loss=common_pb2.LossFn(name="cross_entropy")))
+        yield training_pb2.ForwardChunk(datums=[datum] * 100)
+        print("streaming", flush=True)
+        time.sleep(600)
+
+    for _ in conn.training.ForwardBackward(chunks()):
+        pass
+""")
+
+
+def test_client_killed_mid_stream_leaves_no_trace_and_the_next_op_runs(tmp_path, tiny_cache):
+    proc = start_server(tmp_path / "data", "--max-batch-tokens", "2000000")
+    server = psutil.Process(proc.proc.pid)
+    try:
+        with Connection(proc.address, client_name="test") as conn:
+            model = conn.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
+            before = conn.forward(conn.op(model), encoded_datums(), CE)
+            fds, slots = server.num_fds(), conn.capabilities(refresh=True).adapters_loaded
+            info = conn.call(conn.training.GetInfo, training_pb2.GetInfoRequest(model_id=model))
+            killed = subprocess.Popen([sys.executable, "-c", _STREAMER, proc.address, model,
+                                       str(info.next_seq_id)], stdout=subprocess.PIPE, text=True)
+            assert killed.stdout.readline().strip() == "streaming"
+            killed.kill()
+            killed.wait(30)
+            # The partial request is dropped: its seq_id is still the one the server expects.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and server.num_fds() > fds:
+                time.sleep(0.2)
+            info = conn.call(conn.training.GetInfo, training_pb2.GetInfoRequest(model_id=model))
+            conn.register_model(model, info.next_seq_id)
+            after = conn.forward(conn.op(model), encoded_datums(), CE)
+            assert after.loss == pytest.approx(before.loss, rel=1e-6)  # no step ran in between
+            assert conn.capabilities(refresh=True).adapters_loaded == slots
+            assert server.num_fds() <= fds
+    finally:
+        proc.stop()
+
+
+def test_sigterm_with_ops_in_flight_finishes_or_fails_each_one_never_silently(
+        tmp_path, tiny_cache):
+    proc = start_server(tmp_path / "data")
+    conn = Connection(proc.address, client_name="test")
+    try:
+        model = conn.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
+        big = encoded_datums(8, 256)
+        futures = [conn.submit(conn.forward, conn.op(model), big, CE) for _ in range(12)]
+        time.sleep(0.5)
+        assert proc.stop(signal.SIGTERM, timeout=120) == 0
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(bool(np.isfinite(future.result(timeout=120).loss)))
+            except errors.UnavailableError as exc:
+                outcomes.append(type(exc).__name__)
+        assert len(outcomes) == 12
+        assert all(o is True or o == "UnavailableError" for o in outcomes), outcomes
+        assert outcomes[0] is True  # the op already running when the signal came finished
+        with pytest.raises(errors.UnavailableError):
+            conn.call(conn.session.GetServerCapabilities, common_pb2.Empty(), retry=False)
+        assert "draining" in proc.log()
+    finally:
+        proc.stop(signal.SIGKILL)
+        conn.close()
