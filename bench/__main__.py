@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench import codec, engine, server
+from bench import codec, engine, server, tinker_compat
 
-for module in (codec, engine, server):
+for module in (codec, engine, server, tinker_compat):
     print(f"== {module.__name__}")
     module.main()
     print()

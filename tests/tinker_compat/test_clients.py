@@ -1,0 +1,96 @@
+"""The rest of the surface against a real server: sampling semantics, tokenizer, the
+back-compat client futures, and the RestClient's runs, checkpoints and downloads."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import tinker
+from safetensors.numpy import load_file
+from tinker import types
+
+from tinker_compat import RestClient, SamplingClient, ServiceClient, TrainingClient
+
+from .conftest import sft_data
+
+pytestmark = pytest.mark.integration
+
+PROMPT = types.ModelInput.from_ints([5, 6, 7, 8])
+
+
+def test_sampling_is_seeded_stop_empty_runs_to_max_tokens_and_logprobs_line_up(
+        service_client):
+    sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+    assert isinstance(sampling_client, SamplingClient)
+    assert sampling_client.get_base_model() == "tiny"
+    params = types.SamplingParams(max_tokens=7, seed=11, stop=[], top_k=-1)
+    first = sampling_client.sample(PROMPT, 3, params, include_prompt_logprobs=True).result()
+    again = sampling_client.sample(prompt=PROMPT, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    for sequence in first.sequences:
+        assert len(sequence.tokens) == len(sequence.logprobs) == 7
+        assert sequence.stop_reason == "length"
+    scored = sampling_client.compute_logprobs(PROMPT).result()
+    assert scored[0] is None and first.prompt_logprobs[0] is None
+    assert scored[1:] == pytest.approx(first.prompt_logprobs[1:], abs=1e-5)
+    assert again.prompt_logprobs is None
+    with pytest.raises(ValueError, match="topk_prompt_logprobs"):
+        sampling_client.sample(PROMPT, 1, params, topk_prompt_logprobs=2)
+
+
+def test_tokenizer_comes_from_the_server_and_round_trips_text(service_client):
+    training_client = service_client.create_lora_training_client("tiny", rank=4).result()
+    tokenizer = training_client.get_tokenizer()
+    ids = tokenizer.encode("hello twinkle")
+    assert ids and tokenizer.decode(ids) == "hello twinkle"
+
+
+def test_using_the_creation_future_as_the_client_works_with_a_future_warning(base_url):
+    with pytest.warns(FutureWarning, match="ignores unsupported arguments: timeout"):
+        service_client = ServiceClient(base_url=base_url, timeout=5)
+    try:
+        future = service_client.create_lora_training_client("tiny", rank=4)
+        assert isinstance(future, tinker.APIFuture) and isinstance(future, TrainingClient)
+        with pytest.warns(FutureWarning, match="Using the future as the TrainingClient"):
+            result = future.forward_backward(sft_data(1), "cross_entropy").result()
+        assert result.metrics["loss:sum"] > 0
+        with pytest.warns(FutureWarning, match=r"Reading `.model_id`"):
+            assert future.model_id == future.result().model_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            client = future.result()
+            assert client.forward(sft_data(1), "cross_entropy").result().metrics
+    finally:
+        service_client.close()
+
+
+def test_rest_client_pages_runs_lists_downloads_and_deletes_checkpoints(service_client,
+                                                                        base_url, tmp_path):
+    training_client = service_client.create_lora_training_client(
+        "tiny", rank=4, user_metadata={"purpose": "rest"}).result()
+    saved = training_client.save_state("r1", user_metadata={"k": "v"}).result().path
+    sampler = training_client.save_weights_for_sampler("r1-s").result().path
+    with RestClient(base_url=base_url) as rest:
+        run = rest.get_training_run(training_client.model_id).result()
+        assert isinstance(run, types.TrainingRun)
+        assert (run.base_model, run.lora_rank, run.user_metadata) == ("tiny", 4,
+                                                                      {"purpose": "rest"})
+        assert run.last_checkpoint.tinker_path == saved
+        assert run.last_sampler_checkpoint.tinker_path == sampler
+        page = rest.list_training_runs(limit=1).result()
+        assert len(page.training_runs) == 1 and page.cursor.total_count >= 1
+        listed = rest.list_checkpoints(training_client.model_id).result().checkpoints
+        assert {c.tinker_path for c in listed} == {saved, sampler}
+        assert {c.checkpoint_id: c.checkpoint_type for c in listed} == {
+            "weights/r1": "training", "sampler_weights/r1-s": "sampler"}
+        info = rest.get_weights_info_by_tinker_path(saved).result()
+        assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
+        folder = rest.download_checkpoint(sampler, tmp_path / "adapter").result()
+        assert load_file(str(folder / "adapter_model.safetensors"))
+        rest.delete_checkpoint(training_client.model_id, "weights/r1").result()
+        rest.delete_checkpoint_from_tinker_path(sampler.replace("tinker://", "twinkle://")
+                                                ).result()
+        assert rest.list_checkpoints(training_client.model_id).result().checkpoints == []
+        with pytest.raises(tinker.NotFoundError):
+            rest.get_training_run("run-none").result()

@@ -1,0 +1,246 @@
+"""Conversions between the Twinkle protobuf messages and `tinker.types`, at the edge only.
+
+Tensors and datums cross through `twinkle_client.wire` (the one codec); this module only
+rearranges fields: ModelInfo -> GetInfoResponse, Checkpoint -> tinker Checkpoint with a
+`tinker://` path, SamplingParams -> the server's (including Tinker's `stop` semantics), and
+the Twinkle input feature <-> Tinker Datum helpers.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+from tinker import types
+from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+
+from twinkle_client import paths, wire
+from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_client._proto.twinkle.v1 import sampling_pb2 as spb
+from twinkle_client._proto.twinkle.v1 import session_pb2
+from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+from twinkle_client.connection import ForwardResult
+
+LOSS_FN_OUTPUT_TYPE = "ArrayRecord"
+"""`ForwardBackwardOutput.loss_fn_output_type`: per-datum dicts of arrays."""
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def datums_to_proto(data: Sequence[types.Datum]) -> list[pb.Datum]:
+    """Encode Tinker datums for the wire; a bad datum raises `wire.WireError` naming it."""
+    if isinstance(data, types.Datum) or not isinstance(data, Sequence):
+        raise ValueError(f"data: expected a list of tinker.types.Datum, got {type(data).__name__}")
+    encoded = []
+    for index, datum in enumerate(data):
+        if not isinstance(datum, types.Datum):
+            raise wire.WireError(f"datum[{index}]: expected tinker.types.Datum, got "
+                                 f"{type(datum).__name__}")
+        encoded.append(wire.encode_tinker_datum(datum, index))
+    return encoded
+
+
+def loss_fn_to_proto(loss_fn: str, config: Mapping[str, float | str] | None) -> pb.LossFn:
+    """A loss by name with its numeric config (`clip_low_threshold`, `beta`, ...)."""
+    if not isinstance(loss_fn, str) or not loss_fn:
+        raise ValueError(f"loss_fn: expected a loss name such as 'cross_entropy', got {loss_fn!r}")
+    proto = pb.LossFn(name=loss_fn)
+    for key, value in (config or {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"loss_fn_config[{key!r}]: must be a number, got {value!r}")
+        proto.config[key] = float(value)
+    return proto
+
+
+def forward_output(result: ForwardResult) -> types.ForwardBackwardOutput:
+    """A decoded forward(_backward) result as Tinker's output: per-datum `logprobs`."""
+    outputs = [{key: types.TensorData.from_numpy(np.asarray(value))
+                for key, value in out.items()} for out in result.outputs]
+    return types.ForwardBackwardOutput(loss_fn_output_type=LOSS_FN_OUTPUT_TYPE,
+                                       loss_fn_outputs=outputs, metrics=dict(result.metrics))
+
+
+def combine_outputs(parts: Sequence[types.ForwardBackwardOutput]) -> types.ForwardBackwardOutput:
+    """Outputs of one batch sent as several ops, in datum order, metrics reduced by their
+    `:sum`/`:mean`/... suffix exactly as tinker combines its own chunked requests."""
+    return parts[0] if len(parts) == 1 else combine_fwd_bwd_output_results(parts)
+
+
+def adam_to_proto(params: Any) -> tpb.AdamParams:
+    """Tinker `AdamParams` for OptimStep; other optimizer families are refused by name."""
+    if not isinstance(params, types.AdamParams):
+        raise ValueError(f"optim_params: Twinkle servers run AdamW; pass tinker.types.AdamParams, "
+                         f"got {type(params).__name__}")
+    return tpb.AdamParams(learning_rate=params.learning_rate, beta1=params.beta1,
+                          beta2=params.beta2, eps=params.eps, weight_decay=params.weight_decay,
+                          grad_clip_norm=params.grad_clip_norm)
+
+
+def info_to_tinker(info: tpb.ModelInfo) -> types.GetInfoResponse:
+    return types.GetInfoResponse(
+        type="get_info", model_id=info.model_id, is_lora=info.is_lora,
+        lora_rank=info.lora.rank, model_name=info.base_model,
+        model_data=types.ModelData(arch=info.arch, model_name=info.base_model,
+                                   tokenizer_id=info.tokenizer_id or info.base_model))
+
+
+def capabilities_to_tinker(caps: session_pb2.ServerCapabilities
+                           ) -> types.GetServerCapabilitiesResponse:
+    return types.GetServerCapabilitiesResponse(supported_models=[
+        types.SupportedModel(model_name=m.name, max_context_length=m.max_context_length,
+                             trainable=m.trainable, sampleable=m.sampleable)
+        for m in caps.models])
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def tinker_path(path: str) -> str:
+    """The `tinker://` form of a `twinkle://` or `tinker://` checkpoint path."""
+    return paths.parse(path).tinker()
+
+
+def _time(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def checkpoint_to_tinker(ckpt: pb.Checkpoint) -> types.Checkpoint:
+    return types.Checkpoint(checkpoint_id=ckpt.checkpoint_id,
+                            checkpoint_type=ckpt.checkpoint_type, time=_time(ckpt.created_at),
+                            tinker_path=tinker_path(ckpt.path), size_bytes=ckpt.size_bytes,
+                            user_metadata=dict(ckpt.user_metadata) or None)
+
+
+def run_to_tinker(run: pb.TrainingRun) -> types.TrainingRun:
+    return types.TrainingRun(
+        training_run_id=run.run_id, base_model=run.base_model, model_owner=run.owner,
+        is_lora=run.is_lora, corrupted=run.corrupted, lora_rank=run.lora_rank,
+        last_request_time=_time(run.last_request_time or run.created_at),
+        last_checkpoint=(checkpoint_to_tinker(run.last_checkpoint)
+                         if run.HasField("last_checkpoint") else None),
+        last_sampler_checkpoint=(checkpoint_to_tinker(run.last_sampler_checkpoint)
+                                 if run.HasField("last_sampler_checkpoint") else None),
+        user_metadata=dict(run.user_metadata) or None)
+
+
+def cursor(offset: int, limit: int, total: int) -> types.Cursor:
+    return types.Cursor(offset=offset, limit=limit, total_count=total)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def prompt_to_proto(prompt: types.ModelInput, field: str = "prompt") -> pb.Tensor:
+    """The prompt's token ids as an int32 tensor; only text chunks are supported."""
+    if not isinstance(prompt, types.ModelInput):
+        raise ValueError(f"{field}: expected tinker.types.ModelInput, got {type(prompt).__name__}")
+    try:
+        tokens = prompt.to_ints()
+    except Exception as exc:
+        raise ValueError(f"{field}: only text (EncodedTextChunk) inputs are supported: {exc}"
+                         ) from None
+    if not tokens:
+        raise ValueError(f"{field}: empty; give at least one token")
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{field}: token ids must lie in [0, 2**31), found "
+                         f"{int(ids.min() if ids.min() < 0 else ids.max())}")
+    return wire.encode_array(ids.astype(np.int32), field)
+
+
+def sampling_params_to_proto(params: types.SamplingParams) -> spb.SamplingParams:
+    """Tinker's SamplingParams for the server.
+
+    `stop`: None keeps stopping at EOS; `[]` disables every stop, EOS included (the
+    server's `ignore_eos`); a string or list of strings stops on those texts; a list of
+    ints stops on those token ids (EOS still stops). `top_k=-1` means no limit.
+    """
+    if not isinstance(params, types.SamplingParams):
+        raise ValueError(f"sampling_params: expected tinker.types.SamplingParams, got "
+                         f"{type(params).__name__}")
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise ValueError(f"sampling_params.max_tokens: must be >= 1, got {params.max_tokens}")
+    proto = spb.SamplingParams(max_tokens=params.max_tokens or 0,
+                               temperature=params.temperature, top_p=params.top_p,
+                               top_k=params.top_k)
+    if params.seed is not None:
+        proto.seed = params.seed
+    stop = params.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        items = list(stop)
+        if not items:
+            proto.ignore_eos = True
+        elif all(isinstance(s, str) and s for s in items):
+            proto.stop_strings.extend(items)
+        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+            proto.stop_token_ids.extend(items)
+        else:
+            raise ValueError(f"sampling_params.stop: expected non-empty strings or "
+                             f"non-negative token ids (not mixed), got {params.stop!r}")
+    return proto
+
+
+def logprobs_list(values: np.ndarray) -> list[float | None]:
+    """Per-token logprobs as Tinker lists them: None where none was computed (NaN)."""
+    return [None if math.isnan(v) else v for v in np.asarray(values, np.float64).tolist()]
+
+
+def sample_response_to_tinker(reply: spb.SampleResponse, include_prompt_logprobs: bool
+                              ) -> types.SampleResponse:
+    sequences = [
+        types.SampledSequence(
+            stop_reason=seq.stop_reason or "length", sequence_id=uuid.uuid4().hex,
+            tokens_np=wire.decode_array(seq.tokens, f"sequences[{i}].tokens").astype(np.int32),
+            logprobs_np=wire.decode_array(seq.logprobs, f"sequences[{i}].logprobs"
+                                          ).astype(np.float32))
+        for i, seq in enumerate(reply.sequences)]
+    prompt_logprobs = None
+    if include_prompt_logprobs and reply.HasField("prompt_logprobs"):
+        prompt_logprobs = wire.decode_array(reply.prompt_logprobs, "prompt_logprobs"
+                                            ).astype(np.float32)
+    return types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_logprobs)
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def input_feature_to_datum(feature: Mapping[str, Any]) -> types.Datum:
+    """A Twinkle input feature (`input_ids` + shifted `labels`, -100 = no loss) as a Tinker
+    Datum (`target_tokens`, `weights`; RL extras `logprobs`, `advantages`).
+
+    Args:
+        feature: one sequence: `input_ids` [T] and `labels` [T] (lists, numpy or torch).
+
+    Returns:
+        The `tinker.types.Datum` to pass to `forward_backward`.
+
+    Example:
+        datum = input_feature_to_datum({"input_ids": [5, 6, 7], "labels": [-100, 7, 2]})
+        datum.loss_fn_inputs["weights"].tolist()   # [0.0, 1.0, 1.0]
+    """
+    ids, inputs = wire.feature_to_loss_inputs(feature)
+    if ids.ndim != 1:
+        raise ValueError(f"feature.input_ids: one sequence of shape [T] expected, got shape "
+                         f"{list(ids.shape)}; convert a batch feature by feature")
+    return types.Datum(model_input=types.ModelInput.from_ints(ids.astype(np.int64).tolist()),
+                       loss_fn_inputs={key: types.TensorData.from_numpy(value)
+                                       for key, value in inputs.items()})
+
+
+def datum_to_input_feature(datum: types.Datum) -> dict[str, np.ndarray]:
+    """A Tinker Datum as a Twinkle input feature: the inverse of `input_feature_to_datum`.
+
+    Example:
+        feature = datum_to_input_feature(datum)
+        feature["labels"].tolist()   # [-100, 7, 2]
+    """
+    ids = np.asarray(datum.model_input.to_ints(), dtype=np.int64)
+    inputs = {key: value.to_numpy() for key, value in datum.loss_fn_inputs.items()}
+    return wire.loss_inputs_to_feature(ids, inputs)

@@ -1,0 +1,310 @@
+"""Tinker's `RestClient`: the calling tenant's training runs and checkpoints.
+
+Each method returns an `APIFuture` at once. A tenant sees only its own runs and
+checkpoints; another tenant's look like none (NotFoundError).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from tinker import types
+
+from tinker_compat import convert
+from tinker_compat.errors import error_factory
+from tinker_compat.futures import APIFuture, deprecated
+from twinkle_client import paths
+from twinkle_client._proto.twinkle.v1 import runs_pb2 as rpb
+from twinkle_client.connection import Connection, parse_base_url, setting
+
+BASE_URL_ENV = ("TWINKLE_BASE_URL", "TINKER_BASE_URL")
+API_KEY_ENV = ("TWINKLE_API_KEY", "TINKER_API_KEY")
+AccessScope = Literal["owned", "accessible"]
+
+
+def resolve_endpoint(base_url: str | None = None, api_key: str | None = None
+                     ) -> tuple[str, str | None]:
+    """The server URL and API key a client uses.
+
+    base_url: the argument, else `TWINKLE_BASE_URL`, else `TINKER_BASE_URL`;
+    api_key: the argument, else `TWINKLE_API_KEY`, else `TINKER_API_KEY` (None: an open
+    server). Unset or empty variables are skipped.
+
+    Raises:
+        ValueError: no base URL anywhere.
+    """
+    url = setting(base_url, *BASE_URL_ENV)
+    if not url:
+        raise ValueError("base_url: not given, and neither TWINKLE_BASE_URL nor TINKER_BASE_URL "
+                         "is set; pass e.g. base_url='http://127.0.0.1:8000'")
+    return url, setting(api_key, *API_KEY_ENV)
+
+
+def open_connection(base_url: str | None, api_key: str | None, client_name: str, *,
+                    open_session: bool, tags: dict[str, str] | None = None) -> Connection:
+    """A connection whose failures raise Tinker's exceptions (see `tinker_compat.errors`)."""
+    url, key = resolve_endpoint(base_url, api_key)
+    target, _ = parse_base_url(url)
+    return Connection(url, key, client_name=client_name, error_factory=error_factory(target),
+                      open_session=open_session, tags=tags)
+
+
+def _single(method: str) -> str:
+    return (f"DEPRECATED: RestClient.{method}_async() is deprecated. Use `await "
+            f"RestClient.{method}(...)` instead; it returns an APIFuture that can be awaited.")
+
+
+class RestClient:
+    """Lists, inspects, deletes and downloads the caller's training runs and checkpoints.
+
+    Args:
+    - `base_url`: the server; default `TWINKLE_BASE_URL`, then `TINKER_BASE_URL`
+    - `api_key`: default `TWINKLE_API_KEY`, then `TINKER_API_KEY`
+
+    Example:
+    ```python
+    rest_client = RestClient(base_url="http://127.0.0.1:8000")
+    runs = rest_client.list_training_runs(limit=10).result()
+    for checkpoint in rest_client.list_checkpoints(runs.training_runs[0].training_run_id
+                                                   ).result().checkpoints:
+        print(checkpoint.tinker_path)
+    ```
+    """
+
+    def __init__(self, connection: Connection | None = None, *, base_url: str | None = None,
+                 api_key: str | None = None) -> None:
+        if connection is not None and (base_url or api_key):
+            raise ValueError("base_url, api_key: not with a connection, which already has both")
+        self._owns_connection = connection is None
+        self._conn = connection or open_connection(base_url, api_key, "tinker_compat/rest",
+                                                   open_session=False)
+
+    def close(self) -> None:
+        """Close the connection this client opened (not one a ServiceClient shares)."""
+        if self._owns_connection:
+            self._conn.close()
+
+    def __enter__(self) -> RestClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ server
+
+    def get_server_capabilities(self) -> APIFuture[types.GetServerCapabilitiesResponse]:
+        """The models the server serves.
+
+        Example:
+        ```python
+        caps = rest_client.get_server_capabilities().result()
+        print([m.model_name for m in caps.supported_models])
+        ```
+        """
+        return self._conn.submit(
+            lambda: convert.capabilities_to_tinker(self._conn.capabilities(refresh=True)),
+            future_class=APIFuture)
+
+    # ------------------------------------------------------------------ runs
+
+    def get_training_run(self, training_run_id: str, access_scope: AccessScope = "owned"
+                         ) -> APIFuture[types.TrainingRun]:
+        """One training run of the caller (`access_scope` is accepted for compatibility:
+        a Twinkle tenant can access only its own runs).
+
+        Example:
+        ```python
+        run = rest_client.get_training_run("run-id").result()
+        print(run.base_model, run.lora_rank, run.last_checkpoint)
+        ```
+        """
+        request = rpb.GetRunRequest(run_id=training_run_id)
+        return self._conn.submit(
+            lambda: convert.run_to_tinker(self._conn.call(self._conn.runs.GetRun, request)),
+            future_class=APIFuture)
+
+    @deprecated(_single("get_training_run"))
+    async def get_training_run_async(self, training_run_id: str,
+                                     access_scope: AccessScope = "owned") -> types.TrainingRun:
+        """Deprecated: use `await rest_client.get_training_run(...)`."""
+        return await self.get_training_run(training_run_id, access_scope)
+
+    def get_training_run_by_tinker_path(self, tinker_path: str,
+                                        access_scope: AccessScope = "owned"
+                                        ) -> APIFuture[types.TrainingRun]:
+        """The training run a checkpoint path (`tinker://` or `twinkle://`) belongs to.
+
+        Example:
+        ```python
+        run = rest_client.get_training_run_by_tinker_path("tinker://run-id/weights/a").result()
+        ```
+        """
+        return self.get_training_run(paths.parse(tinker_path, "tinker_path").run_id,
+                                     access_scope)
+
+    @deprecated(_single("get_training_run_by_tinker_path"))
+    async def get_training_run_by_tinker_path_async(self, tinker_path: str,
+                                                    access_scope: AccessScope = "owned"
+                                                    ) -> types.TrainingRun:
+        """Deprecated: use `await rest_client.get_training_run_by_tinker_path(...)`."""
+        return await self.get_training_run_by_tinker_path(tinker_path, access_scope)
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0,
+                           access_scope: AccessScope = "owned", project_id: str | None = None
+                           ) -> APIFuture[types.TrainingRunsResponse]:
+        """The caller's training runs, a page at a time; `cursor.total_count` counts all.
+
+        Args:
+        - `limit`: runs per page (default 20, at most 1000)
+        - `offset`: runs to skip
+        - `access_scope`, `project_id`: accepted for compatibility (a tenant sees its own)
+
+        Example:
+        ```python
+        page = rest_client.list_training_runs(limit=50).result()
+        more = page.cursor.offset + page.cursor.limit < page.cursor.total_count
+        ```
+        """
+        request = rpb.ListRunsRequest(limit=limit, offset=offset)
+
+        def run() -> types.TrainingRunsResponse:
+            reply = self._conn.call(self._conn.runs.ListRuns, request)
+            return types.TrainingRunsResponse(
+                training_runs=[convert.run_to_tinker(r) for r in reply.runs],
+                cursor=convert.cursor(offset, limit, reply.total))
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    @deprecated(_single("list_training_runs"))
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
+                                       access_scope: AccessScope = "owned",
+                                       project_id: str | None = None
+                                       ) -> types.TrainingRunsResponse:
+        """Deprecated: use `await rest_client.list_training_runs(...)`."""
+        return await self.list_training_runs(limit, offset, access_scope, project_id)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _list(self, run_id: str, limit: int, offset: int) -> types.CheckpointsListResponse:
+        reply = self._conn.call(self._conn.runs.ListCheckpoints, rpb.ListCheckpointsRequest(
+            run_id=run_id, limit=limit, offset=offset))
+        return types.CheckpointsListResponse(
+            checkpoints=[convert.checkpoint_to_tinker(c) for c in reply.checkpoints],
+            cursor=convert.cursor(offset, limit or len(reply.checkpoints), reply.total))
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
+        """Every checkpoint (training and sampler) of one run, newest first.
+
+        Example:
+        ```python
+        for c in rest_client.list_checkpoints("run-id").result().checkpoints:
+            print(c.checkpoint_type, c.checkpoint_id, c.tinker_path)
+        ```
+        """
+        if not training_run_id:
+            raise ValueError("training_run_id: empty")
+        return self._conn.submit(self._list, training_run_id, 0, 0, future_class=APIFuture)
+
+    @deprecated(_single("list_checkpoints"))
+    async def list_checkpoints_async(self, training_run_id: str
+                                     ) -> types.CheckpointsListResponse:
+        """Deprecated: use `await rest_client.list_checkpoints(...)`."""
+        return await self.list_checkpoints(training_run_id)
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0
+                              ) -> APIFuture[types.CheckpointsListResponse]:
+        """Every checkpoint of every run of the caller, newest first, a page at a time.
+
+        Example:
+        ```python
+        page = rest_client.list_user_checkpoints(limit=50).result()
+        print(page.cursor.total_count, [c.tinker_path for c in page.checkpoints])
+        ```
+        """
+        return self._conn.submit(self._list, "", limit, offset, future_class=APIFuture)
+
+    @deprecated(_single("list_user_checkpoints"))
+    async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0
+                                          ) -> types.CheckpointsListResponse:
+        """Deprecated: use `await rest_client.list_user_checkpoints(...)`."""
+        return await self.list_user_checkpoints(limit, offset)
+
+    def get_weights_info_by_tinker_path(self, tinker_path: str
+                                        ) -> APIFuture[types.WeightsInfoResponse]:
+        """What is needed to load a checkpoint: base model and LoRA rank.
+
+        Example:
+        ```python
+        info = rest_client.get_weights_info_by_tinker_path("tinker://run-id/weights/a").result()
+        print(info.base_model, info.lora_rank)
+        ```
+        """
+        paths.parse(tinker_path, "tinker_path")
+        request = rpb.CheckpointRef(path=tinker_path)
+
+        def run() -> types.WeightsInfoResponse:
+            ckpt = self._conn.call(self._conn.runs.GetCheckpoint, request)
+            return types.WeightsInfoResponse(base_model=ckpt.base_model, is_lora=True,
+                                             lora_rank=ckpt.lora_rank or None)
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
+        """Delete checkpoint `checkpoint_id` ("weights/<name>" or "sampler_weights/<name>").
+
+        Example:
+        ```python
+        rest_client.delete_checkpoint("run-id", "weights/step-100").result()
+        ```
+        """
+        return self.delete_checkpoint_from_tinker_path(
+            f"tinker://{training_run_id}/{checkpoint_id}")
+
+    @deprecated(_single("delete_checkpoint"))
+    async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        """Deprecated: use `await rest_client.delete_checkpoint(...)`."""
+        return await self.delete_checkpoint(training_run_id, checkpoint_id)
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Delete the checkpoint at a `tinker://` (or `twinkle://`) path.
+
+        Example:
+        ```python
+        rest_client.delete_checkpoint_from_tinker_path("tinker://run-id/weights/a").result()
+        ```
+        """
+        paths.parse(tinker_path, "tinker_path")
+        request = rpb.CheckpointRef(path=tinker_path)
+
+        def run() -> None:
+            self._conn.call(self._conn.runs.DeleteCheckpoint, request, retry=False)
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    @deprecated(_single("delete_checkpoint_from_tinker_path"))
+    async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        """Deprecated: use `await rest_client.delete_checkpoint_from_tinker_path(...)`."""
+        return await self.delete_checkpoint_from_tinker_path(tinker_path)
+
+    def download_checkpoint(self, tinker_path: str, dest: str | os.PathLike
+                            ) -> APIFuture[Path]:
+        """Download every file of a checkpoint into directory `dest` (a Twinkle addition:
+        a sampler checkpoint is a PEFT adapter directory, `PeftModel.from_pretrained` loads it).
+
+        Args:
+        - `tinker_path`: the checkpoint, `tinker://` or `twinkle://`
+        - `dest`: the directory to fill (made if missing; never left half-written)
+
+        Returns:
+        - `APIFuture` of the directory's `Path`
+
+        Example:
+        ```python
+        folder = rest_client.download_checkpoint(path, "./adapter").result()
+        ```
+        """
+        paths.parse(tinker_path, "tinker_path")
+        return self._conn.submit(self._conn.download_checkpoint, tinker_path, dest,
+                                 future_class=APIFuture)

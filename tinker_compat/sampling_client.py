@@ -1,0 +1,193 @@
+"""Tinker's `SamplingClient` over a Twinkle sampling session.
+
+A session samples from one fixed set of weights: a saved sampler checkpoint
+(`tinker://<run>/sampler_weights/<name>`) or the bare base model. Samples run on the
+server's sampler queue, unordered with respect to training ops, as in Tinker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tinker import types
+
+from tinker_compat import convert
+from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
+from twinkle_client import paths, wire
+from twinkle_client._proto.twinkle.v1 import sampling_pb2 as spb
+from twinkle_client.connection import Connection
+from twinkle_client.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class SamplingClient:
+    """Generates text and scores prompts with one fixed set of weights.
+
+    You get one from `ServiceClient.create_sampling_client(...)` or
+    `TrainingClient.save_weights_and_get_sampling_client()`.
+
+    Example:
+        sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+        prompt = types.ModelInput.from_ints(tokenizer.encode("Hello"))
+        result = sampling_client.sample(prompt, 4, types.SamplingParams(max_tokens=20)).result()
+    """
+
+    def __init__(self, connection: Connection, sampling_session_id: str, base_model: str,
+                 model_path: str | None = None) -> None:
+        self._conn = connection
+        self.sampling_session_id = sampling_session_id
+        self.model_path = convert.tinker_path(model_path) if model_path else None
+        self._base_model = base_model
+
+    def __repr__(self) -> str:
+        source = self.model_path or self._base_model
+        return f"<SamplingClient {self.sampling_session_id} of {source}>"
+
+    def sample(self, prompt: types.ModelInput, num_samples: int,
+               sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
+               topk_prompt_logprobs: int = 0) -> APIFuture[types.SampleResponse]:
+        """Generate `num_samples` completions of `prompt`.
+
+        Args:
+        - `prompt`: the input tokens as ModelInput
+        - `num_samples`: number of independent samples (>= 1)
+        - `sampling_params`: max_tokens, temperature, top_p, top_k (-1 = no limit), seed,
+          stop (None: stop at EOS; []: never stop early, EOS included; strings or token ids)
+        - `include_prompt_logprobs`: also return the logprob of every prompt token
+          (`prompt_logprobs`, None at position 0)
+        - `topk_prompt_logprobs`: must be 0: Twinkle servers do not return top-k prompt
+          logprobs yet
+
+        Returns:
+        - `APIFuture` of the `SampleResponse`: one `SampledSequence` per sample, with
+          `tokens`, `logprobs` and `stop_reason`.
+
+        Example:
+        ```python
+        params = types.SamplingParams(max_tokens=20, temperature=0.7, seed=0)
+        result = sampling_client.sample(prompt, num_samples=2, sampling_params=params).result()
+        for sequence in result.sequences:
+            print(tokenizer.decode(sequence.tokens), sum(sequence.logprobs))
+        ```
+        """
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples: must be an integer >= 1, got {num_samples!r}")
+        if topk_prompt_logprobs:
+            raise ValueError("topk_prompt_logprobs: Twinkle servers do not return top-k prompt "
+                             "logprobs yet; pass 0 (include_prompt_logprobs=True gives each "
+                             "prompt token's own logprob)")
+        request = spb.SampleRequest(
+            sampling_session_id=self.sampling_session_id, prompt=convert.prompt_to_proto(prompt),
+            num_samples=num_samples, params=convert.sampling_params_to_proto(sampling_params),
+            include_prompt_logprobs=include_prompt_logprobs)
+
+        def run() -> types.SampleResponse:
+            reply = self._conn.call(self._conn.sampling.Sample, request)
+            return convert.sample_response_to_tinker(reply, include_prompt_logprobs)
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    @deprecated("DEPRECATED: SamplingClient.sample_async() is deprecated. Use `await "
+                "SamplingClient.sample(...)` instead; sample() returns an APIFuture that can be "
+                "awaited.")
+    async def sample_async(self, prompt: types.ModelInput, num_samples: int,
+                           sampling_params: types.SamplingParams,
+                           include_prompt_logprobs: bool = False,
+                           topk_prompt_logprobs: int = 0) -> types.SampleResponse:
+        """Deprecated: use `await sampling_client.sample(...)`."""
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                                 topk_prompt_logprobs)
+
+    def compute_logprobs(self, prompt: types.ModelInput) -> APIFuture[list[float | None]]:
+        """The log probability of each prompt token given the ones before it.
+
+        Args:
+        - `prompt`: the tokens to score
+
+        Returns:
+        - `APIFuture` of a list as long as the prompt; None at position 0 (no context).
+
+        Example:
+        ```python
+        logprobs = sampling_client.compute_logprobs(prompt).result()
+        total = sum(lp for lp in logprobs if lp is not None)
+        ```
+        """
+        request = spb.ComputeLogprobsRequest(sampling_session_id=self.sampling_session_id,
+                                             prompt=convert.prompt_to_proto(prompt))
+
+        def run() -> list[float | None]:
+            reply = self._conn.call(self._conn.sampling.ComputeLogprobs, request)
+            return convert.logprobs_list(wire.decode_array(reply.logprobs, "logprobs"))
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    @deprecated("DEPRECATED: SamplingClient.compute_logprobs_async() is deprecated. Use `await "
+                "SamplingClient.compute_logprobs(...)` instead.")
+    async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:
+        """Deprecated: use `await sampling_client.compute_logprobs(...)`."""
+        return await self.compute_logprobs(prompt)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The base model's tokenizer, fetched from the server once per process (no hub).
+
+        Example:
+        ```python
+        tokenizer = sampling_client.get_tokenizer()
+        prompt = types.ModelInput.from_ints(tokenizer.encode("Hello"))
+        ```
+        """
+        return load_tokenizer(self._base_model, self._conn)
+
+    def get_base_model(self) -> str:
+        """The base model name of this sampler; known locally, never waits."""
+        return self._base_model
+
+    @deprecated("DEPRECATED: SamplingClient.get_base_model_async() is deprecated. Use "
+                "SamplingClient.get_base_model() instead.")
+    async def get_base_model_async(self) -> str:
+        """Deprecated: use `sampling_client.get_base_model()`."""
+        return self._base_model
+
+
+SamplingClientFuture: type[ClientFuture] = client_future(SamplingClient, "SamplingClient")
+
+
+def open_sampling_client(connection: Connection, *, model_path: str | None = None,
+                         base_model: str | None = None) -> SamplingClient:
+    """Create a sampling session (blocking): on a sampler checkpoint, else the base model."""
+    if model_path:
+        paths.parse(model_path, "model_path")
+        request = spb.CreateSamplingSessionRequest(model_path=model_path)
+    elif base_model:
+        request = spb.CreateSamplingSessionRequest(base_model=base_model)
+    else:
+        raise ValueError("Either model_path or base_model must be provided")
+    request.session_id = connection.session_id or ""
+    info = connection.call(connection.sampling.CreateSamplingSession, request, retry=False)
+    return SamplingClient(connection, info.sampling_session_id, info.base_model,
+                          info.model_path or None)
+
+
+def submit_sampling_client(connection: Connection, *, model_path: str | None = None,
+                           base_model: str | None = None, retry_config: Any = None,
+                           record_stability_info: bool = False) -> ClientFuture:
+    """`open_sampling_client` on the call pool; bad arguments raise here, at once."""
+    check_sampling_options(retry_config=retry_config, record_stability_info=record_stability_info)
+    if model_path:
+        paths.parse(model_path, "model_path")
+    elif not base_model:
+        raise ValueError("Either model_path or base_model must be provided")
+    return connection.submit(open_sampling_client, connection, model_path=model_path,
+                             base_model=base_model, future_class=SamplingClientFuture)
+
+
+def check_sampling_options(*, retry_config: Any, record_stability_info: bool) -> None:
+    """Tinker's sampling-client options: `retry_config` is accepted and unused (the
+    connection retries unreachable-server errors itself); `record_stability_info=True` is
+    refused, since Twinkle records no stability data."""
+    del retry_config
+    if record_stability_info:
+        raise ValueError("record_stability_info: not supported by Twinkle servers; pass False")

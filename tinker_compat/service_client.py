@@ -1,0 +1,281 @@
+"""Tinker's `ServiceClient`: the entry point that opens a session and creates clients.
+
+One `ServiceClient` holds one `twinkle_client.connection.Connection` (channel, API key,
+session heartbeat, call pool); every client it creates shares it. Closing it closes the
+session, and the server unloads the session's adapters (saved checkpoints stay).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Literal
+
+from tinker import types
+
+from tinker_compat import convert
+from tinker_compat.futures import APIFuture, ClientFuture, deprecated
+from tinker_compat.rest_client import RestClient, open_connection
+from tinker_compat.sampling_client import SamplingClient, submit_sampling_client
+from tinker_compat.training_client import TrainingClient, TrainingClientFuture
+from twinkle_client import paths
+from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+
+CLIENT_NAME = "tinker_compat/0.1"
+
+
+def _single(method: str) -> str:
+    return (f"DEPRECATED: ServiceClient.{method}_async() is deprecated. Use `await "
+            f"ServiceClient.{method}(...)` instead; it returns a future of the client that "
+            "can be awaited.")
+
+
+class ServiceClient:
+    """The entry point: creates TrainingClients and SamplingClients on a Twinkle server.
+
+    Args:
+        base_url: `http://host:port` (plaintext gRPC), `https://host:port` (TLS) or
+            `host:port`; default `TWINKLE_BASE_URL`, then `TINKER_BASE_URL`.
+        api_key: default `TWINKLE_API_KEY`, then `TINKER_API_KEY`; none for an open server.
+        user_metadata, project_id, display_name: stored as tags of the session.
+        **kwargs: other tinker options do not apply to Twinkle; ignored with a FutureWarning,
+            as tinker ignores unknown ones.
+
+    Example:
+    ```python
+    service_client = ServiceClient(base_url="http://127.0.0.1:8000")
+    training_client = service_client.create_lora_training_client(base_model="tiny").result()
+    sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+    ```
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 user_metadata: dict[str, str] | None = None, project_id: str | None = None,
+                 display_name: str | None = None, **kwargs: Any) -> None:
+        if kwargs:
+            warnings.warn(f"ServiceClient ignores unsupported arguments: "
+                          f"{', '.join(sorted(kwargs))}.", FutureWarning, stacklevel=2)
+        tags = dict(user_metadata or {})
+        tags.update({k: v for k, v in (("project_id", project_id),
+                                        ("display_name", display_name)) if v})
+        self._conn = open_connection(base_url, api_key, CLIENT_NAME, open_session=True,
+                                     tags=tags)
+
+    @property
+    def session_id(self) -> str | None:
+        """The server session that keeps this client's adapters loaded."""
+        return self._conn.session_id
+
+    def __repr__(self) -> str:
+        return f"<ServiceClient {self._conn.base_url} session {self.session_id}>"
+
+    def __enter__(self) -> ServiceClient:
+        if self._conn.closed:
+            raise RuntimeError("ServiceClient is closed")
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close("success" if exc_type is None else "errored")
+
+    def close(self, status: Literal["success", "errored", "interrupted"] = "success",
+              detail: str | None = None) -> APIFuture[None]:
+        """Finish the session: wait for submitted calls, then close it; the server unloads
+        its adapters (saved checkpoints stay). `status`/`detail` are tinker's and unused.
+
+        Returns:
+        - An already finished future (closing waits for the calls in flight).
+
+        Example:
+        ```python
+        service_client.close()
+        ```
+        """
+        del status, detail
+        self._conn.close()
+        return APIFuture.completed(None)
+
+    # ------------------------------------------------------------------ training clients
+
+    def _submit_training(self, request: tpb.CreateModelRequest) -> ClientFuture:
+        def create() -> TrainingClient:
+            return TrainingClient(self._conn, self._conn.create_model(request))
+
+        return self._conn.submit(create, future_class=TrainingClientFuture)
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32,
+                                    seed: int | None = None, train_mlp: bool = True,
+                                    train_attn: bool = True, train_unembed: bool = True,
+                                    user_metadata: dict[str, str] | None = None,
+                                    optimizer: types.AdamOptimizerConfig | None = None
+                                    ) -> ClientFuture:
+        """Create a LoRA adapter on `base_model` and a TrainingClient for it.
+
+        Args:
+        - `base_model`: a served model name (see `get_server_capabilities`)
+        - `rank`: LoRA rank (default 32)
+        - `seed`: initialisation seed; None = random
+        - `train_mlp`, `train_attn`, `train_unembed`: which layers get LoRA
+        - `user_metadata`: stored with the training run
+        - `optimizer`: None or `AdamOptimizerConfig` (Twinkle trains with AdamW)
+
+        Returns:
+        - A future of the `TrainingClient`; await it or call `.result()`. Using the future
+          directly as the client still works, with a FutureWarning, as in tinker 0.38.
+
+        Example:
+        ```python
+        training_client = service_client.create_lora_training_client(
+            base_model="tiny", rank=16).result()
+        ```
+        """
+        if not (train_mlp or train_attn or train_unembed):
+            raise ValueError("At least one of train_mlp, train_attn, or train_unembed must be "
+                             "True")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank: must be a positive integer, got {rank!r}")
+        self._check_optimizer(optimizer)
+        lora = pb.LoraConfig(rank=rank, train_mlp=train_mlp, train_attn=train_attn,
+                             train_unembed=train_unembed)
+        if seed is not None:
+            lora.seed = seed
+        return self._submit_training(tpb.CreateModelRequest(
+            base_model=base_model, lora=lora, user_metadata=user_metadata or {}))
+
+    @deprecated(_single("create_lora_training_client"))
+    async def create_lora_training_client_async(
+            self, base_model: str, rank: int = 32, seed: int | None = None,
+            train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+            user_metadata: dict[str, str] | None = None,
+            optimizer: types.AdamOptimizerConfig | None = None) -> TrainingClient:
+        """Deprecated: use `await service_client.create_lora_training_client(...)`."""
+        return await self.create_lora_training_client(base_model, rank, seed, train_mlp,
+                                                      train_attn, train_unembed, user_metadata,
+                                                      optimizer)
+
+    def _from_state(self, path: str, with_optimizer: bool, base_model: str | None,
+                    user_metadata: dict[str, str] | None, weights_access_token: str | None
+                    ) -> ClientFuture:
+        paths.parse(path, "path")
+        if weights_access_token is not None:
+            raise ValueError("weights_access_token: Twinkle checkpoints are readable only by "
+                             "their own tenant; pass None")
+        return self._submit_training(tpb.CreateModelRequest(
+            base_model=base_model or "", from_checkpoint=path, load_optimizer=with_optimizer,
+            user_metadata=user_metadata or {}))
+
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None,
+                                          optimizer: types.AdamOptimizerConfig | None = None
+                                          ) -> ClientFuture:
+        """A new TrainingClient starting from a checkpoint's weights (fresh optimizer).
+
+        Args:
+        - `path`: `tinker://<run>/weights/<name>` (or `twinkle://`)
+        - `base_model`: optional; must be the checkpoint's
+        - `user_metadata`: stored with the new run
+
+        Example:
+        ```python
+        training_client = service_client.create_training_client_from_state(path).result()
+        ```
+        """
+        self._check_optimizer(optimizer)
+        return self._from_state(path, False, base_model, user_metadata, weights_access_token)
+
+    @deprecated(_single("create_training_client_from_state"))
+    async def create_training_client_from_state_async(
+            self, path: str, base_model: str | None = None,
+            user_metadata: dict[str, str] | None = None,
+            weights_access_token: str | None = None,
+            optimizer: types.AdamOptimizerConfig | None = None) -> TrainingClient:
+        """Deprecated: use `await service_client.create_training_client_from_state(...)`."""
+        return await self.create_training_client_from_state(
+            path, base_model, user_metadata, weights_access_token, optimizer)
+
+    def create_training_client_from_state_with_optimizer(
+            self, path: str, base_model: str | None = None,
+            user_metadata: dict[str, str] | None = None,
+            weights_access_token: str | None = None) -> ClientFuture:
+        """A new TrainingClient resuming a checkpoint exactly: weights and AdamW state.
+
+        Example:
+        ```python
+        resumed = service_client.create_training_client_from_state_with_optimizer(
+            "tinker://run-id/weights/step-100").result()
+        ```
+        """
+        return self._from_state(path, True, base_model, user_metadata, weights_access_token)
+
+    @deprecated(_single("create_training_client_from_state_with_optimizer"))
+    async def create_training_client_from_state_with_optimizer_async(
+            self, path: str, base_model: str | None = None,
+            user_metadata: dict[str, str] | None = None,
+            weights_access_token: str | None = None) -> TrainingClient:
+        """Deprecated: use `await
+        service_client.create_training_client_from_state_with_optimizer(...)`."""
+        return await self.create_training_client_from_state_with_optimizer(
+            path, base_model, user_metadata, weights_access_token)
+
+    # ------------------------------------------------------------------ sampling
+
+    def create_sampling_client(self, model_path: str | None = None,
+                               base_model: str | None = None, retry_config: Any = None,
+                               record_stability_info: bool = False) -> ClientFuture:
+        """A future of a SamplingClient on saved sampler weights or the bare base model.
+
+        Args:
+        - `model_path`: `tinker://<run>/sampler_weights/<name>`; wins over `base_model`
+        - `base_model`: a served model name
+
+        Raises:
+            ValueError: neither is given.
+
+        Example:
+        ```python
+        sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+        ```
+        """
+        return submit_sampling_client(self._conn, model_path=model_path, base_model=base_model,
+                                      retry_config=retry_config,
+                                      record_stability_info=record_stability_info)
+
+    @deprecated(_single("create_sampling_client"))
+    async def create_sampling_client_async(self, model_path: str | None = None,
+                                           base_model: str | None = None,
+                                           retry_config: Any = None,
+                                           record_stability_info: bool = False
+                                           ) -> SamplingClient:
+        """Deprecated: use `await service_client.create_sampling_client(...)`."""
+        return await self.create_sampling_client(model_path, base_model, retry_config,
+                                                 record_stability_info)
+
+    # ------------------------------------------------------------------ server
+
+    @deprecated("DEPRECATED: ServiceClient.get_server_capabilities() is deprecated. Use "
+                "RestClient().get_server_capabilities() instead; it returns an APIFuture.")
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        """The models the server serves (blocking)."""
+        return convert.capabilities_to_tinker(self._conn.capabilities(refresh=True))
+
+    @deprecated("DEPRECATED: ServiceClient.get_server_capabilities_async() is deprecated. Use "
+                "`await RestClient().get_server_capabilities()` instead.")
+    async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
+        """Deprecated: use `await RestClient().get_server_capabilities()`."""
+        return await RestClient(self._conn).get_server_capabilities()
+
+    @deprecated("DEPRECATED: ServiceClient.create_rest_client() is deprecated. Construct "
+                "RestClient() directly instead; it takes the same base_url and api_key.")
+    def create_rest_client(self) -> RestClient:
+        """A RestClient sharing this client's connection."""
+        return RestClient(self._conn)
+
+    @staticmethod
+    def _check_optimizer(optimizer: Mapping[str, Any] | types.AdamOptimizerConfig | None
+                         ) -> None:
+        if optimizer is not None and not isinstance(optimizer, types.AdamOptimizerConfig):
+            raise ValueError(f"optimizer: Twinkle trains with AdamW; pass None or "
+                             f"AdamOptimizerConfig(), got {optimizer!r}")
