@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto test test-unit lint demo serve bench clean
+.PHONY: setup proto test test-unit lint demo serve bench soak clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+soak: $(STAMP)
+	$(PY) -m bench.soak
 
 clean:
 	rm -rf $(VENV) twinkle-data .pytest_cache
