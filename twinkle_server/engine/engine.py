@@ -283,9 +283,15 @@ class Engine:
                 lps.append(lp)
                 inputs.append(tensors)
                 row += 1
+            # Native losses divide a training micro-batch by the accumulation count so the
+            # window's gradients add up to one big batch's; an eval pass is not divided, and
+            # the loss reported (output, metrics, calculate_metric) is the batch's own mean.
             native = losses.LOSSES[loss_spec.name].native
-            loss, metrics = losses.compute_loss(
-                loss_spec, lps, inputs, adapter.grad_accum if native else 1)
+            divisor = adapter.grad_accum if native and request.backward else 1
+            loss, metrics = losses.compute_loss(loss_spec, lps, inputs, divisor)
+            if divisor != 1:
+                metrics = {k: v * divisor if k.startswith("loss:") else v
+                           for k, v in metrics.items()}
             if not torch.isfinite(loss):
                 results[slot] = InvalidArgument(
                     f"loss: {loss_spec.name} is not finite ({float(loss.detach())}); this "
@@ -295,10 +301,11 @@ class Engine:
                 to_backward.append(loss)
                 adapter.tokens_seen += sum(d.num_tokens for d in request.datums)
             book = adapter.train_metrics if request.backward else adapter.eval_metrics
-            book.add(float(loss.detach()), correct, metrics["tokens:sum"])
+            reported = float(loss.detach()) * divisor
+            book.add(reported, correct, metrics["tokens:sum"])
             results[slot] = ForwardOutput(
                 logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
-                loss=float(loss.detach()), metrics=metrics)
+                loss=reported, metrics=metrics)
         if to_backward:
             self._backward(to_backward, requests, slots, results)
 
@@ -498,6 +505,9 @@ class Engine:
         if state["scheduler"] is not None and adapter.optimizer is not None:
             adapter.scheduler = optim.build_scheduler(state["scheduler_name"], adapter.optimizer,
                                                       **state["scheduler_kwargs"])
+            # Building a scheduler takes its initial step, which rewrites every group's lr
+            # (LinearLR: base lr / 3); the saved groups put the resumed lr back.
+            adapter.optimizer.load_state_dict(state["optimizer"])
             adapter.scheduler.load_state_dict(state["scheduler"])
             adapter.scheduler_name = state["scheduler_name"]
             adapter.scheduler_kwargs = dict(state["scheduler_kwargs"])

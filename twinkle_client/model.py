@@ -1,0 +1,732 @@
+"""`MultiLoraTransformersModel`: a remote mirror of a local LoRA training loop.
+
+Every call the user writes in their loop (`forward_backward`, `clip_grad_norm`, `step`,
+`zero_grad`, `lr_step`, `save`, ...) is one ordered op on the server. The server runs a
+model's ops in the order of their `seq_id`s, which this class takes from the connection
+in the caller's thread at call time, so call order is execution order even when calls
+are not awaited.
+
+Blocking and non-blocking: every op returns its value by default; with `blocking=False`
+it returns a `twinkle_client.futures.Future` at once (`.result()`, or `await fut` in a
+notebook), so a loop can queue several ops before waiting:
+
+    fut = model.forward_backward(batch, blocking=False)
+    model.clip_grad_and_step(blocking=False)
+    print(fut.result().loss)
+
+Adapters: each `add_adapter_to_model(name, ...)` creates one server model (one training
+run) with its own LoRA weights, optimizer, scheduler, loss and counters. Ops take
+`adapter_name=`; it may be left out while the object holds one adapter (the usual case).
+
+Client-side validation (inputs, names, LoRA fields) happens before a seq_id is taken, so
+a rejected call never leaves a gap that would stall the model's later ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+from google.protobuf import struct_pb2
+
+from twinkle_client import errors, paths, wire
+from twinkle_client._proto.twinkle.v1 import common_pb2, sampling_pb2, training_pb2
+from twinkle_client.client import TwinkleClient, _Record
+from twinkle_client.connection import Connection, get_default_connection
+from twinkle_client.futures import Future
+from twinkle_client.processor import InputProcessor, make_processor
+from twinkle_client.tokenizer import served_name
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+    from twinkle_client.template import Template
+
+T = TypeVar("T")
+
+MAPPED_LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
+"""peft.LoraConfig fields the server honours."""
+IGNORED_LORA_FIELDS = frozenset({
+    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+    "revision", "inference_mode", "megatron_core", "qalora_group_size", "runtime_config"})
+"""Bookkeeping fields that do not change what is trained."""
+ALL_LINEAR = "all-linear"
+
+
+# ----------------------------------------------------------------------------- records
+
+
+class AdapterInfo(_Record):
+    """One adapter of the model: its server run and what it trains."""
+
+    adapter_name: str
+    training_run_id: str
+    base_model: str
+    target_modules: list[str]
+    trainable_params: int
+    state_bytes: int
+    gradient_accumulation_steps: int
+
+
+@dataclass
+class ForwardOutput:
+    """A forward(_backward)'s result: the loss (a token mean for CrossEntropyLoss), the
+    metrics ("name:reduction") and each sequence's target-token logprobs, in input order."""
+
+    loss: float
+    metrics: dict[str, float]
+    logps: list[np.ndarray] = field(repr=False)
+
+    def __repr__(self) -> str:
+        return (f"ForwardOutput(loss={self.loss:.4f}, sequences={len(self.logps)}, "
+                f"metrics={self.metrics})")
+
+
+@dataclass
+class SampledSequence:
+    """One completion: its tokens, their logprobs under the adapter that sampled them,
+    why it stopped ('stop' or 'length'), its text, and `new_input_feature`: prompt plus
+    completion as a training feature (labels on the completion only) for RL."""
+
+    prompt_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stop_reason: str
+    text: str
+    new_input_feature: dict[str, np.ndarray] = field(repr=False)
+
+
+@dataclass
+class SampleOutput:
+    """Every completion of a `sample` call: prompt by prompt, `num_samples` each."""
+
+    sequences: list[SampledSequence]
+
+
+@dataclass
+class _Adapter:
+    name: str
+    run_id: str
+    info: AdapterInfo
+    last_forward: Future[ForwardOutput] | None = None
+    last_op: Future[Any] | None = None
+
+
+# ----------------------------------------------------------------------------- LoRA config
+
+
+def lora_to_proto(config: LoraConfig | Mapping[str, Any], seed: int | None = None
+                  ) -> common_pb2.LoraConfig:
+    """A peft `LoraConfig` (or a dict of its fields) as the wire's LoraConfig.
+
+    Honoured: r, lora_alpha, lora_dropout, target_modules ('all-linear' or a list of
+    module names/suffixes), use_rslora. Any other field set away from peft's default
+    would be silently dropped by the server, so it is refused here.
+
+    Raises:
+        ValueError: naming the field: an unsupported field, a regex `target_modules`
+            string, no target_modules, a rank < 1, or alpha <= 0.
+    """
+    from peft import LoraConfig
+
+    if isinstance(config, Mapping):
+        known = {f.name for f in dataclasses.fields(LoraConfig)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"lora_config.{unknown[0]}: not a peft LoraConfig field")
+        config = LoraConfig(**config)
+    if not isinstance(config, LoraConfig):
+        raise ValueError(f"lora_config: expected a peft.LoraConfig or a dict, got "
+                         f"{type(config).__name__}")
+    default = LoraConfig()
+    for f in dataclasses.fields(LoraConfig):
+        if f.name in MAPPED_LORA_FIELDS or f.name in IGNORED_LORA_FIELDS:
+            continue
+        value, expected = getattr(config, f.name), getattr(default, f.name)
+        if value != expected:
+            raise ValueError(
+                f"lora_config.{f.name}: {value!r} is not supported by the Twinkle server, "
+                f"which honours only {list(MAPPED_LORA_FIELDS)}; leave it at {expected!r}")
+    if isinstance(config.r, bool) or not isinstance(config.r, int) or config.r < 1:
+        raise ValueError(f"lora_config.r: must be an integer >= 1, got {config.r!r}")
+    alpha = float(config.lora_alpha)
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"lora_config.lora_alpha: must be > 0, got {config.lora_alpha!r}")
+    out = common_pb2.LoraConfig(rank=config.r, alpha=alpha, dropout=float(config.lora_dropout),
+                                use_rslora=bool(config.use_rslora))
+    targets = config.target_modules
+    if targets is None:
+        raise ValueError("lora_config.target_modules: not set; pass 'all-linear' or a list "
+                         "of module names such as ['q_proj', 'v_proj']")
+    if isinstance(targets, str):
+        if targets.lower() != ALL_LINEAR:
+            raise ValueError(f"lora_config.target_modules: the regex {targets!r} is not "
+                             "supported over the wire; pass 'all-linear' or a list of names")
+        out.all_linear = True
+    else:
+        out.target_modules.extend(sorted(targets))
+    if seed is not None:
+        out.seed = int(seed)
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _connection_of(client: TwinkleClient | Connection | None) -> Connection:
+    if isinstance(client, TwinkleClient):
+        return client.connection
+    if isinstance(client, Connection):
+        return client
+    if client is not None:
+        raise ValueError(f"client: expected a TwinkleClient or Connection, got "
+                         f"{type(client).__name__}")
+    connection = get_default_connection()
+    if connection is None:
+        raise ValueError("client: none given and no default; call "
+                         "init_twinkle_client(base_url=...) first")
+    return connection
+
+
+def _served_base(connection: Connection, model_id: str) -> str:
+    """The served name `model_id` stands for; an unserved name is an error, never a
+    silent fallback to whatever the server holds."""
+    name = served_name(model_id)
+    caps = connection.capabilities()
+    for model in caps.models:
+        if name == model.name or name in model.aliases:
+            return model.name
+    served = [n for m in caps.models for n in (m.name, *m.aliases)]
+    raise errors.InvalidArgumentError(
+        f"model_id: {model_id!r} is not served by {connection.base_url}; it serves {served} "
+        "(start the server with --model <it> or --model-alias <it>)")
+
+
+def _struct(kwargs: Mapping[str, Any], what: str) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    for key, value in kwargs.items():
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, (bool, int, float, str, list, type(None))):
+            raise ValueError(f"{what}.{key}: {type(value).__name__} values cannot be sent; "
+                             "use numbers, strings, booleans or lists")
+        out[key] = value
+    return out
+
+
+def _loss_config(kwargs: Mapping[str, Any]) -> dict[str, float]:
+    config = {}
+    for key, value in kwargs.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise ValueError(f"loss.{key}: must be a finite number, got {value!r}")
+        config[key] = float(value)
+    return config
+
+
+def _class_name(value: str | type, what: str) -> str:
+    name = value if isinstance(value, str) else getattr(value, "__name__", None)
+    if not name:
+        raise ValueError(f"{what}: expected a name such as 'AdamW' or a class, got {value!r}")
+    return name
+
+
+def _metrics(reply: Any) -> dict[str, float]:
+    return dict(reply.metrics)
+
+
+def _aligned(values: Any, feature: Mapping[str, Any], field_name: str) -> np.ndarray:
+    """Per-token RL values aligned with the feature's input_ids: as given when they have
+    one per position, else scattered onto the label positions (a sampler's completion
+    logprobs), else an error naming both lengths."""
+    array = np.asarray(values, dtype=np.float32).reshape(-1)
+    length = len(feature["input_ids"])
+    if array.size == length:
+        return array
+    labels = np.asarray(feature.get("labels", np.full(length, wire.IGNORE_INDEX)))
+    positions = np.flatnonzero(labels != wire.IGNORE_INDEX)
+    if array.size != positions.size:
+        raise ValueError(f"{field_name}: has {array.size} values but the sequence has {length} "
+                         f"positions and {positions.size} label tokens; give one value per "
+                         "position or one per label token")
+    out = np.zeros(length, dtype=np.float32)
+    out[positions] = array
+    return out
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class MultiLoraTransformersModel:
+    """LoRA adapters on a served base model, trained by the calls of your own loop.
+
+    Args:
+        model_id: the base model, as the server serves it (`ms://`/`hf://` prefixes are
+            dropped); a name the server does not serve raises InvalidArgumentError.
+        client: a `TwinkleClient` or `Connection`; default the one `init_twinkle_client`
+            made.
+
+    Example:
+        model = MultiLoraTransformersModel(model_id='ms://Qwen/Qwen3-0.6B')
+        model.add_adapter_to_model('default', LoraConfig(r=8, target_modules='all-linear'))
+        model.set_loss('CrossEntropyLoss'); model.set_optimizer('AdamW', lr=1e-4)
+        for batch in dataloader:
+            model.forward_backward(inputs=batch)
+            model.clip_grad_and_step(1.0)
+        path = model.save('final')
+    """
+
+    def __init__(self, model_id: str, client: TwinkleClient | Connection | None = None) -> None:
+        self.connection = _connection_of(client)
+        self.model_id = model_id
+        self.base_model = _served_base(self.connection, model_id)
+        self.processor: Callable[[Any], list[dict[str, Any]]] = InputProcessor()
+        self.template: Template | None = None
+        self._adapters: dict[str, _Adapter] = {}
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_adapter_to_model(self, adapter_name: str, config: LoraConfig | Mapping[str, Any],
+                             gradient_accumulation_steps: int = 1, *, seed: int | None = None,
+                             user_metadata: Mapping[str, str] | None = None) -> AdapterInfo:
+        """Create a LoRA adapter (one server training run) under `adapter_name`.
+
+        Args:
+            adapter_name: the name later ops pass as `adapter_name=`; unique in this object.
+            config: a peft `LoraConfig` or a dict of its fields (see `lora_to_proto`).
+            gradient_accumulation_steps: `step()` applies the optimizer (and `zero_grad`,
+                `lr_step` act) only every k-th call; native losses divide by k, so k
+                micro-batches of equal token count equal one k-times larger batch.
+            seed: the LoRA initialisation seed (random when None).
+            user_metadata: stored with the run.
+
+        Raises:
+            ValueError: a duplicate name, a bad step count or an unsupported LoRA field.
+            TwinkleError subclasses: the server refused (rank over its limit, no free slot,
+                not enough memory; the message says which and by how much).
+        """
+        if not adapter_name or not isinstance(adapter_name, str):
+            raise ValueError(f"adapter_name: must be a non-empty string, got {adapter_name!r}")
+        if adapter_name in self._adapters:
+            raise ValueError(f"adapter_name: {adapter_name!r} already exists in this model; "
+                             f"it holds {sorted(self._adapters)}")
+        if isinstance(gradient_accumulation_steps, bool) \
+                or not isinstance(gradient_accumulation_steps, int) \
+                or gradient_accumulation_steps < 1:
+            raise ValueError("gradient_accumulation_steps: must be an integer >= 1, got "
+                             f"{gradient_accumulation_steps!r}")
+        lora = lora_to_proto(config, seed)
+        info = self.connection.create_model(training_pb2.CreateModelRequest(
+            base_model=self.base_model, lora=lora,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            user_metadata={"adapter_name": adapter_name, **(user_metadata or {})}))
+        record = AdapterInfo(adapter_name=adapter_name, training_run_id=info.model_id,
+                             base_model=info.base_model, target_modules=list(info.target_modules),
+                             trainable_params=info.trainable_params, state_bytes=info.state_bytes,
+                             gradient_accumulation_steps=gradient_accumulation_steps)
+        self._adapters[adapter_name] = _Adapter(adapter_name, info.model_id, record)
+        return record
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self._adapters)
+
+    def get_adapter_info(self, adapter_name: str | None = None) -> AdapterInfo:
+        """The adapter's server run id, targets and sizes."""
+        return self._adapter(adapter_name).info
+
+    @property
+    def training_run_id(self) -> str:
+        """The run id of the only adapter (see `get_adapter_info` for several)."""
+        return self._adapter(None).run_id
+
+    def remove_adapter(self, adapter_name: str | None = None) -> None:
+        """Wait for the adapter's queued ops, then unload it on the server (its slot is
+        freed; its run and checkpoints stay)."""
+        adapter = self._adapter(adapter_name)
+        if adapter.last_op is not None:
+            adapter.last_op.exception()
+        self.connection.call(self.connection.training.UnloadModel,
+                             training_pb2.UnloadModelRequest(model_id=adapter.run_id),
+                             retry=False)
+        del self._adapters[adapter.name]
+
+    def _adapter(self, adapter_name: str | None) -> _Adapter:
+        if adapter_name is None:
+            if len(self._adapters) == 1:
+                return next(iter(self._adapters.values()))
+            if not self._adapters:
+                raise ValueError("adapter_name: the model has no adapter; call "
+                                 "add_adapter_to_model(name, LoraConfig(...)) first")
+            raise ValueError(f"adapter_name: the model holds {sorted(self._adapters)}; "
+                             "pass adapter_name= to choose one")
+        if adapter_name not in self._adapters:
+            raise ValueError(f"adapter_name: no adapter {adapter_name!r}; the model holds "
+                             f"{sorted(self._adapters)}")
+        return self._adapters[adapter_name]
+
+    # ------------------------------------------------------------------ client-side setup
+
+    def set_template(self, template: str | type | Template = "Template", **kwargs: Any) -> None:
+        """The chat template that encodes rows given as `messages` and sample prompts, and
+        decodes samples. A name or class gets `model_id` (this model's) and the
+        connection unless `kwargs` set them."""
+        from twinkle_client.template import build_template
+
+        if isinstance(template, (str, type)):
+            kwargs = {"model_id": self.model_id, "connection": self.connection, **kwargs}
+        self.template = build_template(template, **kwargs)
+
+    def set_processor(self, processor: str | type | Callable[[Any], list[dict[str, Any]]] =
+                      "InputProcessor", **kwargs: Any) -> None:
+        """How `inputs` become per-sequence features: a registered name
+        ('InputProcessor'), a class (built with `kwargs`) or a callable."""
+        self.processor = make_processor(processor, **kwargs)
+
+    # ------------------------------------------------------------------ op plumbing
+
+    def _finish(self, adapter: _Adapter, future: Future[T], blocking: bool) -> T | Future[T]:
+        adapter.last_op = future
+        return future.result() if blocking else future
+
+    def _unary(self, adapter: _Adapter, method: Any, build: Callable[[common_pb2.OpHeader], Any],
+               convert: Callable[[Any], T], blocking: bool) -> T | Future[T]:
+        """One ordered unary op: its seq_id is taken now, in the caller's thread."""
+        request = build(self.connection.op(adapter.run_id))
+        future = self.connection.submit(self.connection.call, method, request).then(convert)
+        return self._finish(adapter, future, blocking)
+
+    def _simple(self, name: str, adapter_name: str | None, blocking: bool,
+                convert: Callable[[Any], T]) -> T | Future[T]:
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, getattr(self.connection.training, name),
+                           lambda op: training_pb2.OpRequest(op=op), convert, blocking)
+
+    # ------------------------------------------------------------------ configuration ops
+
+    def set_loss(self, loss_cls: str | type, *, adapter_name: str | None = None,
+                 blocking: bool = True, **kwargs: Any) -> None | Future[None]:
+        """The loss forward_backward uses, from the server's list ('CrossEntropyLoss' =
+        token mean, 'GRPOLoss' with epsilon/epsilon_high, or a Tinker loss); `kwargs` are
+        its numeric config."""
+        name, config = _class_name(loss_cls, "loss"), _loss_config(kwargs)
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, self.connection.training.SetLoss,
+                           lambda op: training_pb2.SetLossRequest(
+                               op=op, loss=common_pb2.LossFn(name=name, config=config)),
+                           lambda _: None, blocking)
+
+    def set_optimizer(self, optimizer_cls: str | type, *, adapter_name: str | None = None,
+                      blocking: bool = True, **kwargs: Any) -> None | Future[None]:
+        """The optimizer by name or class ('AdamW', 'Adam', 'SGD') and its kwargs
+        (lr=..., weight_decay=...); the server checks both against its allow-list."""
+        name = _class_name(optimizer_cls, "optimizer")
+        struct = _struct(kwargs, "optimizer")
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, self.connection.training.SetOptimizer,
+                           lambda op: training_pb2.ConfigureRequest(op=op, name=name,
+                                                                    kwargs=struct),
+                           lambda _: None, blocking)
+
+    def set_lr_scheduler(self, scheduler_cls: str | type, *, adapter_name: str | None = None,
+                         blocking: bool = True, **kwargs: Any) -> None | Future[None]:
+        """The learning-rate scheduler by name or class ('LinearLR', 'CosineAnnealingLR',
+        'CosineWarmupScheduler', ...) and its kwargs; call after set_optimizer."""
+        name = _class_name(scheduler_cls, "lr_scheduler")
+        struct = _struct(kwargs, "lr_scheduler")
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, self.connection.training.SetLrScheduler,
+                           lambda op: training_pb2.ConfigureRequest(op=op, name=name,
+                                                                    kwargs=struct),
+                           lambda _: None, blocking)
+
+    # ------------------------------------------------------------------ forward
+
+    def _features(self, inputs: Any, old_logps: Sequence[Any] | None,
+                  advantages: Sequence[Any] | None) -> list[dict[str, Any]]:
+        """Inputs -> per-sequence features (rows of `messages` through the template),
+        with RL values attached one per sequence."""
+        if isinstance(inputs, Sequence) and inputs and all(
+                isinstance(x, Mapping) and "input_ids" not in x and "messages" in x
+                for x in inputs):
+            if self.template is None:
+                raise ValueError("inputs: rows hold 'messages', not 'input_ids'; call "
+                                 "set_template(...) first or encode the dataset")
+            inputs = self.template.encode_batch(list(inputs))
+        features = [dict(f) for f in self.processor(inputs)]
+        for key, values in (("old_logps", old_logps), ("advantages", advantages)):
+            if values is None:
+                continue
+            if len(values) != len(features):
+                raise ValueError(f"{key}: has {len(values)} entries but inputs hold "
+                                 f"{len(features)} sequences; give one per sequence")
+            for index, (feature, value) in enumerate(zip(features, values, strict=True)):
+                if key == "advantages" and np.ndim(value) == 0:
+                    feature[key] = float(value)
+                else:
+                    feature[key] = _aligned(value, feature, f"{key}[{index}]")
+        return features
+
+    def _forward(self, inputs: Any, backward: bool, adapter_name: str | None,
+                 blocking: bool, old_logps: Sequence[Any] | None = None,
+                 advantages: Sequence[Any] | None = None) -> ForwardOutput | Future[ForwardOutput]:
+        adapter = self._adapter(adapter_name)
+        features = self._features(inputs, old_logps, advantages)
+        datums = [wire.encode_feature(f, i) for i, f in enumerate(features)]
+        # Chunk once before the seq_id is taken: an oversized datum fails here, not after.
+        for _ in wire.chunk_datums(datums):
+            pass
+        header = self.connection.op(adapter.run_id)
+
+        def run() -> ForwardOutput:
+            result = self.connection.forward(header, datums, backward=backward)
+            return ForwardOutput(result.loss, result.metrics,
+                                 [out["logprobs"] for out in result.outputs])
+
+        future = self.connection.submit(run)
+        adapter.last_forward = future
+        return self._finish(adapter, future, blocking)
+
+    def forward_backward(self, inputs: Any, *, old_logps: Sequence[Any] | None = None,
+                         advantages: Sequence[Any] | None = None,
+                         micro_batch_size: int | None = None,
+                         adapter_name: str | None = None,
+                         blocking: bool = True) -> ForwardOutput | Future[ForwardOutput]:
+        """Forward and backward on a batch with the loss set by `set_loss`; gradients
+        add up until `zero_grad`.
+
+        Args:
+            inputs: a list of features (`input_ids` + shifted `labels`), one feature, a
+                padded batch dict with `attention_mask`, or rows of `messages` (with a
+                template set); see `twinkle_client.processor`.
+            old_logps: RL: per sequence, the sampler's logprobs, one per position or one
+                per label token (a `SampledSequence.logprobs`).
+            advantages: RL: per sequence, one value (broadcast over its tokens) or one per
+                position.
+            micro_batch_size: accepted for upstream compatibility and checked (>= 1); the
+                server computes the whole batch's exact gradient in one op, so it does not
+                change the result.
+            adapter_name: which adapter (may be left out when there is one).
+            blocking: False returns a Future at once.
+
+        Returns:
+            ForwardOutput with the loss, the metrics and per-sequence logprobs.
+        """
+        if micro_batch_size is not None and (isinstance(micro_batch_size, bool)
+                                             or not isinstance(micro_batch_size, int)
+                                             or micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size: must be an integer >= 1, got "
+                             f"{micro_batch_size!r}")
+        return self._forward(inputs, True, adapter_name, blocking, old_logps, advantages)
+
+    def forward_only(self, inputs: Any, *, adapter_name: str | None = None,
+                     blocking: bool = True) -> ForwardOutput | Future[ForwardOutput]:
+        """Forward without gradients (evaluation): the loss, metrics and logprobs; the
+        loss counts toward `calculate_metric(is_training=False)`."""
+        return self._forward(inputs, False, adapter_name, blocking)
+
+    def calculate_loss(self, *, adapter_name: str | None = None,
+                       blocking: bool = True) -> float | Future[float]:
+        """The loss of the adapter's latest forward_backward or forward_only (the server
+        computes it in that pass; this makes no extra call)."""
+        adapter = self._adapter(adapter_name)
+        if adapter.last_forward is None:
+            raise ValueError("calculate_loss: no forward_backward or forward_only has run "
+                             f"on adapter {adapter.name!r} yet")
+        future = adapter.last_forward.then(lambda out: out.loss)
+        return future.result() if blocking else future
+
+    def calculate_metric(self, is_training: bool = True, *, adapter_name: str | None = None,
+                         blocking: bool = True) -> dict[str, float] | Future[dict[str, float]]:
+        """Averages since the previous call (loss, token_accuracy) of training
+        (forward_backward) or evaluation (forward_only) passes, with grad_norm, lr,
+        tokens_seen and steps; the averages then restart."""
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, self.connection.training.CalculateMetric,
+                           lambda op: training_pb2.CalculateMetricRequest(
+                               op=op, is_training=is_training), _metrics, blocking)
+
+    # ------------------------------------------------------------------ optimizer ops
+
+    def clip_grad_norm(self, max_norm: float = 1.0, *, adapter_name: str | None = None,
+                       blocking: bool = True) -> float | Future[float]:
+        """Clip the gradients to total L2 norm `max_norm` at the end of an accumulation
+        window (inside one, it only measures); returns the norm before clipping."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
+                or not math.isfinite(max_norm):
+            raise ValueError(f"max_norm: must be a finite number, got {max_norm!r}")
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, self.connection.training.ClipGradNorm,
+                           lambda op: training_pb2.ClipGradNormRequest(op=op,
+                                                                       max_norm=float(max_norm)),
+                           lambda reply: reply.metrics["grad_norm"], blocking)
+
+    def step(self, *, adapter_name: str | None = None, blocking: bool = True
+             ) -> dict[str, float] | Future[dict[str, float]]:
+        """Count a micro-step; every gradient_accumulation_steps-th one applies the
+        optimizer. Returns {'applied', 'step', 'micro_step'}."""
+        return self._simple("Step", adapter_name, blocking, _metrics)
+
+    def zero_grad(self, *, adapter_name: str | None = None, blocking: bool = True
+                  ) -> None | Future[None]:
+        """Drop the gradients, at an accumulation boundary (inside a window they keep
+        adding up)."""
+        return self._simple("ZeroGrad", adapter_name, blocking, lambda _: None)
+
+    def lr_step(self, *, adapter_name: str | None = None, blocking: bool = True
+                ) -> None | Future[None]:
+        """Advance the learning-rate scheduler, once per applied optimizer step."""
+        return self._simple("LrStep", adapter_name, blocking, lambda _: None)
+
+    def clip_grad_and_step(self, max_norm: float = 1.0, *, adapter_name: str | None = None,
+                           blocking: bool = True
+                           ) -> dict[str, float] | Future[dict[str, float]]:
+        """clip_grad_norm, step, zero_grad and lr_step, queued in that order. Returns
+        {'grad_norm', 'applied', 'step', 'micro_step'}."""
+        norm = self.clip_grad_norm(max_norm, adapter_name=adapter_name, blocking=False)
+        stepped = self.step(adapter_name=adapter_name, blocking=False)
+        self.zero_grad(adapter_name=adapter_name, blocking=False)
+        last = self.lr_step(adapter_name=adapter_name, blocking=False)
+        future = last.then(lambda _: {"grad_norm": norm.result(), **stepped.result()})
+        return self._finish(self._adapter(adapter_name), future, blocking)
+
+    def get_train_configs(self, *, adapter_name: str | None = None, blocking: bool = True
+                          ) -> dict[str, Any] | Future[dict[str, Any]]:
+        """The adapter's LoRA spec, optimizer, scheduler, loss, accumulation and counters."""
+        return self._simple("GetTrainConfigs", adapter_name, blocking,
+                            lambda reply: json.loads(reply.json))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, name: str, save_optimizer: bool = False, *,
+             adapter_name: str | None = None, blocking: bool = True) -> str | Future[str]:
+        """Save the adapter (PEFT format) and, with `save_optimizer`, the optimizer,
+        scheduler and counters to resume exactly. Returns its twinkle:// path."""
+        paths.check_name(name)
+        adapter = self._adapter(adapter_name)
+        return self._unary(adapter, self.connection.training.SaveState,
+                           lambda op: training_pb2.SaveRequest(
+                               op=op, name=name, include_optimizer=save_optimizer),
+                           lambda reply: reply.path, blocking)
+
+    def load(self, path: str, load_optimizer: bool = False, *,
+             adapter_name: str | None = None, blocking: bool = True) -> None | Future[None]:
+        """Load a checkpoint's weights (and, with `load_optimizer`, its optimizer,
+        scheduler and counters) into the adapter. `path` is a twinkle:// (or tinker://)
+        path, or the bare name of a checkpoint of this adapter's own run."""
+        adapter = self._adapter(adapter_name)
+        if "://" not in path:
+            path = f"twinkle://{adapter.run_id}/weights/{paths.check_name(path)}"
+        paths.parse(path)
+        return self._unary(adapter, self.connection.training.LoadState,
+                           lambda op: training_pb2.LoadStateRequest(
+                               op=op, path=path, include_optimizer=load_optimizer),
+                           lambda _: None, blocking)
+
+    # ------------------------------------------------------------------ sampling
+
+    def _prompts(self, inputs: Any) -> list[np.ndarray]:
+        """Prompts as token-id arrays: token ids, a feature with input_ids, a string (one
+        user message), a list of chat messages, or a list of any of these."""
+        def one(item: Any) -> np.ndarray | None:
+            if isinstance(item, str) or (isinstance(item, Sequence) and item
+                                         and all(isinstance(m, Mapping) and "role" in m
+                                                 for m in item)):
+                messages = ([{"role": "user", "content": item}] if isinstance(item, str)
+                            else list(item))
+                return np.asarray(self._template().encode(
+                    {"messages": messages}, add_generation_prompt=True)["input_ids"])
+            if isinstance(item, Mapping) and "input_ids" in item:
+                return np.asarray(item["input_ids"]).reshape(-1)
+            if isinstance(item, Mapping) and "messages" in item:
+                return np.asarray(self._template().encode(
+                    item, add_generation_prompt=True)["input_ids"])
+            array = np.asarray(item) if np.ndim(item) == 1 else None
+            return array if array is not None and array.dtype.kind in "iu" else None
+
+        single = one(inputs)
+        if single is not None:
+            return [single]
+        if isinstance(inputs, Sequence) and inputs:
+            prompts = [one(item) for item in inputs]
+            bad = next((i for i, p in enumerate(prompts) if p is None), None)
+            if bad is None:
+                return prompts  # type: ignore[return-value]
+            raise ValueError(f"inputs[{bad}]: not a prompt; give token ids, a feature with "
+                             "input_ids, a string or a list of chat messages")
+        raise ValueError("inputs: not a prompt; give token ids, a feature with input_ids, a "
+                         "string, a list of chat messages, or a list of these")
+
+    def _template(self) -> Template:
+        """The template set with `set_template`, else the default one for this model."""
+        if self.template is None:
+            self.set_template("Template")
+        return self.template  # type: ignore[return-value]
+
+    def sample(self, inputs: Any, *, max_tokens: int = 64, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = -1, stop: Sequence[str | int] | None = None,
+               seed: int | None = None, num_samples: int = 1,
+               adapter_name: str | None = None, blocking: bool = True
+               ) -> SampleOutput | Future[SampleOutput]:
+        """Sample completions from the adapter as it is now: each prompt is an op queued
+        after the adapter's earlier training ops, so a rollout sees every update before it.
+
+        Args:
+            inputs: one prompt or a list (token ids, a feature, a string user message, or
+                chat messages; strings and messages go through the template).
+            max_tokens, temperature, top_p, top_k (-1 = no limit), stop (strings or token
+                ids), seed (same seed, same tokens), num_samples per prompt.
+
+        Returns:
+            SampleOutput with every completion, prompt by prompt.
+        """
+        for name, value, low in (("max_tokens", max_tokens, 1), ("num_samples", num_samples, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+        adapter = self._adapter(adapter_name)
+        prompts = self._prompts(inputs)
+        stops = list(stop or [])
+        params = sampling_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            stop_strings=[s for s in stops if isinstance(s, str)],
+            stop_token_ids=[int(s) for s in stops if not isinstance(s, str)])
+        if seed is not None:
+            params.seed = seed
+        requests = [sampling_pb2.SampleRequest(
+            op=self.connection.op(adapter.run_id), prompt=wire.encode_array(
+                prompt.astype(np.int64), f"inputs[{i}]"), num_samples=num_samples,
+            params=params) for i, prompt in enumerate(prompts)]
+        calls = [self.connection.submit(self.connection.call, self.connection.sampling.Sample,
+                                        request) for request in requests]
+
+        def collect() -> SampleOutput:
+            decode = self._template().decode
+            out = []
+            for index, (prompt, call) in enumerate(zip(prompts, calls, strict=True)):
+                for seq in call.result().sequences:
+                    tokens = wire.decode_array(seq.tokens, "tokens").astype(np.int64)
+                    logprobs = wire.decode_array(seq.logprobs, "logprobs").astype(np.float32)
+                    out.append(SampledSequence(
+                        index, tokens, logprobs, seq.stop_reason,
+                        decode(tokens, skip_special_tokens=True),
+                        _rollout_feature(prompt, tokens)))
+            return SampleOutput(out)
+
+        return self._finish(adapter, self.connection.submit(collect), blocking)
+
+    def __repr__(self) -> str:
+        return (f"MultiLoraTransformersModel({self.model_id!r}, "
+                f"adapters={ {n: a.run_id for n, a in self._adapters.items()} })")
+
+
+def _rollout_feature(prompt: np.ndarray, completion: np.ndarray) -> dict[str, np.ndarray]:
+    """Prompt + completion as a training feature: shifted labels on the completion only."""
+    full = np.concatenate([prompt.astype(np.int64), completion.astype(np.int64)])
+    labels = np.full(full.size - 1, wire.IGNORE_INDEX, dtype=np.int64)
+    labels[prompt.size - 1:] = completion
+    return {"input_ids": full[:-1], "labels": labels}
