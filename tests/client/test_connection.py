@@ -11,7 +11,7 @@ import pytest
 
 from twinkle_client import errors, wire
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
-from twinkle_client.connection import Connection, write_files, parse_base_url, setting
+from twinkle_client.connection import Connection, parse_base_url, setting, write_files
 from twinkle_client.tokenizer import load_tokenizer, served_name
 from twinkle_server.process import start_server
 
