@@ -211,12 +211,23 @@ class Connection:
         """Stream encoded datums in chunks under `chunk_bytes` as one Forward(Backward) op.
 
         Chunks are made before anything is sent, so an oversized datum fails here and
-        never reaches the server. The op is retried whole (same seq_id) while the server
-        is unreachable.
+        never reaches the server; its seq_id is then spent as a failed op (the header
+        alone, which the server records as failed) so the model's later ops do not wait
+        for it. The op is retried whole (same seq_id) while the server is unreachable.
         """
-        messages = forward_messages(header, datums, loss, chunk_bytes)
         method = self.training.ForwardBackward if backward else self.training.Forward
         name = _method_name(method)
+        try:
+            messages = forward_messages(header, datums, loss, chunk_bytes)
+        except wire.WireError:
+            spent = forward_messages(header, [], loss)
+            spent[0].header.num_datums = max(1, len(datums))
+            try:
+                for _ in method(iter(spent), metadata=self.metadata, timeout=CALL_TIMEOUT_S):
+                    pass
+            except grpc.RpcError:
+                pass  # the expected answer: the op failed, and its seq is done
+            raise
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
                 replies = list(method(iter(messages), metadata=self.metadata,
