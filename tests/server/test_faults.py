@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from twinkle_client import errors
-from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
 from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 
@@ -30,7 +30,7 @@ _STREAMER = textwrap.dedent("""
     import sys, time
     import numpy as np
     from twinkle_client import wire
-    from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+    from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
     from twinkle_client.connection import Connection
 
     address, model, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -104,3 +104,42 @@ def test_sigterm_with_ops_in_flight_finishes_or_fails_each_one_never_silently(
     finally:
         proc.stop(signal.SIGKILL)
         conn.close()
+
+
+def test_save_that_hits_a_full_disk_fails_clearly_and_succeeds_once_space_is_back(
+        tmp_path, tiny_cache):
+    """A file-size limit on the server process (RLIMIT_FSIZE) makes a large checkpoint
+    write fail with EFBIG, as a full disk would fail it with ENOSPC: the same OSError path.
+    The limit is set after start-up, above every file the server has written so far."""
+    import resource
+
+    proc = start_server(tmp_path / "data", "--max-rank", "128")
+    limit = 2 * 1024 * 1024
+    try:
+        with Connection(proc.address, client_name="test") as conn:
+            lora = common_pb2.LoraConfig(rank=128, seed=0, all_linear=True)
+            model = conn.create_model(training_pb2.CreateModelRequest(lora=lora)).model_id
+            conn.forward(conn.op(model), encoded_datums(), CE)
+            conn.call(conn.training.OptimStep, training_pb2.OptimStepRequest(
+                op=conn.op(model), adam=training_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)))
+            probe = conn.forward(conn.op(model), encoded_datums(), CE, backward=False)
+            resource.prlimit(proc.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            with pytest.raises(errors.FailedPreconditionError,
+                               match="could not write .full.: File too large; .*saved again"):
+                conn.call(conn.training.SaveState, training_pb2.SaveRequest(
+                    op=conn.op(model), name="full", include_optimizer=True))
+            listed = conn.call(conn.runs.ListCheckpoints, runs_pb2.ListCheckpointsRequest())
+            assert listed.total == 0
+            assert not any(p.name.startswith(".full") or p.name == "full"
+                           for p in (proc.data_dir).rglob("*full*"))
+            # Space is back: the state still in memory saves, and it is the same state.
+            resource.prlimit(proc.proc.pid, resource.RLIMIT_FSIZE,
+                             (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            saved = conn.call(conn.training.SaveState, training_pb2.SaveRequest(
+                op=conn.op(model), name="full", include_optimizer=True))
+            assert saved.checkpoint.size_bytes > limit
+            again = conn.forward(conn.op(model), encoded_datums(), CE, backward=False)
+            np.testing.assert_array_equal(again.outputs[0]["logprobs"],
+                                          probe.outputs[0]["logprobs"])
+    finally:
+        proc.stop()

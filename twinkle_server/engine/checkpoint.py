@@ -12,6 +12,7 @@ never leaves a half checkpoint under a real name.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -20,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.engine.types import LoraSpec
@@ -36,23 +38,41 @@ def peft_key(module: str, which: str) -> str:
 
 
 def write_atomically(path: str | Path, fill: Callable[[Path], None]) -> int:
-    """Create directory `path` by filling a temp dir and renaming it; returns bytes written."""
+    """Create directory `path` by filling a temp dir and renaming it; returns bytes written.
+
+    Every file is written with plain file I/O (`write_bytes`), so a full disk, a quota or a
+    read-only data dir is one `OSError`, reported as `FailedPrecondition`: the adapter's
+    state in memory is untouched and the same save can be tried again.
+    """
     target = Path(path)
     if target.exists():
         raise FailedPrecondition(f"checkpoint: {target.name!r} already exists; choose another name")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    scratch: Path | None = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         fill(scratch)
         size = sum(f.stat().st_size for f in scratch.iterdir())
         for f in scratch.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
         os.rename(scratch, target)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
+    except OSError as exc:
+        raise FailedPrecondition(
+            f"checkpoint: could not write {target.name!r}: {exc.strerror or exc}; training "
+            "state is unchanged and can be saved again") from exc
+    finally:
+        if scratch is not None and scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
     return size
+
+
+def write_state(out: Path, state: dict) -> None:
+    """`torch.save` of the training state into `out`, through memory so that a failed
+    write is an `OSError` like every other checkpoint file's."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    (out / STATE_FILE).write_bytes(buffer.getvalue())
 
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
@@ -66,8 +86,9 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
         base_model_name_or_path=base_model_path, task_type="CAUSAL_LM",
     )
     config.save_pretrained(str(out))
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-              str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / WEIGHTS_FILE).write_bytes(save_safetensors(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        metadata={"format": "pt"}))
 
 
 def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:

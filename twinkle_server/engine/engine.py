@@ -447,7 +447,7 @@ class Engine:
         def fill(out: Path) -> None:
             self._fill_weights(adapter, out)
             if include_optimizer:
-                torch.save(self._training_state(adapter), out / checkpoint.STATE_FILE)
+                checkpoint.write_state(out, self._training_state(adapter))
         return checkpoint.write_atomically(path, fill)
 
     def _training_state(self, adapter: Adapter) -> dict[str, Any]:

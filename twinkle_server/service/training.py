@@ -308,13 +308,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 return rt.engine.save_weights(mid, target)
             return rt.engine.save_state(mid, target, include_optimizer=with_optimizer)
 
-        try:
-            size = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
-        except OSError as exc:
-            raise ServiceError("failed_precondition",
-                               f"checkpoint: could not write {request.name!r}: "
-                               f"{exc.strerror or exc}; training state is unchanged and can be "
-                               "saved again") from None
+        size = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
         row = CheckpointRow(mid, kind, request.name, tenant,
                             str(target.relative_to(rt.store.checkpoint_root)), size,
                             with_optimizer, time.time(), dict(request.user_metadata))
