@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+from tinker.types.topk_logprobs import TopkLogprobs
 
 from twinkle_client import paths, wire
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
@@ -205,7 +206,15 @@ def sample_response_to_tinker(reply: spb.SampleResponse, include_prompt_logprobs
     if include_prompt_logprobs and reply.HasField("prompt_logprobs"):
         prompt_logprobs = wire.decode_array(reply.prompt_logprobs, "prompt_logprobs"
                                             ).astype(np.float32)
-    return types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_logprobs)
+    topk = None
+    if reply.HasField("topk_prompt_token_ids"):
+        topk = TopkLogprobs(
+            token_ids=wire.decode_array(reply.topk_prompt_token_ids, "topk_prompt_token_ids"
+                                        ).astype(np.int32),
+            logprobs=wire.decode_array(reply.topk_prompt_logprobs, "topk_prompt_logprobs"
+                                       ).astype(np.float32))
+    return types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_logprobs,
+                                topk_prompt_logprobs_np=topk)
 
 
 # ----------------------------------------------------------------------------- features

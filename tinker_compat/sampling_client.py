@@ -57,8 +57,8 @@ class SamplingClient:
           stop (None: stop at EOS; []: never stop early, EOS included; strings or token ids)
         - `include_prompt_logprobs`: also return the logprob of every prompt token
           (`prompt_logprobs`, None at position 0)
-        - `topk_prompt_logprobs`: must be 0: Twinkle servers do not return top-k prompt
-          logprobs yet
+        - `topk_prompt_logprobs`: k > 0 also returns the k most likely tokens at each prompt
+          position (`topk_prompt_logprobs`, None at position 0); at most 20
 
         Returns:
         - `APIFuture` of the `SampleResponse`: one `SampledSequence` per sample, with
@@ -74,14 +74,15 @@ class SamplingClient:
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples: must be an integer >= 1, got {num_samples!r}")
-        if topk_prompt_logprobs:
-            raise ValueError("topk_prompt_logprobs: Twinkle servers do not return top-k prompt "
-                             "logprobs yet; pass 0 (include_prompt_logprobs=True gives each "
-                             "prompt token's own logprob)")
+        if (isinstance(topk_prompt_logprobs, bool) or not isinstance(topk_prompt_logprobs, int)
+                or topk_prompt_logprobs < 0):
+            raise ValueError(f"topk_prompt_logprobs: must be an integer >= 0, got "
+                             f"{topk_prompt_logprobs!r}")
         request = spb.SampleRequest(
             sampling_session_id=self.sampling_session_id, prompt=convert.prompt_to_proto(prompt),
             num_samples=num_samples, params=convert.sampling_params_to_proto(sampling_params),
-            include_prompt_logprobs=include_prompt_logprobs)
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs)
 
         def run() -> types.SampleResponse:
             reply = self._conn.call(self._conn.sampling.Sample, request)

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.sampler import GenerationRequest, generate, prompt_logprobs
+from twinkle_server.engine.sampler import (
+    TOPK_MASK_LOGPROB,
+    GenerationRequest,
+    generate,
+    prompt_logprobs,
+)
 from twinkle_server.engine.types import SamplingParams
 
 
@@ -100,12 +105,30 @@ def test_max_tokens_gives_length_and_eos_stops_unless_disabled(model):
 
 def test_prompt_logprobs_match_a_manual_gather_with_nan_first(model):
     tokens = np.array([1, 5, 9, 2, 6], np.int64)
-    out = prompt_logprobs(model, _route, None, tokens)
+    out = prompt_logprobs(model, _route, None, tokens).logprobs
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.from_numpy(tokens)[None]).logits[0], -1)
     assert np.isnan(out[0])
     np.testing.assert_allclose(out[1:], [float(logp[t, tokens[t + 1]]) for t in range(4)],
                                atol=1e-5)
+
+
+def test_topk_prompt_logprobs_are_the_most_likely_tokens_in_order_with_row_0_masked(model):
+    tokens = np.array([1, 5, 9, 2, 6], np.int64)
+    out = prompt_logprobs(model, _route, None, tokens, topk=3)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.from_numpy(tokens)[None]).logits[0], -1)
+    assert out.topk_token_ids.shape == out.topk_logprobs.shape == (5, 3)
+    assert out.topk_token_ids.dtype == np.int32 and out.topk_logprobs.dtype == np.float32
+    assert out.topk_token_ids[0].tolist() == [0, 0, 0]
+    assert out.topk_logprobs[0].tolist() == [TOPK_MASK_LOGPROB] * 3
+    for t in range(4):
+        best = torch.argsort(logp[t], descending=True)[:3]
+        assert out.topk_token_ids[t + 1].tolist() == best.tolist()
+        np.testing.assert_allclose(out.topk_logprobs[t + 1], logp[t, best].numpy(), atol=1e-5)
+    np.testing.assert_allclose(out.logprobs, prompt_logprobs(model, _route, None, tokens).logprobs)
+    with pytest.raises(InvalidArgument, match=r"topk_prompt_logprobs: must be in \[0, 20\]"):
+        prompt_logprobs(model, _route, None, tokens, topk=21)
 
 
 @pytest.mark.parametrize(("request_", "message"), [

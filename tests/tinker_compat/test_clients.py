@@ -34,9 +34,26 @@ def test_sampling_is_seeded_stop_empty_runs_to_max_tokens_and_logprobs_line_up(
     scored = sampling_client.compute_logprobs(PROMPT).result()
     assert scored[0] is None and first.prompt_logprobs[0] is None
     assert scored[1:] == pytest.approx(first.prompt_logprobs[1:], abs=1e-5)
-    assert again.prompt_logprobs is None
+    assert again.prompt_logprobs is None and again.topk_prompt_logprobs is None
     with pytest.raises(ValueError, match="topk_prompt_logprobs"):
-        sampling_client.sample(PROMPT, 1, params, topk_prompt_logprobs=2)
+        sampling_client.sample(PROMPT, 1, params, topk_prompt_logprobs=-1)
+
+
+def test_topk_prompt_logprobs_list_the_most_likely_tokens_with_none_first(service_client):
+    sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+    params = types.SamplingParams(max_tokens=2, seed=0)
+    result = sampling_client.sample(PROMPT, 1, params, include_prompt_logprobs=True,
+                                    topk_prompt_logprobs=3).result()
+    topk = result.topk_prompt_logprobs
+    assert len(topk) == PROMPT.length and topk[0] is None
+    for position, alternatives in enumerate(topk[1:], start=1):
+        assert len(alternatives) == 3
+        logprobs = [lp for _, lp in alternatives]
+        assert logprobs == sorted(logprobs, reverse=True)
+        # The prompt's own token is no likelier than the best alternative.
+        assert result.prompt_logprobs[position] <= logprobs[0] + 1e-6
+    with pytest.raises(tinker.BadRequestError, match=r"topk_prompt_logprobs: must be in \[0, 20\]"):
+        sampling_client.sample(PROMPT, 1, params, topk_prompt_logprobs=21).result()
 
 
 def test_tokenizer_comes_from_the_server_and_round_trips_text(service_client):

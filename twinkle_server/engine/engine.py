@@ -602,12 +602,18 @@ class Engine:
     def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
                          tokens: np.ndarray) -> np.ndarray:
         """Logprob of each token given the ones before it; NaN at position 0."""
+        return self.prompt_logprobs(adapter_id, weights_path, tokens).logprobs
+
+    def prompt_logprobs(self, adapter_id: str | None, weights_path: str | None,
+                        tokens: np.ndarray, topk: int = 0) -> Any:
+        """`compute_logprobs` plus, with `topk` > 0, the top-k tokens at each position
+        (a `sampler.PromptLogprobs`)."""
         from twinkle_server.engine import sampler
 
-        route_id = self._sampling_adapter(adapter_id, weights_path)
         self._check_prompt(np.asarray(tokens))
+        route_id = self._sampling_adapter(adapter_id, weights_path)
         return sampler.prompt_logprobs(self.base.model, self.router.route, route_id,
-                                       np.asarray(tokens))
+                                       np.asarray(tokens), topk)
 
     def describe(self) -> str:
         return json.dumps({"model": self.base.name, "adapters": len(self.adapters)})

@@ -191,13 +191,41 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
     return results
 
 
+MAX_TOPK = 20
+"""Most top-k prompt alternatives one request may ask for (Tinker's own cap)."""
+TOPK_MASK_LOGPROB = -99999.0
+"""Logprob of the filler at position 0, which has no context (Tinker's sentinel)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Per prompt position t: logprob of token t given tokens[:t] (NaN at 0), and with
+    k > 0 the k most likely tokens there with their logprobs, most likely first (row 0 is
+    token 0 / `TOPK_MASK_LOGPROB`)."""
+
+    logprobs: np.ndarray                   # float32 [T]
+    topk_token_ids: np.ndarray | None      # int32 [T, k]
+    topk_logprobs: np.ndarray | None       # float32 [T, k]
+
+
 @torch.inference_mode()
 def prompt_logprobs(model: torch.nn.Module, route: Route, adapter_id: str | None,
-                    tokens: np.ndarray) -> np.ndarray:
-    """float32 `[T]`: logprob of token t given tokens[:t]; NaN at position 0."""
+                    tokens: np.ndarray, topk: int = 0) -> PromptLogprobs:
+    """Prompt logprobs in one teacher-forced pass (see `PromptLogprobs`)."""
+    if not 0 <= topk <= MAX_TOPK:
+        raise InvalidArgument(f"topk_prompt_logprobs: must be in [0, {MAX_TOPK}], got {topk}")
     device = next(model.parameters()).device
     ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None].to(device)
     with route([adapter_id]):
         logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return np.concatenate([[np.nan], lp.cpu().numpy()]).astype(np.float32)
+    logp = torch.log_softmax(logits, dim=-1)
+    own = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    out = np.concatenate([[np.nan], own.cpu().numpy()]).astype(np.float32)
+    if topk == 0:
+        return PromptLogprobs(out, None, None)
+    values, indices = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+    top_ids = np.zeros((len(out), topk), np.int32)
+    top_lps = np.full((len(out), topk), TOPK_MASK_LOGPROB, np.float32)
+    top_ids[1:, :indices.shape[-1]] = indices.cpu().numpy()
+    top_lps[1:, :values.shape[-1]] = values.cpu().numpy()
+    return PromptLogprobs(out, top_ids, top_lps)

@@ -10,6 +10,7 @@ from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import sampling_pb2 as smp
 from twinkle_client._proto.twinkle.v1 import sampling_pb2_grpc
 from twinkle_server.engine.engine import SampleRequest
+from twinkle_server.engine.sampler import MAX_TOPK
 from twinkle_server.engine.types import SamplingParams
 from twinkle_server.executor import SAMPLE
 from twinkle_server.runtime import Runtime, SamplerEntry
@@ -70,6 +71,10 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     async def Sample(self, request, context):
         queue, seq, adapter_id, weights, request_id = self._target(context, request)
         prompt = wire.decode_array(request.prompt, "prompt").astype(np.int64).reshape(-1)
+        if not 0 <= request.topk_prompt_logprobs <= MAX_TOPK:
+            raise ServiceError("invalid_argument", f"topk_prompt_logprobs: must be in "
+                                                   f"[0, {MAX_TOPK}], got "
+                                                   f"{request.topk_prompt_logprobs}")
         payload = SampleRequest(adapter_id, weights, prompt, request.num_samples or 1,
                                 _params(request.params))
         tokens = prompt.size * payload.num_samples + payload.params.max_tokens
@@ -80,11 +85,16 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             response.sequences.append(smp.SampledSequence(
                 tokens=wire.encode_array(seq_out.tokens), logprobs=wire.encode_array(
                     seq_out.logprobs), stop_reason=seq_out.stop_reason))
-        if request.include_prompt_logprobs:
-            lp = await self.rt.run(Op(queue, None, "prompt_logprobs", None, prompt.size,
-                                      lambda: self.rt.engine.compute_logprobs(
-                                          adapter_id, weights, prompt)))
-            response.prompt_logprobs.CopyFrom(wire.encode_array(lp))
+        if request.include_prompt_logprobs or request.topk_prompt_logprobs:
+            topk = request.topk_prompt_logprobs
+            scored = await self.rt.run(Op(queue, None, "prompt_logprobs", None, prompt.size,
+                                          lambda: self.rt.engine.prompt_logprobs(
+                                              adapter_id, weights, prompt, topk)))
+            if request.include_prompt_logprobs:
+                response.prompt_logprobs.CopyFrom(wire.encode_array(scored.logprobs))
+            if topk:
+                response.topk_prompt_token_ids.CopyFrom(wire.encode_array(scored.topk_token_ids))
+                response.topk_prompt_logprobs.CopyFrom(wire.encode_array(scored.topk_logprobs))
         return response
 
     @unary

@@ -80,12 +80,16 @@ class SampledSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs")
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: _common_pb2.Tensor
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    topk_prompt_token_ids: _common_pb2.Tensor
+    topk_prompt_logprobs: _common_pb2.Tensor
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("sampling_session_id", "op", "prompt")
