@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -37,6 +38,21 @@ def _data(n: int, length: int, vocab: int, seed: int = 0):
     return out
 
 
+def side_by_side(steps: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Seconds per call of each step, alternating them twice (A B A B) so drift in the
+    machine's load hits both alike; each keeps its best round of STEPS calls."""
+    timings: dict[str, float] = {}
+    for _ in range(2):
+        for name, fn in steps.items():
+            fn()
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                fn()
+            per = (time.perf_counter() - start) / STEPS
+            timings[name] = min(timings.get(name, per), per)
+    return timings
+
+
 def main() -> None:
     engine = Engine.load("tiny")
     vocab = engine.base.vocab_size
@@ -58,15 +74,8 @@ def main() -> None:
                 client.forward_backward(model, batch)
                 client.optim_step(model)
 
-            timings = {}
-            for name, fn in (("in-process engine", local_step), ("gRPC loopback", remote_step),
-                             ("in-process engine", local_step), ("gRPC loopback", remote_step)):
-                fn()
-                start = time.perf_counter()
-                for _ in range(STEPS):
-                    fn()
-                per = (time.perf_counter() - start) / STEPS
-                timings[name] = min(timings.get(name, per), per)
+            timings = side_by_side({"in-process engine": local_step,
+                                    "gRPC loopback": remote_step})
             tokens = 8 * 256
             print("remote overhead: forward_backward + optim_step, 8 x 256 tokens")
             for name, per in timings.items():

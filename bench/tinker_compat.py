@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tinker import types
 
-from bench.server import STEPS, _data
+from bench.server import _data, side_by_side
 from tinker_compat import ServiceClient
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
@@ -56,15 +56,8 @@ def main() -> None:
                 fwdbwd.result()
                 optim.result()
 
-            timings: dict[str, float] = {}
-            for name, fn in (("in-process engine", local_step), ("tinker_compat", shim_step),
-                             ("in-process engine", local_step), ("tinker_compat", shim_step)):
-                fn()
-                start = time.perf_counter()
-                for _ in range(STEPS):
-                    fn()
-                per = (time.perf_counter() - start) / STEPS
-                timings[name] = min(timings.get(name, per), per)
+            timings = side_by_side({"in-process engine": local_step,
+                                    "tinker_compat": shim_step})
             tokens = 8 * 256
             print("shim overhead: forward_backward + optim_step, 8 x 256 tokens")
             for name, per in timings.items():
