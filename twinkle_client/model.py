@@ -425,22 +425,22 @@ class MultiLoraTransformersModel:
                       blocking: bool = True, **kwargs: Any) -> None | Future[None]:
         """The optimizer by name or class ('AdamW', 'Adam', 'SGD') and its kwargs
         (lr=..., weight_decay=...); the server checks both against its allow-list."""
-        name = _class_name(optimizer_cls, "optimizer")
-        struct = _struct(kwargs, "optimizer")
-        adapter = self._adapter(adapter_name)
-        return self._unary(adapter, self.connection.training.SetOptimizer,
-                           lambda op: training_pb2.ConfigureRequest(op=op, name=name,
-                                                                    kwargs=struct),
-                           lambda _: None, blocking)
+        return self._configure(self.connection.training.SetOptimizer, "optimizer",
+                               optimizer_cls, kwargs, adapter_name, blocking)
 
     def set_lr_scheduler(self, scheduler_cls: str | type, *, adapter_name: str | None = None,
                          blocking: bool = True, **kwargs: Any) -> None | Future[None]:
         """The learning-rate scheduler by name or class ('LinearLR', 'CosineAnnealingLR',
         'CosineWarmupScheduler', ...) and its kwargs; call after set_optimizer."""
-        name = _class_name(scheduler_cls, "lr_scheduler")
-        struct = _struct(kwargs, "lr_scheduler")
-        adapter = self._adapter(adapter_name)
-        return self._unary(adapter, self.connection.training.SetLrScheduler,
+        return self._configure(self.connection.training.SetLrScheduler, "lr_scheduler",
+                               scheduler_cls, kwargs, adapter_name, blocking)
+
+    def _configure(self, method: Any, field: str, cls: str | type, kwargs: dict[str, Any],
+                   adapter_name: str | None, blocking: bool) -> None | Future[None]:
+        """SetOptimizer / SetLrScheduler: a name from the server's allow-list and kwargs."""
+        name = _class_name(cls, field)
+        struct = _struct(kwargs, field)
+        return self._unary(self._adapter(adapter_name), method,
                            lambda op: training_pb2.ConfigureRequest(op=op, name=name,
                                                                     kwargs=struct),
                            lambda _: None, blocking)
