@@ -187,6 +187,24 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
         ("path with traversal", lambda: conn.call(conn.runs.GetCheckpoint, runs_pb2.CheckpointRef(
             path=f"twinkle://{model}/weights/../../twinkle.db")),
          errors.InvalidArgumentError, "path"),
+        ("NaN in weights", forward(_datum_with(ids, target_tokens=ids + 1, weights=np.full(
+            10, np.nan, np.float32))), errors.InvalidArgumentError,
+         "loss_fn_inputs['weights']: contains NaN or infinity"),
+        ("inf in advantages", forward(_datum_with(
+            ids, target_tokens=ids + 1, logprobs=np.full(10, -1.0, np.float32),
+            advantages=np.full(10, np.inf, np.float32)),
+            loss=common_pb2.LossFn(name="importance_sampling")),
+         errors.InvalidArgumentError, "loss_fn_inputs['advantages']: contains NaN or infinity"),
+        ("oversized run metadata", lambda: conn.call(
+            conn.training.CreateModel, training_pb2.CreateModelRequest(
+                lora=common_pb2.LoraConfig(rank=4, train_attn=True),
+                user_metadata={"note": "x" * 100_000}), retry=False),
+         errors.InvalidArgumentError, "user_metadata: 1 entries, 100004 bytes"),
+        ("oversized checkpoint metadata", lambda: conn.call(
+            conn.training.SaveState, training_pb2.SaveRequest(
+                op=conn.op(model), name="meta", user_metadata={
+                    f"k{i}": "v" for i in range(1000)})),
+         errors.InvalidArgumentError, "at most 64 entries"),
         ("sample with a huge max_tokens", lambda: conn.call(
             conn.sampling.Sample, sampling_pb2.SampleRequest(
                 op=conn.op(model), prompt=wire.encode_array(ids), num_samples=1,

@@ -12,7 +12,7 @@ from google.protobuf import json_format
 
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.service.errors import status_for
+from twinkle_server.service.errors import ServiceError, status_for
 from twinkle_server.store import CheckpointRow, RunRow
 
 
@@ -43,6 +43,23 @@ def streaming(fn: Callable) -> Callable:
             code, message = status_for(exc)
             await context.abort(code, message)
     return wrapper
+
+
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_BYTES = 16 * 1024
+"""Caps on user metadata and session tags: they are stored in SQLite and returned with
+every run listing, so one request must not be able to bloat either."""
+
+
+def metadata_of(values: Any, field: str) -> dict[str, str]:
+    """A copy of a string map from the wire, refused when over the caps above."""
+    out = dict(values)
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in out.items())
+    if len(out) > MAX_METADATA_ENTRIES or size > MAX_METADATA_BYTES:
+        raise ServiceError("invalid_argument",
+                           f"{field}: {len(out)} entries, {size} bytes; at most "
+                           f"{MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes")
+    return out
 
 
 def kwargs_of(struct) -> dict[str, Any]:

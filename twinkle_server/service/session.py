@@ -10,7 +10,7 @@ from twinkle_client._proto.twinkle.v1 import session_pb2_grpc
 from twinkle_server.engine import losses, optim
 from twinkle_server.engine.engine import available_memory_bytes
 from twinkle_server.runtime import Runtime
-from twinkle_server.service.common import streaming, unary
+from twinkle_server.service.common import metadata_of, streaming, unary
 from twinkle_server.service.errors import ServiceError
 
 FILE_CHUNK_BYTES = 1 << 20
@@ -48,7 +48,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             raise ServiceError("resource_exhausted",
                                f"sessions: tenant has {rt.config.max_sessions_per_tenant} open "
                                "sessions (--max-sessions-per-tenant); close one first")
-        session_id = rt.store.create_session(tenant, dict(request.tags))
+        session_id = rt.store.create_session(tenant, metadata_of(request.tags, "tags"))
         timeout = rt.config.session_timeout
         return spb.CreateSessionResponse(session_id=session_id, session_timeout_s=timeout,
                                          heartbeat_interval_s=max(0.5, timeout / 5))

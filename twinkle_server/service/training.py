@@ -23,6 +23,7 @@ from twinkle_server.scheduler import Op
 from twinkle_server.service.common import (
     checkpoint_to_proto,
     kwargs_of,
+    metadata_of,
     spec_from_proto,
     spec_to_json,
     spec_to_proto,
@@ -65,6 +66,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         tenant = rt.tenant(context)
         if request.session_id and rt.store.session_tenant(request.session_id) != tenant:
             raise ServiceError("not_found", f"session_id: no session {request.session_id!r}")
+        metadata = metadata_of(request.user_metadata, "user_metadata")
         base_name = request.base_model or rt.config.model
         rt.check_base_model(base_name)
         owned = sum(1 for e in rt.models.values() if e.tenant == tenant)
@@ -97,7 +99,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         rt.scheduler.register_model(model_id)
         rt.store.create_run(model_id, tenant, base_name,
                             spec_to_json(rt.engine.adapters[model_id].spec),
-                            dict(request.user_metadata), request.session_id or None)
+                            metadata, request.session_id or None)
         return self._info(entry)
 
     @unary
@@ -298,10 +300,12 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         mid = request.op.model_id
         target = rt.store.checkpoint_dir(tenant, mid, kind, "_")
         with_optimizer = kind == "training" and request.include_optimizer
+        metadata: dict[str, str] = {}
 
         def check() -> None:
-            nonlocal target
+            nonlocal target, metadata
             target = rt.store.checkpoint_dir(tenant, mid, kind, paths.check_name(request.name))
+            metadata = metadata_of(request.user_metadata, "user_metadata")
 
         def save() -> int:
             if kind == "sampler":
@@ -311,7 +315,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         size = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
         row = CheckpointRow(mid, kind, request.name, tenant,
                             str(target.relative_to(rt.store.checkpoint_root)), size,
-                            with_optimizer, time.time(), dict(request.user_metadata))
+                            with_optimizer, time.time(), metadata)
         rt.store.add_checkpoint(row)
         proto = checkpoint_to_proto(row, rt.store.get_run(tenant, mid))
         return tpb.SaveResponse(path=proto.path, checkpoint=proto)
