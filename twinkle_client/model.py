@@ -396,8 +396,11 @@ class MultiLoraTransformersModel:
 
     def _unary(self, adapter: _Adapter, method: Any, build: Callable[[common_pb2.OpHeader], Any],
                convert: Callable[[Any], T], blocking: bool) -> T | Future[T]:
-        """One ordered unary op: its seq_id is taken now, in the caller's thread."""
-        request = build(self.connection.op(adapter.run_id))
+        """One ordered unary op: its seq_id is taken now, in the caller's thread, and only
+        after the request has been built, so a bad argument fails here without leaving a
+        gap in the model's seq chain."""
+        request = build(common_pb2.OpHeader())
+        request.op.CopyFrom(self.connection.op(adapter.run_id))
         future = self.connection.submit(self.connection.call, method, request).then(convert)
         return self._finish(adapter, future, blocking)
 
@@ -546,6 +549,7 @@ class MultiLoraTransformersModel:
         """Averages since the previous call (loss, token_accuracy) of training
         (forward_backward) or evaluation (forward_only) passes, with grad_norm, lr,
         tokens_seen and steps; the averages then restart."""
+        _check_bool(is_training, "is_training")
         adapter = self._adapter(adapter_name)
         return self._unary(adapter, self.connection.training.CalculateMetric,
                            lambda op: training_pb2.CalculateMetricRequest(
@@ -608,6 +612,7 @@ class MultiLoraTransformersModel:
         """Save the adapter (PEFT format) and, with `save_optimizer`, the optimizer,
         scheduler and counters to resume exactly. Returns its twinkle:// path."""
         paths.check_name(name)
+        _check_bool(save_optimizer, "save_optimizer")
         adapter = self._adapter(adapter_name)
         return self._unary(adapter, self.connection.training.SaveState,
                            lambda op: training_pb2.SaveRequest(
@@ -619,6 +624,7 @@ class MultiLoraTransformersModel:
         """Load a checkpoint's weights (and, with `load_optimizer`, its optimizer,
         scheduler and counters) into the adapter. `path` is a twinkle:// (or tinker://)
         path, or the bare name of a checkpoint of this adapter's own run."""
+        _check_bool(load_optimizer, "load_optimizer")
         adapter = self._adapter(adapter_name)
         if "://" not in path:
             path = f"twinkle://{adapter.run_id}/weights/{paths.check_name(path)}"
@@ -730,3 +736,8 @@ def _rollout_feature(prompt: np.ndarray, completion: np.ndarray) -> dict[str, np
     labels = np.full(full.size - 1, wire.IGNORE_INDEX, dtype=np.int64)
     labels[prompt.size - 1:] = completion
     return {"input_ids": full[:-1], "labels": labels}
+
+
+def _check_bool(value: Any, field: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: must be True or False, got {value!r}")

@@ -276,6 +276,12 @@ def test_rejected_calls_take_no_seq_id_and_server_errors_do_not_stall_later_ops(
         model.set_optimizer("AdamW", betz=0.9)
     with pytest.raises(InvalidArgumentError, match="loss_fn: unknown loss 'Hinge'"):
         model.set_loss("Hinge")
+    with pytest.raises(ValueError, match="save_optimizer: must be True or False, got 'yes'"):
+        model.save("ck", save_optimizer="yes")
+    with pytest.raises(ValueError, match="load_optimizer: must be True or False"):
+        model.load("ck", load_optimizer=1)
+    with pytest.raises(ValueError, match="is_training: must be True or False"):
+        model.calculate_metric(is_training="no")
     padded = InputProcessor("left").collate(toy_features(2))
     assert model.forward_backward(padded).loss > 0  # the model's queue is not stuck
     with pytest.raises(ValueError, match="calculate_loss: no forward"):
