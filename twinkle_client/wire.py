@@ -252,7 +252,8 @@ def feature_to_loss_inputs(feature: Mapping[str, Any], index: int = 0) -> tuple[
 
     `labels` are already shifted: `labels[t]` is the token to predict at position `t`
     and -100 marks no loss, so `target_tokens = labels` (0 where ignored) and
-    `weights = labels != -100`. Optional RL inputs: `old_logps` -> `logprobs`,
+    `weights = labels != -100` (optional per-position `weights` scale that, and are 0
+    wherever the label is -100). Optional RL inputs: `old_logps` -> `logprobs`,
     `advantages` (per token, or one value per sequence, broadcast over its tokens).
     """
     field = f"feature[{index}]"
@@ -275,10 +276,18 @@ def feature_to_loss_inputs(feature: Mapping[str, Any], index: int = 0) -> tuple[
             raise WireError(f"{field}.labels: negative label other than {IGNORE_INDEX}")
         inputs["target_tokens"] = np.where(mask, labels, 0).astype(np.int64)
         weights = feature.get("weights")
-        inputs["weights"] = (
-            mask.astype(np.float32) if weights is None
-            else np.asarray(_to_numpy(weights), dtype=np.float32)
-        )
+        if weights is None:
+            inputs["weights"] = mask.astype(np.float32)
+        else:
+            weights = np.asarray(_to_numpy(weights), dtype=np.float32)
+            if weights.shape != labels.shape:
+                raise WireError(f"{field}.weights: has shape {list(weights.shape)} but labels "
+                                f"has {list(labels.shape)}")
+            # A -100 label means no loss there, whatever weight came with it.
+            inputs["weights"] = np.where(mask, weights, np.float32(0))
+    elif feature.get("weights") is not None:
+        raise WireError(f"{field}.weights: given without 'labels'; weights scale the loss of "
+                        "labelled positions")
     for src, dst in (("old_logps", "logprobs"), ("logprobs", "logprobs"),
                      ("advantages", "advantages")):
         if src in feature and feature[src] is not None:

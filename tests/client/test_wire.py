@@ -87,6 +87,18 @@ def test_feature_with_shifted_labels_becomes_target_tokens_and_weights_and_back(
     np.testing.assert_array_equal(back["old_logps"], feature["old_logps"])
 
 
+
+def test_feature_weights_scale_labelled_positions_and_are_zero_where_labels_are_ignored():
+    feature = {"input_ids": [10, 11, 12, 13], "labels": [-100, -100, 13, 2],
+               "weights": [1.0, 1.0, 0.5, 2.0]}
+    _, inputs = wire.feature_to_loss_inputs(feature)
+    np.testing.assert_array_equal(inputs["weights"], [0.0, 0.0, 0.5, 2.0])
+    with pytest.raises(wire.WireError, match=r"feature\[0\].weights: has shape \[3\]"):
+        wire.feature_to_loss_inputs({**feature, "weights": [1.0, 1.0, 1.0]})
+    with pytest.raises(wire.WireError, match=r"feature\[0\].weights: given without 'labels'"):
+        wire.feature_to_loss_inputs({"input_ids": [1, 2], "weights": [1.0, 1.0]})
+
+
 @pytest.mark.parametrize(
     ("build", "field"),
     [
