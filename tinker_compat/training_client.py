@@ -248,7 +248,8 @@ class TrainingClient:
         Args:
         - `name`: 1-128 letters, digits, '.', '_', '-'
         - `ttl_seconds`: accepted for compatibility; Twinkle checkpoints do not expire
-        - `overwrite`: accepted for compatibility; a name saved again replaces the old one
+        - `overwrite`: replace a checkpoint of the same name (without it, saving a name
+          again is a `ConflictError`); the new checkpoint is complete before the old goes
         - `user_metadata`: stored with the checkpoint
 
         Returns:
@@ -259,10 +260,9 @@ class TrainingClient:
         path = training_client.save_state("step-100").result().path
         ```
         """
-        del overwrite  # the server always replaces a checkpoint saved under the same name
         self._warn_ttl(ttl_seconds)
         request = tpb.SaveRequest(name=paths.check_name(name, "name"), include_optimizer=True,
-                                  user_metadata=user_metadata or {})
+                                  user_metadata=user_metadata or {}, overwrite=overwrite)
         request.op.CopyFrom(self._conn.op(self.model_id))
 
         def run() -> types.SaveWeightsResponse:
@@ -526,7 +526,7 @@ class TrainingClient:
             try:
                 self._conn.call(self._conn.training.GetTrainConfigs, tpb.OpRequest(op=header))
             except Exception:  # noqa: BLE001 - the original failure is what the caller sees
-                return
+                continue
 
     def _run_custom(self, data: list[types.Datum], loss_fn: CustomLossFn,
                     groups: list[list[pb.Datum]], forward_ops: list[pb.OpHeader],

@@ -109,7 +109,7 @@ def test_native_optimizer_scheduler_and_counters_survive_a_save_and_load(
     native("b", 3)  # stops mid accumulation window, with a pending gradient lost on save
     engine.save_state("b", tmp_path / "b", include_optimizer=True)
     add("c", spec)
-    engine.load_state("c", tmp_path / "b", include_optimizer=True)
+    engine.load_state("c", tmp_path / "b", include_optimizer=True, adopt_accumulation=True)
     configs = engine.get_train_configs("c")
     json.dumps(configs)
     assert configs["lr_scheduler"]["name"] == "CosineAnnealingLR"
@@ -166,3 +166,42 @@ def test_sampling_from_saved_weights_equals_sampling_the_live_adapter(engine, da
     np.testing.assert_allclose(
         engine.compute_logprobs(None, str(tmp_path / "sampler"), datums[1].input_ids),
         engine.compute_logprobs("live", None, datums[1].input_ids), atol=1e-5)
+
+
+def test_loading_state_with_another_accumulation_count_is_refused_before_anything_changes(
+        engine, add, datums, tmp_path, snapshot, diff):
+    spec = LoraSpec.from_tinker(rank=4, seed=7)
+    add("acc1", spec)
+    engine.set_loss("acc1", LossSpec("CrossEntropyLoss"))
+    engine.set_optimizer("acc1", "AdamW", {"lr": 1e-3})
+    for _ in range(3):
+        engine.forward_batch([ForwardRequest("acc1", datums[:2], None, True)])
+        engine.step("acc1")
+        engine.zero_grad("acc1")
+    engine.save_state("acc1", tmp_path / "acc1", include_optimizer=True)
+    add("acc4", spec, gradient_accumulation_steps=4)
+    engine.set_optimizer("acc4", "SGD", {"lr": 1e-2})
+    before = snapshot("acc4")
+    with pytest.raises(FailedPrecondition, match="saved with gradient_accumulation_steps=1 "
+                                                 "but this adapter uses 4"):
+        engine.load_state("acc4", tmp_path / "acc1", include_optimizer=True)
+    assert diff(snapshot("acc4"), before) == 0.0
+    configs = engine.get_train_configs("acc4")
+    assert (configs["gradient_accumulation_steps"], configs["optimizer"]["name"]) == (4, "SGD")
+    engine.load_state("acc4", tmp_path / "acc1", include_optimizer=False)  # weights only: fine
+    assert diff(snapshot("acc4"), snapshot("acc1")) == 0.0
+
+
+def test_loading_a_state_saved_without_an_optimizer_clears_the_optimizer_and_its_name(
+        engine, add, tmp_path):
+    spec = LoraSpec.from_tinker(rank=4, seed=8)
+    add("bare", spec)
+    engine.save_state("bare", tmp_path / "bare", include_optimizer=True)
+    add("configured", spec)
+    engine.set_optimizer("configured", "AdamW", {"lr": 1e-3})
+    engine.set_lr_scheduler("configured", "LinearLR", {})
+    engine.load_state("configured", tmp_path / "bare", include_optimizer=True)
+    configs = engine.get_train_configs("configured")
+    assert configs["optimizer"]["name"] == "" and configs["lr_scheduler"]["name"] == ""
+    with pytest.raises(FailedPrecondition, match="no optimizer"):
+        engine.step("configured")

@@ -111,3 +111,23 @@ def test_rest_client_pages_runs_lists_downloads_and_deletes_checkpoints(service_
         assert rest.list_checkpoints(training_client.model_id).result().checkpoints == []
         with pytest.raises(tinker.NotFoundError):
             rest.get_training_run("run-none").result()
+
+
+def test_saving_a_name_again_conflicts_unless_overwrite_replaces_it(service_client,
+                                                                    tmp_path):
+    training_client = service_client.create_lora_training_client("tiny", rank=4).result()
+    rest = RestClient(base_url=service_client._conn.base_url)
+    first = training_client.save_state("latest").result().path
+    before = rest.download_checkpoint(first, tmp_path / "before").result()
+    with pytest.raises(tinker.ConflictError, match="'latest' already exists"):
+        training_client.save_state("latest").result()
+    training_client.forward_backward(sft_data(1), "cross_entropy").result()
+    training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    again = training_client.save_state("latest", overwrite=True).result().path
+    assert again == first
+    listed = rest.list_checkpoints(training_client.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [first]
+    after = rest.download_checkpoint(first, tmp_path / "after").result()
+    old = load_file(str(before / "adapter_model.safetensors"))
+    new = load_file(str(after / "adapter_model.safetensors"))
+    assert any(not (old[k] == new[k]).all() for k in old)  # the trained weights replaced them

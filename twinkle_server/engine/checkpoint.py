@@ -37,16 +37,22 @@ def peft_key(module: str, which: str) -> str:
     return f"base_model.model.{module}.{which}.weight"
 
 
-def write_atomically(path: str | Path, fill: Callable[[Path], None]) -> int:
+def write_atomically(path: str | Path, fill: Callable[[Path], None],
+                     overwrite: bool = False) -> int:
     """Create directory `path` by filling a temp dir and renaming it; returns bytes written.
+
+    With `overwrite`, an existing `path` is replaced only once the new one is complete
+    (moved aside, the new one renamed in, the old one removed): a crash leaves either the
+    old or the new checkpoint, except in the instant between the two renames.
 
     Every file is written with plain file I/O (`write_bytes`), so a full disk, a quota or a
     read-only data dir is one `OSError`, reported as `FailedPrecondition`: the adapter's
     state in memory is untouched and the same save can be tried again.
     """
     target = Path(path)
-    if target.exists():
-        raise FailedPrecondition(f"checkpoint: {target.name!r} already exists; choose another name")
+    if target.exists() and not overwrite:
+        raise FailedPrecondition(f"checkpoint: {target.name!r} already exists; choose another "
+                                 "name or overwrite it")
     scratch: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +62,13 @@ def write_atomically(path: str | Path, fill: Callable[[Path], None]) -> int:
         for f in scratch.iterdir():
             with open(f, "rb") as handle:
                 os.fsync(handle.fileno())
-        os.rename(scratch, target)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old)
+            os.rename(scratch, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(scratch, target)
     except OSError as exc:
         raise FailedPrecondition(
             f"checkpoint: could not write {target.name!r}: {exc.strerror or exc}; training "

@@ -435,12 +435,14 @@ class Engine:
         checkpoint.write_peft(out, adapter.spec, self._peft_tensors(adapter),
                               sorted(adapter.weights), str(self.base.model_dir))
 
-    def save_weights(self, adapter_id: str, path: str | Path) -> int:
+    def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
         """PEFT weights only (a sampler checkpoint); returns bytes written."""
         adapter = self._adapter(adapter_id)
-        return checkpoint.write_atomically(path, lambda out: self._fill_weights(adapter, out))
+        return checkpoint.write_atomically(path, lambda out: self._fill_weights(adapter, out),
+                                           overwrite)
 
-    def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True) -> int:
+    def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
+                   overwrite: bool = False) -> int:
         """PEFT weights plus, with `include_optimizer`, everything needed to resume exactly."""
         adapter = self._adapter(adapter_id)
 
@@ -448,7 +450,7 @@ class Engine:
             self._fill_weights(adapter, out)
             if include_optimizer:
                 checkpoint.write_state(out, self._training_state(adapter))
-        return checkpoint.write_atomically(path, fill)
+        return checkpoint.write_atomically(path, fill, overwrite)
 
     def _training_state(self, adapter: Adapter) -> dict[str, Any]:
         return {
@@ -469,53 +471,72 @@ class Engine:
     def read_checkpoint_spec(path: str | Path) -> LoraSpec:
         return checkpoint.read_spec(path)[0]
 
-    def load_state(self, adapter_id: str, path: str | Path, include_optimizer: bool) -> None:
-        """Load weights (and optimizer, scheduler, counters) into an existing adapter."""
+    def load_state(self, adapter_id: str, path: str | Path, include_optimizer: bool,
+                   adopt_accumulation: bool = False) -> None:
+        """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter.
+
+        Everything is read and rebuilt before the adapter changes, so a failure leaves it as
+        it was. With the optimizer, the saved gradient accumulation count must equal the
+        adapter's, or the load is refused; `adopt_accumulation` (an adapter created from the
+        checkpoint with no count of its own) takes the saved count instead.
+        """
         adapter = self._adapter(adapter_id)
         found = checkpoint.read_weights(path)
         tensors = self._peft_tensors(adapter)
         checkpoint.check_shapes({k: v.shape for k, v in tensors.items()}, found)
-        state = None
+        restored = None
         if include_optimizer:
             state_file = Path(path) / checkpoint.STATE_FILE
             if not state_file.is_file():
                 raise FailedPrecondition("checkpoint: saved without optimizer state; "
                                          "load it without the optimizer")
-            state = torch.load(state_file, weights_only=False)
+            restored = self._rebuild(adapter, torch.load(state_file, weights_only=False),
+                                     adopt_accumulation)
         with torch.no_grad():
             for key, tensor in tensors.items():
                 tensor.copy_(found[key].to(tensor.device, tensor.dtype))
         adapter.zero_grad()
-        if state is not None:
-            self._restore(adapter, state)
+        if restored is not None:
+            for field_name, value in restored.items():
+                setattr(adapter, field_name, value)
 
-    def _restore(self, adapter: Adapter, state: dict[str, Any]) -> None:
-        adapter.optimizer = None
-        if state["optimizer"] is not None:
-            name = state["optimizer_name"]
-            if name == "AdamW" and not state["optimizer_kwargs"]:
-                adapter.optimizer = optim.make_adamw(adapter.parameters(), AdamParams())
-            else:
-                adapter.optimizer = optim.build_optimizer(name, adapter.parameters(),
-                                                          **state["optimizer_kwargs"])
-            adapter.optimizer.load_state_dict(state["optimizer"])
-            adapter.optimizer_name = name
-            adapter.optimizer_kwargs = dict(state["optimizer_kwargs"])
-        adapter.scheduler = None
-        if state["scheduler"] is not None and adapter.optimizer is not None:
-            adapter.scheduler = optim.build_scheduler(state["scheduler_name"], adapter.optimizer,
-                                                      **state["scheduler_kwargs"])
-            # Building a scheduler takes its initial step, which rewrites every group's lr
-            # (LinearLR: base lr / 3); the saved groups put the resumed lr back.
-            adapter.optimizer.load_state_dict(state["optimizer"])
-            adapter.scheduler.load_state_dict(state["scheduler"])
-            adapter.scheduler_name = state["scheduler_name"]
-            adapter.scheduler_kwargs = dict(state["scheduler_kwargs"])
-        if state["loss"]:
-            adapter.loss = LossSpec(**state["loss"])
+    def _rebuild(self, adapter: Adapter, state: dict[str, Any], adopt_accumulation: bool
+                 ) -> dict[str, Any]:
+        """The adapter fields a saved training state sets, built without touching it."""
         counters = state["counters"]
-        adapter.step, adapter.micro_step = counters["step"], counters["micro_step"]
-        adapter.tokens_seen, adapter.grad_accum = counters["tokens_seen"], counters["grad_accum"]
+        if counters["grad_accum"] != adapter.grad_accum and not adopt_accumulation:
+            raise FailedPrecondition(
+                f"checkpoint: saved with gradient_accumulation_steps={counters['grad_accum']} "
+                f"but this adapter uses {adapter.grad_accum}; load it into an adapter with "
+                f"{counters['grad_accum']}, or without the optimizer")
+        optimizer = scheduler = None
+        optimizer_name, optimizer_kwargs = "", {}
+        scheduler_name, scheduler_kwargs = "", {}
+        if state["optimizer"] is not None:
+            optimizer_name = state["optimizer_name"]
+            optimizer_kwargs = dict(state["optimizer_kwargs"])
+            if optimizer_name == "AdamW" and not optimizer_kwargs:
+                optimizer = optim.make_adamw(adapter.parameters(), AdamParams())
+            else:
+                optimizer = optim.build_optimizer(optimizer_name, adapter.parameters(),
+                                                  **optimizer_kwargs)
+            optimizer.load_state_dict(state["optimizer"])
+            if state["scheduler"] is not None:
+                scheduler_name = state["scheduler_name"]
+                scheduler_kwargs = dict(state["scheduler_kwargs"])
+                scheduler = optim.build_scheduler(scheduler_name, optimizer, **scheduler_kwargs)
+                # Building a scheduler takes its initial step, which rewrites every group's
+                # lr (LinearLR: base lr / 3); the saved groups put the resumed lr back.
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+        return {
+            "optimizer": optimizer, "optimizer_name": optimizer_name,
+            "optimizer_kwargs": optimizer_kwargs, "scheduler": scheduler,
+            "scheduler_name": scheduler_name, "scheduler_kwargs": scheduler_kwargs,
+            "loss": LossSpec(**state["loss"]) if state["loss"] else adapter.loss,
+            "step": counters["step"], "micro_step": counters["micro_step"],
+            "tokens_seen": counters["tokens_seen"], "grad_accum": counters["grad_accum"],
+        }
 
     # ------------------------------------------------------------------ sampling
 

@@ -89,7 +89,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             rt.engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum)
             if source is not None:
                 try:
-                    rt.engine.load_state(model_id, source, include_optimizer=request.load_optimizer)
+                    rt.engine.load_state(model_id, source, include_optimizer=request.load_optimizer,
+                                         adopt_accumulation=not request.gradient_accumulation_steps)
                 except EngineError:
                     rt.engine.remove_adapter(model_id)
                     raise
@@ -309,8 +310,9 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
         def save() -> int:
             if kind == "sampler":
-                return rt.engine.save_weights(mid, target)
-            return rt.engine.save_state(mid, target, include_optimizer=with_optimizer)
+                return rt.engine.save_weights(mid, target, overwrite=request.overwrite)
+            return rt.engine.save_state(mid, target, include_optimizer=with_optimizer,
+                                        overwrite=request.overwrite)
 
         size = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
         row = CheckpointRow(mid, kind, request.name, tenant,

@@ -209,7 +209,7 @@ class TrainConfigs(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("op", "name", "include_optimizer", "user_metadata")
+    __slots__ = ("op", "name", "include_optimizer", "user_metadata", "overwrite")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -221,11 +221,13 @@ class SaveRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     op: _common_pb2.OpHeader
     name: str
     include_optimizer: bool
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., name: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    overwrite: bool
+    def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., name: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., overwrite: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("path", "checkpoint")
