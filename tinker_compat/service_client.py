@@ -7,6 +7,7 @@ session, and the server unloads the session's adapters (saved checkpoints stay).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from types import TracebackType
@@ -51,9 +52,12 @@ class ServiceClient:
     ```
     """
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 user_metadata: dict[str, str] | None = None, project_id: str | None = None,
-                 display_name: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, user_metadata: dict[str, str] | None = None,
+                 project_id: str | None = None, *, display_name: str | None = None,
+                 base_url: str | None = None, api_key: str | None = None,
+                 **kwargs: Any) -> None:
+        # Positional order as tinker 0.38's (user_metadata, project_id); the rest by keyword.
+        project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         if kwargs:
             warnings.warn(f"ServiceClient ignores unsupported arguments: "
                           f"{', '.join(sorted(kwargs))}.", FutureWarning, stacklevel=2)

@@ -45,7 +45,10 @@ from twinkle_client.futures import Future
 log = logging.getLogger("twinkle_client")
 
 CALL_TIMEOUT_S = 600.0
-"""Deadline of one call. Ops queue behind a model's earlier ops, so this is generous."""
+"""Deadline of one unordered call (sessions, listings, downloads). Ordered ops (those with
+an OpHeader) have none: they wait behind the model's earlier ops for as long as those take,
+and the server runs them even after a client stops waiting, so a deadline would only
+report as failed an op that is still applied."""
 RETRY_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 4.0)
 """Back-off before each retry of an idempotent call answered UNAVAILABLE (~8 s in all)."""
 MAX_INFLIGHT_CALLS = 64
@@ -131,6 +134,7 @@ class Connection:
         self._seq: dict[str, int] = {}
         self._seq_lock = threading.Lock()
         self._closed = threading.Event()
+        self._submit_lock = threading.Lock()
         self.session_id: str | None = None
         self._heartbeat: threading.Thread | None = None
         self._capabilities = None
@@ -148,10 +152,11 @@ class Connection:
         is UNAVAILABLE. Failures raise the client's exception for the status.
         """
         name = _method_name(method)
+        ordered = hasattr(request, "op") and request.HasField("op")
+        deadline = timeout or (None if ordered else CALL_TIMEOUT_S)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                return method(request, metadata=self.metadata,
-                              timeout=timeout or CALL_TIMEOUT_S)
+                return method(request, metadata=self.metadata, timeout=deadline)
             except grpc.RpcError as exc:
                 if not self._retryable(exc, retry, attempt):
                     raise errors.from_rpc_error(exc, name, self.error_factory) from None
@@ -174,10 +179,11 @@ class Connection:
     def submit(self, fn: Callable[..., T], *args: Any, future_class: type[Future] = Future,
                **kwargs: Any) -> Future[T]:
         """Run `fn(*args, **kwargs)` on the call pool; returns its future at once."""
-        if self._closed.is_set():
-            raise self.error_factory("failed_precondition",
-                                     f"connection to {self.base_url} is closed", "")
-        return future_class(self._pool.submit(fn, *args, **kwargs))
+        with self._submit_lock:
+            if self._closed.is_set():
+                raise self.error_factory("failed_precondition",
+                                         f"connection to {self.base_url} is closed", "")
+            return future_class(self._pool.submit(fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ ordered ops
 
@@ -230,8 +236,7 @@ class Connection:
             raise
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                replies = list(method(iter(messages), metadata=self.metadata,
-                                      timeout=CALL_TIMEOUT_S))
+                replies = list(method(iter(messages), metadata=self.metadata))
                 break
             except grpc.RpcError as exc:
                 if not self._retryable(exc, True, attempt):
@@ -286,10 +291,11 @@ class Connection:
     def close(self) -> None:
         """Stop the heartbeat, close the session (the server unloads its models; saved
         checkpoints stay), wait for submitted calls, and close the channel."""
-        if self._closed.is_set():
-            return
+        with self._submit_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
         self._pool.shutdown(wait=True)
-        self._closed.set()
         if self.session_id:
             try:
                 self.session.CloseSession(session_pb2.CloseSessionRequest(

@@ -193,6 +193,12 @@ def test_sampling_from_a_saved_sampler_checkpoint_and_the_base(server):
             assert wire.decode_array(a.tokens).tolist() == wire.decode_array(b.tokens).tolist()
             assert wire.decode_array(a.logprobs).shape == wire.decode_array(a.tokens).shape
         assert np.isnan(wire.decode_array(one.prompt_logprobs)[0])
+    # max_tokens 0 (Tinker's None) runs to the context limit: 64 - 3 prompt tokens.
+    unbounded = client.call(client.sampling.Sample, sampling_pb2.SampleRequest(
+        sampling_session_id=session.sampling_session_id, prompt=prompt, num_samples=1,
+        params=sampling_pb2.SamplingParams(temperature=1.0, seed=9, ignore_eos=True)))
+    assert wire.decode_array(unbounded.sequences[0].tokens).size == 61
+    assert unbounded.sequences[0].stop_reason == "length"
 
 
 def test_auth_wrong_key_and_tenant_isolation(tmp_path, tiny_cache):

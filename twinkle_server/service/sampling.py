@@ -20,8 +20,10 @@ from twinkle_server.service.errors import ServiceError
 from twinkle_server.service.training import resolve_checkpoint
 
 
-def _params(p: smp.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=p.max_tokens or 16, temperature=p.temperature,
+def _params(p: smp.SamplingParams, room: int) -> SamplingParams:
+    """Engine parameters; max_tokens 0 (Tinker's None) means up to the context limit,
+    `room` tokens after the prompt."""
+    return SamplingParams(max_tokens=p.max_tokens or max(1, room), temperature=p.temperature,
                           top_p=p.top_p or 1.0, top_k=p.top_k,
                           stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
                           stop_strings=tuple(p.stop_strings),
@@ -76,7 +78,8 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
                                                    f"[0, {MAX_TOPK}], got "
                                                    f"{request.topk_prompt_logprobs}")
         payload = SampleRequest(adapter_id, weights, prompt, request.num_samples or 1,
-                                _params(request.params))
+                                _params(request.params,
+                                        self.rt.config.max_seq_len - prompt.size))
         tokens = prompt.size * payload.num_samples + payload.params.max_tokens
         sequences = await self.rt.run(Op(queue, seq, "sample", SAMPLE, tokens, payload,
                                          request_id or request.request_id))
