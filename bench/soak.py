@@ -25,24 +25,15 @@ import numpy as np
 from safetensors.numpy import load_file
 from tinker import types
 
+from bench.server import _data
+from bench.tinker_compat import _tinker_data
 from tinker_compat import RestClient, ServiceClient
 from twinkle_server.process import start_server
 
 SEQ_TOKENS = 32
 DATUMS_PER_STEP = 2
 DEADLINE_S = 900
-
-
-def _data(seed: int, vocab: int = 4096) -> list[types.Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(DATUMS_PER_STEP):
-        ids = rng.integers(3, vocab, SEQ_TOKENS + 1)
-        out.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64),
-                            "weights": np.ones(SEQ_TOKENS, np.float32)}))
-    return out
+VOCAB = 4096  # the tiny model's
 
 
 def _train(base_url: str, key: str, seed: int, steps: int, latencies: list[float],
@@ -51,7 +42,7 @@ def _train(base_url: str, key: str, seed: int, steps: int, latencies: list[float
     service = ServiceClient(base_url=base_url, api_key=key)
     client = service.create_lora_training_client("tiny", rank=4, seed=seed).result()
     adam = types.AdamParams(learning_rate=1e-2)
-    data = _data(seed)
+    data = _tinker_data(_data(DATUMS_PER_STEP, SEQ_TOKENS, VOCAB, seed))
 
     def timed(future) -> None:
         start = time.perf_counter()
