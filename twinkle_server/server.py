@@ -33,10 +33,12 @@ from twinkle_server.service.undecodable import RejectUndecodable
 from twinkle_server.store import Store
 
 log = logging.getLogger("twinkle_server")
-SERVICE_NAMES = tuple(
-    module.DESCRIPTOR.services_by_name[name].full_name
+SERVICES = tuple(
+    module.DESCRIPTOR.services_by_name[name]
     for module, name in ((session_pb2, "SessionService"), (training_pb2, "TrainingService"),
                          (sampling_pb2, "SamplingService"), (runs_pb2, "RunsService")))
+"""Descriptors of every Twinkle service this server registers."""
+SERVICE_NAMES = tuple(service.full_name for service in SERVICES)
 EXPIRY_CHECK_SECONDS = 1.0
 
 

@@ -20,26 +20,23 @@ from twinkle_client._proto.twinkle.v1 import (
     common_pb2,
     runs_pb2,
     sampling_pb2,
-    session_pb2,
     training_pb2,
 )
 from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
+from twinkle_server.server import SERVICES
 
 pytestmark = pytest.mark.integration
 
 HANG_S = 30.0
 """A call that takes longer than this on the tiny model counts as a hang."""
 
-SERVICES = [(session_pb2, "SessionService"), (training_pb2, "TrainingService"),
-            (sampling_pb2, "SamplingService"), (runs_pb2, "RunsService")]
 
 
 def _methods() -> list[tuple[str, bool, bool]]:
     """(full path, client-streaming, server-streaming) of every RPC in the contract."""
     out = []
-    for module, name in SERVICES:
-        service = module.DESCRIPTOR.services_by_name[name]
+    for service in SERVICES:
         for method in service.methods:
             out.append((f"/{service.full_name}/{method.name}", method.client_streaming,
                         method.server_streaming))
