@@ -208,12 +208,17 @@ class PromptLogprobs:
     topk_logprobs: np.ndarray | None       # float32 [T, k]
 
 
+def check_topk(topk: int) -> None:
+    """Raise `InvalidArgument` unless 0 <= topk <= MAX_TOPK."""
+    if not 0 <= topk <= MAX_TOPK:
+        raise InvalidArgument(f"topk_prompt_logprobs: must be in [0, {MAX_TOPK}], got {topk}")
+
+
 @torch.inference_mode()
 def prompt_logprobs(model: torch.nn.Module, route: Route, adapter_id: str | None,
                     tokens: np.ndarray, topk: int = 0) -> PromptLogprobs:
     """Prompt logprobs in one teacher-forced pass (see `PromptLogprobs`)."""
-    if not 0 <= topk <= MAX_TOPK:
-        raise InvalidArgument(f"topk_prompt_logprobs: must be in [0, {MAX_TOPK}], got {topk}")
+    check_topk(topk)
     device = next(model.parameters()).device
     ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None].to(device)
     with route([adapter_id]):

@@ -10,7 +10,7 @@ from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import sampling_pb2 as smp
 from twinkle_client._proto.twinkle.v1 import sampling_pb2_grpc
 from twinkle_server.engine.engine import SampleRequest
-from twinkle_server.engine.sampler import MAX_TOPK
+from twinkle_server.engine.sampler import check_topk
 from twinkle_server.engine.types import SamplingParams
 from twinkle_server.executor import SAMPLE
 from twinkle_server.runtime import Runtime, SamplerEntry
@@ -73,10 +73,7 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     async def Sample(self, request, context):
         queue, seq, adapter_id, weights, request_id = self._target(context, request)
         prompt = wire.decode_array(request.prompt, "prompt").astype(np.int64).reshape(-1)
-        if not 0 <= request.topk_prompt_logprobs <= MAX_TOPK:
-            raise ServiceError("invalid_argument", f"topk_prompt_logprobs: must be in "
-                                                   f"[0, {MAX_TOPK}], got "
-                                                   f"{request.topk_prompt_logprobs}")
+        check_topk(request.topk_prompt_logprobs)  # before sampling, not after it
         payload = SampleRequest(adapter_id, weights, prompt, request.num_samples or 1,
                                 _params(request.params,
                                         self.rt.config.max_seq_len - prompt.size))
