@@ -16,6 +16,7 @@ from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprec
 from twinkle_client import paths, wire
 from twinkle_client._proto.twinkle.v1 import sampling_pb2 as spb
 from twinkle_client.connection import Connection
+from twinkle_client.errors import require_int
 from twinkle_client.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -72,12 +73,8 @@ class SamplingClient:
             print(tokenizer.decode(sequence.tokens), sum(sequence.logprobs))
         ```
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples: must be an integer >= 1, got {num_samples!r}")
-        if (isinstance(topk_prompt_logprobs, bool) or not isinstance(topk_prompt_logprobs, int)
-                or topk_prompt_logprobs < 0):
-            raise ValueError(f"topk_prompt_logprobs: must be an integer >= 0, got "
-                             f"{topk_prompt_logprobs!r}")
+        require_int(num_samples, "num_samples")
+        require_int(topk_prompt_logprobs, "topk_prompt_logprobs", minimum=0)
         request = spb.SampleRequest(
             sampling_session_id=self.sampling_session_id, prompt=convert.prompt_to_proto(prompt),
             num_samples=num_samples, params=convert.sampling_params_to_proto(sampling_params),

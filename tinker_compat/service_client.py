@@ -23,6 +23,7 @@ from tinker_compat.training_client import TrainingClient, TrainingClientFuture
 from twinkle_client import paths
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
 from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+from twinkle_client.errors import require_int
 
 CLIENT_NAME = "tinker_compat/0.1"
 
@@ -138,8 +139,7 @@ class ServiceClient:
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("At least one of train_mlp, train_attn, or train_unembed must be "
                              "True")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank: must be a positive integer, got {rank!r}")
+        require_int(rank, "rank")
         self._check_optimizer(optimizer)
         lora = pb.LoraConfig(rank=rank, train_mlp=train_mlp, train_attn=train_attn,
                              train_unembed=train_unembed)

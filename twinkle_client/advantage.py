@@ -7,6 +7,8 @@ from typing import Literal
 
 import numpy as np
 
+from twinkle_client.errors import require_int
+
 AdvantageScale = Literal["group", "batch", "none"]
 SCALES: tuple[str, ...] = ("group", "batch", "none")
 
@@ -47,9 +49,7 @@ class GRPOAdvantage:
         """
         if scale not in SCALES:
             raise ValueError(f"scale: {scale!r} is not one of {list(SCALES)}")
-        if isinstance(num_generations, bool) or not isinstance(num_generations, int) \
-                or num_generations < 1:
-            raise ValueError(f"num_generations: must be an int >= 1, got {num_generations!r}")
+        require_int(num_generations, "num_generations")
         values = np.asarray(rewards, dtype=np.float64)
         if values.ndim != 1:
             raise ValueError(f"rewards: must be 1-D, got shape {list(values.shape)}")

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from twinkle_client.errors import require_int
+
 
 class RowSource(Protocol):
     """Anything with a length and integer indexing: a `Dataset`, a list of dicts."""
@@ -45,8 +47,7 @@ class DataLoader:
     def __init__(self, dataset: RowSource | Callable[[], RowSource], batch_size: int,
                  shuffle: bool = False, seed: int | None = None, drop_last: bool = False
                  ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: must be an int >= 1, got {batch_size!r}")
+        require_int(batch_size, "batch_size")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed: must be a non-negative int or None, got {seed!r}")
         if callable(dataset) and not hasattr(dataset, "__len__"):

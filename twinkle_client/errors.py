@@ -113,6 +113,14 @@ ErrorFactory = Callable[[str, str, str], Exception]
 """(category, message, method) -> the exception a client raises."""
 
 
+def require_int(value: object, field: str, minimum: int = 1,
+                error: type[Exception] = ValueError) -> int:
+    """`value` if it is an int (not a bool) >= `minimum`; else `error` naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise error(f"{field}: must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def native_error(category: str, message: str, method: str) -> TwinkleError:
     """The `twinkle_client` exception for a category."""
     return NATIVE_CLASSES[category](message, method=method)

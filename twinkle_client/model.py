@@ -38,6 +38,7 @@ from twinkle_client import errors, paths, wire
 from twinkle_client._proto.twinkle.v1 import common_pb2, sampling_pb2, training_pb2
 from twinkle_client.client import TwinkleClient, _Record
 from twinkle_client.connection import Connection, get_default_connection
+from twinkle_client.errors import require_int
 from twinkle_client.futures import Future
 from twinkle_client.processor import InputProcessor, make_processor
 from twinkle_client.tokenizer import served_name
@@ -152,8 +153,7 @@ def lora_to_proto(config: LoraConfig | Mapping[str, Any], seed: int | None = Non
             raise ValueError(
                 f"lora_config.{f.name}: {value!r} is not supported by the Twinkle server, "
                 f"which honours only {list(MAPPED_LORA_FIELDS)}; leave it at {expected!r}")
-    if isinstance(config.r, bool) or not isinstance(config.r, int) or config.r < 1:
-        raise ValueError(f"lora_config.r: must be an integer >= 1, got {config.r!r}")
+    require_int(config.r, "lora_config.r")
     alpha = float(config.lora_alpha)
     if not math.isfinite(alpha) or alpha <= 0:
         raise ValueError(f"lora_config.lora_alpha: must be > 0, got {config.lora_alpha!r}")
@@ -520,11 +520,8 @@ class MultiLoraTransformersModel:
         Returns:
             ForwardOutput with the loss, the metrics and per-sequence logprobs.
         """
-        if micro_batch_size is not None and (isinstance(micro_batch_size, bool)
-                                             or not isinstance(micro_batch_size, int)
-                                             or micro_batch_size < 1):
-            raise ValueError(f"micro_batch_size: must be an integer >= 1, got "
-                             f"{micro_batch_size!r}")
+        if micro_batch_size is not None:
+            require_int(micro_batch_size, "micro_batch_size")
         return self._forward(inputs, True, adapter_name, blocking, old_logps, advantages)
 
     def forward_only(self, inputs: Any, *, adapter_name: str | None = None,
@@ -691,9 +688,8 @@ class MultiLoraTransformersModel:
         Returns:
             SampleOutput with every completion, prompt by prompt.
         """
-        for name, value, low in (("max_tokens", max_tokens, 1), ("num_samples", num_samples, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+        require_int(max_tokens, "max_tokens")
+        require_int(num_samples, "num_samples")
         adapter = self._adapter(adapter_name)
         prompts = self._prompts(inputs)
         stops = list(stop or [])

@@ -17,6 +17,7 @@ from typing import Any
 
 from twinkle_client.dataset.builtin import builtin_ids, find_builtin, load_builtin
 from twinkle_client.dataset.loading import DatasetError, Row, check_rows, read_path, select_rows
+from twinkle_client.errors import require_int
 from twinkle_client.template import Template, build_template
 
 DEFAULT_ENCODE_BATCH_SIZE = 1000
@@ -159,8 +160,7 @@ class Dataset:
         if self.template is None:
             raise DatasetError("encode: no template; call set_template('Template', "
                                "model_id=...) first")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise DatasetError(f"batch_size: must be an int >= 1, got {batch_size!r}")
+        require_int(batch_size, "batch_size", error=DatasetError)
         step = batch_size if batched else 1
         encoded: list[Row] = []
         with tqdm(total=len(self.rows), desc="Encoding", unit="row", disable=not progress) as bar:
