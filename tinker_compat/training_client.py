@@ -516,17 +516,10 @@ class TrainingClient:
                 parts.append(convert.forward_output(
                     self._conn.forward(header, group, loss, backward)))
             except BaseException:
-                self._stand_in(headers[index + 1:])
+                for header in headers[index + 1:]:
+                    self._conn.release(header)
                 raise
         return convert.combine_outputs(parts)
-
-    def _stand_in(self, headers: list[pb.OpHeader]) -> None:
-        """Use up reserved seq_ids with a read-only op, so later ops are not left waiting."""
-        for header in headers:
-            try:
-                self._conn.call(self._conn.training.GetTrainConfigs, tpb.OpRequest(op=header))
-            except Exception:  # noqa: BLE001 - the original failure is what the caller sees
-                continue
 
     def _run_custom(self, data: list[types.Datum], loss_fn: CustomLossFn,
                     groups: list[list[pb.Datum]], forward_ops: list[pb.OpHeader],
@@ -536,7 +529,8 @@ class TrainingClient:
             linear_data, metrics, loss_sum = _custom_loss(data, loss_fn, forward)
             encoded = convert.datums_to_proto(linear_data)
         except BaseException:
-            self._stand_in(backward_ops)
+            for header in backward_ops:
+                self._conn.release(header)
             raise
         sizes = [len(group) for group in groups]
         starts = np.cumsum([0, *sizes])

@@ -203,6 +203,15 @@ class Connection:
             self._seq[model_id] = seq + 1
         return common_pb2.OpHeader(model_id=model_id, seq_id=seq, request_id=uuid.uuid4().hex)
 
+    def release(self, header: common_pb2.OpHeader) -> None:
+        """Spend a reserved seq_id that will carry no real op, with a read-only op in its
+        place, so the model's later ops do not wait for it (failures are ignored: the
+        caller is already reporting the reason the real op was not sent)."""
+        try:
+            self.call(self.training.GetTrainConfigs, training_pb2.OpRequest(op=header))
+        except Exception as exc:  # noqa: BLE001 - logged; the caller's own error is raised
+            log.warning("releasing seq %d of %s: %s", header.seq_id, header.model_id, exc)
+
     def create_model(self, request: training_pb2.CreateModelRequest) -> training_pb2.ModelInfo:
         """CreateModel under this session; registers the new model's seq counter."""
         if self.session_id and not request.session_id:
@@ -217,22 +226,16 @@ class Connection:
         """Stream encoded datums in chunks under `chunk_bytes` as one Forward(Backward) op.
 
         Chunks are made before anything is sent, so an oversized datum fails here and
-        never reaches the server; its seq_id is then spent as a failed op (the header
-        alone, which the server records as failed) so the model's later ops do not wait
-        for it. The op is retried whole (same seq_id) while the server is unreachable.
+        never reaches the server; its seq_id is then released (`release`) so the model's
+        later ops do not wait for it. The op is retried whole (same seq_id) while the
+        server is unreachable.
         """
         method = self.training.ForwardBackward if backward else self.training.Forward
         name = _method_name(method)
         try:
             messages = forward_messages(header, datums, loss, chunk_bytes)
         except wire.WireError:
-            spent = forward_messages(header, [], loss)
-            spent[0].header.num_datums = max(1, len(datums))
-            try:
-                for _ in method(iter(spent), metadata=self.metadata, timeout=CALL_TIMEOUT_S):
-                    pass
-            except grpc.RpcError:
-                pass  # the expected answer: the op failed, and its seq is done
+            self.release(header)
             raise
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
