@@ -24,7 +24,7 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict
 
-from twinkle_client import errors
+from twinkle_client import errors, paths
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, session_pb2
 from twinkle_client.connection import (
     Connection,
@@ -64,7 +64,7 @@ class Checkpoint(_Record):
 
     @property
     def tinker_path(self) -> str:
-        return "tinker://" + self.twinkle_path[len("twinkle://"):]
+        return paths.parse(self.twinkle_path).tinker()
 
 
 class TrainingRun(_Record):
