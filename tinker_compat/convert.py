@@ -147,11 +147,8 @@ def prompt_to_proto(prompt: types.ModelInput, field: str = "prompt") -> pb.Tenso
                          ) from None
     if not tokens:
         raise ValueError(f"{field}: empty; give at least one token")
-    ids = np.asarray(tokens, dtype=np.int64)
-    if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
-        raise ValueError(f"{field}: token ids must lie in [0, 2**31), found "
-                         f"{int(ids.min() if ids.min() < 0 else ids.max())}")
-    return wire.encode_array(ids.astype(np.int32), field)
+    return wire.encode_array(wire.token_array(np.asarray(tokens, dtype=np.int64), field
+                                              ).astype(np.int32), field)
 
 
 def sampling_params_to_proto(params: types.SamplingParams) -> spb.SamplingParams:

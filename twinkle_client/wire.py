@@ -190,7 +190,8 @@ def decode_tensor_data(tensor: pb.Tensor, field: str = "tensor") -> Any:
 # ----------------------------------------------------------------------------- datums
 
 
-def _as_token_array(value: Any, field: str) -> np.ndarray:
+def token_array(value: Any, field: str) -> np.ndarray:
+    """Token ids as a 1-D integer array: non-negative, each fitting int32; else `WireError`."""
     if _is_torch(value):
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
@@ -209,7 +210,7 @@ def _as_token_array(value: Any, field: str) -> np.ndarray:
 
 def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> pb.Datum:
     """Encode token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum."""
-    ids = _as_token_array(input_ids, f"datum[{index}].input_ids")
+    ids = token_array(input_ids, f"datum[{index}].input_ids")
     if ids.dtype != np.int32:
         ids = ids.astype(np.int32)
     datum = pb.Datum()
@@ -334,7 +335,7 @@ def decode_datum(datum: pb.Datum, index: int = 0) -> tuple[np.ndarray, dict[str,
             f"{field}.input_ids: dtype must be INT32 or INT64, got "
             f"{_dtype_name(datum.input_ids.dtype)}"
         )
-    ids = _as_token_array(decode_array(datum.input_ids, f"{field}.input_ids"),
+    ids = token_array(decode_array(datum.input_ids, f"{field}.input_ids"),
                           f"{field}.input_ids").astype(np.int64, copy=False)
     _check_lengths(ids.shape[0], datum.loss_inputs, index)
     inputs: dict[str, np.ndarray] = {}
