@@ -53,6 +53,17 @@ def side_by_side(steps: dict[str, Callable[[], None]]) -> dict[str, float]:
     return timings
 
 
+def print_overhead(title: str, local_step: Callable[[], None], name: str,
+                   remote_step: Callable[[], None], tokens: int, label: str) -> None:
+    """Time a remote step against the in-process one side by side and print the table."""
+    timings = side_by_side({"in-process engine": local_step, name: remote_step})
+    print(title)
+    for row, per in timings.items():
+        print(f"  {row:<20}{per:>8.4f} s/step{tokens / per:>10.0f} tokens/s")
+    print(f"  {label} / in-process throughput: "
+          f"{timings['in-process engine'] / timings[name]:.2f}x")
+
+
 def main() -> None:
     engine = Engine.load("tiny")
     vocab = engine.base.vocab_size
@@ -74,14 +85,8 @@ def main() -> None:
                 client.forward_backward(model, batch)
                 client.optim_step(model)
 
-            timings = side_by_side({"in-process engine": local_step,
-                                    "gRPC loopback": remote_step})
-            tokens = 8 * 256
-            print("remote overhead: forward_backward + optim_step, 8 x 256 tokens")
-            for name, per in timings.items():
-                print(f"  {name:<20}{per:>8.4f} s/step{tokens / per:>10.0f} tokens/s")
-            print(f"  remote / in-process throughput: "
-                  f"{timings['in-process engine'] / timings['gRPC loopback']:.2f}x")
+            print_overhead("remote overhead: forward_backward + optim_step, 8 x 256 tokens",
+                           local_step, "gRPC loopback", remote_step, 8 * 256, "remote")
 
             request = training_pb2.GetInfoRequest(model_id=model)
             latencies = []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tinker import types
 
-from bench.server import _data, side_by_side
+from bench.server import _data, print_overhead
 from tinker_compat import ServiceClient
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
@@ -56,14 +56,8 @@ def main() -> None:
                 fwdbwd.result()
                 optim.result()
 
-            timings = side_by_side({"in-process engine": local_step,
-                                    "tinker_compat": shim_step})
-            tokens = 8 * 256
-            print("shim overhead: forward_backward + optim_step, 8 x 256 tokens")
-            for name, per in timings.items():
-                print(f"  {name:<20}{per:>8.4f} s/step{tokens / per:>10.0f} tokens/s")
-            print(f"  tinker_compat / in-process throughput: "
-                  f"{timings['in-process engine'] / timings['tinker_compat']:.2f}x")
+            print_overhead("shim overhead: forward_backward + optim_step, 8 x 256 tokens",
+                           local_step, "tinker_compat", shim_step, 8 * 256, "tinker_compat")
 
             small = _tinker_data(_data(2, 64, engine.base.vocab_size, seed=1))
             print(f"{PAIRS} x (forward_backward + optim_step), 2 x 64 tokens:")
