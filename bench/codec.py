@@ -2,10 +2,11 @@
 
 Run: `.venv/bin/python -m bench.codec` (also part of `make bench`).
 
-Both sides do the same work per datum: pack input ids, target_tokens and weights to
-bytes and read them back. The `codec` row is the codec's own work (build the Datum
-messages, chunk them, validate and decode); `codec + proto` adds what gRPC does with
-them (build, serialize and parse each chunk message). Ratios are throughput over plain
+Both sides move the same arrays: input ids, target_tokens and weights to bytes and back.
+Plain numpy does one `tobytes`/`frombuffer` per array and nothing else. The `codec` row
+is the codec's whole work: validate each datum, chunk, pack each chunk into a
+`DatumBatch`, then validate and split it back into datums; `codec + proto` adds what gRPC
+does with each chunk message (serialize and parse). Ratios are throughput over plain
 numpy throughput (1.0 = as fast as bare `tobytes`/`frombuffer`).
 """
 
@@ -39,29 +40,28 @@ def _numpy_roundtrip(batch) -> int:
     return total
 
 
+def _encode(batch) -> list[wire.Datum]:
+    return [wire.encode_datum(ids, {"target_tokens": targets, "weights": weights}, i)
+            for i, (ids, targets, weights) in enumerate(batch)]
+
+
 def _codec_roundtrip(batch) -> int:
-    """Arrays -> Datum messages in chunks -> arrays: the codec's own work."""
-    datums = [wire.encode_datum(ids, {"target_tokens": targets, "weights": weights}, i)
-              for i, (ids, targets, weights) in enumerate(batch)]
+    """Arrays -> validated datums -> packed chunk messages -> validated datums: the codec's work."""
     total = 0
-    for group in wire.chunk_datums(datums):
-        for i, datum in enumerate(group):
-            ids, _ = wire.decode_datum(datum, i)
-            total += ids.shape[0]
+    for group in wire.chunk_datums(_encode(batch)):
+        for datum in wire.unpack_datums(wire.pack_datums(group)):
+            total += datum.num_tokens
     return total
 
 
 def _wire_roundtrip(batch) -> int:
-    """The codec plus what gRPC adds: building, serializing and parsing each chunk message."""
-    datums = [wire.encode_datum(ids, {"target_tokens": targets, "weights": weights}, i)
-              for i, (ids, targets, weights) in enumerate(batch)]
+    """The codec plus what gRPC adds: serializing and parsing each chunk message."""
     total = 0
-    for group in wire.chunk_datums(datums):
-        chunk = training_pb2.ForwardChunk(datums=group)
+    for group in wire.chunk_datums(_encode(batch)):
+        chunk = training_pb2.ForwardChunk(batch=wire.pack_datums(group))
         parsed = training_pb2.ForwardChunk.FromString(chunk.SerializeToString())
-        for i, datum in enumerate(parsed.datums):
-            ids, _ = wire.decode_datum(datum, i)
-            total += ids.shape[0]
+        for datum in wire.unpack_datums(parsed.batch):
+            total += datum.num_tokens
     return total
 
 

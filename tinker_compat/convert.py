@@ -33,7 +33,7 @@ LOSS_FN_OUTPUT_TYPE = "ArrayRecord"
 # ----------------------------------------------------------------------------- training
 
 
-def datums_to_proto(data: Sequence[types.Datum]) -> list[pb.Datum]:
+def encode_datums(data: Sequence[types.Datum]) -> list[wire.Datum]:
     """Encode Tinker datums for the wire; a bad datum raises `wire.WireError` naming it."""
     if isinstance(data, types.Datum) or not isinstance(data, Sequence):
         raise ValueError(f"data: expected a list of tinker.types.Datum, got {type(data).__name__}")

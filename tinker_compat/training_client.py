@@ -470,24 +470,24 @@ class TrainingClient:
                           UserWarning, stacklevel=3)
 
     def _encode(self, data: Sequence[types.Datum], method: str
-                ) -> list[pb.Datum] | APIFuture[Any]:
+                ) -> list[wire.Datum] | APIFuture[Any]:
         """Encode before any seq_id is reserved: a bad datum fails its future (a
         BadRequestError naming the datum and field) and nothing reaches the server."""
         if not data:
             raise ValueError("No data provided")
         try:
-            return convert.datums_to_proto(data)
+            return convert.encode_datums(data)
         except wire.WireError as exc:
             return APIFuture.failed(self._conn.error_factory("invalid_argument", str(exc),
                                                              method))
 
-    def _groups(self, datums: list[pb.Datum]) -> list[list[pb.Datum]]:
+    def _groups(self, datums: list[wire.Datum]) -> list[list[wire.Datum]]:
         """Consecutive datums, each group within the server's per-request token limit."""
         budget = self._max_batch_tokens
-        groups: list[list[pb.Datum]] = [[]]
+        groups: list[list[wire.Datum]] = [[]]
         tokens = 0
         for datum in datums:
-            length = int(datum.input_ids.shape[0])
+            length = datum.num_tokens
             if groups[-1] and budget and tokens + length > budget:
                 groups.append([])
                 tokens = 0
@@ -507,7 +507,7 @@ class TrainingClient:
         return self._conn.submit(self._run_groups, headers, groups, loss, backward,
                                  future_class=APIFuture)
 
-    def _run_groups(self, headers: list[pb.OpHeader], groups: list[list[pb.Datum]],
+    def _run_groups(self, headers: list[pb.OpHeader], groups: list[list[wire.Datum]],
                     loss: pb.LossFn, backward: bool) -> types.ForwardBackwardOutput:
         """Send each group as its op, in order; if one fails, the rest are stood in for."""
         parts = []
@@ -522,12 +522,12 @@ class TrainingClient:
         return convert.combine_outputs(parts)
 
     def _run_custom(self, data: list[types.Datum], loss_fn: CustomLossFn,
-                    groups: list[list[pb.Datum]], forward_ops: list[pb.OpHeader],
+                    groups: list[list[wire.Datum]], forward_ops: list[pb.OpHeader],
                     backward_ops: list[pb.OpHeader]) -> types.ForwardBackwardOutput:
         try:
             forward = self._run_groups(forward_ops, groups, _SURROGATE, backward=False)
             linear_data, metrics, loss_sum = _custom_loss(data, loss_fn, forward)
-            encoded = convert.datums_to_proto(linear_data)
+            encoded = convert.encode_datums(linear_data)
         except BaseException:
             for header in backward_ops:
                 self._conn.release(header)

@@ -220,7 +220,7 @@ class Connection:
         self.register_model(info.model_id, info.next_seq_id)
         return info
 
-    def forward(self, header: common_pb2.OpHeader, datums: Sequence[common_pb2.Datum],
+    def forward(self, header: common_pb2.OpHeader, datums: Sequence[wire.Datum],
                 loss: common_pb2.LossFn | None = None, backward: bool = True,
                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> ForwardResult:
         """Stream encoded datums in chunks under `chunk_bytes` as one Forward(Backward) op.
@@ -318,14 +318,14 @@ class Connection:
         self.close()
 
 
-def forward_messages(header: common_pb2.OpHeader, datums: Sequence[common_pb2.Datum],
+def forward_messages(header: common_pb2.OpHeader, datums: Sequence[wire.Datum],
                      loss: common_pb2.LossFn | None = None,
                      chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
                      ) -> list[training_pb2.ForwardChunk]:
-    """The messages of one Forward(Backward) stream: the header, then datum chunks."""
+    """The messages of one Forward(Backward) stream: the header, then packed datum chunks."""
     first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
         op=header, loss=loss or common_pb2.LossFn(), num_datums=len(datums)))
-    return [first, *(training_pb2.ForwardChunk(datums=group)
+    return [first, *(training_pb2.ForwardChunk(batch=wire.pack_datums(group))
                      for group in wire.chunk_datums(datums, chunk_bytes))]
 
 

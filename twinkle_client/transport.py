@@ -62,9 +62,9 @@ class Transport:
     def forward_backward(self, model_id: str, datums, loss: str = "cross_entropy",
                          seq: int | None = None, backward: bool = True,
                          chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES):
-        """Stream `datums` ((ids, loss_inputs) pairs or Datum messages) in chunks; returns
+        """Stream `datums` ((ids, loss_inputs) pairs or `wire.Datum`s) in chunks; returns
         (per-datum logprobs, the final result chunk with loss and metrics)."""
-        encoded = [d if isinstance(d, common_pb2.Datum) else wire.encode_datum(d[0], d[1], i)
+        encoded = [d if isinstance(d, wire.Datum) else wire.encode_datum(d[0], d[1], i)
                    for i, d in enumerate(datums)]
         messages = forward_messages(self.header(model_id, seq), encoded,
                                     common_pb2.LossFn(name=loss), chunk_bytes)

@@ -2,19 +2,24 @@
 
 Every conversion of a tensor, a datum or a batch to or from the wire goes through this
 module, on the client and on the server alike. Tensors travel as packed little-endian
-bytes plus dtype and shape (`numpy.frombuffer`, no per-element Python); sparse CSR
-tensors (Tinker's 2-D `target_tokens`/`weights`) keep their CSR form on the wire.
+bytes plus dtype and shape (`numpy.frombuffer`, no per-element Python). Datums travel
+packed column-wise (`DatumBatch`): a chunk of datums is one array per field plus their
+lengths, so encoding and decoding cost a few numpy calls per chunk, not per datum.
 
-Decoding validates before it allocates: a declared shape must match the payload size
-exactly, dimensions must be non-negative, token ids must be non-negative integers, and
-every loss input must be as long as the datum's `input_ids`. Each failure is a
-`WireError` whose message names the field.
+Clients turn their inputs into `Datum`s (validated arrays) with `encode_datum`,
+`encode_tinker_datum` or `encode_feature`; `chunk_datums` groups them under a byte
+budget and `pack_datums` builds each group's message; the server's `unpack_datums`
+validates a message before it allocates (a declared shape must match the payload size
+exactly, dimensions must be non-negative, token ids must be non-negative and fit int32,
+lengths must add up) and splits it back into `Datum`s. Each failure is a `WireError`
+whose message names the field and, where it is one datum's, the datum.
 
 torch is imported lazily, only when a torch tensor is encoded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +54,7 @@ _WIRE_BY_NUMPY: dict[np.dtype, int] = {
 if np.little_endian is False:  # pragma: no cover - every supported platform is little-endian
     raise ImportError("twinkle_client.wire assumes a little-endian host")
 _INTEGER_WIRE = {pb.INT64, pb.INT32}
+_INT32_MAX = np.iinfo(np.int32).max
 
 # Loss inputs whose values are token ids (validated as such).
 TOKEN_FIELDS = frozenset({"target_tokens"})
@@ -122,59 +128,16 @@ def _frombuffer(data: bytes, dtype: np.dtype, count: int, field: str, what: str)
 
 
 def decode_array(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
-    """Decode a Tensor to a read-only numpy array (bf16 widened to float32, CSR densified)."""
+    """Decode a Tensor to a read-only numpy array (bf16 widened to float32)."""
     if tensor.dtype not in _NP_DTYPES:
         raise WireError(f"{field}: unknown dtype tag {_dtype_name(tensor.dtype)}")
     dtype = _NP_DTYPES[tensor.dtype]
     shape = tuple(tensor.shape)
-    if tensor.sparse_crow_indices or tensor.sparse_col_indices:
-        values = _decode_csr(tensor, dtype, shape, field)
-    else:
-        count = _check_shape(shape, field)
-        values = _frombuffer(tensor.data, dtype, count, field, "data").reshape(shape)
+    count = _check_shape(shape, field)
+    values = _frombuffer(tensor.data, dtype, count, field, "data").reshape(shape)
     if tensor.dtype == pb.BFLOAT16:
         values = (values.astype(np.uint32) << 16).view(np.float32)
     return values
-
-
-def _decode_csr(tensor: pb.Tensor, dtype: np.dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
-    if len(shape) != 2:
-        raise WireError(f"{field}: a sparse CSR tensor needs a 2-D shape, got {list(shape)}")
-    rows, cols = shape
-    _check_shape(shape, field)
-    index = np.dtype("<i8")
-    if len(tensor.sparse_crow_indices) != (rows + 1) * index.itemsize:
-        raise WireError(
-            f"{field}: sparse_crow_indices must hold {rows + 1} int64 values for {rows} rows, "
-            f"got {len(tensor.sparse_crow_indices)} bytes"
-        )
-    crow = np.frombuffer(tensor.sparse_crow_indices, dtype=index)
-    nnz = int(crow[-1])
-    if crow[0] != 0 or np.any(np.diff(crow) < 0) or nnz > rows * cols:
-        raise WireError(f"{field}: sparse_crow_indices must start at 0 and never decrease")
-    col = _frombuffer(tensor.sparse_col_indices, index, nnz, field, "sparse_col_indices")
-    if nnz and (col.min() < 0 or col.max() >= cols):
-        raise WireError(f"{field}: sparse_col_indices must lie in [0, {cols})")
-    values = _frombuffer(tensor.data, dtype, nnz, field, "data")
-    dense = np.zeros(shape, dtype=dtype)
-    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
-    return dense
-
-
-def encode_tensor_data(td: Any, field: str = "tensor") -> pb.Tensor:
-    """Encode a `tinker.types.TensorData`, keeping its sparse CSR form if it has one."""
-    if td.sparse_crow_indices is None:
-        return encode_array(td.to_numpy(), field)
-    wire = _WIRE_DTYPES.get(td.dtype)
-    if wire is None:
-        raise WireError(f"{field}: dtype {td.dtype} is not supported on the wire")
-    return pb.Tensor(
-        dtype=wire,
-        shape=list(td.shape),
-        data=np.ascontiguousarray(td._numpy, dtype=_NP_DTYPES[wire]).tobytes(),
-        sparse_crow_indices=np.asarray(td.sparse_crow_indices, dtype="<i8").tobytes(),
-        sparse_col_indices=np.asarray(td.sparse_col_indices, dtype="<i8").tobytes(),
-    )
 
 
 def decode_tensor_data(tensor: pb.Tensor, field: str = "tensor") -> Any:
@@ -190,55 +153,99 @@ def decode_tensor_data(tensor: pb.Tensor, field: str = "tensor") -> Any:
 # ----------------------------------------------------------------------------- datums
 
 
-def token_array(value: Any, field: str) -> np.ndarray:
-    """Token ids as a 1-D integer array: non-negative, each fitting int32; else `WireError`."""
-    if _is_torch(value):
-        value = value.detach().cpu().numpy()
-    array = np.asarray(value)
-    if array.size == 0:
-        return array.astype(np.int64).reshape(-1)
+@dataclasses.dataclass(frozen=True)
+class Datum:
+    """One training sequence in Tinker form, as validated numpy arrays.
+
+    `input_ids` is 1-D `[T]`. `loss_inputs` holds arrays with the token axis first:
+    `target_tokens` (`[T]`, or `[T, K]` for several targets per position), `weights`,
+    and for RL losses `logprobs` (the sampler's) and `advantages`. Made by the codec,
+    token ids are int32 and every other loss input float32, as on the wire.
+    """
+
+    input_ids: np.ndarray
+    loss_inputs: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _token_problem(array: np.ndarray) -> str | None:
+    """Why `array` cannot hold token ids (integers, non-negative, fitting int32), or None."""
     if array.dtype.kind not in "iu":
-        raise WireError(f"{field}: token ids must be integers, got dtype {array.dtype}")
+        return f"token ids must be integers, got dtype {array.dtype}"
+    if array.size == 0:
+        return None
+    # One pass: the OR of all values is in [0, INT32_MAX] exactly when each value is
+    # (a negative value sets the sign bit, a value past int32 sets a higher bit).
+    bits = int(np.bitwise_or.reduce(array, axis=None))
+    if 0 <= bits <= _INT32_MAX:
+        return None
+    low = array.min()
+    if low < 0:
+        return f"token ids must be non-negative, found {int(low)}"
+    return f"token id {int(array.max())} does not fit in int32"
+
+
+def _wire_array(value: Any, tokens: bool) -> np.ndarray:
+    """A datum field as a contiguous array of its wire dtype: int32 token ids (checked to
+    fit, never wrapped) or float32. Raises `WireError` with the problem alone; callers
+    add the field's name."""
+    array = np.asarray(_to_numpy(value))
+    if tokens:
+        problem = _token_problem(array)
+        if problem:
+            raise WireError(problem)
+        return np.ascontiguousarray(array, dtype=np.int32)
+    if array.dtype.kind not in "biuf":
+        raise WireError(f"dtype {array.dtype} is not supported on the wire (loss inputs are "
+                        "numbers)")
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def token_array(value: Any, field: str) -> np.ndarray:
+    """Token ids as a 1-D int32 array: integers, non-negative, each fitting int32; else
+    `WireError` naming `field`."""
+    try:
+        array = _wire_array(value, tokens=True)
+    except WireError as exc:
+        raise WireError(f"{field}: {exc}") from None
     if array.ndim != 1:
+        if array.size == 0:
+            return array.reshape(-1)
         raise WireError(f"{field}: token ids must be 1-D, got shape {list(array.shape)}")
-    if array.min() < 0:
-        raise WireError(f"{field}: token ids must be non-negative, found {int(array.min())}")
-    if array.dtype != np.int32 and array.max() > np.iinfo(np.int32).max:
-        raise WireError(f"{field}: token id {int(array.max())} does not fit in int32")
     return array
 
 
-def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> pb.Datum:
-    """Encode token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum."""
+def decode_tokens(tensor: pb.Tensor, field: str) -> np.ndarray:
+    """Decode a Tensor of token ids (a prompt): INT32/INT64, 1-D, each in [0, INT32_MAX]."""
+    if tensor.dtype not in _INTEGER_WIRE:
+        raise WireError(f"{field}: dtype must be INT32 or INT64, got {_dtype_name(tensor.dtype)}")
+    return token_array(decode_array(tensor, field), field)
+
+
+def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> Datum:
+    """Validate token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum
+    holding each in its wire dtype; a bad one raises `WireError` naming datum and field."""
     ids = token_array(input_ids, f"datum[{index}].input_ids")
-    if ids.dtype != np.int32:
-        ids = ids.astype(np.int32)
-    datum = pb.Datum()
-    datum.input_ids.dtype = pb.INT32
-    datum.input_ids.shape.append(ids.shape[0])
-    datum.input_ids.data = ids.tobytes()
-    for key, value in loss_inputs.items():
-        field = f"datum[{index}].loss_inputs[{key!r}]"
-        if hasattr(value, "sparse_crow_indices"):
-            datum.loss_inputs[key].CopyFrom(encode_tensor_data(value, field))
-        else:
-            _fill(datum.loss_inputs[key], value, field)
-    _check_lengths(ids.shape[0], datum.loss_inputs, index)
-    return datum
+    length = ids.shape[0]
+    inputs: dict[str, np.ndarray] = {}
+    try:
+        for key, value in loss_inputs.items():
+            array = _wire_array(value, key in TOKEN_FIELDS)
+            if array.ndim == 0 or array.shape[0] != length:
+                raise WireError(f"first dimension is "
+                                f"{array.shape[0] if array.ndim else 'missing (scalar)'} but "
+                                f"input_ids has {length} tokens")
+            inputs[key] = array
+    except WireError as exc:
+        raise WireError(f"datum[{index}].loss_inputs[{key!r}]: {exc}") from None
+    return Datum(ids, inputs)
 
 
-def _check_lengths(length: int, loss_inputs: Mapping[str, pb.Tensor], index: int) -> None:
-    for key, tensor in loss_inputs.items():
-        shape = list(tensor.shape)
-        if not shape or shape[0] != length:
-            raise WireError(
-                f"datum[{index}].loss_inputs[{key!r}]: first dimension is "
-                f"{shape[0] if shape else 'missing (scalar)'} but input_ids has {length} tokens"
-            )
-
-
-def encode_tinker_datum(datum: Any, index: int = 0) -> pb.Datum:
-    """Encode a `tinker.types.Datum` (text chunks only)."""
+def encode_tinker_datum(datum: Any, index: int = 0) -> Datum:
+    """Encode a `tinker.types.Datum` (text chunks only; sparse inputs are sent dense)."""
     try:
         tokens = datum.model_input.to_ints()
     except Exception as exc:
@@ -316,69 +323,176 @@ def loss_inputs_to_feature(input_ids: np.ndarray, loss_inputs: Mapping[str, np.n
 
 
 def _to_numpy(value: Any) -> Any:
-    return value.detach().cpu().numpy() if _is_torch(value) else value
+    """torch tensors (bf16 widened to float32) and TensorData (densified) as numpy arrays."""
+    if _is_torch(value):
+        import torch
+
+        if value.dtype == torch.bfloat16:
+            value = value.float()
+        return value.detach().cpu().numpy()
+    if hasattr(value, "sparse_crow_indices"):
+        return value.to_numpy()
+    return value
 
 
-def encode_feature(feature: Mapping[str, Any], index: int = 0) -> pb.Datum:
+def encode_feature(feature: Mapping[str, Any], index: int = 0) -> Datum:
     """Encode a Twinkle input feature (`input_ids`, shifted `labels`, RL extras) as a Datum."""
     ids, inputs = feature_to_loss_inputs(feature, index)
     return encode_datum(ids, inputs, index)
 
 
-def decode_datum(datum: pb.Datum, index: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Decode and validate a Datum: int64 `[T]` input ids and dense loss-input arrays."""
-    field = f"datum[{index}]"
-    if not datum.HasField("input_ids"):
-        raise WireError(f"{field}.input_ids: missing")
-    if datum.input_ids.dtype not in _INTEGER_WIRE:
-        raise WireError(
-            f"{field}.input_ids: dtype must be INT32 or INT64, got "
-            f"{_dtype_name(datum.input_ids.dtype)}"
-        )
-    ids = token_array(decode_array(datum.input_ids, f"{field}.input_ids"),
-                          f"{field}.input_ids").astype(np.int64, copy=False)
-    _check_lengths(ids.shape[0], datum.loss_inputs, index)
-    inputs: dict[str, np.ndarray] = {}
-    for key, tensor in datum.loss_inputs.items():
-        name = f"{field}.loss_inputs[{key!r}]"
-        array = decode_array(tensor, name)
-        if key in TOKEN_FIELDS:
-            if tensor.dtype not in _INTEGER_WIRE:
-                raise WireError(f"{name}: token ids must be INT32 or INT64, got "
-                                f"{_dtype_name(tensor.dtype)}")
-            if array.size and array.min() < 0:
-                raise WireError(f"{name}: token ids must be non-negative, found {int(array.min())}")
-            array = array.astype(np.int64, copy=False)
-        else:
-            array = array.astype(np.float32, copy=False)
-        inputs[key] = array
-    return ids, inputs
-
-
 # ----------------------------------------------------------------------------- batches
 
 
-def chunk_datums(datums: Sequence[pb.Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
-                 ) -> Iterator[list[pb.Datum]]:
-    """Split datums into consecutive groups whose encoded size stays within `max_bytes`.
+def _signature(datum: Datum) -> tuple:
+    """What datums must share to pack into one DatumBatch: loss-input keys, dtypes, trailing shapes."""
+    return tuple(sorted((key, array.dtype.kind, array.shape[1:])
+                        for key, array in datum.loss_inputs.items()))
 
-    Concatenating the groups gives back the datums in order. A single datum larger than
-    the budget cannot be split and raises `WireError` naming its index and size.
+
+def _batch_overhead(signature: tuple) -> int:
+    """Upper bound of a DatumBatch's bytes besides its values: tags, shapes, map keys."""
+    return 64 + sum(len(key) + 64 for key, _, _ in signature)
+
+
+def _datum_bytes(datum: Datum) -> int:
+    """Upper bound of the bytes one datum adds to a DatumBatch (its length varint is <= 10)."""
+    return (10 + 4 * datum.num_tokens
+            + sum(array.size * 4 for array in datum.loss_inputs.values()))
+
+
+def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
+                 ) -> Iterator[list[Datum]]:
+    """Split datums into consecutive groups that each pack within `max_bytes`.
+
+    A group's datums share their loss-input keys, dtypes and trailing shapes, so each
+    group is one `DatumBatch`; concatenating the groups gives back the datums in order.
+    A single datum larger than the budget cannot be split and raises `WireError` naming
+    its index and size.
     """
-    chunk: list[pb.Datum] = []
+    chunk: list[Datum] = []
     size = 0
+    signature: tuple | None = None
     for index, datum in enumerate(datums):
-        # 16 bytes: the repeated-field tag and length prefix of this datum in its chunk.
-        need = datum.ByteSize() + 16
-        if need > max_bytes:
+        own = _signature(datum)
+        overhead = _batch_overhead(own)
+        need = _datum_bytes(datum)
+        if overhead + need > max_bytes:
             raise WireError(
-                f"datum[{index}]: encodes to {need} bytes, over the {max_bytes}-byte chunk "
-                f"budget; split the sequence or raise the budget (at most {MAX_MESSAGE_BYTES})"
+                f"datum[{index}]: encodes to {overhead + need} bytes, over the {max_bytes}-byte "
+                f"chunk budget; split the sequence or raise the budget (at most "
+                f"{MAX_MESSAGE_BYTES})"
             )
-        if chunk and size + need > max_bytes:
+        if chunk and (own != signature or size + need > max_bytes):
             yield chunk
-            chunk, size = [], 0
+            chunk = []
+        if not chunk:
+            size, signature = overhead, own
         chunk.append(datum)
         size += need
     if chunk:
         yield chunk
+
+
+def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], tokens: bool, field: str
+                 ) -> None:
+    """Write one field of a group, concatenated along the token axis, into `tensor`.
+
+    Arrays already in the wire dtype (what `encode_datum` makes) are joined straight into
+    the payload; any other is converted first, checked like `encode_datum` checks it.
+    """
+    dtype = np.dtype(np.int32) if tokens else np.dtype(np.float32)
+    trailing = arrays[0].shape[1:]
+    parts = []
+    for index, array in enumerate(arrays):
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            try:
+                array = _wire_array(array, tokens)
+            except WireError as exc:
+                raise WireError(f"datum[{index}].{field}: {exc}") from None
+        if array.ndim == 0 or array.shape[1:] != trailing:
+            raise WireError(f"datum[{index}].{field}: shape {list(array.shape)} does not stack "
+                            f"with the batch's [T, {', '.join(map(str, trailing))}]")
+        parts.append(array)
+    tensor.dtype = _WIRE_BY_NUMPY[dtype]
+    tensor.shape[:] = (sum(array.shape[0] for array in parts), *trailing)
+    tensor.data = b"".join(parts)
+
+
+def pack_datums(datums: Sequence[Datum]) -> pb.DatumBatch:
+    """One DatumBatch of consecutive datums (a group from `chunk_datums`)."""
+    batch = pb.DatumBatch()
+    batch.lengths.extend([datum.num_tokens for datum in datums])
+    _fill_column(batch.input_ids, [d.input_ids for d in datums] or [np.zeros(0, np.int32)],
+                 True, "input_ids")
+    keys = datums[0].loss_inputs.keys() if datums else {}
+    for index, datum in enumerate(datums):
+        if datum.loss_inputs.keys() != keys:
+            raise WireError(f"datum[{index}].loss_inputs: keys {sorted(datum.loss_inputs)} "
+                            f"differ from the batch's {sorted(keys)}; pack groups made by "
+                            "chunk_datums")
+    for key in keys:
+        _fill_column(batch.loss_inputs[key], [d.loss_inputs[key] for d in datums],
+                     key in TOKEN_FIELDS, f"loss_inputs[{key!r}]")
+    return batch
+
+
+def _check_token_column(column: np.ndarray, offsets: np.ndarray, first: int, what: str) -> None:
+    """Token ids of a whole batch at once; a bad one is reported with its datum's index."""
+    problem = _token_problem(column)
+    if problem is None:
+        return
+    rows = column.reshape(column.shape[0], -1)
+    bad_row = int(np.flatnonzero(((rows < 0) | (rows > _INT32_MAX)).any(axis=1))[0])
+    datum = int(np.searchsorted(offsets, bad_row, side="right")) - 1
+    raise WireError(f"datum[{first + datum}].{what}: {problem}")
+
+
+def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:
+    """Validate a DatumBatch and split it into its datums, numbered from `first` in errors.
+
+    The datums hold int32 token ids and float32 loss inputs, read-only views of one
+    array per field (INT64 token ids, checked to fit, are narrowed to int32).
+    """
+    count = len(batch.lengths)
+    if count == 0:
+        return []
+    lengths = np.fromiter(batch.lengths, np.int64, count)
+    if lengths.min() < 0:
+        index = int(np.argmax(lengths < 0))
+        raise WireError(f"datum[{first + index}]: length {int(lengths[index])} is negative")
+    if batch.input_ids.dtype not in _INTEGER_WIRE:
+        raise WireError(f"batch.input_ids: dtype must be INT32 or INT64, got "
+                        f"{_dtype_name(batch.input_ids.dtype)}")
+    ids = decode_array(batch.input_ids, "batch.input_ids")
+    if ids.ndim != 1:
+        raise WireError(f"batch.input_ids: must be 1-D, got shape {list(ids.shape)}")
+    total = ids.shape[0]
+    # Bounding each length first keeps their sum far from int64 overflow.
+    if lengths.max() > total or int(lengths.sum()) != total:
+        raise WireError(f"batch.lengths: {count} lengths do not add up to the {total} tokens "
+                        "of input_ids")
+    offsets = np.zeros(count + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    _check_token_column(ids, offsets, first, "input_ids")
+    ids = ids.astype(np.int32, copy=False)
+    columns: dict[str, np.ndarray] = {}
+    for key, tensor in batch.loss_inputs.items():
+        name = f"batch.loss_inputs[{key!r}]"
+        column = decode_array(tensor, name)
+        if column.ndim == 0 or column.shape[0] != total:
+            raise WireError(f"{name}: first dimension is "
+                            f"{column.shape[0] if column.ndim else 'missing (scalar)'} but "
+                            f"input_ids has {total} tokens")
+        if key in TOKEN_FIELDS:
+            if tensor.dtype not in _INTEGER_WIRE:
+                raise WireError(f"{name}: token ids must be INT32 or INT64, got "
+                                f"{_dtype_name(tensor.dtype)}")
+            _check_token_column(column, offsets, first, f"loss_inputs[{key!r}]")
+            column = column.astype(np.int32, copy=False)
+        else:
+            column = column.astype(np.float32, copy=False)
+        columns[key] = column
+    bounds = offsets.tolist()
+    return [Datum(ids[a:b], {key: column[a:b] for key, column in columns.items()})
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

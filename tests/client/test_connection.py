@@ -70,7 +70,7 @@ def keyed_server(tmp_path_factory, tiny_cache):
     proc.stop()
 
 
-def _datums(n: int = 2, length: int = 8) -> list[common_pb2.Datum]:
+def _datums(n: int = 2, length: int = 8) -> list[wire.Datum]:
     rng = np.random.default_rng(0)
     return [wire.encode_datum(rng.integers(3, 200, length),
                               {"target_tokens": rng.integers(3, 200, length),

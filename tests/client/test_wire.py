@@ -11,6 +11,7 @@ from tinker import types as tt
 
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_client._proto.twinkle.v1 import training_pb2
 
 
 def _roundtrip(tensor: pb.Tensor) -> np.ndarray:
@@ -34,51 +35,74 @@ def test_bfloat16_torch_tensor_round_trips_to_float32_values():
     np.testing.assert_array_equal(_roundtrip(encoded), tensor.float().numpy())
 
 
-def test_sparse_target_tokens_as_tinker_builds_them_round_trip():
+def _through_wire(datums: list[wire.Datum], budget: int = wire.DEFAULT_CHUNK_BYTES
+                  ) -> list[wire.Datum]:
+    """Datums as the server sees them: chunked, packed, serialized, parsed and unpacked."""
+    out: list[wire.Datum] = []
+    for group in wire.chunk_datums(datums, budget):
+        chunk = training_pb2.ForwardChunk(batch=wire.pack_datums(group))
+        parsed = training_pb2.ForwardChunk.FromString(chunk.SerializeToString())
+        out.extend(wire.unpack_datums(parsed.batch, len(out)))
+    return out
+
+
+def test_sparse_target_tokens_as_tinker_builds_them_round_trip_dense():
     dense = torch.zeros(6, 4, dtype=torch.int64)
     dense[1, 2], dense[4, 0], dense[5, 3] = 17, 3, 9
     datum = tt.Datum(
         model_input=tt.ModelInput.from_ints([1, 2, 3, 4, 5, 6]),
-        loss_fn_inputs={"target_tokens": dense, "weights": (dense > 0).float()},
+        loss_fn_inputs={"target_tokens": tt.TensorData.from_torch_sparse(dense),
+                        "weights": (dense > 0).float()},
     )
     assert datum.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
-    encoded = wire.encode_tinker_datum(datum)
-    assert encoded.loss_inputs["target_tokens"].sparse_crow_indices
-    ids, inputs = wire.decode_datum(pb.Datum.FromString(encoded.SerializeToString()))
-    np.testing.assert_array_equal(ids, [1, 2, 3, 4, 5, 6])
-    np.testing.assert_array_equal(inputs["target_tokens"], dense.numpy())
-    np.testing.assert_array_equal(inputs["weights"], (dense > 0).float().numpy())
+    [out] = _through_wire([wire.encode_tinker_datum(datum)])
+    np.testing.assert_array_equal(out.input_ids, [1, 2, 3, 4, 5, 6])
+    np.testing.assert_array_equal(out.loss_inputs["target_tokens"], dense.numpy())
+    np.testing.assert_array_equal(out.loss_inputs["weights"], (dense > 0).float().numpy())
 
 
-def test_tinker_datum_round_trips_through_decode_and_tensor_data():
+def test_tinker_datum_round_trips_in_wire_dtypes_and_back_to_tensor_data():
     datum = tt.Datum(
         model_input=tt.ModelInput.from_ints([5, 6, 7]),
         loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [0.0, 0.5, 2.0],
                         "advantages": [1.0, -1.0, 0.25]},
     )
-    encoded = wire.encode_tinker_datum(datum)
-    ids, inputs = wire.decode_datum(encoded)
-    assert ids.dtype == np.int64 and inputs["target_tokens"].dtype == np.int64
-    np.testing.assert_array_equal(inputs["weights"], [0.0, 0.5, 2.0])
-    back = wire.decode_tensor_data(encoded.loss_inputs["advantages"])
+    [out] = _through_wire([wire.encode_tinker_datum(datum)])
+    assert out.input_ids.dtype == np.int32 and out.loss_inputs["target_tokens"].dtype == np.int32
+    np.testing.assert_array_equal(out.loss_inputs["weights"], [0.0, 0.5, 2.0])
+    back = wire.decode_tensor_data(wire.encode_array(out.loss_inputs["advantages"]))
     assert back.dtype == "float32" and back.tolist() == [1.0, -1.0, 0.25]
 
 
 def test_empty_datum_round_trips():
-    ids, inputs = wire.decode_datum(wire.encode_datum(np.zeros(0, np.int64), {}))
-    assert ids.shape == (0,) and inputs == {}
+    [out] = _through_wire([wire.encode_datum(np.zeros(0, np.int64), {})])
+    assert out.input_ids.shape == (0,) and out.loss_inputs == {}
 
 
 def test_maximal_token_id_round_trips():
     top = np.iinfo(np.int32).max
-    ids, inputs = wire.decode_datum(wire.encode_datum([0, top], {"target_tokens": [top, 0]}))
-    assert ids.tolist() == [0, top] and inputs["target_tokens"].tolist() == [top, 0]
+    [out] = _through_wire([wire.encode_datum([0, top], {"target_tokens": [top, 0]})])
+    assert out.input_ids.tolist() == [0, top]
+    assert out.loss_inputs["target_tokens"].tolist() == [top, 0]
+
+
+def test_datums_with_different_loss_inputs_travel_in_separate_batches_in_order():
+    datums = [wire.encode_datum([1, 2], {"target_tokens": [2, 3]}),
+              wire.encode_datum([4, 5, 6], {"target_tokens": [5, 6, 7], "weights": [1, 0, 1]}),
+              wire.encode_datum([7], {"target_tokens": np.array([[8, 9]])}),
+              wire.encode_datum([8, 9], {"target_tokens": [9, 10]})]
+    assert [len(group) for group in wire.chunk_datums(datums)] == [1, 1, 1, 1]
+    out = _through_wire(datums)
+    assert [d.input_ids.tolist() for d in out] == [[1, 2], [4, 5, 6], [7], [8, 9]]
+    assert out[1].loss_inputs["weights"].tolist() == [1.0, 0.0, 1.0]
+    assert out[2].loss_inputs["target_tokens"].tolist() == [[8, 9]]
 
 
 def test_feature_with_shifted_labels_becomes_target_tokens_and_weights_and_back():
     feature = {"input_ids": [10, 11, 12, 13], "labels": [-100, -100, 13, 2],
                "advantages": 0.5, "old_logps": [0.0, 0.0, -1.0, -2.0]}
-    ids, inputs = wire.decode_datum(wire.encode_feature(feature))
+    [out] = _through_wire([wire.encode_feature(feature)])
+    ids, inputs = out.input_ids, out.loss_inputs
     np.testing.assert_array_equal(inputs["target_tokens"], [0, 0, 13, 2])
     np.testing.assert_array_equal(inputs["weights"], [0, 0, 1, 1])
     np.testing.assert_array_equal(inputs["advantages"], [0.5] * 4)
@@ -130,30 +154,79 @@ def test_negative_dimension_and_unknown_dtype_are_rejected():
         wire.decode_array(pb.Tensor(dtype=99, shape=[0], data=b""))
 
 
-def test_server_side_decode_rejects_float_token_ids_and_length_disagreement():
-    datum = wire.encode_datum([1, 2], {})
-    datum.input_ids.CopyFrom(wire.encode_array(np.array([1.0, 2.0], np.float32)))
-    with pytest.raises(wire.WireError, match=r"datum\[3\].input_ids: dtype must be INT32"):
-        wire.decode_datum(datum, index=3)
-    datum = wire.encode_datum([1, 2], {"weights": [1.0, 1.0]})
-    datum.loss_inputs["target_tokens"].CopyFrom(wire.encode_array(np.array([1, 2, 3])))
-    with pytest.raises(wire.WireError, match="first dimension is 3 but input_ids has 2"):
-        wire.decode_datum(datum)
-    datum = wire.encode_datum([1, 2], {"target_tokens": np.array([1.0, 2.0], np.float32)})
-    with pytest.raises(wire.WireError, match="target_tokens'\\]: token ids must be INT32"):
-        wire.decode_datum(datum)
+def _batch(*datums: wire.Datum) -> pb.DatumBatch:
+    return wire.pack_datums(list(datums))
 
 
-def test_malformed_csr_is_rejected():
-    bad = pb.Tensor(dtype=pb.INT64, shape=[2, 2], data=np.array([1], "<i8").tobytes(),
-                    sparse_crow_indices=np.array([0, 1], "<i8").tobytes(),
-                    sparse_col_indices=np.array([0], "<i8").tobytes())
-    with pytest.raises(wire.WireError, match="sparse_crow_indices must hold 3"):
-        wire.decode_array(bad, "target_tokens")
-    bad.sparse_crow_indices = np.array([0, 1, 1], "<i8").tobytes()
-    bad.sparse_col_indices = np.array([5], "<i8").tobytes()
-    with pytest.raises(wire.WireError, match=r"sparse_col_indices must lie in \[0, 2\)"):
-        wire.decode_array(bad, "target_tokens")
+def _unpack_error(batch: pb.DatumBatch, first: int = 0) -> str:
+    with pytest.raises(wire.WireError) as info:
+        wire.unpack_datums(batch, first)
+    return str(info.value)
+
+
+def test_server_side_unpack_rejects_bad_batches_naming_the_field():
+    floats = _batch(wire.encode_datum([1, 2], {}))
+    floats.input_ids.CopyFrom(wire.encode_array(np.array([1.0, 2.0], np.float32)))
+    assert "batch.input_ids: dtype must be INT32 or INT64, got FLOAT32" in _unpack_error(floats)
+    short = _batch(wire.encode_datum([1, 2], {"weights": [1.0, 1.0]}))
+    short.loss_inputs["target_tokens"].CopyFrom(wire.encode_array(np.array([1, 2, 3])))
+    assert ("batch.loss_inputs['target_tokens']: first dimension is 3 but input_ids has 2"
+            in _unpack_error(short))
+    float_targets = _batch(wire.encode_datum([1, 2], {"weights": [1.0, 1.0]}))
+    float_targets.loss_inputs["target_tokens"].CopyFrom(wire.encode_array(np.ones(2, np.float32)))
+    assert "target_tokens']: token ids must be INT32 or INT64" in _unpack_error(float_targets)
+    lengths = _batch(wire.encode_datum([1, 2], {}), wire.encode_datum([3], {}))
+    lengths.lengths[1] = 2
+    assert "batch.lengths: 2 lengths do not add up to the 3 tokens" in _unpack_error(lengths)
+    lengths.lengths[:] = [4, -1]
+    assert "datum[8]: length -1 is negative" in _unpack_error(lengths, first=7)
+
+
+def test_server_side_unpack_names_the_datum_holding_a_bad_token_id():
+    batch = _batch(*(wire.encode_datum([1, 2, 3], {"target_tokens": [2, 3, 4]})
+                     for _ in range(4)))
+    ids = np.array([1, 2, 3] * 4, np.int64)
+    ids[7] = -5  # datum 2 (positions 6..8)
+    batch.input_ids.CopyFrom(wire.encode_array(ids))
+    assert "datum[12].input_ids: token ids must be non-negative, found -5" in _unpack_error(
+        batch, first=10)
+    ids[7] = 2**31
+    batch.input_ids.CopyFrom(wire.encode_array(ids))
+    assert "datum[2].input_ids: token id 2147483648 does not fit in int32" in _unpack_error(batch)
+    targets = np.array([2, 3, 4] * 4, np.int64)
+    targets[11] = -1
+    batch.input_ids.CopyFrom(wire.encode_array(np.array([1, 2, 3] * 4, np.int64)))
+    batch.loss_inputs["target_tokens"].CopyFrom(wire.encode_array(targets))
+    assert "datum[3].loss_inputs['target_tokens']: token ids must be non-negative" in (
+        _unpack_error(batch))
+
+
+def test_pack_converts_hand_built_datums_without_wrapping_token_ids():
+    wide = wire.Datum(np.array([1, 2**32 + 5], np.int64), {"target_tokens": np.array([1, 2])})
+    with pytest.raises(wire.WireError, match=r"datum\[0\].input_ids: token id 4294967301 "):
+        wire.pack_datums([wire.encode_datum([1, 2], {"target_tokens": [1, 2]}), wide][1:])
+    fine = wire.Datum(np.array([1, 2], np.int64), {"target_tokens": np.array([3, 4], np.int64),
+                                                    "weights": np.array([0.5, 1.0])})
+    [out] = wire.unpack_datums(wire.pack_datums([fine]))
+    assert out.input_ids.tolist() == [1, 2] and out.loss_inputs["weights"].tolist() == [0.5, 1.0]
+
+
+def test_pack_refuses_datums_that_do_not_share_loss_inputs():
+    with pytest.raises(wire.WireError, match=r"datum\[1\].loss_inputs: keys \['weights'\]"):
+        wire.pack_datums([wire.encode_datum([1], {"target_tokens": [1]}),
+                          wire.encode_datum([1], {"weights": [1.0]})])
+    with pytest.raises(wire.WireError, match=r"datum\[1\].loss_inputs\['target_tokens'\]: "
+                                             r"shape \[1, 3\] does not stack"):
+        wire.pack_datums([wire.encode_datum([1], {"target_tokens": [[1, 2]]}),
+                          wire.encode_datum([1], {"target_tokens": [[1, 2, 3]]})])
+
+
+def test_prompt_tokens_decode_only_from_integer_tensors():
+    assert wire.decode_tokens(wire.encode_array(np.array([3, 4])), "prompt").tolist() == [3, 4]
+    with pytest.raises(wire.WireError, match="prompt: dtype must be INT32 or INT64, got FLOAT32"):
+        wire.decode_tokens(wire.encode_array(np.array([1.7], np.float32)), "prompt")
+    with pytest.raises(wire.WireError, match="prompt: token ids must be non-negative"):
+        wire.decode_tokens(wire.encode_array(np.array([-1])), "prompt")
 
 
 @settings(max_examples=60, deadline=None)
@@ -161,14 +234,20 @@ def test_malformed_csr_is_rejected():
        budget=st.integers(4_000, 20_000))
 def test_chunks_stay_within_budget_and_reassemble_in_order(lengths, budget):
     datums = [wire.encode_datum(np.arange(n) % 50,
-                                {"target_tokens": np.arange(n) % 50,
+                                {"target_tokens": np.arange(n) % 50 + i,
                                  "weights": np.ones(n, np.float32)}, i)
               for i, n in enumerate(lengths)]
     chunks = list(wire.chunk_datums(datums, budget))
     for chunk in chunks:
         assert chunk
-        assert sum(d.ByteSize() + 16 for d in chunk) <= budget
+        assert training_pb2.ForwardChunk(batch=wire.pack_datums(chunk)).ByteSize() <= budget
     assert [d for chunk in chunks for d in chunk] == datums
+    out = _through_wire(datums, budget)
+    assert len(out) == len(datums)
+    for got, sent in zip(out, datums, strict=True):
+        np.testing.assert_array_equal(got.input_ids, sent.input_ids)
+        np.testing.assert_array_equal(got.loss_inputs["target_tokens"],
+                                      sent.loss_inputs["target_tokens"])
 
 
 def test_datum_over_the_chunk_budget_raises_naming_it():

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import common_pb2
+from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
 from twinkle_client.transport import Transport as Client  # noqa: F401
 from twinkle_server.process import ServerProcess, start_server  # noqa: F401
 
@@ -28,10 +28,21 @@ def toy_datums(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0):
     return out
 
 
-def encoded_datums(n: int = 2, length: int = 8, seed: int = 0) -> list[common_pb2.Datum]:
+def encoded_datums(n: int = 2, length: int = 8, seed: int = 0) -> list[wire.Datum]:
     """`toy_datums` already encoded, for tests that drive `twinkle_client.connection`."""
     return [wire.encode_datum(ids, inputs, i)
             for i, (ids, inputs) in enumerate(toy_datums(n, length, seed=seed))]
+
+
+def send_batch(stub, header: common_pb2.OpHeader, batch: common_pb2.DatumBatch,
+               metadata=(), loss: str = "cross_entropy") -> list:
+    """Stream `batch` exactly as built (past every client check) as one Forward(Backward)
+    op, for tests of the server's own validation; raises the call's `grpc.RpcError`."""
+    messages = [training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
+                    op=header, loss=common_pb2.LossFn(name=loss),
+                    num_datums=len(batch.lengths))),
+                training_pb2.ForwardChunk(batch=batch)]
+    return list(stub(iter(messages), metadata=metadata, timeout=60))
 
 
 def small_lora(rank: int = 4) -> common_pb2.LoraConfig:

@@ -25,7 +25,8 @@ CE = common_pb2.LossFn(name="cross_entropy")
 
 
 # A client that opens a ForwardBackward stream, sends the header and 10 chunks of 100
-# datums (about 16 MB), says so, and then waits to be killed with the stream still open.
+# datums (about 12 MB) of the 2000 its header declares, says so, and then waits to be
+# killed with the stream still open.
 _STREAMER = textwrap.dedent("""
     import sys, time
     import numpy as np
@@ -40,10 +41,10 @@ _STREAMER = textwrap.dedent("""
 
     def chunks():
         yield training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
-            op=common_pb2.OpHeader(model_id=model, seq_id=seq), num_datums=1000,
+            op=common_pb2.OpHeader(model_id=model, seq_id=seq), num_datums=2000,
             loss=common_pb2.LossFn(name="cross_entropy")))
         for _ in range(10):
-            yield training_pb2.ForwardChunk(datums=[datum] * 100)
+            yield training_pb2.ForwardChunk(batch=wire.pack_datums([datum] * 100))
         print("streaming", flush=True)
         time.sleep(600)
 
@@ -71,7 +72,7 @@ def test_client_killed_mid_stream_leaves_no_trace_and_the_next_op_runs(tmp_path,
             before = conn.forward(conn.op(model), encoded_datums(), CE)
             fds, slots = server.num_fds(), conn.capabilities(refresh=True).adapters_loaded
             _kill_mid_stream(conn, proc.address, model)
-            # Settle, then three more: a server that kept each dropped stream's ~16 MB of
+            # Settle, then three more: a server that kept each dropped stream's ~12 MB of
             # decoded datums would grow by ~48 MB; one that frees them reuses the memory
             # (measured: the first stream adds ~15 MB, the next three ~11 MB together).
             time.sleep(1.0)

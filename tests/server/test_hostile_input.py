@@ -26,6 +26,8 @@ from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 from twinkle_server.server import SERVICES
 
+from .harness import send_batch
+
 pytestmark = pytest.mark.integration
 
 HANG_S = 30.0
@@ -99,7 +101,7 @@ def _valid_messages(model: str) -> list[tuple[int, bytes]]:
     datum = wire.encode_datum(ids, {"target_tokens": ids + 1, "weights": np.ones(10, np.float32)})
     header = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
         op=common_pb2.OpHeader(model_id=model, seq_id=10**6), num_datums=1,
-        loss=common_pb2.LossFn(name="cross_entropy")), datums=[datum])
+        loss=common_pb2.LossFn(name="cross_entropy")), batch=wire.pack_datums([datum]))
     sample = sampling_pb2.SampleRequest(
         op=common_pb2.OpHeader(model_id=model, seq_id=10**6), num_samples=2,
         prompt=wire.encode_array(ids), params=sampling_pb2.SamplingParams(max_tokens=4))
@@ -139,7 +141,7 @@ def test_mutated_valid_messages_get_a_status_and_the_server_keeps_serving(target
     _good_step(conn, model)
 
 
-def _datum_with(ids=None, **loss_inputs) -> common_pb2.Datum:
+def _datum_with(ids=None, **loss_inputs) -> wire.Datum:
     ids = np.arange(5, 15) if ids is None else ids
     return wire.encode_datum(ids, loss_inputs or {"target_tokens": ids + 1})
 
@@ -147,25 +149,44 @@ def _datum_with(ids=None, **loss_inputs) -> common_pb2.Datum:
 def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, str]]:
     """(case, callable, expected exception class, text the message must contain)."""
     fb = common_pb2.LossFn(name="cross_entropy")
-    huge = _datum_with()
+
+    def batch() -> common_pb2.DatumBatch:
+        return wire.pack_datums([_datum_with()])
+
+    def raw(bad: common_pb2.DatumBatch):
+        def send():
+            try:
+                send_batch(conn.training.ForwardBackward, conn.op(model), bad, conn.metadata)
+            except grpc.RpcError as exc:
+                raise errors.from_rpc_error(exc, "ForwardBackward") from None
+        return send
+
+    huge = batch()
     huge.input_ids.shape[:] = [2**40]
-    negative = _datum_with()
+    negative = batch()
     negative.loss_inputs["target_tokens"].shape[:] = [-10]
-    wrong_dtype = _datum_with()
+    wrong_dtype = batch()
     wrong_dtype.input_ids.dtype = common_pb2.FLOAT32
-    unknown_dtype = _datum_with()
+    unknown_dtype = batch()
     unknown_dtype.input_ids.dtype = 99
+    overlong = batch()
+    overlong.lengths[:] = [2**62, 2**62]
+    negative_length = batch()
+    negative_length.lengths[:] = [11, -1]
     ids = np.arange(5, 15)
 
     def forward(*datums, loss=fb):
         return lambda: conn.forward(conn.op(model), list(datums), loss)
 
     return [
-        ("huge declared shape, tiny payload", forward(huge), errors.InvalidArgumentError,
+        ("huge declared shape, tiny payload", raw(huge), errors.InvalidArgumentError,
          "input_ids"),
-        ("negative dimension", forward(negative), errors.InvalidArgumentError, "target_tokens"),
-        ("float token ids", forward(wrong_dtype), errors.InvalidArgumentError, "dtype"),
-        ("unknown dtype tag", forward(unknown_dtype), errors.InvalidArgumentError, "dtype"),
+        ("negative dimension", raw(negative), errors.InvalidArgumentError, "target_tokens"),
+        ("float token ids", raw(wrong_dtype), errors.InvalidArgumentError, "dtype"),
+        ("unknown dtype tag", raw(unknown_dtype), errors.InvalidArgumentError, "dtype"),
+        ("lengths past the payload", raw(overlong), errors.InvalidArgumentError,
+         "do not add up"),
+        ("negative length", raw(negative_length), errors.InvalidArgumentError, "negative"),
         ("token id at INT32 max", forward(_datum_with(
             np.array([5, 2**31 - 1]), target_tokens=np.array([6, 7]))),
          errors.InvalidArgumentError, "outside the vocabulary"),

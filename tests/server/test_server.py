@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, sampling_pb2, training_pb2
 
-from .harness import Client, start_server, toy_datums, twinkle_server
+from .harness import Client, send_batch, start_server, toy_datums, twinkle_server
 
 pytestmark = pytest.mark.integration
 
@@ -107,11 +107,11 @@ def _code(fn):
     return info.value.code(), info.value.details()
 
 
-def _mismatched(ids):
-    """A datum whose target_tokens are shorter than its input (built past the client check)."""
-    datum = wire.encode_datum(ids, {})
-    datum.loss_inputs["target_tokens"].CopyFrom(wire.encode_array(ids[:3]))
-    return datum
+def _mismatched(ids) -> common_pb2.DatumBatch:
+    """A batch whose target_tokens are shorter than its input (built past the client check)."""
+    batch = wire.pack_datums([wire.encode_datum(ids, {})])
+    batch.loss_inputs["target_tokens"].CopyFrom(wire.encode_array(ids[:3]))
+    return batch
 
 
 def test_every_validation_case_returns_its_code_and_the_server_keeps_serving(server):
@@ -123,7 +123,8 @@ def test_every_validation_case_returns_its_code_and_the_server_keeps_serving(ser
         (lambda: client.forward_backward(model, [(np.array([1, 10**7]), {
             "target_tokens": np.array([1, 2])})]), grpc.StatusCode.INVALID_ARGUMENT,
          "outside the vocabulary"),
-        (lambda: client.forward_backward(model, [_mismatched(ids)]),
+        (lambda: send_batch(client.training.ForwardBackward, client.header(model),
+                            _mismatched(ids), client.metadata),
          grpc.StatusCode.INVALID_ARGUMENT, "first dimension is 3 but input_ids has 10"),
         (lambda: client.forward_backward(model, []), grpc.StatusCode.INVALID_ARGUMENT,
          "batch is empty"),

@@ -238,7 +238,7 @@ class Engine:
         width = max(lengths)
         ids = torch.full((len(rows), width), self.base.pad_token_id, dtype=torch.long)
         for row, (_, datum) in enumerate(rows):
-            ids[row, :datum.num_tokens] = torch.from_numpy(np.asarray(datum.input_ids))
+            ids[row, :datum.num_tokens] = torch.tensor(np.asarray(datum.input_ids))
         # No mask when nothing is padded: the plain causal path is the fastest kernel.
         mask = None
         if min(lengths) != width:
@@ -256,7 +256,7 @@ class Engine:
                           for row, n in enumerate(lengths) if simple[row]] or
                          [torch.zeros(0, dtype=torch.long)]).to(device)
         flat_logits = logits.flatten(0, 1)[real]
-        flat_targets = torch.cat([torch.from_numpy(np.asarray(d.loss_inputs["target_tokens"]))
+        flat_targets = torch.cat([torch.tensor(np.asarray(d.loss_inputs["target_tokens"]))
                                   for (_, d), ok in zip(rows, simple, strict=True) if ok]
                                  or [torch.zeros(0, dtype=torch.long)]).to(device)
         flat = target_logprobs(flat_logits, flat_targets)
@@ -271,7 +271,7 @@ class Engine:
             correct = 0.0
             for datum in request.datums:
                 n = datum.num_tokens
-                tensors = {k: torch.from_numpy(np.asarray(v)).to(device)
+                tensors = {k: torch.tensor(np.asarray(v)).to(device)
                            for k, v in datum.loss_inputs.items()}
                 if simple[row]:
                     lp, hit = flat[offset:offset + n], hits[offset:offset + n]
@@ -642,7 +642,7 @@ class Engine:
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) per position: `[T]` targets give `[T]`, `[T, K]` give `[T, K]`."""
-    logits = logits.float()
+    logits, targets = logits.float(), targets.long()
     if targets.ndim == 1:
         return -F.cross_entropy(logits, targets, reduction="none")
     return torch.log_softmax(logits, dim=-1).gather(-1, targets)

@@ -14,6 +14,9 @@ from typing import Literal
 
 import numpy as np
 
+# One training sequence: the codec's `Datum`, so decoded wire datums reach the engine as is.
+from twinkle_client.wire import Datum as Datum
+
 # Module-name suffixes for Tinker's coarse LoRA switches (Qwen/Llama naming).
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
@@ -71,24 +74,6 @@ class LoraSpec:
             use_rslora=bool(getattr(config, "use_rslora", False)),
             seed=seed,
         )
-
-
-@dataclass(frozen=True)
-class Datum:
-    """One training sequence in Tinker form.
-
-    `input_ids` is int64 `[T]`. `loss_inputs` holds per-position arrays aligned with it:
-    `target_tokens` (int64, `[T]`, the token to predict at each position), `weights`
-    (float32 `[T]`), and for RL losses `logprobs` (the sampler's logprobs) and
-    `advantages` (float32 `[T]`).
-    """
-
-    input_ids: np.ndarray
-    loss_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 @dataclass(frozen=True)

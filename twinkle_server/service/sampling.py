@@ -72,7 +72,7 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     @unary
     async def Sample(self, request, context):
         queue, seq, adapter_id, weights, request_id = self._target(context, request)
-        prompt = wire.decode_array(request.prompt, "prompt").astype(np.int64).reshape(-1)
+        prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
         check_topk(request.topk_prompt_logprobs)  # before sampling, not after it
         payload = SampleRequest(adapter_id, weights, prompt, request.num_samples or 1,
                                 _params(request.params,
@@ -100,7 +100,7 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     @unary
     async def ComputeLogprobs(self, request, context):
         queue, seq, adapter_id, weights, request_id = self._target(context, request)
-        prompt = wire.decode_array(request.prompt, "prompt").astype(np.int64).reshape(-1)
+        prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
         lp = await self.rt.run(Op(queue, seq, "compute_logprobs", None, prompt.size,
                                   lambda: self.rt.engine.compute_logprobs(adapter_id, weights,
                                                                           prompt), request_id))

@@ -156,21 +156,23 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             if error is not None:
                 continue
             try:
-                for datum in chunk.datums:
-                    ids, inputs = wire.decode_datum(datum, len(datums))
-                    tokens += ids.size
-                    if tokens > rt.config.max_batch_tokens:
-                        raise InvalidArgument(
-                            f"data: more than {rt.config.max_batch_tokens} tokens in one request "
-                            "(--max-batch-tokens); split the batch")
-                    datums.append(Datum(ids, inputs))
+                unpacked = wire.unpack_datums(chunk.batch, len(datums))
+                tokens += sum(datum.num_tokens for datum in unpacked)
+                if tokens > rt.config.max_batch_tokens:
+                    raise InvalidArgument(
+                        f"data: more than {rt.config.max_batch_tokens} tokens in one request "
+                        "(--max-batch-tokens); split the batch")
+                datums.extend(unpacked)
             except (wire.WireError, EngineError) as exc:
                 error = exc
         if header is None:
             raise ServiceError("invalid_argument", "data: the stream carried no chunks")
         if error is None and header.num_datums != len(datums):
-            error = InvalidArgument(f"num_datums: header says {header.num_datums} but "
-                                    f"{len(datums)} datums arrived")
+            # A stream cut short (its client gone, or a bug): nothing runs and the seq_id
+            # stays free, so a retry of the whole op under the same seq_id still applies.
+            raise ServiceError("invalid_argument", f"num_datums: header says "
+                                                   f"{header.num_datums} but {len(datums)} "
+                                                   "datums arrived; the op did not run")
         loss = LossSpec(header.loss.name, dict(header.loss.config)) if header.loss.name else None
         request = ForwardRequest(header.op.model_id, datums, loss, backward)
         if error is None:

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17twinkle/v1/common.proto\x12\ntwinkle.v1\"\x80\x01\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.twinkle.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1b\n\x13sparse_crow_indices\x18\x04 \x01(\x0c\x12\x1a\n\x12sparse_col_indices\x18\x05 \x01(\x0c\"\xad\x01\n\x05\x44\x61tum\x12%\n\tinput_ids\x18\x01 \x01(\x0b\x32\x12.twinkle.v1.Tensor\x12\x36\n\x0bloss_inputs\x18\x02 \x03(\x0b\x32!.twinkle.v1.Datum.LossInputsEntry\x1a\x45\n\x0fLossInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.Tensor:\x02\x38\x01\"@\n\x08OpHeader\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"u\n\x06LossFn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x06\x63onfig\x18\x02 \x03(\x0b\x32\x1e.twinkle.v1.LossFn.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd4\x01\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nall_linear\x18\x05 \x01(\x08\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\ttrain_mlp\x18\x08 \x01(\x08\x12\x12\n\ntrain_attn\x18\t \x01(\x08\x12\x15\n\rtrain_unembed\x18\n \x01(\x08\x42\x07\n\x05_seed\"\xc4\x02\n\nCheckpoint\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63heckpoint_type\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12\x15\n\rhas_optimizer\x18\x08 \x01(\x08\x12\x12\n\nbase_model\x18\t \x01(\t\x12\x11\n\tlora_rank\x18\n \x01(\x05\x12?\n\ruser_metadata\x18\x0b \x03(\x0b\x32(.twinkle.v1.Checkpoint.UserMetadataEntry\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x97\x03\n\x0bTrainingRun\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07is_lora\x18\x04 \x01(\x08\x12\x11\n\tlora_rank\x18\x05 \x01(\x05\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\x12\x19\n\x11last_request_time\x18\x07 \x01(\x01\x12/\n\x0flast_checkpoint\x18\x08 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\x12\x37\n\x17last_sampler_checkpoint\x18\t \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\x12@\n\ruser_metadata\x18\n \x03(\x0b\x32).twinkle.v1.TrainingRun.UserMetadataEntry\x12\x0e\n\x06loaded\x18\x0b \x01(\x08\x12\x11\n\tcorrupted\x18\x0c \x01(\x08\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\ntotal_size\x18\x04 \x01(\x03\x12\x0c\n\x04last\x18\x05 \x01(\x08\"\x07\n\x05\x45mpty*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05INT64\x10\x01\x12\t\n\x05INT32\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\x0b\n\x07\x46LOAT64\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17twinkle/v1/common.proto\x12\ntwinkle.v1\"S\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.twinkle.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0cJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xc8\x01\n\nDatumBatch\x12\x0f\n\x07lengths\x18\x01 \x03(\x03\x12%\n\tinput_ids\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.Tensor\x12;\n\x0bloss_inputs\x18\x03 \x03(\x0b\x32&.twinkle.v1.DatumBatch.LossInputsEntry\x1a\x45\n\x0fLossInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.Tensor:\x02\x38\x01\"@\n\x08OpHeader\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"u\n\x06LossFn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x06\x63onfig\x18\x02 \x03(\x0b\x32\x1e.twinkle.v1.LossFn.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd4\x01\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12\x12\n\nall_linear\x18\x05 \x01(\x08\x12\x12\n\nuse_rslora\x18\x06 \x01(\x08\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\ttrain_mlp\x18\x08 \x01(\x08\x12\x12\n\ntrain_attn\x18\t \x01(\x08\x12\x15\n\rtrain_unembed\x18\n \x01(\x08\x42\x07\n\x05_seed\"\xc4\x02\n\nCheckpoint\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63heckpoint_type\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12\x15\n\rhas_optimizer\x18\x08 \x01(\x08\x12\x12\n\nbase_model\x18\t \x01(\t\x12\x11\n\tlora_rank\x18\n \x01(\x05\x12?\n\ruser_metadata\x18\x0b \x03(\x0b\x32(.twinkle.v1.Checkpoint.UserMetadataEntry\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x97\x03\n\x0bTrainingRun\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07is_lora\x18\x04 \x01(\x08\x12\x11\n\tlora_rank\x18\x05 \x01(\x05\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\x12\x19\n\x11last_request_time\x18\x07 \x01(\x01\x12/\n\x0flast_checkpoint\x18\x08 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\x12\x37\n\x17last_sampler_checkpoint\x18\t \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\x12@\n\ruser_metadata\x18\n \x03(\x0b\x32).twinkle.v1.TrainingRun.UserMetadataEntry\x12\x0e\n\x06loaded\x18\x0b \x01(\x08\x12\x11\n\tcorrupted\x18\x0c \x01(\x08\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\ntotal_size\x18\x04 \x01(\x03\x12\x0c\n\x04last\x18\x05 \x01(\x08\"\x07\n\x05\x45mpty*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05INT64\x10\x01\x12\t\n\x05INT32\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\x0b\n\x07\x46LOAT64\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'twinkle.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATUM_LOSSINPUTSENTRY']._loaded_options = None
-  _globals['_DATUM_LOSSINPUTSENTRY']._serialized_options = b'8\001'
+  _globals['_DATUMBATCH_LOSSINPUTSENTRY']._loaded_options = None
+  _globals['_DATUMBATCH_LOSSINPUTSENTRY']._serialized_options = b'8\001'
   _globals['_LOSSFN_CONFIGENTRY']._loaded_options = None
   _globals['_LOSSFN_CONFIGENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINT_USERMETADATAENTRY']._loaded_options = None
   _globals['_CHECKPOINT_USERMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_TRAININGRUN_USERMETADATAENTRY']._loaded_options = None
   _globals['_TRAININGRUN_USERMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1583
-  _globals['_DTYPE']._serialized_end=1675
-  _globals['_TENSOR']._serialized_start=40
-  _globals['_TENSOR']._serialized_end=168
-  _globals['_DATUM']._serialized_start=171
-  _globals['_DATUM']._serialized_end=344
-  _globals['_DATUM_LOSSINPUTSENTRY']._serialized_start=275
-  _globals['_DATUM_LOSSINPUTSENTRY']._serialized_end=344
-  _globals['_OPHEADER']._serialized_start=346
-  _globals['_OPHEADER']._serialized_end=410
-  _globals['_LOSSFN']._serialized_start=412
-  _globals['_LOSSFN']._serialized_end=529
-  _globals['_LOSSFN_CONFIGENTRY']._serialized_start=484
-  _globals['_LOSSFN_CONFIGENTRY']._serialized_end=529
-  _globals['_LORACONFIG']._serialized_start=532
-  _globals['_LORACONFIG']._serialized_end=744
-  _globals['_CHECKPOINT']._serialized_start=747
-  _globals['_CHECKPOINT']._serialized_end=1071
-  _globals['_CHECKPOINT_USERMETADATAENTRY']._serialized_start=1020
-  _globals['_CHECKPOINT_USERMETADATAENTRY']._serialized_end=1071
-  _globals['_TRAININGRUN']._serialized_start=1074
-  _globals['_TRAININGRUN']._serialized_end=1481
-  _globals['_TRAININGRUN_USERMETADATAENTRY']._serialized_start=1020
-  _globals['_TRAININGRUN_USERMETADATAENTRY']._serialized_end=1071
-  _globals['_FILECHUNK']._serialized_start=1483
-  _globals['_FILECHUNK']._serialized_end=1572
-  _globals['_EMPTY']._serialized_start=1574
-  _globals['_EMPTY']._serialized_end=1581
+  _globals['_DTYPE']._serialized_start=1564
+  _globals['_DTYPE']._serialized_end=1656
+  _globals['_TENSOR']._serialized_start=39
+  _globals['_TENSOR']._serialized_end=122
+  _globals['_DATUMBATCH']._serialized_start=125
+  _globals['_DATUMBATCH']._serialized_end=325
+  _globals['_DATUMBATCH_LOSSINPUTSENTRY']._serialized_start=256
+  _globals['_DATUMBATCH_LOSSINPUTSENTRY']._serialized_end=325
+  _globals['_OPHEADER']._serialized_start=327
+  _globals['_OPHEADER']._serialized_end=391
+  _globals['_LOSSFN']._serialized_start=393
+  _globals['_LOSSFN']._serialized_end=510
+  _globals['_LOSSFN_CONFIGENTRY']._serialized_start=465
+  _globals['_LOSSFN_CONFIGENTRY']._serialized_end=510
+  _globals['_LORACONFIG']._serialized_start=513
+  _globals['_LORACONFIG']._serialized_end=725
+  _globals['_CHECKPOINT']._serialized_start=728
+  _globals['_CHECKPOINT']._serialized_end=1052
+  _globals['_CHECKPOINT_USERMETADATAENTRY']._serialized_start=1001
+  _globals['_CHECKPOINT_USERMETADATAENTRY']._serialized_end=1052
+  _globals['_TRAININGRUN']._serialized_start=1055
+  _globals['_TRAININGRUN']._serialized_end=1462
+  _globals['_TRAININGRUN_USERMETADATAENTRY']._serialized_start=1001
+  _globals['_TRAININGRUN_USERMETADATAENTRY']._serialized_end=1052
+  _globals['_FILECHUNK']._serialized_start=1464
+  _globals['_FILECHUNK']._serialized_end=1553
+  _globals['_EMPTY']._serialized_start=1555
+  _globals['_EMPTY']._serialized_end=1562
 # @@protoc_insertion_point(module_scope)

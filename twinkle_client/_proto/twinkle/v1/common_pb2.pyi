@@ -23,21 +23,17 @@ BFLOAT16: DType
 FLOAT64: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "sparse_crow_indices", "sparse_col_indices")
+    __slots__ = ("dtype", "shape", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    SPARSE_CROW_INDICES_FIELD_NUMBER: _ClassVar[int]
-    SPARSE_COL_INDICES_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    sparse_crow_indices: bytes
-    sparse_col_indices: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., sparse_crow_indices: _Optional[bytes] = ..., sparse_col_indices: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class Datum(_message.Message):
-    __slots__ = ("input_ids", "loss_inputs")
+class DatumBatch(_message.Message):
+    __slots__ = ("lengths", "input_ids", "loss_inputs")
     class LossInputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,11 +41,13 @@ class Datum(_message.Message):
         key: str
         value: Tensor
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
     input_ids: Tensor
     loss_inputs: _containers.MessageMap[str, Tensor]
-    def __init__(self, input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., loss_inputs: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., loss_inputs: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
 
 class OpHeader(_message.Message):
     __slots__ = ("model_id", "seq_id", "request_id")

@@ -82,12 +82,12 @@ class ForwardHeader(_message.Message):
     def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., loss: _Optional[_Union[_common_pb2.LossFn, _Mapping]] = ..., num_datums: _Optional[int] = ...) -> None: ...
 
 class ForwardChunk(_message.Message):
-    __slots__ = ("header", "datums")
+    __slots__ = ("header", "batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
-    DATUMS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     header: ForwardHeader
-    datums: _containers.RepeatedCompositeFieldContainer[_common_pb2.Datum]
-    def __init__(self, header: _Optional[_Union[ForwardHeader, _Mapping]] = ..., datums: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ...) -> None: ...
+    batch: _common_pb2.DatumBatch
+    def __init__(self, header: _Optional[_Union[ForwardHeader, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.DatumBatch, _Mapping]] = ...) -> None: ...
 
 class DatumOutput(_message.Message):
     __slots__ = ("outputs",)
