@@ -76,6 +76,15 @@ class Op:
     payload: Any
     request_id: str = ""
 
+    @classmethod
+    def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,
+               request_id: str = "") -> Op:
+        """An op whose result is `error`: a request refused before it ran still takes its
+        seq_id, so the queue's later ops are not left waiting for it."""
+        def fail() -> Any:
+            raise error
+        return cls(queue_id, seq_id, kind, None, 0, fail, request_id)
+
 
 class Executor(Protocol):
     """What the worker calls: the engine glue (`twinkle_server.executor`) or a test fake."""

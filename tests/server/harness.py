@@ -35,12 +35,14 @@ def encoded_datums(n: int = 2, length: int = 8, seed: int = 0) -> list[wire.Datu
 
 
 def send_batch(stub, header: common_pb2.OpHeader, batch: common_pb2.DatumBatch,
-               metadata=(), loss: str = "cross_entropy") -> list:
+               metadata=(), loss: str = "cross_entropy", num_datums: int | None = None
+               ) -> list:
     """Stream `batch` exactly as built (past every client check) as one Forward(Backward)
-    op, for tests of the server's own validation; raises the call's `grpc.RpcError`."""
+    op, for tests of the server's own validation; raises the call's `grpc.RpcError`.
+    `num_datums` is what the header declares (by default, what the batch holds)."""
+    declared = len(batch.lengths) if num_datums is None else num_datums
     messages = [training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
-                    op=header, loss=common_pb2.LossFn(name=loss),
-                    num_datums=len(batch.lengths))),
+                    op=header, loss=common_pb2.LossFn(name=loss), num_datums=declared)),
                 training_pb2.ForwardChunk(batch=batch)]
     return list(stub(iter(messages), metadata=metadata, timeout=60))
 

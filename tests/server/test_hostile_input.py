@@ -228,6 +228,15 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
                 op=conn.op(model), prompt=wire.encode_array(ids), num_samples=1,
                 params=sampling_pb2.SamplingParams(max_tokens=2**31 - 1))),
          errors.InvalidArgumentError, "max_tokens"),
+        ("float prompt on an ordered sample", lambda: conn.call(
+            conn.sampling.Sample, sampling_pb2.SampleRequest(
+                op=conn.op(model), prompt=wire.encode_array(np.array([5.7, 6.0], np.float32)),
+                num_samples=1, params=sampling_pb2.SamplingParams(max_tokens=2))),
+         errors.InvalidArgumentError, "prompt: dtype must be INT32 or INT64, got FLOAT32"),
+        ("negative prompt token in compute_logprobs", lambda: conn.call(
+            conn.sampling.ComputeLogprobs, sampling_pb2.ComputeLogprobsRequest(
+                op=conn.op(model), prompt=wire.encode_array(np.array([5, -6])))),
+         errors.InvalidArgumentError, "prompt: token ids must be non-negative, found -6"),
         ("sample with a huge num_samples", lambda: conn.call(
             conn.sampling.Sample, sampling_pb2.SampleRequest(
                 op=conn.op(model), prompt=wire.encode_array(ids), num_samples=2**31 - 1,
@@ -244,3 +253,18 @@ def test_catalogue_of_named_attacks_each_gets_its_status(target):
         assert isinstance(caught.value, expected), f"{case}: {caught.value!r}"
         assert text in str(caught.value), f"{case}: {caught.value}"
         _good_step(conn, model)
+
+
+def test_a_stream_short_of_its_header_does_not_run_and_its_seq_id_can_be_retried(target):
+    _, conn, model, _ = target
+    header = conn.op(model)
+    datums = [_datum_with(), _datum_with()]
+    with pytest.raises(grpc.RpcError) as caught:
+        send_batch(conn.training.ForwardBackward, header, wire.pack_datums(datums),
+                   conn.metadata, num_datums=3)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "header says 3 but 2 datums arrived; the op did not run" in caught.value.details()
+    # Nothing ran and the seq_id is still free: the whole op under it goes through.
+    result = conn.forward(header, datums, common_pb2.LossFn(name="cross_entropy"))
+    assert np.isfinite(result.loss) and len(result.outputs) == 2
+    _good_step(conn, model)

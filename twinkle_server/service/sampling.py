@@ -10,6 +10,7 @@ from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import sampling_pb2 as smp
 from twinkle_client._proto.twinkle.v1 import sampling_pb2_grpc
 from twinkle_server.engine.engine import SampleRequest
+from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.sampler import check_topk
 from twinkle_server.engine.types import SamplingParams
 from twinkle_server.executor import SAMPLE
@@ -72,14 +73,18 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     @unary
     async def Sample(self, request, context):
         queue, seq, adapter_id, weights, request_id = self._target(context, request)
-        prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
-        check_topk(request.topk_prompt_logprobs)  # before sampling, not after it
+        request_id = request_id or request.request_id
+        try:
+            prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
+            check_topk(request.topk_prompt_logprobs)  # before sampling, not after it
+        except (wire.WireError, EngineError) as exc:
+            return await self.rt.run(Op.failed(queue, seq, "sample", exc, request_id))
         payload = SampleRequest(adapter_id, weights, prompt, request.num_samples or 1,
                                 _params(request.params,
                                         self.rt.config.max_seq_len - prompt.size))
         tokens = prompt.size * payload.num_samples + payload.params.max_tokens
         sequences = await self.rt.run(Op(queue, seq, "sample", SAMPLE, tokens, payload,
-                                         request_id or request.request_id))
+                                         request_id))
         response = smp.SampleResponse()
         for seq_out in sequences:
             response.sequences.append(smp.SampledSequence(
@@ -100,7 +105,10 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     @unary
     async def ComputeLogprobs(self, request, context):
         queue, seq, adapter_id, weights, request_id = self._target(context, request)
-        prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
+        try:
+            prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
+        except wire.WireError as exc:
+            return await self.rt.run(Op.failed(queue, seq, "compute_logprobs", exc, request_id))
         lp = await self.rt.run(Op(queue, seq, "compute_logprobs", None, prompt.size,
                                   lambda: self.rt.engine.compute_logprobs(adapter_id, weights,
                                                                           prompt), request_id))

@@ -126,16 +126,13 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         tenant = self.rt.tenant(context)
         self.rt.model_of(tenant, header.model_id)
         self.rt.store.touch_run(header.model_id)
+        op = Op(header.model_id, header.seq_id, kind, None, 0, fn, header.request_id)
         if prepare is not None:
             try:
                 prepare()
             except Exception as exc:
-                failure = exc
-
-                def fn() -> Any:
-                    raise failure
-        return await self.rt.run(Op(header.model_id, header.seq_id, kind, None, 0, fn,
-                                    header.request_id))
+                op = Op.failed(header.model_id, header.seq_id, kind, exc, header.request_id)
+        return await self.rt.run(op)
 
     async def _read_forward(self, request_iterator, context, backward: bool
                             ) -> tuple[pb.OpHeader, Op]:
@@ -182,13 +179,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 error = exc
         kind = "forward_backward" if backward else "forward"
         if error is not None:
-            failure = error
-
-            def fail() -> Any:
-                raise failure
-            # The failure still takes its seq_id, so the model's later ops are not stuck.
-            return header.op, Op(header.op.model_id, header.op.seq_id, kind, None, 0, fail,
-                                 header.op.request_id)
+            return header.op, Op.failed(header.op.model_id, header.op.seq_id, kind, error,
+                                        header.op.request_id)
         return header.op, Op(header.op.model_id, header.op.seq_id, kind, FORWARD, tokens,
                              request, header.op.request_id)
 
