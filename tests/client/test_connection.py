@@ -167,9 +167,9 @@ def test_an_unsendable_datum_fails_its_op_without_stalling_the_next(keyed_server
     proc, keys = keyed_server
     with Connection(proc.address, keys["alice"], client_name="test") as conn:
         model = _new_model(conn)
-        with pytest.raises(wire.WireError, match="chunk budget"):
-            conn.forward(conn.op(model), _datums(), common_pb2.LossFn(name="cross_entropy"),
-                         chunk_bytes=64)
+        with pytest.raises(wire.WireError, match="message limit"):
+            conn.forward(conn.op(model), _datums(length=wire.MAX_MESSAGE_BYTES // 8),
+                         common_pb2.LossFn(name="cross_entropy"))
         result = conn.submit(conn.forward, conn.op(model), _datums(),
                              common_pb2.LossFn(name="cross_entropy")).result(timeout=60)
         assert np.isfinite(result.loss)

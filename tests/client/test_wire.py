@@ -240,7 +240,8 @@ def test_chunks_stay_within_budget_and_reassemble_in_order(lengths, budget):
     chunks = list(wire.chunk_datums(datums, budget))
     for chunk in chunks:
         assert chunk
-        assert training_pb2.ForwardChunk(batch=wire.pack_datums(chunk)).ByteSize() <= budget
+        size = training_pb2.ForwardChunk(batch=wire.pack_datums(chunk)).ByteSize()
+        assert size <= budget or len(chunk) == 1
     assert [d for chunk in chunks for d in chunk] == datums
     out = _through_wire(datums, budget)
     assert len(out) == len(datums)
@@ -250,7 +251,10 @@ def test_chunks_stay_within_budget_and_reassemble_in_order(lengths, budget):
                                       sent.loss_inputs["target_tokens"])
 
 
-def test_datum_over_the_chunk_budget_raises_naming_it():
-    datums = [wire.encode_datum(np.arange(10), {}), wire.encode_datum(np.arange(5000), {}, 1)]
-    with pytest.raises(wire.WireError, match=r"datum\[1\]: encodes to \d+ bytes, over the 1000"):
-        list(wire.chunk_datums(datums, 1000))
+def test_a_datum_over_the_budget_travels_alone_and_one_over_the_message_limit_raises():
+    small, big = wire.encode_datum(np.arange(10), {}), wire.encode_datum(np.arange(5000), {})
+    assert [len(group) for group in wire.chunk_datums([small, big, small], 1000)] == [1, 1, 1]
+    huge = wire.encode_datum(np.arange(wire.MAX_MESSAGE_BYTES // 4), {}, 1)
+    with pytest.raises(wire.WireError, match=r"datum\[1\]: encodes to \d+ bytes, over the "
+                                             r"4194304-byte message limit"):
+        list(wire.chunk_datums([small, huge], 1000))
