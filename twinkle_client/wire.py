@@ -194,7 +194,7 @@ def _wire_array(value: Any, tokens: bool) -> np.ndarray:
     """A datum field as a contiguous array of its wire dtype: int32 token ids (checked to
     fit, never wrapped) or float32. Raises `WireError` with the problem alone; callers
     add the field's name."""
-    array = np.asarray(_to_numpy(value))
+    array = value if type(value) is np.ndarray else np.asarray(_to_numpy(value))
     if tokens:
         problem = _token_problem(array)
         if problem:
@@ -347,9 +347,10 @@ def encode_feature(feature: Mapping[str, Any], index: int = 0) -> Datum:
 
 
 def _signature(datum: Datum) -> tuple:
-    """What datums must share to pack into one DatumBatch: loss-input keys, dtypes, trailing shapes."""
-    return tuple(sorted((key, array.dtype.kind, array.shape[1:])
-                        for key, array in datum.loss_inputs.items()))
+    """What datums must share to pack into one DatumBatch: loss-input keys (in order),
+    dtypes, trailing shapes."""
+    return tuple([(key, array.dtype.kind, array.shape[1:])
+                  for key, array in datum.loss_inputs.items()])
 
 
 def _batch_overhead(signature: tuple) -> int:
@@ -359,8 +360,8 @@ def _batch_overhead(signature: tuple) -> int:
 
 def _datum_bytes(datum: Datum) -> int:
     """Upper bound of the bytes one datum adds to a DatumBatch (its length varint is <= 10)."""
-    return (10 + 4 * datum.num_tokens
-            + sum(array.size * 4 for array in datum.loss_inputs.values()))
+    return 10 + 4 * (datum.input_ids.shape[0]
+                     + sum([array.size for array in datum.loss_inputs.values()]))
 
 
 def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
@@ -375,9 +376,11 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
     chunk: list[Datum] = []
     size = 0
     signature: tuple | None = None
+    overhead = 0
     for index, datum in enumerate(datums):
         own = _signature(datum)
-        overhead = _batch_overhead(own)
+        if own != signature:
+            overhead = _batch_overhead(own)
         need = _datum_bytes(datum)
         if overhead + need > MAX_MESSAGE_BYTES:
             raise WireError(
