@@ -20,11 +20,12 @@ import torch
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
 from twinkle_server.executor import FORWARD, EngineExecutor
-from twinkle_server.scheduler import Op, Scheduler
+from twinkle_server.scheduler import Op, Scheduler, default_token_budget
 
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=1e-4)
 SPEC = LoraSpec(rank=16, alpha=32, seed=0)
+ROUNDS = 3
 
 
 def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
@@ -91,17 +92,20 @@ def overhead(engine: Engine, repeats: int = 5) -> None:
 
 def merging(engine: Engine, adapters: int = 8, steps: int = 4) -> None:
     """8 adapters each sending forward_backward batches: merged vs timeshare scheduling,
-    with the scheduler's default token budget per merged pass."""
+    with the scheduler's default token budget per merged pass; each mode's best of
+    ROUNDS interleaved rounds (run to run, one mode alone varies by about 10% here)."""
     ids = [f"m{i}" for i in range(adapters)]
     for adapter_id in ids:
         engine.add_adapter(adapter_id, SPEC)
-    print(f"merging: {adapters} adapters, {steps} forward_backward ops each")
+    budget = default_token_budget(engine.base.device.type)
+    print(f"merging: {adapters} adapters, {steps} forward_backward ops each, "
+          f"merge budget {budget} tokens")
     print(f"  {'batch per adapter':<20}{'timeshare tok/s':>16}{'merged tok/s':>14}{'ratio':>8}")
     for n, length in ((1, 128), (8, 512)):
         batch = _datums(n, length, engine.base.vocab_size)
         speeds = {}
-        for mode in ("timeshare", "merged", "timeshare", "merged"):
-            sched = Scheduler(EngineExecutor(engine), mode=mode)
+        for mode in ("timeshare", "merged") * ROUNDS:
+            sched = Scheduler(EngineExecutor(engine), mode=mode, token_budget=budget)
             for adapter_id in ids:
                 sched.register_model(adapter_id)
             start = time.perf_counter()
@@ -119,6 +123,34 @@ def merging(engine: Engine, adapters: int = 8, steps: int = 4) -> None:
               f"{speeds['merged'] / speeds['timeshare']:>7.2f}x")
     for adapter_id in ids:
         engine.remove_adapter(adapter_id)
+
+
+def pass_sizes(engine: Engine, rounds: int = 8) -> None:
+    """One merged pass of k ops against the same k ops one pass each, by merged size:
+    where merging stops paying on this device (what the merge budget is set from)."""
+    print("merged pass vs one pass per op (forward_backward, distinct adapters):")
+    print(f"  {'ops x batch':<16}{'merged tokens':>14}{'merged / separate':>20}")
+    for ops, n, length in ((8, 1, 128), (4, 2, 128), (2, 4, 256), (4, 4, 256), (2, 4, 512),
+                           (2, 8, 512)):
+        names = [f"p{i}" for i in range(ops)]
+        for name in names:
+            engine.add_adapter(name, SPEC)
+        batch = _datums(n, length, engine.base.vocab_size)
+        requests = [ForwardRequest(name, batch, CE, True) for name in names]
+        best = {"separate": float("inf"), "merged": float("inf")}
+        for _ in range(rounds):
+            for mode in best:
+                start = time.perf_counter()
+                if mode == "merged":
+                    engine.forward_batch(requests)
+                else:
+                    for request in requests:
+                        engine.forward_batch([request])
+                best[mode] = min(best[mode], time.perf_counter() - start)
+        for name in names:
+            engine.remove_adapter(name)
+        print(f"  {f'{ops} x {n} x {length}':<16}{ops * n * length:>14}"
+              f"{best['separate'] / best['merged']:>19.2f}x")
 
 
 _MEMORY_CHILD = """
@@ -206,6 +238,7 @@ def main() -> None:
             print(f"base: wide random Qwen3, {sum(p.numel() for p in engine.base.model.parameters())} "
                   "parameters")
             overhead(engine)
+            pass_sizes(engine)
             merging(engine)
         return
     engine = Engine.load("tiny")
@@ -213,6 +246,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     memory()
     overhead(engine)
+    pass_sizes(engine)
     merging(engine)
 
 

@@ -37,7 +37,8 @@ class ServerConfig:
     max_rank: int = _opt(128, "largest LoRA rank")
     max_seq_len: int = _opt(4096, "longest sequence in tokens")
     max_batch_tokens: int = _opt(262_144, "most tokens in one forward/forward_backward request")
-    merge_token_budget: int = _opt(8192, "most tokens in one merged base-model pass")
+    merge_token_budget: int = _opt(0, "most tokens in one merged base-model pass; 0 picks "
+                                      "by device: 1024 on CPU, 8192 on an accelerator")
     session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
                                          "adapters are unloaded (checkpoints stay)")
     tls_cert: Path | None = _opt(None, "PEM certificate: serve TLS")

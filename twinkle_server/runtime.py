@@ -20,7 +20,7 @@ import grpc
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
 from twinkle_server.executor import EngineExecutor
-from twinkle_server.scheduler import Op, Scheduler
+from twinkle_server.scheduler import Op, Scheduler, default_token_budget
 from twinkle_server.service.errors import ServiceError
 from twinkle_server.store import Store
 
@@ -59,8 +59,10 @@ class Runtime:
     draining: bool = False
 
     def __post_init__(self) -> None:
+        budget = (self.config.merge_token_budget
+                  or default_token_budget(self.engine.base.device.type))
         self.scheduler = Scheduler(EngineExecutor(self.engine), mode=self.config.scheduling,
-                                   token_budget=self.config.merge_token_budget)
+                                   token_budget=budget)
         self.scheduler.register_model(ADMIN_QUEUE)
         self.open_mode = not self.store.has_keys()
 

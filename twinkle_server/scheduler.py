@@ -36,11 +36,20 @@ MODES: tuple[str, ...] = ("merged", "timeshare")
 # How far ahead of the next expected seq an op may arrive: bounds what one client can park
 # in server memory while an earlier seq_id is missing.
 MAX_SEQ_AHEAD = 1024
-# Tokens per merged pass when the caller gives none (the server passes its config's
-# `merge_token_budget`, same default). Past ~8k tokens a CPU pass is memory-bound and
-# merging more rows stops paying: bench/engine.py measured 8 x 8 x 512 tokens merged
-# into one pass at 0.36x timeshare.
-DEFAULT_TOKEN_BUDGET = 8192
+# Most tokens in one merged pass. Merging pays while one op's pass leaves the device
+# underused. On a CPU that ends near 1k tokens: `python -m bench.engine`'s pass table
+# measured a merged pass against the same ops one by one at 1.44x for 8 x 128 tokens and
+# 1.13x for 4 x 256, but 0.91x for 2 x 1024 and 0.82x for 4 x 1024 (bigger passes fall
+# out of cache). An accelerator's crossover is higher; 8192 is a starting point until
+# one is measured.
+CPU_TOKEN_BUDGET = 1024
+ACCELERATOR_TOKEN_BUDGET = 8192
+DEFAULT_TOKEN_BUDGET = CPU_TOKEN_BUDGET
+
+
+def default_token_budget(device_type: str) -> int:
+    """The merged-pass token budget for a device type ('cpu', 'cuda', ...)."""
+    return CPU_TOKEN_BUDGET if device_type == "cpu" else ACCELERATOR_TOKEN_BUDGET
 DEFAULT_RESULT_CACHE_SIZE = 256
 
 

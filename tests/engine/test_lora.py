@@ -83,6 +83,29 @@ def test_adapter_gradient_from_a_mixed_batch_equals_its_gradient_alone():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("route", [list("aabbcc"), list("abbbcc"), ["a", None, "b", "c"]])
+def test_rows_are_bit_for_bit_the_same_merged_as_alone_outputs_and_gradients(route):
+    _, router, layer = _layer()
+    weights = {name: _weights(LoraSpec(rank=r, alpha=a), i)
+               for i, (name, r, a) in enumerate([("a", 3, 3), ("b", 3, 12), ("c", 5, 1)])}
+    layer.adapters.update(weights)
+    x = torch.randn(len(route), 4, IN)
+    grad = torch.randn(len(route), 4, OUT)
+    with router.route(route):
+        merged = layer(x)
+        (merged * grad).sum().backward()
+    merged_grads = {n: (w.lora_A.grad.clone(), w.lora_B.grad.clone()) for n, w in weights.items()}
+    for name, w in weights.items():
+        rows = [i for i, r in enumerate(route) if r == name]
+        w.zero_grad()
+        with router.route([name] * len(rows)):
+            alone = layer(x[rows])
+            (alone * grad[rows]).sum().backward()
+        assert torch.equal(merged[rows], alone)
+        assert torch.equal(merged_grads[name][0], w.lora_A.grad)
+        assert torch.equal(merged_grads[name][1], w.lora_B.grad)
+
+
 def test_rows_outside_any_route_or_of_untargeting_adapters_get_the_base_only():
     _, router, layer = _layer()
     layer.adapters["a"] = _weights(LoraSpec(rank=2, alpha=2), 1)

@@ -252,10 +252,15 @@ class Engine:
         # One fused cross-entropy over the real (unpadded) positions of every row with
         # per-position targets, not one call per datum and nothing spent on padding.
         simple = [d.loss_inputs["target_tokens"].ndim == 1 for _, d in rows]
-        real = torch.cat([row * width + torch.arange(n)
-                          for row, n in enumerate(lengths) if simple[row]] or
-                         [torch.zeros(0, dtype=torch.long)]).to(device)
-        flat_logits = logits.flatten(0, 1)[real]
+        if mask is None and all(simple):
+            # Every position is real: no gather, whose copy and backward scatter of the
+            # whole logits tensor cost more than the loss itself.
+            flat_logits = logits.flatten(0, 1)
+        else:
+            real = torch.cat([row * width + torch.arange(n)
+                              for row, n in enumerate(lengths) if simple[row]] or
+                             [torch.zeros(0, dtype=torch.long)]).to(device)
+            flat_logits = logits.flatten(0, 1)[real]
         flat_targets = torch.cat([torch.tensor(np.asarray(d.loss_inputs["target_tokens"]))
                                   for (_, d), ok in zip(rows, simple, strict=True) if ok]
                                  or [torch.zeros(0, dtype=torch.long)]).to(device)

@@ -13,12 +13,13 @@ Layout: each `MultiLoraLinear` keeps a plain dict `adapter id -> LoraWeights` (a
 dict, so the base model's `state_dict` never changes); the `LoraWeights` objects belong
 to the engine's `Adapter` records and are only referenced here. Which rows belong to
 which adapter is held once, by the `Router` shared by every layer of the model: a tuple of
-contiguous row `Segment`s set for the duration of one forward pass. A single segment
-covering the batch is the fast path (no indexing, no Python loop over adapters); rows of
-no adapter get the base projection only.
+contiguous row `Segment`s set for the duration of one forward pass. Each segment's
+delta is added in place on its rows; rows of no adapter get the base projection only.
 
 Rows never mix: each row is its own sequence, so an adapter's output and gradient depend
-only on its own rows.
+only on its own rows. With the rows padded to the same width they come out bit for bit
+as when the adapter runs alone: the same matmuls on the same rows (a matmul batched over
+adapters would sum in another order, and Adam turns such rounding into visible drift).
 """
 
 from __future__ import annotations
@@ -111,11 +112,17 @@ class LoraWeights(nn.Module):
         self.scaling = spec.scaling
         self.dropout_p = float(spec.dropout)
 
-    def forward(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
+    def add_to_(self, out: torch.Tensor, x: torch.Tensor, train: bool = False) -> None:
+        """`out += s * B A dropout(x)` in place: the scale on the rank-r intermediate, where
+        it is smallest, and the add fused into the second matmul when the dtypes agree."""
         x = x.to(self.lora_A.dtype)
         if train and self.dropout_p > 0:
             x = F.dropout(x, self.dropout_p, training=True)
-        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        h = F.linear(x, self.lora_A) * self.scaling
+        if out.dtype == h.dtype:
+            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), self.lora_B.t())
+        else:
+            out.add_(F.linear(h, self.lora_B).to(out.dtype))
 
 
 class MultiLoraLinear(nn.Module):
@@ -146,22 +153,14 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
-        segments = [s for s in self.router.segments if s.adapter_id in self.adapters]
-        if not segments:
-            return out
-        if len(segments) == 1 and segments[0].start == 0 and segments[0].end == x.shape[0]:
-            only = segments[0]
-            return out + self.adapters[only.adapter_id](x, only.train).to(out.dtype)
-        pieces, cursor = [], 0
-        for seg in segments:
-            if seg.start > cursor:
-                pieces.append(out[cursor:seg.start])
-            delta = self.adapters[seg.adapter_id](x[seg.start:seg.end], seg.train)
-            pieces.append(out[seg.start:seg.end] + delta.to(out.dtype))
-            cursor = seg.end
-        if cursor < out.shape[0]:
-            pieces.append(out[cursor:])
-        return torch.cat(pieces, dim=0)
+        for seg in self.router.segments:
+            weights = self.adapters.get(seg.adapter_id) if seg.adapter_id else None
+            if weights is not None:
+                # In place on the segment's rows: no copy of the batch per layer. The same
+                # call on the same rows as the adapter alone makes, so its rows come out
+                # bit for bit as they would alone.
+                weights.add_to_(out[seg.start:seg.end], x[seg.start:seg.end], seg.train)
+        return out
 
 
 def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
