@@ -13,8 +13,8 @@ Layout: each `MultiLoraLinear` keeps a plain dict `adapter id -> LoraWeights` (a
 dict, so the base model's `state_dict` never changes); the `LoraWeights` objects belong
 to the engine's `Adapter` records and are only referenced here. Which rows belong to
 which adapter is held once, by the `Router` shared by every layer of the model: a tuple of
-contiguous row `Segment`s set for the duration of one forward pass. Each segment's
-delta is added in place on its rows; rows of no adapter get the base projection only.
+contiguous row `Segment`s set for the duration of one forward pass. The segments' deltas
+are added to the base projection in one go; rows of no adapter get the base only.
 
 Rows never mix: each row is its own sequence, so an adapter's output and gradient depend
 only on its own rows. With the rows padded to the same width they come out bit for bit
@@ -112,17 +112,13 @@ class LoraWeights(nn.Module):
         self.scaling = spec.scaling
         self.dropout_p = float(spec.dropout)
 
-    def add_to_(self, out: torch.Tensor, x: torch.Tensor, train: bool = False) -> None:
-        """`out += s * B A dropout(x)` in place: the scale on the rank-r intermediate, where
-        it is smallest, and the add fused into the second matmul when the dtypes agree."""
+    def delta(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
+        """`s * B A dropout(x)`, the scale applied to the rank-r intermediate, where it is
+        smallest."""
         x = x.to(self.lora_A.dtype)
         if train and self.dropout_p > 0:
             x = F.dropout(x, self.dropout_p, training=True)
-        h = F.linear(x, self.lora_A) * self.scaling
-        if out.dtype == h.dtype:
-            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), self.lora_B.t())
-        else:
-            out.add_(F.linear(h, self.lora_B).to(out.dtype))
+        return F.linear(F.linear(x, self.lora_A) * self.scaling, self.lora_B)
 
 
 class MultiLoraLinear(nn.Module):
@@ -153,14 +149,25 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
+        deltas, cursor = [], 0
         for seg in self.router.segments:
             weights = self.adapters.get(seg.adapter_id) if seg.adapter_id else None
-            if weights is not None:
-                # In place on the segment's rows: no copy of the batch per layer. The same
-                # call on the same rows as the adapter alone makes, so its rows come out
-                # bit for bit as they would alone.
-                weights.add_to_(out[seg.start:seg.end], x[seg.start:seg.end], seg.train)
-        return out
+            if weights is None:
+                continue
+            if seg.start > cursor:
+                deltas.append(out.new_zeros((seg.start - cursor, *out.shape[1:])))
+            # The same matmuls on the same rows as the adapter alone: its rows come out
+            # bit for bit as they would alone.
+            deltas.append(weights.delta(x[seg.start:seg.end], seg.train).to(out.dtype))
+            cursor = seg.end
+        if not deltas:
+            return out
+        if cursor < out.shape[0]:
+            deltas.append(out.new_zeros((out.shape[0] - cursor, *out.shape[1:])))
+        # One add over the whole batch; the deltas' concatenation costs a copy, but its
+        # gradient is free slicing (writing each delta into `out` in place would clone the
+        # whole gradient once per adapter in the backward pass).
+        return out + (deltas[0] if len(deltas) == 1 else torch.cat(deltas))
 
 
 def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
