@@ -325,8 +325,11 @@ def forward_messages(header: common_pb2.OpHeader, datums: Sequence[wire.Datum],
     """The messages of one Forward(Backward) stream: the header, then packed datum chunks."""
     first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
         op=header, loss=loss or common_pb2.LossFn(), num_datums=len(datums)))
-    return [first, *(training_pb2.ForwardChunk(batch=wire.pack_datums(group))
-                     for group in wire.chunk_datums(datums, chunk_bytes))]
+    messages, packed = [first], 0
+    for group in wire.chunk_datums(datums, chunk_bytes):
+        messages.append(training_pb2.ForwardChunk(batch=wire.pack_datums(group, packed)))
+        packed += len(group)
+    return messages
 
 
 def _method_name(method: Any) -> str:

@@ -111,12 +111,24 @@ def _fill(tensor: pb.Tensor, value: Any, field: str) -> None:
     tensor.data = array.tobytes()
 
 
+MAX_DIMS = 8
+"""Most dimensions a tensor on the wire may have (the contract's tensors have at most 3)."""
+
+
 def _check_shape(shape: Sequence[int], field: str) -> int:
-    count = 1
+    """The element count of a declared shape, refused before numpy sees it when a
+    dimension is negative, there are too many, or their product could not be indexed
+    (numpy would raise its own error even for an empty array)."""
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"{field}: shape has {len(shape)} dimensions, at most {MAX_DIMS}")
+    count, extent = 1, 1
     for dim in shape:
         if dim < 0:
             raise WireError(f"{field}: shape {list(shape)} has a negative dimension")
         count *= dim
+        extent *= max(dim, 1)
+    if extent > 2**56:  # numpy's byte strides must fit int64 for any dtype
+        raise WireError(f"{field}: shape {list(shape)} is too large to index")
     return count
 
 
@@ -355,7 +367,7 @@ def _signature(datum: Datum) -> tuple:
 
 def _batch_overhead(signature: tuple) -> int:
     """Upper bound of a DatumBatch's bytes besides its values: tags, shapes, map keys."""
-    return 64 + sum(len(key) + 64 for key, _, _ in signature)
+    return 64 + sum(len(key.encode()) + 64 for key, _, _ in signature)
 
 
 def _datum_bytes(datum: Datum) -> int:
@@ -371,8 +383,10 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
     A group's datums share their loss-input keys, dtypes and trailing shapes, so each
     group is one `DatumBatch`; concatenating the groups gives back the datums in order.
     A datum larger than `max_bytes` travels alone in its group; one that cannot fit in a
-    message a peer accepts (`MAX_MESSAGE_BYTES`) raises `WireError` naming it and its size.
+    message a peer accepts (`MAX_MESSAGE_BYTES`, which also caps `max_bytes`) raises
+    `WireError` naming it and its size.
     """
+    max_bytes = min(max_bytes, MAX_MESSAGE_BYTES)
     chunk: list[Datum] = []
     size = 0
     signature: tuple | None = None
@@ -398,8 +412,8 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
         yield chunk
 
 
-def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], tokens: bool, field: str
-                 ) -> None:
+def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], tokens: bool, field: str,
+                 first: int) -> None:
     """Write one field of a group, concatenated along the token axis, into `tensor`.
 
     Arrays already in the wire dtype (what `encode_datum` makes) are joined straight into
@@ -408,7 +422,7 @@ def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], tokens: bool, fiel
     dtype = np.dtype(np.int32) if tokens else np.dtype(np.float32)
     trailing = arrays[0].shape[1:]
     parts = []
-    for index, array in enumerate(arrays):
+    for index, array in enumerate(arrays, first):
         if array.dtype != dtype or not array.flags.c_contiguous:
             try:
                 array = _wire_array(array, tokens)
@@ -423,21 +437,22 @@ def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], tokens: bool, fiel
     tensor.data = b"".join(parts)
 
 
-def pack_datums(datums: Sequence[Datum]) -> pb.DatumBatch:
-    """One DatumBatch of consecutive datums (a group from `chunk_datums`)."""
+def pack_datums(datums: Sequence[Datum], first: int = 0) -> pb.DatumBatch:
+    """One DatumBatch of consecutive datums (a group from `chunk_datums`); `first` is the
+    index of its first datum in the request, for error messages."""
     batch = pb.DatumBatch()
     batch.lengths.extend([datum.num_tokens for datum in datums])
     _fill_column(batch.input_ids, [d.input_ids for d in datums] or [np.zeros(0, np.int32)],
-                 True, "input_ids")
+                 True, "input_ids", first)
     keys = datums[0].loss_inputs.keys() if datums else {}
-    for index, datum in enumerate(datums):
+    for index, datum in enumerate(datums, first):
         if datum.loss_inputs.keys() != keys:
             raise WireError(f"datum[{index}].loss_inputs: keys {sorted(datum.loss_inputs)} "
                             f"differ from the batch's {sorted(keys)}; pack groups made by "
                             "chunk_datums")
     for key in keys:
         _fill_column(batch.loss_inputs[key], [d.loss_inputs[key] for d in datums],
-                     key in TOKEN_FIELDS, f"loss_inputs[{key!r}]")
+                     key in TOKEN_FIELDS, f"loss_inputs[{key!r}]", first)
     return batch
 
 

@@ -147,6 +147,13 @@ def test_declared_shape_larger_than_payload_is_rejected_before_allocation():
         wire.decode_array(huge, "weights")
 
 
+def test_shapes_numpy_cannot_build_are_wire_errors_even_when_empty():
+    with pytest.raises(wire.WireError, match="shape has 70 dimensions, at most 8"):
+        wire.decode_array(pb.Tensor(dtype=pb.INT32, shape=[1] * 70, data=b"\0" * 4), "prompt")
+    with pytest.raises(wire.WireError, match="weights: shape .* is too large to index"):
+        wire.decode_array(pb.Tensor(dtype=pb.FLOAT32, shape=[2, 0, 2**62, 2**62]), "weights")
+
+
 def test_negative_dimension_and_unknown_dtype_are_rejected():
     with pytest.raises(wire.WireError, match="negative dimension"):
         wire.decode_array(pb.Tensor(dtype=pb.INT64, shape=[-1], data=b""))
@@ -209,6 +216,21 @@ def test_pack_converts_hand_built_datums_without_wrapping_token_ids():
                                                     "weights": np.array([0.5, 1.0])})
     [out] = wire.unpack_datums(wire.pack_datums([fine]))
     assert out.input_ids.tolist() == [1, 2] and out.loss_inputs["weights"].tolist() == [0.5, 1.0]
+
+
+def test_pack_names_datums_by_their_index_in_the_request():
+    bad = wire.Datum(np.array([1, 2], np.int32), {"weights": np.array(["x", "y"])})
+    with pytest.raises(wire.WireError, match=r"datum\[5\].loss_inputs\['weights'\]: dtype"):
+        wire.pack_datums([bad], first=5)
+
+
+def test_no_chunk_outgrows_the_message_limit_whatever_the_budget():
+    datums = [wire.encode_datum(np.arange(300), {"target_tokens": np.arange(300)})] * 2000
+    chunks = list(wire.chunk_datums(datums, 64 * 2**20))
+    assert len(chunks) > 1
+    for chunk in chunks:
+        size = training_pb2.ForwardChunk(batch=wire.pack_datums(chunk)).ByteSize()
+        assert size <= wire.MAX_MESSAGE_BYTES
 
 
 def test_pack_refuses_datums_that_do_not_share_loss_inputs():

@@ -173,6 +173,17 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
     overlong.lengths[:] = [2**62, 2**62]
     negative_length = batch()
     negative_length.lengths[:] = [11, -1]
+    empty_but_huge = batch()
+    empty_but_huge.loss_inputs["weights"].CopyFrom(common_pb2.Tensor(
+        dtype=common_pb2.FLOAT32, shape=[10, 0, 2**62, 2**62]))
+
+    def too_many():
+        try:
+            send_batch(conn.training.ForwardBackward, conn.op(model),
+                       wire.pack_datums([_datum_with(), _datum_with()]), conn.metadata,
+                       num_datums=1)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc, "ForwardBackward") from None
     ids = np.arange(5, 15)
 
     def forward(*datums, loss=fb):
@@ -187,6 +198,16 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
         ("lengths past the payload", raw(overlong), errors.InvalidArgumentError,
          "do not add up"),
         ("negative length", raw(negative_length), errors.InvalidArgumentError, "negative"),
+        ("empty tensor with dimensions numpy cannot index", raw(empty_but_huge),
+         errors.InvalidArgumentError, "too large to index"),
+        ("more datums than the header declares", too_many, errors.InvalidArgumentError,
+         "header says 1 but 2 datums arrived"),
+        ("70-dimension prompt on an ordered sample", lambda: conn.call(
+            conn.sampling.Sample, sampling_pb2.SampleRequest(
+                op=conn.op(model), prompt=common_pb2.Tensor(
+                    dtype=common_pb2.INT32, shape=[1] * 70, data=b"\0" * 4),
+                num_samples=1, params=sampling_pb2.SamplingParams(max_tokens=2))),
+         errors.InvalidArgumentError, "at most 8"),
         ("token id at INT32 max", forward(_datum_with(
             np.array([5, 2**31 - 1]), target_tokens=np.array([6, 7]))),
          errors.InvalidArgumentError, "outside the vocabulary"),

@@ -164,7 +164,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 error = exc
         if header is None:
             raise ServiceError("invalid_argument", "data: the stream carried no chunks")
-        if error is None and header.num_datums != len(datums):
+        if error is None and len(datums) > header.num_datums:
+            error = InvalidArgument(f"num_datums: header says {header.num_datums} but "
+                                    f"{len(datums)} datums arrived")
+        if error is None and len(datums) < header.num_datums:
             # A stream cut short (its client gone, or a bug): nothing runs and the seq_id
             # stays free, so a retry of the whole op under the same seq_id still applies.
             raise ServiceError("invalid_argument", f"num_datums: header says "
