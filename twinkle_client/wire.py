@@ -232,11 +232,25 @@ def token_array(value: Any, field: str) -> np.ndarray:
     return array
 
 
+def _decode_integers(tensor: pb.Tensor, field: str, what: str = "dtype") -> np.ndarray:
+    """Decode a Tensor that must be INT32 or INT64 (token ids), refusing any other dtype."""
+    if tensor.dtype not in _INTEGER_WIRE:
+        raise WireError(f"{field}: {what} must be INT32 or INT64, got "
+                        f"{_dtype_name(tensor.dtype)}")
+    return decode_array(tensor, field)
+
+
 def decode_tokens(tensor: pb.Tensor, field: str) -> np.ndarray:
     """Decode a Tensor of token ids (a prompt): INT32/INT64, 1-D, each in [0, INT32_MAX]."""
-    if tensor.dtype not in _INTEGER_WIRE:
-        raise WireError(f"{field}: dtype must be INT32 or INT64, got {_dtype_name(tensor.dtype)}")
-    return token_array(decode_array(tensor, field), field)
+    return token_array(_decode_integers(tensor, field), field)
+
+
+def _misaligned(array: np.ndarray, length: int) -> str | None:
+    """Why a loss input does not line up with `length` input tokens, or None."""
+    if array.ndim and array.shape[0] == length:
+        return None
+    return (f"first dimension is {array.shape[0] if array.ndim else 'missing (scalar)'} but "
+            f"input_ids has {length} tokens")
 
 
 def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> Datum:
@@ -248,10 +262,9 @@ def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0)
     try:
         for key, value in loss_inputs.items():
             array = _wire_array(value, key in TOKEN_FIELDS)
-            if array.ndim == 0 or array.shape[0] != length:
-                raise WireError(f"first dimension is "
-                                f"{array.shape[0] if array.ndim else 'missing (scalar)'} but "
-                                f"input_ids has {length} tokens")
+            problem = _misaligned(array, length)
+            if problem:
+                raise WireError(problem)
             inputs[key] = array
     except WireError as exc:
         raise WireError(f"datum[{index}].loss_inputs[{key!r}]: {exc}") from None
@@ -480,10 +493,7 @@ def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:
     if lengths.min() < 0:
         index = int(np.argmax(lengths < 0))
         raise WireError(f"datum[{first + index}]: length {int(lengths[index])} is negative")
-    if batch.input_ids.dtype not in _INTEGER_WIRE:
-        raise WireError(f"batch.input_ids: dtype must be INT32 or INT64, got "
-                        f"{_dtype_name(batch.input_ids.dtype)}")
-    ids = decode_array(batch.input_ids, "batch.input_ids")
+    ids = _decode_integers(batch.input_ids, "batch.input_ids")
     if ids.ndim != 1:
         raise WireError(f"batch.input_ids: must be 1-D, got shape {list(ids.shape)}")
     total = ids.shape[0]
@@ -498,15 +508,13 @@ def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:
     columns: dict[str, np.ndarray] = {}
     for key, tensor in batch.loss_inputs.items():
         name = f"batch.loss_inputs[{key!r}]"
-        column = decode_array(tensor, name)
-        if column.ndim == 0 or column.shape[0] != total:
-            raise WireError(f"{name}: first dimension is "
-                            f"{column.shape[0] if column.ndim else 'missing (scalar)'} but "
-                            f"input_ids has {total} tokens")
-        if key in TOKEN_FIELDS:
-            if tensor.dtype not in _INTEGER_WIRE:
-                raise WireError(f"{name}: token ids must be INT32 or INT64, got "
-                                f"{_dtype_name(tensor.dtype)}")
+        tokens = key in TOKEN_FIELDS
+        column = (_decode_integers(tensor, name, "token ids") if tokens
+                  else decode_array(tensor, name))
+        problem = _misaligned(column, total)
+        if problem:
+            raise WireError(f"{name}: {problem}")
+        if tokens:
             _check_token_column(column, offsets, first, f"loss_inputs[{key!r}]")
             column = column.astype(np.int32, copy=False)
         else:

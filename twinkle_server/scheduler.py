@@ -38,19 +38,19 @@ MODES: tuple[str, ...] = ("merged", "timeshare")
 MAX_SEQ_AHEAD = 1024
 # Most tokens in one merged pass. Merging pays while one op's pass leaves the device
 # underused. On a CPU that ends near 1k tokens: `python -m bench.engine`'s pass table
-# measured a merged pass against the same ops one by one at 1.29x-1.48x for 8 x 128
-# tokens and 1.15x-1.20x for 4 x 256, but 0.92x for 2 x 1024 and 0.79x-0.85x for
-# 4 x 1024 (bigger passes fall out of cache). An accelerator's crossover is higher;
-# 8192 is a starting point until one is measured.
+# measured a merged pass against the same ops one by one at 1.47x for 8 x 128 tokens and
+# 1.19x for 4 x 256, but 0.90x for 2 x 1024 and 0.91x for 4 x 1024 (bigger passes fall
+# out of cache). An accelerator's crossover is higher; 8192 is a starting point until
+# one is measured.
 CPU_TOKEN_BUDGET = 1024
 ACCELERATOR_TOKEN_BUDGET = 8192
 DEFAULT_TOKEN_BUDGET = CPU_TOKEN_BUDGET
+DEFAULT_RESULT_CACHE_SIZE = 256
 
 
 def default_token_budget(device_type: str) -> int:
     """The merged-pass token budget for a device type ('cpu', 'cuda', ...)."""
     return CPU_TOKEN_BUDGET if device_type == "cpu" else ACCELERATOR_TOKEN_BUDGET
-DEFAULT_RESULT_CACHE_SIZE = 256
 
 
 class SchedulerClosed(Exception):
