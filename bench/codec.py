@@ -4,9 +4,12 @@ Run: `.venv/bin/python -m bench.codec` (also part of `make bench`).
 
 Both sides move the same arrays: input ids, target_tokens and weights to bytes and back.
 Plain numpy does one `tobytes`/`frombuffer` per array and nothing else. The `codec` row
-is the codec's whole work: validate each datum, chunk, pack each chunk into a
-`DatumBatch`, then validate and split it back into datums; `codec + proto` adds what gRPC
-does with each chunk message (serialize and parse). Ratios are throughput over plain
+is the codec's whole work, a chunk at a time: make datums, chunk them, pack each chunk's
+columns into a message (token ids checked and narrowed to int32 a whole column at a
+time), then validate the message and split it back into datums. `codec + proto` is a
+whole request as it travels: the client packs all its chunks before sending any (so a
+bad datum fails before anything is sent, and a retry resends the same messages), gRPC
+serializes and parses each, the server unpacks. Ratios are throughput over plain
 numpy throughput (1.0 = as fast as bare `tobytes`/`frombuffer`).
 
 `unchecked floor` says where the codec's time goes: it moves the same bytes through
@@ -51,7 +54,8 @@ def _encode(batch) -> list[wire.Datum]:
 
 
 def _codec_roundtrip(batch) -> int:
-    """Arrays -> validated datums -> packed chunk messages -> validated datums: the codec's work."""
+    """Arrays -> datums -> each chunk packed and at once unpacked: the codec's work, a
+    chunk at a time as plain numpy goes an array at a time."""
     total = 0
     for group in wire.chunk_datums(_encode(batch)):
         for datum in wire.unpack_datums(wire.pack_datums(group)):
@@ -60,10 +64,10 @@ def _codec_roundtrip(batch) -> int:
 
 
 def _wire_roundtrip(batch) -> int:
-    """The codec plus what gRPC adds: serializing and parsing each chunk message."""
+    """What one request costs end to end: the client packs every chunk before it sends
+    any (`pack_request`), gRPC serializes and parses each message, the server unpacks."""
     total = 0
-    for group in wire.chunk_datums(_encode(batch)):
-        chunk = training_pb2.ForwardChunk(batch=wire.pack_datums(group))
+    for chunk in wire.pack_request(_encode(batch)):
         parsed = training_pb2.ForwardChunk.FromString(chunk.SerializeToString())
         for datum in wire.unpack_datums(parsed.batch):
             total += datum.num_tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,6 +53,15 @@ def _moved(method: str, advice: str) -> str:
 
 _AT_ONCE = ("it returns an APIFuture at once; submit the requests that follow, then await "
             "the future or call .result() on it.")
+
+
+@dataclass(frozen=True)
+class Ops:
+    """A request split into ops: each op's datum range in the request and its packed
+    stream chunks."""
+
+    bounds: list[tuple[int, int]]
+    chunks: list[list[tpb.ForwardChunk]]
 
 
 class TrainingClient:
@@ -184,13 +194,12 @@ class TrainingClient:
                                                                np.float32))
             forward_data.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
                 "target_tokens": targets, "weights": weights}))
-        encoded = self._encode(forward_data, "Forward")
-        if isinstance(encoded, APIFuture):
-            return encoded
-        groups = self._groups(encoded)
-        forward_ops = [self._conn.op(self.model_id) for _ in groups]
-        backward_ops = [self._conn.op(self.model_id) for _ in groups]
-        return self._conn.submit(self._run_custom, list(data), loss_fn, groups, forward_ops,
+        ops = self._pack(forward_data, "Forward")
+        if isinstance(ops, APIFuture):
+            return ops
+        forward_ops = [self._conn.op(self.model_id) for _ in ops.bounds]
+        backward_ops = [self._conn.op(self.model_id) for _ in ops.bounds]
+        return self._conn.submit(self._run_custom, list(data), loss_fn, ops, forward_ops,
                                  backward_ops, future_class=APIFuture)
 
     @deprecated(_moved("forward_backward_custom", _AT_ONCE))
@@ -469,73 +478,75 @@ class TrainingClient:
             warnings.warn("ttl_seconds: Twinkle checkpoints do not expire; the value is ignored",
                           UserWarning, stacklevel=3)
 
-    def _encode(self, data: Sequence[types.Datum], method: str
-                ) -> list[wire.Datum] | APIFuture[Any]:
-        """Encode before any seq_id is reserved: a bad datum fails its future (a
+    def _pack(self, data: Sequence[types.Datum], method: str) -> Ops | APIFuture[Any]:
+        """Encode and pack before any seq_id is reserved: a bad datum fails its future (a
         BadRequestError naming the datum and field) and nothing reaches the server."""
         if not data:
             raise ValueError("No data provided")
         try:
-            return convert.encode_datums(data)
+            encoded = convert.encode_datums(data)
+            return self._ops(encoded, self._bounds(encoded))
         except wire.WireError as exc:
             return APIFuture.failed(self._conn.error_factory("invalid_argument", str(exc),
                                                              method))
 
-    def _groups(self, datums: list[wire.Datum]) -> list[list[wire.Datum]]:
-        """Consecutive datums, each group within the server's per-request token limit."""
+    def _bounds(self, datums: list[wire.Datum]) -> list[tuple[int, int]]:
+        """Where consecutive groups of datums start and end, each group within the
+        server's per-request token limit: one op per group."""
         budget = self._max_batch_tokens
-        groups: list[list[wire.Datum]] = [[]]
-        tokens = 0
-        for datum in datums:
+        bounds, start, tokens = [], 0, 0
+        for index, datum in enumerate(datums):
             length = datum.num_tokens
-            if groups[-1] and budget and tokens + length > budget:
-                groups.append([])
-                tokens = 0
-            groups[-1].append(datum)
+            if index > start and budget and tokens + length > budget:
+                bounds.append((start, index))
+                start, tokens = index, 0
             tokens += length
-        return groups
+        bounds.append((start, len(datums)))
+        return bounds
+
+    @staticmethod
+    def _ops(datums: list[wire.Datum], bounds: list[tuple[int, int]]) -> Ops:
+        """Each group's datums packed as one op's chunks (errors name datums by their
+        index in the whole request)."""
+        return Ops(bounds, [wire.pack_request(datums[a:b], first=a) for a, b in bounds])
 
     def _forward(self, data: list[types.Datum], loss_fn: str,
                  loss_fn_config: Mapping[str, float | str] | None, backward: bool
                  ) -> APIFuture[types.ForwardBackwardOutput]:
         loss = convert.loss_fn_to_proto(loss_fn, loss_fn_config)
-        encoded = self._encode(data, "ForwardBackward" if backward else "Forward")
-        if isinstance(encoded, APIFuture):
-            return encoded
-        groups = self._groups(encoded)
-        headers = [self._conn.op(self.model_id) for _ in groups]
-        return self._conn.submit(self._run_groups, headers, groups, loss, backward,
+        ops = self._pack(data, "ForwardBackward" if backward else "Forward")
+        if isinstance(ops, APIFuture):
+            return ops
+        headers = [self._conn.op(self.model_id) for _ in ops.bounds]
+        return self._conn.submit(self._run_ops, headers, ops, loss, backward,
                                  future_class=APIFuture)
 
-    def _run_groups(self, headers: list[pb.OpHeader], groups: list[list[wire.Datum]],
-                    loss: pb.LossFn, backward: bool) -> types.ForwardBackwardOutput:
+    def _run_ops(self, headers: list[pb.OpHeader], ops: Ops, loss: pb.LossFn, backward: bool
+                 ) -> types.ForwardBackwardOutput:
         """Send each group as its op, in order; if one fails, the rest are stood in for."""
         parts = []
-        for index, (header, group) in enumerate(zip(headers, groups, strict=True)):
+        for index, (header, chunks) in enumerate(zip(headers, ops.chunks, strict=True)):
             try:
                 parts.append(convert.forward_output(
-                    self._conn.forward(header, group, loss, backward)))
+                    self._conn.forward(header, chunks, loss, backward)))
             except BaseException:
                 for header in headers[index + 1:]:
                     self._conn.release(header)
                 raise
         return convert.combine_outputs(parts)
 
-    def _run_custom(self, data: list[types.Datum], loss_fn: CustomLossFn,
-                    groups: list[list[wire.Datum]], forward_ops: list[pb.OpHeader],
-                    backward_ops: list[pb.OpHeader]) -> types.ForwardBackwardOutput:
+    def _run_custom(self, data: list[types.Datum], loss_fn: CustomLossFn, ops: Ops,
+                    forward_ops: list[pb.OpHeader], backward_ops: list[pb.OpHeader]
+                    ) -> types.ForwardBackwardOutput:
         try:
-            forward = self._run_groups(forward_ops, groups, _SURROGATE, backward=False)
+            forward = self._run_ops(forward_ops, ops, _SURROGATE, backward=False)
             linear_data, metrics, loss_sum = _custom_loss(data, loss_fn, forward)
-            encoded = convert.encode_datums(linear_data)
+            backward = self._ops(convert.encode_datums(linear_data), ops.bounds)
         except BaseException:
             for header in backward_ops:
                 self._conn.release(header)
             raise
-        sizes = [len(group) for group in groups]
-        starts = np.cumsum([0, *sizes])
-        backward_groups = [encoded[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-        result = self._run_groups(backward_ops, backward_groups, _SURROGATE, backward=True)
+        result = self._run_ops(backward_ops, backward, _SURROGATE, backward=True)
         result.metrics["surrogate_loss:sum"] = result.metrics.pop("loss:sum")
         result.metrics.update(metrics)
         result.metrics["loss:sum"] = loss_sum

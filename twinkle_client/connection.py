@@ -220,23 +220,17 @@ class Connection:
         self.register_model(info.model_id, info.next_seq_id)
         return info
 
-    def forward(self, header: common_pb2.OpHeader, datums: Sequence[wire.Datum],
-                loss: common_pb2.LossFn | None = None, backward: bool = True,
-                chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> ForwardResult:
-        """Stream encoded datums in chunks under `chunk_bytes` as one Forward(Backward) op.
+    def forward(self, header: common_pb2.OpHeader, chunks: Sequence[training_pb2.ForwardChunk],
+                loss: common_pb2.LossFn | None = None, backward: bool = True) -> ForwardResult:
+        """Stream packed datum chunks (`wire.pack_request`) as one Forward(Backward) op.
 
-        Chunks are made before anything is sent, so an oversized datum fails here and
-        never reaches the server; its seq_id is then released (`release`) so the model's
-        later ops do not wait for it. The op is retried whole (same seq_id) while the
-        server is unreachable.
+        Callers pack before they take the op's seq_id, so a datum that cannot be sent
+        fails in their hands and no seq_id is left waiting for it. The op is retried
+        whole (same seq_id) while the server is unreachable.
         """
         method = self.training.ForwardBackward if backward else self.training.Forward
         name = _method_name(method)
-        try:
-            messages = forward_messages(header, datums, loss, chunk_bytes)
-        except wire.WireError:
-            self.release(header)
-            raise
+        messages = forward_messages(header, chunks, loss)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
                 replies = list(method(iter(messages), metadata=self.metadata))
@@ -318,18 +312,13 @@ class Connection:
         self.close()
 
 
-def forward_messages(header: common_pb2.OpHeader, datums: Sequence[wire.Datum],
-                     loss: common_pb2.LossFn | None = None,
-                     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
-                     ) -> list[training_pb2.ForwardChunk]:
-    """The messages of one Forward(Backward) stream: the header, then packed datum chunks."""
+def forward_messages(header: common_pb2.OpHeader, chunks: Sequence[training_pb2.ForwardChunk],
+                     loss: common_pb2.LossFn | None = None) -> list[training_pb2.ForwardChunk]:
+    """The messages of one Forward(Backward) stream: its header, then the packed chunks."""
     first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
-        op=header, loss=loss or common_pb2.LossFn(), num_datums=len(datums)))
-    messages, packed = [first], 0
-    for group in wire.chunk_datums(datums, chunk_bytes):
-        messages.append(training_pb2.ForwardChunk(batch=wire.pack_datums(group, packed)))
-        packed += len(group)
-    return messages
+        op=header, loss=loss or common_pb2.LossFn(),
+        num_datums=sum([len(chunk.batch.lengths) for chunk in chunks])))
+    return [first, *chunks]
 
 
 def _method_name(method: Any) -> str:

@@ -480,14 +480,12 @@ class MultiLoraTransformersModel:
                  advantages: Sequence[Any] | None = None) -> ForwardOutput | Future[ForwardOutput]:
         adapter = self._adapter(adapter_name)
         features = self._features(inputs, old_logps, advantages)
-        datums = [wire.encode_feature(f, i) for i, f in enumerate(features)]
-        # Chunk once before the seq_id is taken: an oversized datum fails here, not after.
-        for _ in wire.chunk_datums(datums):
-            pass
+        # Packed before the seq_id is taken: a datum that cannot be sent fails here.
+        chunks = wire.pack_request([wire.encode_feature(f, i) for i, f in enumerate(features)])
         header = self.connection.op(adapter.run_id)
 
         def run() -> ForwardOutput:
-            result = self.connection.forward(header, datums, backward=backward)
+            result = self.connection.forward(header, chunks, backward=backward)
             return ForwardOutput(result.loss, result.metrics,
                                  [out["logprobs"] for out in result.outputs])
 

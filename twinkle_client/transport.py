@@ -66,8 +66,9 @@ class Transport:
         (per-datum logprobs, the final result chunk with loss and metrics)."""
         encoded = [d if isinstance(d, wire.Datum) else wire.encode_datum(d[0], d[1], i)
                    for i, d in enumerate(datums)]
-        messages = forward_messages(self.header(model_id, seq), encoded,
-                                    common_pb2.LossFn(name=loss), chunk_bytes)
+        chunks = wire.pack_request(encoded, chunk_bytes)
+        messages = forward_messages(self.header(model_id, seq), chunks,
+                                    common_pb2.LossFn(name=loss))
         method = self.training.ForwardBackward if backward else self.training.Forward
         results = list(method(iter(messages), metadata=self.metadata, timeout=CALL_TIMEOUT_S))
         outputs = [wire.decode_array(o.outputs["logprobs"]) for r in results for o in r.outputs]

@@ -6,13 +6,15 @@ bytes plus dtype and shape (`numpy.frombuffer`, no per-element Python). Datums t
 packed column-wise (`DatumBatch`): a chunk of datums is one array per field plus their
 lengths, so encoding and decoding cost a few numpy calls per chunk, not per datum.
 
-Clients turn their inputs into `Datum`s (validated arrays) with `encode_datum`,
-`encode_tinker_datum` or `encode_feature`; `chunk_datums` groups them under a byte
-budget and `pack_datums` builds each group's message; the server's `unpack_datums`
-validates a message before it allocates (a declared shape must match the payload size
-exactly, dimensions must be non-negative, token ids must be non-negative and fit int32,
-lengths must add up) and splits it back into `Datum`s. Each failure is a `WireError`
-whose message names the field and, where it is one datum's, the datum.
+Clients turn their inputs into `Datum`s with `encode_datum`, `encode_tinker_datum` or
+`encode_feature` (dtypes, shapes and lengths checked per datum: no pass over the
+values); `pack_request` groups them under a byte budget (`chunk_datums`) and packs every
+group before anything is sent (`pack_datums`), checking token ids a whole column at a
+time and narrowing them to int32. The server's `unpack_datums` validates a message
+before it allocates (a declared shape must match the payload size exactly, dimensions
+must be non-negative, token ids must be non-negative and fit int32, lengths must add
+up) and splits it back into `Datum`s. Each failure is a `WireError` whose message names
+the field and, where it is one datum's, the datum by its index in the request.
 
 torch is imported lazily, only when a torch tensor is encoded.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_client._proto.twinkle.v1 import training_pb2
 
 # gRPC's default receive limit is 4 MiB: no message is larger, so neither side ever needs
 # a raised limit. Datum chunks aim lower: at 512 KiB a stream pipelines (the server
@@ -169,12 +172,14 @@ def decode_tensor_data(tensor: pb.Tensor, field: str = "tensor") -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Datum:
-    """One training sequence in Tinker form, as validated numpy arrays.
+    """One training sequence in Tinker form, as numpy arrays.
 
     `input_ids` is 1-D `[T]`. `loss_inputs` holds arrays with the token axis first:
     `target_tokens` (`[T]`, or `[T, K]` for several targets per position), `weights`,
-    and for RL losses `logprobs` (the sampler's) and `advantages`. Made by the codec,
-    token ids are int32 and every other loss input float32, as on the wire.
+    and for RL losses `logprobs` (the sampler's) and `advantages`. Token ids are int32
+    or int64 and other loss inputs real numbers; `pack_datums` checks each chunk's
+    token ids and narrows them to the wire's int32 (other inputs to float32), so the
+    datums `unpack_datums` gives the server hold int32 and float32 arrays.
     """
 
     input_ids: np.ndarray
@@ -202,27 +207,35 @@ def _token_problem(array: np.ndarray) -> str | None:
     return f"token id {int(array.max())} does not fit in int32"
 
 
-def _wire_array(value: Any, tokens: bool) -> np.ndarray:
-    """A datum field as a contiguous array of its wire dtype: int32 token ids (checked to
-    fit, never wrapped) or float32. Raises `WireError` with the problem alone; callers
+_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _datum_field(value: Any, tokens: bool) -> np.ndarray:
+    """A datum field as a numpy array the wire can carry: token ids of dtype int32 or
+    int64 (other integer dtypes are widened; their range is checked per chunk by
+    `pack_datums`) or real numbers. Raises `WireError` with the problem alone; callers
     add the field's name."""
     array = value if type(value) is np.ndarray else np.asarray(_to_numpy(value))
     if tokens:
-        problem = _token_problem(array)
-        if problem:
-            raise WireError(problem)
-        return np.ascontiguousarray(array, dtype=np.int32)
+        if array.dtype in _ID_DTYPES:
+            return array
+        if array.dtype.kind not in "iu":
+            raise WireError(f"token ids must be integers, got dtype {array.dtype}")
+        if array.dtype.kind == "u" and array.dtype.itemsize == 8:
+            problem = _token_problem(array)  # uint64 past int64 would wrap when widened
+            if problem:
+                raise WireError(problem)
+        return array.astype(np.int64)
     if array.dtype.kind not in "biuf":
         raise WireError(f"dtype {array.dtype} is not supported on the wire (loss inputs are "
                         "numbers)")
-    return np.ascontiguousarray(array, dtype=np.float32)
+    return array
 
 
-def token_array(value: Any, field: str) -> np.ndarray:
-    """Token ids as a 1-D int32 array: integers, non-negative, each fitting int32; else
-    `WireError` naming `field`."""
+def _sequence(value: Any, field: str) -> np.ndarray:
+    """Token ids of one sequence: a 1-D array of dtype int32 or int64 (range unchecked)."""
     try:
-        array = _wire_array(value, tokens=True)
+        array = _datum_field(value, tokens=True)
     except WireError as exc:
         raise WireError(f"{field}: {exc}") from None
     if array.ndim != 1:
@@ -230,6 +243,16 @@ def token_array(value: Any, field: str) -> np.ndarray:
             return array.reshape(-1)
         raise WireError(f"{field}: token ids must be 1-D, got shape {list(array.shape)}")
     return array
+
+
+def token_array(value: Any, field: str) -> np.ndarray:
+    """Token ids as a 1-D int32 array: integers, non-negative, each fitting int32; else
+    `WireError` naming `field`."""
+    array = _sequence(value, field)
+    problem = _token_problem(array)
+    if problem:
+        raise WireError(f"{field}: {problem}")
+    return array.astype(np.int32, copy=False)
 
 
 def _decode_integers(tensor: pb.Tensor, field: str, what: str = "dtype") -> np.ndarray:
@@ -254,14 +277,15 @@ def _misaligned(array: np.ndarray, length: int) -> str | None:
 
 
 def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> Datum:
-    """Validate token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum
-    holding each in its wire dtype; a bad one raises `WireError` naming datum and field."""
-    ids = token_array(input_ids, f"datum[{index}].input_ids")
+    """Token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum; a
+    wrong dtype, shape or length raises `WireError` naming datum and field. Token id
+    ranges are checked when the datum is packed (`pack_datums`), a chunk at a time."""
+    ids = _sequence(input_ids, f"datum[{index}].input_ids")
     length = ids.shape[0]
     inputs: dict[str, np.ndarray] = {}
     try:
         for key, value in loss_inputs.items():
-            array = _wire_array(value, key in TOKEN_FIELDS)
+            array = _datum_field(value, key in TOKEN_FIELDS)
             problem = _misaligned(array, length)
             if problem:
                 raise WireError(problem)
@@ -371,44 +395,41 @@ def encode_feature(feature: Mapping[str, Any], index: int = 0) -> Datum:
 # ----------------------------------------------------------------------------- batches
 
 
-def _signature(datum: Datum) -> tuple:
-    """What datums must share to pack into one DatumBatch: loss-input keys (in order),
-    dtypes, trailing shapes."""
-    return tuple([(key, array.dtype.kind, array.shape[1:])
-                  for key, array in datum.loss_inputs.items()])
+def _layout(datum: Datum) -> tuple[tuple, int]:
+    """What datums must share to pack into one DatumBatch (loss-input keys in order and
+    their trailing shapes; each key's wire dtype follows from the key), and an upper
+    bound of the bytes the datum adds to one (4 per value, plus its length varint)."""
+    signature, values = [], datum.input_ids.shape[0]
+    for key, array in datum.loss_inputs.items():
+        signature.append((key, array.shape[1:]))
+        values += array.size
+    return tuple(signature), 10 + 4 * values
 
 
 def _batch_overhead(signature: tuple) -> int:
     """Upper bound of a DatumBatch's bytes besides its values: tags, shapes, map keys."""
-    return 64 + sum(len(key.encode()) + 64 for key, _, _ in signature)
+    return 64 + sum(len(key.encode()) + 64 for key, _ in signature)
 
 
-def _datum_bytes(datum: Datum) -> int:
-    """Upper bound of the bytes one datum adds to a DatumBatch (its length varint is <= 10)."""
-    return 10 + 4 * (datum.input_ids.shape[0]
-                     + sum([array.size for array in datum.loss_inputs.values()]))
-
-
-def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
-                 ) -> Iterator[list[Datum]]:
+def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
+                 first: int = 0) -> Iterator[list[Datum]]:
     """Split datums into consecutive groups that each pack within `max_bytes`.
 
-    A group's datums share their loss-input keys, dtypes and trailing shapes, so each
-    group is one `DatumBatch`; concatenating the groups gives back the datums in order.
-    A datum larger than `max_bytes` travels alone in its group; one that cannot fit in a
-    message a peer accepts (`MAX_MESSAGE_BYTES`, which also caps `max_bytes`) raises
-    `WireError` naming it and its size.
+    A group's datums share their loss-input keys and trailing shapes, so each group is
+    one `DatumBatch`; concatenating the groups gives back the datums in order. A datum
+    larger than `max_bytes` travels alone in its group; one that cannot fit in a message
+    a peer accepts (`MAX_MESSAGE_BYTES`, which also caps `max_bytes`) raises `WireError`
+    naming it (numbered from `first`) and its size.
     """
     max_bytes = min(max_bytes, MAX_MESSAGE_BYTES)
     chunk: list[Datum] = []
     size = 0
     signature: tuple | None = None
     overhead = 0
-    for index, datum in enumerate(datums):
-        own = _signature(datum)
+    for index, datum in enumerate(datums, first):
+        own, need = _layout(datum)
         if own != signature:
             overhead = _batch_overhead(own)
-        need = _datum_bytes(datum)
         if overhead + need > MAX_MESSAGE_BYTES:
             raise WireError(
                 f"datum[{index}]: encodes to {overhead + need} bytes, over the "
@@ -425,38 +446,68 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES
         yield chunk
 
 
-def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], tokens: bool, field: str,
-                 first: int) -> None:
-    """Write one field of a group, concatenated along the token axis, into `tensor`.
-
-    Arrays already in the wire dtype (what `encode_datum` makes) are joined straight into
-    the payload; any other is converted first, checked like `encode_datum` checks it.
-    """
-    dtype = np.dtype(np.int32) if tokens else np.dtype(np.float32)
+def _stackable(arrays: list[np.ndarray], tokens: bool, field: str, first: int
+               ) -> list[np.ndarray]:
+    """The arrays of one field of a group, each in a dtype its column can hold and with the
+    group's trailing shape; a datum built by hand rather than by `encode_datum` is
+    converted here, with the same checks. Costs no pass over any array's values."""
+    dtypes = {array.dtype for array in arrays}
+    shapes = {array.shape[1:] if array.ndim else None for array in arrays}
+    if len(shapes) == 1 and None not in shapes and (
+            dtypes <= set(_ID_DTYPES) if tokens else all(d.kind in "biuf" for d in dtypes)):
+        return arrays
     trailing = arrays[0].shape[1:]
-    parts = []
+    out = []
     for index, array in enumerate(arrays, first):
-        if array.dtype != dtype or not array.flags.c_contiguous:
-            try:
-                array = _wire_array(array, tokens)
-            except WireError as exc:
-                raise WireError(f"datum[{index}].{field}: {exc}") from None
+        try:
+            array = _datum_field(array, tokens)
+        except WireError as exc:
+            raise WireError(f"datum[{index}].{field}: {exc}") from None
         if array.ndim == 0 or array.shape[1:] != trailing:
             raise WireError(f"datum[{index}].{field}: shape {list(array.shape)} does not stack "
                             f"with the batch's [T, {', '.join(map(str, trailing))}]")
-        parts.append(array)
-    tensor.dtype = _WIRE_BY_NUMPY[dtype]
-    tensor.shape[:] = (sum(array.shape[0] for array in parts), *trailing)
-    tensor.data = b"".join(parts)
+        out.append(array)
+    return out
 
 
-def pack_datums(datums: Sequence[Datum], first: int = 0) -> pb.DatumBatch:
+def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], offsets: np.ndarray,
+                 tokens: bool, field: str, first: int) -> None:
+    """Write one field of a group, concatenated along the token axis, into `tensor`: token
+    ids checked and narrowed to int32, other values as float32.
+
+    Token ids are checked once on the group's whole column (a few numpy calls, not a few
+    per datum); a bad one is reported with its datum's index.
+    """
+    arrays = _stackable(arrays, tokens, field, first)
+    wire_dtype = np.dtype(np.int32) if tokens else np.dtype(np.float32)
+    if not tokens and all([a.dtype == wire_dtype and a.flags.c_contiguous for a in arrays]):
+        data = b"".join(arrays)
+    else:
+        column = np.concatenate(arrays)
+        if tokens:
+            _check_token_column(column, offsets, first, field)
+        data = column.astype(wire_dtype, copy=False).tobytes()
+    tensor.dtype = _WIRE_BY_NUMPY[wire_dtype]
+    tensor.shape[:] = (int(offsets[-1]), *arrays[0].shape[1:])
+    tensor.data = data
+
+
+def pack_datums(datums: Sequence[Datum], first: int = 0, batch: pb.DatumBatch | None = None
+                ) -> pb.DatumBatch:
     """One DatumBatch of consecutive datums (a group from `chunk_datums`); `first` is the
-    index of its first datum in the request, for error messages."""
-    batch = pb.DatumBatch()
-    batch.lengths.extend([datum.num_tokens for datum in datums])
+    index of its first datum in the request, for error messages. A token id that is
+    negative or past int32 raises `WireError` naming its datum.
+
+    Packs into `batch` when given (an empty field of a larger message: building the
+    batch alone and then setting it would copy its payload once more).
+    """
+    batch = pb.DatumBatch() if batch is None else batch
+    lengths = [datum.num_tokens for datum in datums]
+    batch.lengths.extend(lengths)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
     _fill_column(batch.input_ids, [d.input_ids for d in datums] or [np.zeros(0, np.int32)],
-                 True, "input_ids", first)
+                 offsets, True, "input_ids", first)
     keys = datums[0].loss_inputs.keys() if datums else {}
     for index, datum in enumerate(datums, first):
         if datum.loss_inputs.keys() != keys:
@@ -464,9 +515,23 @@ def pack_datums(datums: Sequence[Datum], first: int = 0) -> pb.DatumBatch:
                             f"differ from the batch's {sorted(keys)}; pack groups made by "
                             "chunk_datums")
     for key in keys:
-        _fill_column(batch.loss_inputs[key], [d.loss_inputs[key] for d in datums],
+        _fill_column(batch.loss_inputs[key], [d.loss_inputs[key] for d in datums], offsets,
                      key in TOKEN_FIELDS, f"loss_inputs[{key!r}]", first)
     return batch
+
+
+def pack_request(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
+                 first: int = 0) -> list[training_pb2.ForwardChunk]:
+    """The datum chunks of one Forward(Backward) stream, every one packed before the
+    caller sends anything: a bad datum anywhere raises `WireError` naming it by its
+    index in the request (`first` for `datums[0]`)."""
+    chunks, packed = [], first
+    for group in chunk_datums(datums, max_bytes, first):
+        chunk = training_pb2.ForwardChunk()
+        pack_datums(group, packed, chunk.batch)
+        chunks.append(chunk)
+        packed += len(group)
+    return chunks
 
 
 def _check_token_column(column: np.ndarray, offsets: np.ndarray, first: int, what: str) -> None:

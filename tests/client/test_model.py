@@ -270,6 +270,9 @@ def test_rejected_calls_take_no_seq_id_and_server_errors_do_not_stall_later_ops(
         model.forward_backward([{"input_ids": [5, 6, 7], "labels": [6, 7]}])
     with pytest.raises(wire.WireError, match=r"feature\[0\].labels: must be integers"):
         model.forward_backward([{"input_ids": [5, 6, 7], "labels": [6.5, 7.0, 8.0]}])
+    with pytest.raises(wire.WireError, match=r"datum\[1\].input_ids: token ids must be non-neg"):
+        model.forward_backward([{"input_ids": [5, 6, 7], "labels": [6, 7, 8]},
+                                {"input_ids": [5, -6, 7], "labels": [6, 7, 8]}])
     with pytest.raises(ValueError, match="save|name"):
         model.save("../escape")
     with pytest.raises(InvalidArgumentError, match="optimizer.betz: AdamW takes no argument"):

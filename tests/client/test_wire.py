@@ -127,7 +127,12 @@ def test_feature_weights_scale_labelled_positions_and_are_zero_where_labels_are_
     ("build", "field"),
     [
         (lambda: wire.encode_datum([1.5, 2.0], {}), "input_ids: token ids must be integers"),
-        (lambda: wire.encode_datum([1, -3], {}), "input_ids: token ids must be non-negative"),
+        (lambda: wire.pack_request([wire.encode_datum([1, -3], {})]),
+         "datum[0].input_ids: token ids must be non-negative, found -3"),
+        (lambda: wire.pack_request([wire.encode_datum([1], {"target_tokens": [2**31]})]),
+         "datum[0].loss_inputs['target_tokens']: token id 2147483648 does not fit in int32"),
+        (lambda: wire.encode_datum([1], {"target_tokens": np.array([2**63], np.uint64)}),
+         "datum[0].loss_inputs['target_tokens']: token id 9223372036854775808 does not fit"),
         (lambda: wire.encode_datum([1, 2, 3], {"weights": [1.0, 1.0]}),
          "loss_inputs['weights']: first dimension is 2 but input_ids has 3"),
         (lambda: wire.encode_feature({"input_ids": [1, 2], "labels": [2]}), "feature[0].labels"),
@@ -216,6 +221,22 @@ def test_pack_converts_hand_built_datums_without_wrapping_token_ids():
                                                     "weights": np.array([0.5, 1.0])})
     [out] = wire.unpack_datums(wire.pack_datums([fine]))
     assert out.input_ids.tolist() == [1, 2] and out.loss_inputs["weights"].tolist() == [0.5, 1.0]
+
+
+def test_token_ids_are_checked_a_chunk_at_a_time_and_errors_name_the_datum_in_the_request():
+    datums = [wire.encode_datum(np.arange(1, 100), {"target_tokens": np.arange(2, 101)}, i)
+              for i in range(40)]
+    datums[27] = wire.encode_datum(np.arange(1, 100), {"target_tokens": np.arange(-50, 49)})
+    chunks = list(wire.chunk_datums(datums, max_bytes=4096))
+    assert len(chunks) > 3 and not any(datums[27] is d for d in chunks[0])
+    with pytest.raises(wire.WireError, match=r"^datum\[127\].loss_inputs\['target_tokens'\]: "
+                                             r"token ids must be non-negative, found -50$"):
+        wire.pack_request(datums, max_bytes=4096, first=100)
+    datums[27] = wire.encode_datum(np.arange(1, 100), {"target_tokens": np.arange(2, 101)})
+    chunks = wire.pack_request(datums, max_bytes=4096)
+    out = [d for chunk in chunks for d in wire.unpack_datums(chunk.batch)]
+    assert [d.loss_inputs["target_tokens"].tolist() for d in out] == [
+        list(range(2, 101))] * 40
 
 
 def test_pack_names_datums_by_their_index_in_the_request():

@@ -28,10 +28,10 @@ def toy_datums(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0):
     return out
 
 
-def encoded_datums(n: int = 2, length: int = 8, seed: int = 0) -> list[wire.Datum]:
-    """`toy_datums` already encoded, for tests that drive `twinkle_client.connection`."""
-    return [wire.encode_datum(ids, inputs, i)
-            for i, (ids, inputs) in enumerate(toy_datums(n, length, seed=seed))]
+def packed_datums(n: int = 2, length: int = 8, seed: int = 0) -> list:
+    """`toy_datums` packed as stream chunks, for tests that drive `twinkle_client.connection`."""
+    return wire.pack_request([wire.encode_datum(ids, inputs, i)
+                              for i, (ids, inputs) in enumerate(toy_datums(n, length, seed=seed))])
 
 
 def send_batch(stub, header: common_pb2.OpHeader, batch: common_pb2.DatumBatch,

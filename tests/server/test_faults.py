@@ -17,7 +17,7 @@ from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
 from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 
-from .harness import encoded_datums, small_lora
+from .harness import packed_datums, small_lora
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def test_client_killed_mid_stream_leaves_no_trace_and_the_next_op_runs(tmp_path,
     try:
         with Connection(proc.address, client_name="test") as conn:
             model = conn.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
-            before = conn.forward(conn.op(model), encoded_datums(), CE)
+            before = conn.forward(conn.op(model), packed_datums(), CE)
             fds, slots = server.num_fds(), conn.capabilities(refresh=True).adapters_loaded
             _kill_mid_stream(conn, proc.address, model)
             # Settle, then three more: a server that kept each dropped stream's ~12 MB of
@@ -88,7 +88,7 @@ def test_client_killed_mid_stream_leaves_no_trace_and_the_next_op_runs(tmp_path,
             # The partial requests are dropped: their seq_id is still the one expected next.
             info = conn.call(conn.training.GetInfo, training_pb2.GetInfoRequest(model_id=model))
             conn.register_model(model, info.next_seq_id)
-            after = conn.forward(conn.op(model), encoded_datums(), CE)
+            after = conn.forward(conn.op(model), packed_datums(), CE)
             assert after.loss == pytest.approx(before.loss, rel=1e-6)  # no step ran in between
             assert conn.capabilities(refresh=True).adapters_loaded == slots
             assert server.num_fds() <= fds
@@ -102,7 +102,7 @@ def test_sigterm_with_ops_in_flight_finishes_or_fails_each_one_never_silently(
     conn = Connection(proc.address, client_name="test")
     try:
         model = conn.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
-        big = encoded_datums(8, 256)
+        big = packed_datums(8, 256)
         futures = [conn.submit(conn.forward, conn.op(model), big, CE) for _ in range(12)]
         time.sleep(0.5)
         assert proc.stop(signal.SIGTERM, timeout=120) == 0
@@ -136,10 +136,10 @@ def test_save_that_hits_a_full_disk_fails_clearly_and_succeeds_once_space_is_bac
         with Connection(proc.address, client_name="test") as conn:
             lora = common_pb2.LoraConfig(rank=128, seed=0, all_linear=True)
             model = conn.create_model(training_pb2.CreateModelRequest(lora=lora)).model_id
-            conn.forward(conn.op(model), encoded_datums(), CE)
+            conn.forward(conn.op(model), packed_datums(), CE)
             conn.call(conn.training.OptimStep, training_pb2.OptimStepRequest(
                 op=conn.op(model), adam=training_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)))
-            probe = conn.forward(conn.op(model), encoded_datums(), CE, backward=False)
+            probe = conn.forward(conn.op(model), packed_datums(), CE, backward=False)
             resource.prlimit(proc.proc.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
             with pytest.raises(errors.FailedPreconditionError,
                                match="could not write .full.: File too large; .*saved again"):
@@ -155,7 +155,7 @@ def test_save_that_hits_a_full_disk_fails_clearly_and_succeeds_once_space_is_bac
             saved = conn.call(conn.training.SaveState, training_pb2.SaveRequest(
                 op=conn.op(model), name="full", include_optimizer=True))
             assert saved.checkpoint.size_bytes > limit
-            again = conn.forward(conn.op(model), encoded_datums(), CE, backward=False)
+            again = conn.forward(conn.op(model), packed_datums(), CE, backward=False)
             np.testing.assert_array_equal(again.outputs[0]["logprobs"],
                                           probe.outputs[0]["logprobs"])
     finally:

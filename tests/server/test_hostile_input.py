@@ -91,7 +91,8 @@ def _good_step(conn: Connection, model: str) -> None:
     ids = np.arange(5, 17)
     datum = wire.encode_datum(ids, {"target_tokens": ids + 1,
                                     "weights": np.ones(12, np.float32)})
-    result = conn.forward(conn.op(model), [datum], common_pb2.LossFn(name="cross_entropy"))
+    result = conn.forward(conn.op(model), wire.pack_request([datum]),
+                          common_pb2.LossFn(name="cross_entropy"))
     assert np.isfinite(result.loss)
 
 
@@ -187,7 +188,10 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
     ids = np.arange(5, 15)
 
     def forward(*datums, loss=fb):
-        return lambda: conn.forward(conn.op(model), list(datums), loss)
+        def send():
+            chunks = wire.pack_request(list(datums))
+            return conn.forward(conn.op(model), chunks, loss)
+        return send
 
     return [
         ("huge declared shape, tiny payload", raw(huge), errors.InvalidArgumentError,
@@ -286,6 +290,7 @@ def test_a_stream_short_of_its_header_does_not_run_and_its_seq_id_can_be_retried
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "header says 3 but 2 datums arrived; the op did not run" in caught.value.details()
     # Nothing ran and the seq_id is still free: the whole op under it goes through.
-    result = conn.forward(header, datums, common_pb2.LossFn(name="cross_entropy"))
+    result = conn.forward(header, wire.pack_request(datums),
+                          common_pb2.LossFn(name="cross_entropy"))
     assert np.isfinite(result.loss) and len(result.outputs) == 2
     _good_step(conn, model)

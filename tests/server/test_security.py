@@ -28,7 +28,7 @@ from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 from twinkle_server.server import SERVICES
 
-from .harness import create_key, encoded_datums, small_lora
+from .harness import create_key, packed_datums, small_lora
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def tenants(tmp_path_factory, tiny_cache):
     alice = Connection(proc.address, keys["alice"], client_name="test")
     bob = Connection(proc.address, keys["bob"], client_name="test")
     model = alice.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
-    alice.forward(alice.op(model), encoded_datums(), common_pb2.LossFn(name="cross_entropy"))
+    alice.forward(alice.op(model), packed_datums(), common_pb2.LossFn(name="cross_entropy"))
     saved = alice.call(alice.training.SaveState, training_pb2.SaveRequest(
         op=alice.op(model), name="mine", include_optimizer=True)).path
     sampler_ckpt = alice.call(alice.training.SaveWeightsForSampler, training_pb2.SaveRequest(
@@ -79,8 +79,8 @@ def _isolation_cases(bob: Connection, o: dict[str, str], tmp: Path
             from_checkpoint=o["saved"]), retry=False),
         "GetInfo": lambda: bob.call(t.GetInfo, training_pb2.GetInfoRequest(model_id=m)),
         "UnloadModel": lambda: bob.call(t.UnloadModel, training_pb2.UnloadModelRequest(model_id=m)),
-        "Forward": lambda: bob.forward(bob.op(m), encoded_datums(), backward=False),
-        "ForwardBackward": lambda: bob.forward(bob.op(m), encoded_datums(),
+        "Forward": lambda: bob.forward(bob.op(m), packed_datums(), backward=False),
+        "ForwardBackward": lambda: bob.forward(bob.op(m), packed_datums(),
                                                common_pb2.LossFn(name="cross_entropy")),
         "OptimStep": op(t.OptimStep, training_pb2.OptimStepRequest,
                         adam=training_pb2.AdamParams(learning_rate=1e-3)),
@@ -190,7 +190,7 @@ def test_tls_round_trip_with_a_self_signed_certificate(tmp_path, tiny_cache):
         with Connection(f"https://{proc.address}", client_name="test",
                         root_certificates=pem) as conn:
             model = conn.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
-            result = conn.forward(conn.op(model), encoded_datums(),
+            result = conn.forward(conn.op(model), packed_datums(),
                                   common_pb2.LossFn(name="cross_entropy"))
             assert np.isfinite(result.loss) and result.outputs[0]["logprobs"].shape == (8,)
         # The same server refuses a plaintext client: the handshake fails, nothing is served.

@@ -38,6 +38,10 @@ def training_client(service_client):
     ([datum([1, 2, 3], [2, 3, 4], [1, 1])], "cross_entropy",
      r"datum\[0\].loss_inputs\['weights'\]: first dimension is 2 but input_ids has 3"),
     (sft_data(1), "no_such_loss", r"loss_fn: unknown loss 'no_such_loss'"),
+    ([*sft_data(1), datum([1, -5, 3], [2, 3, 4], [1, 1, 1])], "cross_entropy",
+     r"datum\[1\].input_ids: token ids must be non-negative, found -5"),
+    ([*sft_data(2), datum([1, 2, 3], [2, 2**40, 4], [1, 1, 1])], "cross_entropy",
+     r"datum\[2\].loss_inputs\['target_tokens'\]: token id 1099511627776 does not fit"),
 ])
 def test_bad_requests_fail_their_future_with_bad_request_error_and_training_goes_on(
         training_client, data, loss_fn, message):
