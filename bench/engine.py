@@ -90,21 +90,22 @@ def overhead(engine: Engine, repeats: int = 5) -> None:
     print(f"  engine / peft throughput: {peft_s / engine_s:.2f}x")
 
 
-def merging(engine: Engine, adapters: int = 8, steps: int = 4) -> None:
+def merging(engine: Engine, adapters: int = 8) -> None:
     """8 adapters each sending forward_backward batches: merged vs timeshare scheduling,
-    with the scheduler's default token budget per merged pass; each mode's best of
-    ROUNDS interleaved rounds (run to run, one mode alone varies by about 10% here)."""
+    with the scheduler's default token budget per merged pass. Each mode's best of its
+    interleaved rounds (run to run, one mode alone varies by 10-30% on this machine);
+    small batches get more steps and rounds, since one of their rounds lasts a second."""
     ids = [f"m{i}" for i in range(adapters)]
     for adapter_id in ids:
         engine.add_adapter(adapter_id, SPEC)
     budget = default_token_budget(engine.base.device.type)
-    print(f"merging: {adapters} adapters, {steps} forward_backward ops each, "
-          f"merge budget {budget} tokens")
-    print(f"  {'batch per adapter':<20}{'timeshare tok/s':>16}{'merged tok/s':>14}{'ratio':>8}")
-    for n, length in ((1, 128), (8, 512)):
+    print(f"merging: {adapters} adapters, merge budget {budget} tokens")
+    print(f"  {'batch per adapter':<20}{'ops each':>9}{'rounds':>7}{'timeshare tok/s':>16}"
+          f"{'merged tok/s':>14}{'ratio':>8}")
+    for n, length, steps, rounds in ((1, 128, 8, 7), (8, 512, 4, ROUNDS)):
         batch = _datums(n, length, engine.base.vocab_size)
         speeds = {}
-        for mode in ("timeshare", "merged") * ROUNDS:
+        for mode in ("timeshare", "merged") * rounds:
             sched = Scheduler(EngineExecutor(engine), mode=mode, token_budget=budget)
             for adapter_id in ids:
                 sched.register_model(adapter_id)
@@ -119,8 +120,8 @@ def merging(engine: Engine, adapters: int = 8, steps: int = 4) -> None:
             sched.stop()
             speeds[mode] = max(speeds.get(mode, 0.0), adapters * steps * n * length / elapsed)
         label = f"{n} x {length}"
-        print(f"  {label:<20}{speeds['timeshare']:>16.0f}{speeds['merged']:>14.0f}"
-              f"{speeds['merged'] / speeds['timeshare']:>7.2f}x")
+        print(f"  {label:<20}{steps:>9}{rounds:>7}{speeds['timeshare']:>16.0f}"
+              f"{speeds['merged']:>14.0f}{speeds['merged'] / speeds['timeshare']:>7.2f}x")
     for adapter_id in ids:
         engine.remove_adapter(adapter_id)
 

@@ -149,21 +149,19 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
-        deltas, cursor = [], 0
-        for seg in self.router.segments:
-            weights = self.adapters.get(seg.adapter_id) if seg.adapter_id else None
-            if weights is None:
-                continue
-            if seg.start > cursor:
-                deltas.append(out.new_zeros((seg.start - cursor, *out.shape[1:])))
-            # The same matmuls on the same rows as the adapter alone: its rows come out
-            # bit for bit as they would alone.
-            deltas.append(weights.delta(x[seg.start:seg.end], seg.train).to(out.dtype))
-            cursor = seg.end
-        if not deltas:
+        segments = self.router.segments
+        weights = [self.adapters.get(seg.adapter_id) if seg.adapter_id else None
+                   for seg in segments]
+        if not any(weights):
             return out
-        if cursor < out.shape[0]:
-            deltas.append(out.new_zeros((out.shape[0] - cursor, *out.shape[1:])))
+        # One split into every segment's rows: its gradient is one concatenation, where a
+        # slice per adapter would each scatter into a zeroed gradient of the whole batch.
+        pieces = x.split([seg.end - seg.start for seg in segments]) if len(segments) > 1 else (x,)
+        # The same matmuls on the same rows as the adapter alone: its rows come out bit
+        # for bit as they would alone.
+        deltas = [out.new_zeros((seg.end - seg.start, *out.shape[1:])) if lora is None
+                  else lora.delta(piece, seg.train).to(out.dtype)
+                  for seg, lora, piece in zip(segments, weights, pieces, strict=True)]
         # One add over the whole batch; the deltas' concatenation costs a copy, but its
         # gradient is free slicing (writing each delta into `out` in place would clone the
         # whole gradient once per adapter in the backward pass).
