@@ -46,8 +46,10 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def overhead(engine: Engine, repeats: int = 5) -> None:
-    """forward_backward + optim_step, 8 x 256 tokens: engine vs transformers + peft."""
+def overhead(engine: Engine, repeats: int = 5, rounds: int = 5) -> None:
+    """forward_backward + optim_step, 8 x 256 tokens: engine vs transformers + peft, each
+    path's best of `rounds` interleaved rounds of `repeats` steps (one path's rounds
+    vary by up to 20% on this machine)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +80,7 @@ def overhead(engine: Engine, repeats: int = 5) -> None:
 
     tokens = 8 * 256
     rows = []
-    for _ in range(2):  # alternate to even out machine noise
+    for _ in range(rounds):
         rows.append((_time(peft_step, repeats), _time(engine_step, repeats)))
     peft_s = min(r[0] for r in rows)
     engine_s = min(r[1] for r in rows)
