@@ -230,6 +230,12 @@ class Connection:
         """
         method = self.training.ForwardBackward if backward else self.training.Forward
         name = _method_name(method)
+        chunks = list(chunks)
+        if not all(isinstance(c, training_pb2.ForwardChunk) and c.HasField("batch")
+                   for c in chunks):
+            self.release(header)
+            raise TypeError("chunks: expected the ForwardChunk messages of "
+                            "wire.pack_request(datums), packed before the op's seq_id is taken")
         messages = forward_messages(header, chunks, loss)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:

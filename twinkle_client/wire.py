@@ -446,39 +446,44 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
         yield chunk
 
 
-def _stackable(arrays: list[np.ndarray], tokens: bool, field: str, first: int
-               ) -> list[np.ndarray]:
-    """The arrays of one field of a group, each in a dtype its column can hold and with the
-    group's trailing shape; a datum built by hand rather than by `encode_datum` is
-    converted here, with the same checks. Costs no pass over any array's values."""
+def _stackable(arrays: list[np.ndarray], lengths: list[int], tokens: bool, field: str,
+               first: int) -> list[np.ndarray]:
+    """The arrays of one field of a group, each in a dtype its column can hold, with the
+    group's trailing shape and its datum's length; a datum built by hand rather than by
+    `encode_datum` is converted here, with the same checks. Costs no pass over any
+    array's values."""
     dtypes = {array.dtype for array in arrays}
     shapes = {array.shape[1:] if array.ndim else None for array in arrays}
-    if len(shapes) == 1 and None not in shapes and (
-            dtypes <= set(_ID_DTYPES) if tokens else all(d.kind in "biuf" for d in dtypes)):
+    if (len(shapes) == 1 and None not in shapes
+            and [array.shape[0] for array in arrays] == lengths
+            and (dtypes <= set(_ID_DTYPES) if tokens else all(d.kind in "biuf" for d in dtypes))):
         return arrays
     trailing = arrays[0].shape[1:]
     out = []
-    for index, array in enumerate(arrays, first):
+    for index, (array, length) in enumerate(zip(arrays, lengths, strict=True), first):
         try:
             array = _datum_field(array, tokens)
+            problem = _misaligned(array, length)
+            if problem:
+                raise WireError(problem)
         except WireError as exc:
             raise WireError(f"datum[{index}].{field}: {exc}") from None
-        if array.ndim == 0 or array.shape[1:] != trailing:
+        if array.shape[1:] != trailing:
             raise WireError(f"datum[{index}].{field}: shape {list(array.shape)} does not stack "
                             f"with the batch's [T, {', '.join(map(str, trailing))}]")
         out.append(array)
     return out
 
 
-def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], offsets: np.ndarray,
-                 tokens: bool, field: str, first: int) -> None:
+def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], lengths: list[int],
+                 offsets: np.ndarray, tokens: bool, field: str, first: int) -> None:
     """Write one field of a group, concatenated along the token axis, into `tensor`: token
     ids checked and narrowed to int32, other values as float32.
 
     Token ids are checked once on the group's whole column (a few numpy calls, not a few
     per datum); a bad one is reported with its datum's index.
     """
-    arrays = _stackable(arrays, tokens, field, first)
+    arrays = _stackable(arrays, lengths, tokens, field, first)
     wire_dtype = np.dtype(np.int32) if tokens else np.dtype(np.float32)
     if not tokens and all([a.dtype == wire_dtype and a.flags.c_contiguous for a in arrays]):
         data = b"".join(arrays)
@@ -507,7 +512,7 @@ def pack_datums(datums: Sequence[Datum], first: int = 0, batch: pb.DatumBatch | 
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     _fill_column(batch.input_ids, [d.input_ids for d in datums] or [np.zeros(0, np.int32)],
-                 offsets, True, "input_ids", first)
+                 lengths or [0], offsets, True, "input_ids", first)
     keys = datums[0].loss_inputs.keys() if datums else {}
     for index, datum in enumerate(datums, first):
         if datum.loss_inputs.keys() != keys:
@@ -515,8 +520,8 @@ def pack_datums(datums: Sequence[Datum], first: int = 0, batch: pb.DatumBatch | 
                             f"differ from the batch's {sorted(keys)}; pack groups made by "
                             "chunk_datums")
     for key in keys:
-        _fill_column(batch.loss_inputs[key], [d.loss_inputs[key] for d in datums], offsets,
-                     key in TOKEN_FIELDS, f"loss_inputs[{key!r}]", first)
+        _fill_column(batch.loss_inputs[key], [d.loss_inputs[key] for d in datums], lengths,
+                     offsets, key in TOKEN_FIELDS, f"loss_inputs[{key!r}]", first)
     return batch
 
 
@@ -535,14 +540,15 @@ def pack_request(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
 
 
 def _check_token_column(column: np.ndarray, offsets: np.ndarray, first: int, what: str) -> None:
-    """Token ids of a whole batch at once; a bad one is reported with its datum's index."""
-    problem = _token_problem(column)
-    if problem is None:
+    """Token ids of a whole batch at once; a bad one is reported with its datum's index
+    and that datum's own offending value."""
+    if _token_problem(column) is None:
         return
     rows = column.reshape(column.shape[0], -1)
     bad_row = int(np.flatnonzero(((rows < 0) | (rows > _INT32_MAX)).any(axis=1))[0])
     datum = int(np.searchsorted(offsets, bad_row, side="right")) - 1
-    raise WireError(f"datum[{first + datum}].{what}: {problem}")
+    own = column[offsets[datum]:offsets[datum + 1]]
+    raise WireError(f"datum[{first + datum}].{what}: {_token_problem(own)}")
 
 
 def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:

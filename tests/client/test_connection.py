@@ -164,3 +164,16 @@ def test_tokenizer_comes_from_the_server_and_refuses_unserved_names(keyed_server
             load_tokenizer("ms://Qwen/Qwen3.5-4B", conn)
     with pytest.raises(ValueError, match="no Twinkle server is connected"):
         load_tokenizer("some/model-id")
+
+
+@pytest.mark.integration
+def test_forward_refuses_unpacked_datums_and_releases_the_seq_id_it_was_given(keyed_server):
+    proc, keys = keyed_server
+    with Connection(proc.address, keys["alice"], client_name="test") as conn:
+        model = _new_model(conn)
+        with pytest.raises(TypeError, match=r"chunks: expected the ForwardChunk messages of "
+                                            r"wire.pack_request"):
+            conn.forward(conn.op(model), _datums(), common_pb2.LossFn(name="cross_entropy"))
+        result = conn.submit(conn.forward, conn.op(model), _chunks(),
+                             common_pb2.LossFn(name="cross_entropy")).result(timeout=60)
+        assert np.isfinite(result.loss)

@@ -239,6 +239,23 @@ def test_token_ids_are_checked_a_chunk_at_a_time_and_errors_name_the_datum_in_th
         list(range(2, 101))] * 40
 
 
+def test_a_bad_token_id_is_reported_with_its_own_datums_value_not_the_chunks_worst():
+    datums = [wire.encode_datum([1, 2], {}) for _ in range(6)]
+    datums[2] = wire.encode_datum([1, 2**31], {})
+    datums[5] = wire.encode_datum([1, -100], {})
+    with pytest.raises(wire.WireError, match=r"^datum\[2\].input_ids: token id 2147483648 does "
+                                             r"not fit in int32$"):
+        wire.pack_request(datums)
+
+
+def test_a_hand_built_datum_with_a_misaligned_loss_input_is_refused_naming_it():
+    good = wire.encode_datum([1, 2, 3], {"weights": np.ones(3, np.float32)})
+    short = wire.Datum(np.array([1, 2, 3]), {"weights": np.ones(2, np.float32)})
+    with pytest.raises(wire.WireError, match=r"^datum\[4\].loss_inputs\['weights'\]: first "
+                                             r"dimension is 2 but input_ids has 3 tokens$"):
+        wire.pack_datums([good, short], first=3)
+
+
 def test_pack_names_datums_by_their_index_in_the_request():
     bad = wire.Datum(np.array([1, 2], np.int32), {"weights": np.array(["x", "y"])})
     with pytest.raises(wire.WireError, match=r"datum\[5\].loss_inputs\['weights'\]: dtype"):

@@ -156,7 +156,8 @@ class MultiLoraLinear(nn.Module):
             return out
         # One split into every segment's rows: its gradient is one concatenation, where a
         # slice per adapter would each scatter into a zeroed gradient of the whole batch.
-        pieces = x.split([seg.end - seg.start for seg in segments]) if len(segments) > 1 else (x,)
+        whole = len(segments) == 1 and segments[0].end == x.shape[0]
+        pieces = (x,) if whole else x.split([seg.end - seg.start for seg in segments])
         # The same matmuls on the same rows as the adapter alone: its rows come out bit
         # for bit as they would alone.
         deltas = [out.new_zeros((seg.end - seg.start, *out.shape[1:])) if lora is None
