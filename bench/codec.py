@@ -20,10 +20,11 @@ the per-datum bookkeeping.
 
 from __future__ import annotations
 
-import time
+import functools
 
 import numpy as np
 
+from bench.timing import best_per_call
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import training_pb2
 
@@ -92,23 +93,12 @@ def _unchecked_roundtrip(batch) -> int:
     return total
 
 
-def _best_seconds(paths: dict, batch) -> dict[str, float]:
-    """Best time of each path over REPEATS rounds, the paths interleaved in every round so
-    that none always runs on a warmer (or colder) allocator than the others."""
-    best = dict.fromkeys(paths, float("inf"))
-    for _ in range(REPEATS):
-        for name, fn in paths.items():
-            start = time.perf_counter()
-            fn(batch)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     batch = _batch()
-    seconds = _best_seconds({"plain numpy": _numpy_roundtrip, "codec": _codec_roundtrip,
-                             "codec + proto": _wire_roundtrip,
-                             "unchecked floor": _unchecked_roundtrip}, batch)
+    paths = {"plain numpy": _numpy_roundtrip, "codec": _codec_roundtrip,
+             "codec + proto": _wire_roundtrip, "unchecked floor": _unchecked_roundtrip}
+    seconds = best_per_call({name: functools.partial(fn, batch) for name, fn in paths.items()},
+                            rounds=REPEATS)
     numpy_s = seconds["plain numpy"]
     mib = sum(a.nbytes // 2 + b.nbytes + c.nbytes for a, b, c in batch) / 2**20
     print(f"codec round trip: {NUM_DATUMS} datums x {SEQ_LEN} tokens ({mib:.1f} MiB), "

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from bench.timing import best_per_call
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
 from twinkle_server.executor import FORWARD, EngineExecutor
@@ -25,7 +26,6 @@ from twinkle_server.scheduler import Op, Scheduler, default_token_budget
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=1e-4)
 SPEC = LoraSpec(rank=16, alpha=32, seed=0)
-ROUNDS = 3
 
 
 def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
@@ -36,14 +36,6 @@ def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
         out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
                                     "weights": np.ones(length, np.float32)}))
     return out
-
-
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
 
 
 def overhead(engine: Engine, repeats: int = 5, rounds: int = 5) -> None:
@@ -79,11 +71,9 @@ def overhead(engine: Engine, repeats: int = 5, rounds: int = 5) -> None:
         opt.zero_grad()
 
     tokens = 8 * 256
-    rows = []
-    for _ in range(rounds):
-        rows.append((_time(peft_step, repeats), _time(engine_step, repeats)))
-    peft_s = min(r[0] for r in rows)
-    engine_s = min(r[1] for r in rows)
+    best = best_per_call({"peft": peft_step, "engine": engine_step}, rounds, repeats,
+                         warmup=True)
+    peft_s, engine_s = best["peft"], best["engine"]
     engine.remove_adapter("overhead")
     print("overhead: forward_backward + optim_step, 8 x 256 tokens, rank 16 all-linear")
     print(f"  {'path':<22}{'s/step':>10}{'tokens/s':>12}")
@@ -104,7 +94,7 @@ def merging(engine: Engine, adapters: int = 8) -> None:
     print(f"merging: {adapters} adapters, merge budget {budget} tokens")
     print(f"  {'batch per adapter':<20}{'ops each':>9}{'rounds':>7}{'timeshare tok/s':>16}"
           f"{'merged tok/s':>14}{'ratio':>8}")
-    for n, length, steps, rounds in ((1, 128, 8, 7), (8, 512, 4, ROUNDS)):
+    for n, length, steps, rounds in ((1, 128, 8, 7), (8, 512, 4, 3)):
         batch = _datums(n, length, engine.base.vocab_size)
         speeds = {}
         for mode in ("timeshare", "merged") * rounds:
@@ -140,16 +130,9 @@ def pass_sizes(engine: Engine, rounds: int = 8) -> None:
             engine.add_adapter(name, SPEC)
         batch = _datums(n, length, engine.base.vocab_size)
         requests = [ForwardRequest(name, batch, CE, True) for name in names]
-        best = {"separate": float("inf"), "merged": float("inf")}
-        for _ in range(rounds):
-            for mode in best:
-                start = time.perf_counter()
-                if mode == "merged":
-                    engine.forward_batch(requests)
-                else:
-                    for request in requests:
-                        engine.forward_batch([request])
-                best[mode] = min(best[mode], time.perf_counter() - start)
+        best = best_per_call({
+            "separate": lambda ops=requests: [engine.forward_batch([op]) for op in ops],
+            "merged": lambda ops=requests: engine.forward_batch(ops)}, rounds)
         for name in names:
             engine.remove_adapter(name)
         print(f"  {f'{ops} x {n} x {length}':<16}{ops * n * length:>14}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.timing import best_per_call
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import training_pb2
 from twinkle_client.transport import Transport
@@ -39,25 +40,11 @@ def _data(n: int, length: int, vocab: int, seed: int = 0):
     return out
 
 
-def side_by_side(steps: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """Seconds per call of each step, alternating them twice (A B A B) so drift in the
-    machine's load hits both alike; each keeps its best round of STEPS calls."""
-    timings: dict[str, float] = {}
-    for _ in range(2):
-        for name, fn in steps.items():
-            fn()
-            start = time.perf_counter()
-            for _ in range(STEPS):
-                fn()
-            per = (time.perf_counter() - start) / STEPS
-            timings[name] = min(timings.get(name, per), per)
-    return timings
-
-
 def print_overhead(title: str, local_step: Callable[[], None], name: str,
                    remote_step: Callable[[], None], tokens: int, label: str) -> None:
     """Time a remote step against the in-process one side by side and print the table."""
-    timings = side_by_side({"in-process engine": local_step, name: remote_step})
+    timings = best_per_call({"in-process engine": local_step, name: remote_step},
+                            rounds=2, calls=STEPS, warmup=True)
     print(title)
     for row, per in timings.items():
         print(f"  {row:<20}{per:>8.4f} s/step{tokens / per:>10.0f} tokens/s")
