@@ -276,6 +276,16 @@ def _misaligned(array: np.ndarray, length: int) -> str | None:
             f"input_ids has {length} tokens")
 
 
+def _aligned_field(value: Any, tokens: bool, length: int) -> np.ndarray:
+    """A loss input as `_datum_field` makes it, its first dimension checked against the
+    datum's `length` input tokens; `WireError` carries the problem alone."""
+    array = _datum_field(value, tokens)
+    problem = _misaligned(array, length)
+    if problem:
+        raise WireError(problem)
+    return array
+
+
 def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0) -> Datum:
     """Token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum; a
     wrong dtype, shape or length raises `WireError` naming datum and field. Token id
@@ -285,11 +295,7 @@ def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0)
     inputs: dict[str, np.ndarray] = {}
     try:
         for key, value in loss_inputs.items():
-            array = _datum_field(value, key in TOKEN_FIELDS)
-            problem = _misaligned(array, length)
-            if problem:
-                raise WireError(problem)
-            inputs[key] = array
+            inputs[key] = _aligned_field(value, key in TOKEN_FIELDS, length)
     except WireError as exc:
         raise WireError(f"datum[{index}].loss_inputs[{key!r}]: {exc}") from None
     return Datum(ids, inputs)
@@ -462,10 +468,7 @@ def _stackable(arrays: list[np.ndarray], lengths: list[int], tokens: bool, field
     out = []
     for index, (array, length) in enumerate(zip(arrays, lengths, strict=True), first):
         try:
-            array = _datum_field(array, tokens)
-            problem = _misaligned(array, length)
-            if problem:
-                raise WireError(problem)
+            array = _aligned_field(array, tokens, length)
         except WireError as exc:
             raise WireError(f"datum[{index}].{field}: {exc}") from None
         if array.shape[1:] != trailing:
