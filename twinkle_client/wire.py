@@ -21,7 +21,9 @@ torch is imported lazily, only when a torch tensor is encoded.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -208,6 +210,7 @@ def _token_problem(array: np.ndarray) -> str | None:
 
 
 _ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_REAL_KINDS = "biuf"  # numpy dtype kinds a loss input may have: bool, integers, floats
 
 
 def _datum_field(value: Any, tokens: bool) -> np.ndarray:
@@ -226,29 +229,32 @@ def _datum_field(value: Any, tokens: bool) -> np.ndarray:
             if problem:
                 raise WireError(problem)
         return array.astype(np.int64)
-    if array.dtype.kind not in "biuf":
+    if array.dtype.kind not in _REAL_KINDS:
         raise WireError(f"dtype {array.dtype} is not supported on the wire (loss inputs are "
                         "numbers)")
     return array
 
 
-def _sequence(value: Any, field: str) -> np.ndarray:
-    """Token ids of one sequence: a 1-D array of dtype int32 or int64 (range unchecked)."""
-    try:
-        array = _datum_field(value, tokens=True)
-    except WireError as exc:
-        raise WireError(f"{field}: {exc}") from None
+def _sequence(value: Any) -> np.ndarray:
+    """Token ids of one sequence: a 1-D array of dtype int32 or int64 (range unchecked);
+    `WireError` carries the problem alone."""
+    if type(value) is np.ndarray and value.ndim == 1 and value.dtype in _ID_DTYPES:
+        return value
+    array = _datum_field(value, tokens=True)
     if array.ndim != 1:
         if array.size == 0:
             return array.reshape(-1)
-        raise WireError(f"{field}: token ids must be 1-D, got shape {list(array.shape)}")
+        raise WireError(f"token ids must be 1-D, got shape {list(array.shape)}")
     return array
 
 
 def token_array(value: Any, field: str) -> np.ndarray:
     """Token ids as a 1-D int32 array: integers, non-negative, each fitting int32; else
     `WireError` naming `field`."""
-    array = _sequence(value, field)
+    try:
+        array = _sequence(value)
+    except WireError as exc:
+        raise WireError(f"{field}: {exc}") from None
     problem = _token_problem(array)
     if problem:
         raise WireError(f"{field}: {problem}")
@@ -279,6 +285,9 @@ def _misaligned(array: np.ndarray, length: int) -> str | None:
 def _aligned_field(value: Any, tokens: bool, length: int) -> np.ndarray:
     """A loss input as `_datum_field` makes it, its first dimension checked against the
     datum's `length` input tokens; `WireError` carries the problem alone."""
+    if (type(value) is np.ndarray and value.ndim and value.shape[0] == length
+            and (value.dtype in _ID_DTYPES if tokens else value.dtype.kind in _REAL_KINDS)):
+        return value
     array = _datum_field(value, tokens)
     problem = _misaligned(array, length)
     if problem:
@@ -290,14 +299,16 @@ def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0)
     """Token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum; a
     wrong dtype, shape or length raises `WireError` naming datum and field. Token id
     ranges are checked when the datum is packed (`pack_datums`), a chunk at a time."""
-    ids = _sequence(input_ids, f"datum[{index}].input_ids")
-    length = ids.shape[0]
     inputs: dict[str, np.ndarray] = {}
+    key = None
     try:
+        ids = _sequence(input_ids)
+        length = ids.shape[0]
         for key, value in loss_inputs.items():
             inputs[key] = _aligned_field(value, key in TOKEN_FIELDS, length)
     except WireError as exc:
-        raise WireError(f"datum[{index}].loss_inputs[{key!r}]: {exc}") from None
+        field = "input_ids" if key is None else f"loss_inputs[{key!r}]"
+        raise WireError(f"datum[{index}].{field}: {exc}") from None
     return Datum(ids, inputs)
 
 
@@ -462,7 +473,7 @@ def _stackable(arrays: list[np.ndarray], lengths: list[int], tokens: bool, field
     shapes = {array.shape[1:] if array.ndim else None for array in arrays}
     if (len(shapes) == 1 and None not in shapes
             and [array.shape[0] for array in arrays] == lengths
-            and (dtypes <= set(_ID_DTYPES) if tokens else all(d.kind in "biuf" for d in dtypes))):
+            and (dtypes <= set(_ID_DTYPES) if tokens else all(d.kind in _REAL_KINDS for d in dtypes))):
         return arrays
     trailing = arrays[0].shape[1:]
     out = []
@@ -479,7 +490,7 @@ def _stackable(arrays: list[np.ndarray], lengths: list[int], tokens: bool, field
 
 
 def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], lengths: list[int],
-                 offsets: np.ndarray, tokens: bool, field: str, first: int) -> None:
+                 offsets: list[int], tokens: bool, field: str, first: int) -> None:
     """Write one field of a group, concatenated along the token axis, into `tensor`: token
     ids checked and narrowed to int32, other values as float32.
 
@@ -494,9 +505,11 @@ def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], lengths: list[int]
         column = np.concatenate(arrays)
         if tokens:
             _check_token_column(column, offsets, first, field)
+            if column.dtype.itemsize == 8:
+                column = column.reshape(-1).view(np.int32)[::2]
         data = column.astype(wire_dtype, copy=False).tobytes()
     tensor.dtype = _WIRE_BY_NUMPY[wire_dtype]
-    tensor.shape[:] = (int(offsets[-1]), *arrays[0].shape[1:])
+    tensor.shape[:] = (offsets[-1], *arrays[0].shape[1:])
     tensor.data = data
 
 
@@ -510,10 +523,9 @@ def pack_datums(datums: Sequence[Datum], first: int = 0, batch: pb.DatumBatch | 
     batch alone and then setting it would copy its payload once more).
     """
     batch = pb.DatumBatch() if batch is None else batch
-    lengths = [datum.num_tokens for datum in datums]
+    lengths = [len(datum.input_ids) for datum in datums]
     batch.lengths.extend(lengths)
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = list(itertools.accumulate(lengths, initial=0))
     _fill_column(batch.input_ids, [d.input_ids for d in datums] or [np.zeros(0, np.int32)],
                  lengths or [0], offsets, True, "input_ids", first)
     keys = datums[0].loss_inputs.keys() if datums else {}
@@ -542,14 +554,14 @@ def pack_request(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
     return chunks
 
 
-def _check_token_column(column: np.ndarray, offsets: np.ndarray, first: int, what: str) -> None:
-    """Token ids of a whole batch at once; a bad one is reported with its datum's index
-    and that datum's own offending value."""
+def _check_token_column(column: np.ndarray, offsets: list[int], first: int, what: str) -> None:
+    """Token ids of a whole batch at once (`offsets[i]` is where datum i starts); a bad
+    one is reported with its datum's index and that datum's own offending value."""
     if _token_problem(column) is None:
         return
     rows = column.reshape(column.shape[0], -1)
     bad_row = int(np.flatnonzero(((rows < 0) | (rows > _INT32_MAX)).any(axis=1))[0])
-    datum = int(np.searchsorted(offsets, bad_row, side="right")) - 1
+    datum = bisect.bisect_right(offsets, bad_row) - 1
     own = column[offsets[datum]:offsets[datum + 1]]
     raise WireError(f"datum[{first + datum}].{what}: {_token_problem(own)}")
 
@@ -560,23 +572,20 @@ def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:
     The datums hold int32 token ids and float32 loss inputs, read-only views of one
     array per field (INT64 token ids, checked to fit, are narrowed to int32).
     """
-    count = len(batch.lengths)
-    if count == 0:
+    lengths = list(batch.lengths)
+    if not lengths:
         return []
-    lengths = np.fromiter(batch.lengths, np.int64, count)
-    if lengths.min() < 0:
-        index = int(np.argmax(lengths < 0))
-        raise WireError(f"datum[{first + index}]: length {int(lengths[index])} is negative")
+    if min(lengths) < 0:
+        index = next(i for i, length in enumerate(lengths) if length < 0)
+        raise WireError(f"datum[{first + index}]: length {lengths[index]} is negative")
     ids = _decode_integers(batch.input_ids, "batch.input_ids")
     if ids.ndim != 1:
         raise WireError(f"batch.input_ids: must be 1-D, got shape {list(ids.shape)}")
     total = ids.shape[0]
-    # Bounding each length first keeps their sum far from int64 overflow.
-    if lengths.max() > total or int(lengths.sum()) != total:
-        raise WireError(f"batch.lengths: {count} lengths do not add up to the {total} tokens "
-                        "of input_ids")
-    offsets = np.zeros(count + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = list(itertools.accumulate(lengths, initial=0))
+    if offsets[-1] != total:
+        raise WireError(f"batch.lengths: {len(lengths)} lengths do not add up to the {total} "
+                        "tokens of input_ids")
     _check_token_column(ids, offsets, first, "input_ids")
     ids = ids.astype(np.int32, copy=False)
     columns: dict[str, np.ndarray] = {}
@@ -594,6 +603,5 @@ def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:
         else:
             column = column.astype(np.float32, copy=False)
         columns[key] = column
-    bounds = offsets.tolist()
     return [Datum(ids[a:b], {key: column[a:b] for key, column in columns.items()})
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
