@@ -148,13 +148,15 @@ def _frombuffer(data: bytes, dtype: np.dtype, count: int, field: str, what: str)
 
 def decode_array(tensor: pb.Tensor, field: str = "tensor") -> np.ndarray:
     """Decode a Tensor to a read-only numpy array (bf16 widened to float32)."""
-    if tensor.dtype not in _NP_DTYPES:
-        raise WireError(f"{field}: unknown dtype tag {_dtype_name(tensor.dtype)}")
-    dtype = _NP_DTYPES[tensor.dtype]
+    tag = tensor.dtype
+    dtype = _NP_DTYPES.get(tag)
+    if dtype is None:
+        raise WireError(f"{field}: unknown dtype tag {_dtype_name(tag)}")
     shape = tuple(tensor.shape)
-    count = _check_shape(shape, field)
-    values = _frombuffer(tensor.data, dtype, count, field, "data").reshape(shape)
-    if tensor.dtype == pb.BFLOAT16:
+    values = _frombuffer(tensor.data, dtype, _check_shape(shape, field), field, "data")
+    if len(shape) != 1:
+        values = values.reshape(shape)
+    if tag == pb.BFLOAT16:
         values = (values.astype(np.uint32) << 16).view(np.float32)
     return values
 
@@ -172,7 +174,7 @@ def decode_tensor_data(tensor: pb.Tensor, field: str = "tensor") -> Any:
 # ----------------------------------------------------------------------------- datums
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Datum:
     """One training sequence in Tinker form, as numpy arrays.
 
@@ -189,7 +191,7 @@ class Datum:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        return len(self.input_ids)
 
 
 def _token_problem(array: np.ndarray) -> str | None:
@@ -211,6 +213,7 @@ def _token_problem(array: np.ndarray) -> str | None:
 
 _ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _REAL_KINDS = "biuf"  # numpy dtype kinds a loss input may have: bool, integers, floats
+_FLOAT32 = np.dtype(np.float32)
 
 
 def _datum_field(value: Any, tokens: bool) -> np.ndarray:
@@ -463,25 +466,19 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
         yield chunk
 
 
-def _stackable(arrays: list[np.ndarray], lengths: list[int], tokens: bool, field: str,
+def _converted(arrays: list[Any], lengths: list[int], tokens: bool, field: str,
                first: int) -> list[np.ndarray]:
-    """The arrays of one field of a group, each in a dtype its column can hold, with the
-    group's trailing shape and its datum's length; a datum built by hand rather than by
-    `encode_datum` is converted here, with the same checks. Costs no pass over any
-    array's values."""
-    dtypes = {array.dtype for array in arrays}
-    shapes = {array.shape[1:] if array.ndim else None for array in arrays}
-    if (len(shapes) == 1 and None not in shapes
-            and [array.shape[0] for array in arrays] == lengths
-            and (dtypes <= set(_ID_DTYPES) if tokens else all(d.kind in _REAL_KINDS for d in dtypes))):
-        return arrays
-    trailing = arrays[0].shape[1:]
+    """The arrays of one field of a group as `encode_datum` would have made them, each
+    checked against its datum's length and the group's trailing shape: for datums built
+    by hand rather than by `encode_datum`."""
     out = []
+    trailing = None
     for index, (array, length) in enumerate(zip(arrays, lengths, strict=True), first):
         try:
             array = _aligned_field(array, tokens, length)
         except WireError as exc:
             raise WireError(f"datum[{index}].{field}: {exc}") from None
+        trailing = array.shape[1:] if trailing is None else trailing
         if array.shape[1:] != trailing:
             raise WireError(f"datum[{index}].{field}: shape {list(array.shape)} does not stack "
                             f"with the batch's [T, {', '.join(map(str, trailing))}]")
@@ -489,27 +486,52 @@ def _stackable(arrays: list[np.ndarray], lengths: list[int], tokens: bool, field
     return out
 
 
-def _fill_column(tensor: pb.Tensor, arrays: list[np.ndarray], lengths: list[int],
-                 offsets: list[int], tokens: bool, field: str, first: int) -> None:
-    """Write one field of a group, concatenated along the token axis, into `tensor`: token
-    ids checked and narrowed to int32, other values as float32.
+def _column_bytes(arrays: list[Any], lengths: list[int], offsets: list[int], tokens: bool,
+                  field: str, first: int) -> tuple[bytes, tuple[int, ...]]:
+    """One field of a group concatenated along the token axis, as wire bytes and shape:
+    token ids checked and narrowed to int32, other values float32.
 
-    Token ids are checked once on the group's whole column (a few numpy calls, not a few
-    per datum); a bad one is reported with its datum's index.
+    Arrays as `encode_datum` makes them cost one shape comparison each, their dtype is
+    checked once on the whole column, and token ids once for the whole group (a bad one
+    is reported with its datum's index); anything else goes through `_converted`.
     """
-    arrays = _stackable(arrays, lengths, tokens, field, first)
-    wire_dtype = np.dtype(np.int32) if tokens else np.dtype(np.float32)
-    if not tokens and all([a.dtype == wire_dtype and a.flags.c_contiguous for a in arrays]):
-        data = b"".join(arrays)
-    else:
+    try:
+        trailing = arrays[0].shape[1:]
+        fits = [array.shape for array in arrays] == [(n, *trailing) for n in lengths]
+    except AttributeError:  # a hand-built datum's list
+        fits = False
+    if not fits:
+        arrays = _converted(arrays, lengths, tokens, field, first)
+        trailing = arrays[0].shape[1:]
+    shape = (offsets[-1], *trailing)
+    if not tokens and {array.dtype for array in arrays} == {_FLOAT32}:
+        try:
+            return b"".join(arrays), shape
+        except TypeError:  # a non-contiguous array: concatenated below
+            pass
+    try:
         column = np.concatenate(arrays)
-        if tokens:
-            _check_token_column(column, offsets, first, field)
-            if column.dtype.itemsize == 8:
-                column = column.reshape(-1).view(np.int32)[::2]
-        data = column.astype(wire_dtype, copy=False).tobytes()
-    tensor.dtype = _WIRE_BY_NUMPY[wire_dtype]
-    tensor.shape[:] = (offsets[-1], *arrays[0].shape[1:])
+    except TypeError:  # dtypes without a common one
+        column = None
+    if column is None or not (column.dtype in _ID_DTYPES if tokens
+                              else column.dtype.kind in _REAL_KINDS):
+        # A dtype the wire cannot carry, or dtypes that promote together to one (int64
+        # and uint64 to float64): each array is converted, or refused, on its own.
+        column = np.concatenate(_converted(arrays, lengths, tokens, field, first))
+    if not tokens:
+        return column.astype(_FLOAT32, copy=False).tobytes(), shape
+    _check_token_column(column, offsets, first, field)
+    if column.dtype.itemsize == 8:  # every id fits: each value's low 32 bits are its int32
+        column = column.reshape(-1).view(np.int32)[::2]
+    return column.tobytes(), shape
+
+
+def _fill_column(tensor: pb.Tensor, arrays: list[Any], lengths: list[int], offsets: list[int],
+                 tokens: bool, field: str, first: int) -> None:
+    """Write one field of a group into `tensor` (see `_column_bytes`)."""
+    data, shape = _column_bytes(arrays, lengths, offsets, tokens, field, first)
+    tensor.dtype = pb.INT32 if tokens else pb.FLOAT32
+    tensor.shape[:] = shape
     tensor.data = data
 
 
@@ -590,18 +612,19 @@ def unpack_datums(batch: pb.DatumBatch, first: int = 0) -> list[Datum]:
     ids = ids.astype(np.int32, copy=False)
     columns: dict[str, np.ndarray] = {}
     for key, tensor in batch.loss_inputs.items():
-        name = f"batch.loss_inputs[{key!r}]"
+        field = f"loss_inputs[{key!r}]"
         tokens = key in TOKEN_FIELDS
-        column = (_decode_integers(tensor, name, "token ids") if tokens
-                  else decode_array(tensor, name))
+        column = (_decode_integers(tensor, f"batch.{field}", "token ids") if tokens
+                  else decode_array(tensor, f"batch.{field}"))
         problem = _misaligned(column, total)
         if problem:
-            raise WireError(f"{name}: {problem}")
+            raise WireError(f"batch.{field}: {problem}")
         if tokens:
-            _check_token_column(column, offsets, first, f"loss_inputs[{key!r}]")
+            _check_token_column(column, offsets, first, field)
             column = column.astype(np.int32, copy=False)
         else:
             column = column.astype(np.float32, copy=False)
         columns[key] = column
-    return [Datum(ids[a:b], {key: column[a:b] for key, column in columns.items()})
+    items = columns.items()
+    return [Datum(ids[a:b], {key: column[a:b] for key, column in items})
             for a, b in zip(offsets[:-1], offsets[1:], strict=True)]

@@ -223,6 +223,25 @@ def test_pack_converts_hand_built_datums_without_wrapping_token_ids():
     assert out.input_ids.tolist() == [1, 2] and out.loss_inputs["weights"].tolist() == [0.5, 1.0]
 
 
+def test_pack_keeps_hand_built_columns_exact_whatever_their_dtypes_and_layout():
+    # int64 with uint64 would promote to float64 as one column: each converts on its own.
+    big = 2**31 - 3
+    mixed = [wire.Datum(np.array([1, 2], np.int64),
+                        {"target_tokens": np.array([big, 7], np.int64),
+                         "weights": np.arange(4, dtype=np.float32)[::2]}),
+             wire.Datum(np.array([3, 4], np.uint64),
+                        {"target_tokens": np.array([8, big + 1], np.uint64),
+                         "weights": np.array([0.25, 0.5], np.float32)})]
+    out = wire.unpack_datums(wire.pack_datums(mixed))
+    assert [d.loss_inputs["target_tokens"].tolist() for d in out] == [[big, 7], [8, big + 1]]
+    assert [d.input_ids.tolist() for d in out] == [[1, 2], [3, 4]]
+    assert [d.loss_inputs["weights"].tolist() for d in out] == [[0.0, 2.0], [0.25, 0.5]]
+    floats = wire.Datum(np.array([1, 2]), {"target_tokens": np.array([1.0, 2.0])})
+    with pytest.raises(wire.WireError, match=r"^datum\[8\].loss_inputs\['target_tokens'\]: "
+                                             r"token ids must be integers, got dtype float64$"):
+        wire.pack_datums([wire.encode_datum([1, 2], {"target_tokens": [2, 3]}), floats], first=7)
+
+
 def test_token_ids_are_checked_a_chunk_at_a_time_and_errors_name_the_datum_in_the_request():
     datums = [wire.encode_datum(np.arange(1, 100), {"target_tokens": np.arange(2, 101)}, i)
               for i in range(40)]
