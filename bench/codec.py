@@ -30,7 +30,7 @@ from twinkle_client._proto.twinkle.v1 import training_pb2
 
 NUM_DATUMS = 256
 SEQ_LEN = 2048
-REPEATS = 9
+REPEATS = 25
 
 
 def _batch() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
