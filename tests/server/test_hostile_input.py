@@ -154,10 +154,11 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
     def batch() -> common_pb2.DatumBatch:
         return wire.pack_datums([_datum_with()])
 
-    def raw(bad: common_pb2.DatumBatch):
+    def raw(bad: common_pb2.DatumBatch, declared: int | None = None):
         def send():
             try:
-                send_batch(conn.training.ForwardBackward, conn.op(model), bad, conn.metadata)
+                send_batch(conn.training.ForwardBackward, conn.op(model), bad, conn.metadata,
+                           num_datums=declared)
             except grpc.RpcError as exc:
                 raise errors.from_rpc_error(exc, "ForwardBackward") from None
         return send
@@ -186,6 +187,11 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc, "ForwardBackward") from None
     ids = np.arange(5, 15)
+
+    def lengths_only(declared: int):
+        batch = common_pb2.DatumBatch(lengths=[1] * 10**6)
+        batch.input_ids.CopyFrom(wire.encode_array(np.zeros(0, np.int32)))
+        return raw(batch, declared)
 
     def forward(*datums, loss=fb):
         def send():
@@ -218,6 +224,12 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
         ("0-length sequence", forward(_datum_with(np.zeros(0, np.int64),
                                                   target_tokens=np.zeros(0, np.int64))),
          errors.InvalidArgumentError, "empty"),
+        # Both are refused by their count before the chunk is decoded: decoding it would
+        # have failed on its lengths instead.
+        ("10^6 datums in one chunk under a header declaring 2", lengths_only(2),
+         errors.InvalidArgumentError, "num_datums: header says 2 but 1000000 datums arrived"),
+        ("a header declaring more datums than a request has tokens", lengths_only(10**9),
+         errors.InvalidArgumentError, "num_datums: 1000000000 datums need more than"),
         ("10^6 datums", forward(*[_datum_with(np.array([5]), target_tokens=np.array([6]))]
                                 * 10**6), errors.InvalidArgumentError, "--max-batch-tokens"),
         ("checkpoint name with path tricks", lambda: conn.call(

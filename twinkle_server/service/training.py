@@ -150,7 +150,19 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 header = chunk.header
                 tenant = rt.tenant(context)
                 rt.model_of(tenant, header.op.model_id)
+                if header.num_datums > rt.config.max_batch_tokens:
+                    error = InvalidArgument(
+                        f"num_datums: {header.num_datums} datums need more than the "
+                        f"{rt.config.max_batch_tokens} tokens one request may hold "
+                        "(--max-batch-tokens); split the batch")
             if error is not None:
+                continue
+            arrived = len(datums) + len(chunk.batch.lengths)
+            if arrived > header.num_datums:
+                # Refused before unpacking: a chunk of empty datums costs nothing to send
+                # and one Python object each to unpack.
+                error = InvalidArgument(f"num_datums: header says {header.num_datums} but "
+                                        f"{arrived} datums arrived")
                 continue
             try:
                 unpacked = wire.unpack_datums(chunk.batch, len(datums))
@@ -164,9 +176,6 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 error = exc
         if header is None:
             raise ServiceError("invalid_argument", "data: the stream carried no chunks")
-        if error is None and len(datums) > header.num_datums:
-            error = InvalidArgument(f"num_datums: header says {header.num_datums} but "
-                                    f"{len(datums)} datums arrived")
         if error is None and len(datums) < header.num_datums:
             # A stream cut short (its client gone, or a bug): nothing runs and the seq_id
             # stays free, so a retry of the whole op under the same seq_id still applies.
