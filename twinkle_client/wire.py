@@ -419,7 +419,7 @@ def _layout(datum: Datum) -> tuple[tuple, int]:
     """What datums must share to pack into one DatumBatch (loss-input keys in order and
     their trailing shapes; each key's wire dtype follows from the key), and an upper
     bound of the bytes the datum adds to one (4 per value, plus its length varint)."""
-    signature, values = [], datum.input_ids.shape[0]
+    signature, values = [], len(datum.input_ids)
     for key, array in datum.loss_inputs.items():
         signature.append((key, array.shape[1:]))
         values += array.size
@@ -448,14 +448,15 @@ def chunk_datums(datums: Sequence[Datum], max_bytes: int = DEFAULT_CHUNK_BYTES,
     overhead = 0
     for index, datum in enumerate(datums, first):
         own, need = _layout(datum)
-        if own != signature:
+        changed = own != signature
+        if changed:
             overhead = _batch_overhead(own)
         if overhead + need > MAX_MESSAGE_BYTES:
             raise WireError(
                 f"datum[{index}]: encodes to {overhead + need} bytes, over the "
                 f"{MAX_MESSAGE_BYTES}-byte message limit; split the sequence"
             )
-        if chunk and (own != signature or size + need > max_bytes):
+        if chunk and (changed or size + need > max_bytes):
             yield chunk
             chunk = []
         if not chunk:
