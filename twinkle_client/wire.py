@@ -251,6 +251,14 @@ def _sequence(value: Any) -> np.ndarray:
     return array
 
 
+def _datum_ids(value: Any, index: int) -> np.ndarray:
+    """`_sequence` of datum `index`'s input_ids, its errors naming them."""
+    try:
+        return _sequence(value)
+    except WireError as exc:
+        raise WireError(f"datum[{index}].input_ids: {exc}") from None
+
+
 def token_array(value: Any, field: str) -> np.ndarray:
     """Token ids as a 1-D int32 array: integers, non-negative, each fitting int32; else
     `WireError` naming `field`."""
@@ -419,10 +427,14 @@ def _layout(datum: Datum) -> tuple[tuple, int]:
     """What datums must share to pack into one DatumBatch (loss-input keys in order and
     their trailing shapes; each key's wire dtype follows from the key), and an upper
     bound of the bytes the datum adds to one (4 per value, plus its length varint)."""
-    signature, values = [], len(datum.input_ids)
-    for key, array in datum.loss_inputs.items():
-        signature.append((key, array.shape[1:]))
-        values += array.size
+    try:
+        signature, values = [], len(datum.input_ids)
+        for key, array in datum.loss_inputs.items():
+            signature.append((key, array.shape[1:]))
+            values += array.size
+    except (AttributeError, TypeError):  # a hand-built datum's lists, tensors or scalars
+        inputs = {key: np.asarray(_to_numpy(value)) for key, value in datum.loss_inputs.items()}
+        return _layout(Datum(np.asarray(_to_numpy(datum.input_ids)).reshape(-1), inputs))
     return tuple(signature), 10 + 4 * values
 
 
@@ -496,11 +508,10 @@ def _column_bytes(arrays: list[Any], lengths: list[int], offsets: list[int], tok
     checked once on the whole column, and token ids once for the whole group (a bad one
     is reported with its datum's index); anything else goes through `_converted`.
     """
-    try:
+    fits = False
+    if {type(array) for array in arrays} == {np.ndarray}:  # not a hand-built list or tensor
         trailing = arrays[0].shape[1:]
         fits = [array.shape for array in arrays] == [(n, *trailing) for n in lengths]
-    except AttributeError:  # a hand-built datum's list
-        fits = False
     if not fits:
         arrays = _converted(arrays, lengths, tokens, field, first)
         trailing = arrays[0].shape[1:]
@@ -546,11 +557,14 @@ def pack_datums(datums: Sequence[Datum], first: int = 0, batch: pb.DatumBatch | 
     batch alone and then setting it would copy its payload once more).
     """
     batch = pb.DatumBatch() if batch is None else batch
-    lengths = [len(datum.input_ids) for datum in datums]
+    ids = [datum.input_ids for datum in datums]
+    if not all([type(array) is np.ndarray and array.ndim == 1 for array in ids]):
+        ids = [_datum_ids(array, index) for index, array in enumerate(ids, first)]
+    lengths = [len(array) for array in ids]
     batch.lengths.extend(lengths)
     offsets = list(itertools.accumulate(lengths, initial=0))
-    _fill_column(batch.input_ids, [d.input_ids for d in datums] or [np.zeros(0, np.int32)],
-                 lengths or [0], offsets, True, "input_ids", first)
+    _fill_column(batch.input_ids, ids or [np.zeros(0, np.int32)], lengths or [0], offsets,
+                 True, "input_ids", first)
     keys = datums[0].loss_inputs.keys() if datums else {}
     for index, datum in enumerate(datums, first):
         if datum.loss_inputs.keys() != keys:

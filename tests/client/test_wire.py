@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -240,6 +242,30 @@ def test_pack_keeps_hand_built_columns_exact_whatever_their_dtypes_and_layout():
     with pytest.raises(wire.WireError, match=r"^datum\[8\].loss_inputs\['target_tokens'\]: "
                                              r"token ids must be integers, got dtype float64$"):
         wire.pack_datums([wire.encode_datum([1, 2], {"target_tokens": [2, 3]}), floats], first=7)
+
+
+def test_hand_built_datums_of_lists_tensors_and_tensor_data_travel_like_encoded_ones():
+    hand = [wire.Datum([1, 2], {"target_tokens": [2, 3], "weights": [1.0, 0.5]}),
+            wire.Datum(torch.tensor([3, 4]), {
+                "target_tokens": tt.TensorData(data=[4, 5], dtype="int64"),
+                "weights": torch.tensor([0.25, 1.0], requires_grad=True)})]
+    out = [d for chunk in wire.pack_request(hand) for d in wire.unpack_datums(chunk.batch)]
+    assert [d.input_ids.tolist() for d in out] == [[1, 2], [3, 4]]
+    assert [d.loss_inputs["target_tokens"].tolist() for d in out] == [[2, 3], [4, 5]]
+    assert [d.loss_inputs["weights"].tolist() for d in out] == [[1.0, 0.5], [0.25, 1.0]]
+
+
+@pytest.mark.parametrize("ids, problem", [(np.array(5), "must be 1-D, got shape []"),
+                                          (np.arange(4).reshape(2, 2), "must be 1-D"),
+                                          (None, "must be integers, got dtype object")])
+def test_hand_built_input_ids_that_are_not_one_sequence_are_refused_naming_the_datum(ids,
+                                                                                      problem):
+    good, bad = wire.encode_datum([1, 2], {}), wire.Datum(ids, {})
+    expected = rf"^datum\[4\].input_ids: token ids {re.escape(problem)}"
+    with pytest.raises(wire.WireError, match=expected):
+        wire.pack_datums([good, bad], first=3)
+    with pytest.raises(wire.WireError, match=expected):
+        wire.pack_request([good, bad], first=3)
 
 
 def test_token_ids_are_checked_a_chunk_at_a_time_and_errors_name_the_datum_in_the_request():
