@@ -230,6 +230,8 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
          errors.InvalidArgumentError, "num_datums: header says 2 but 1000000 datums arrived"),
         ("a header declaring more datums than a request has tokens", lengths_only(10**9),
          errors.InvalidArgumentError, "num_datums: 1000000000 datums need more than"),
+        ("a header declaring -1 datums", lengths_only(-1), errors.InvalidArgumentError,
+         "num_datums: must not be negative, got -1"),
         ("10^6 datums", forward(*[_datum_with(np.array([5]), target_tokens=np.array([6]))]
                                 * 10**6), errors.InvalidArgumentError, "--max-batch-tokens"),
         ("checkpoint name with path tricks", lambda: conn.call(

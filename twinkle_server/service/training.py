@@ -150,7 +150,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 header = chunk.header
                 tenant = rt.tenant(context)
                 rt.model_of(tenant, header.op.model_id)
-                if header.num_datums > rt.config.max_batch_tokens:
+                if header.num_datums < 0:
+                    error = InvalidArgument(f"num_datums: must not be negative, got "
+                                            f"{header.num_datums}")
+                elif header.num_datums > rt.config.max_batch_tokens:
                     error = InvalidArgument(
                         f"num_datums: {header.num_datums} datums need more than the "
                         f"{rt.config.max_batch_tokens} tokens one request may hold "
