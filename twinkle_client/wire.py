@@ -310,16 +310,14 @@ def encode_datum(input_ids: Any, loss_inputs: Mapping[str, Any], index: int = 0)
     """Token ids plus aligned loss inputs (arrays, tensors or TensorData) as a Datum; a
     wrong dtype, shape or length raises `WireError` naming datum and field. Token id
     ranges are checked when the datum is packed (`pack_datums`), a chunk at a time."""
+    ids = _datum_ids(input_ids, index)
+    length = ids.shape[0]
     inputs: dict[str, np.ndarray] = {}
-    key = None
     try:
-        ids = _sequence(input_ids)
-        length = ids.shape[0]
         for key, value in loss_inputs.items():
             inputs[key] = _aligned_field(value, key in TOKEN_FIELDS, length)
     except WireError as exc:
-        field = "input_ids" if key is None else f"loss_inputs[{key!r}]"
-        raise WireError(f"datum[{index}].{field}: {exc}") from None
+        raise WireError(f"datum[{index}].loss_inputs[{key!r}]: {exc}") from None
     return Datum(ids, inputs)
 
 
