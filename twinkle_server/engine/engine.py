@@ -173,14 +173,15 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
 
-    def validate_forward(self, request: ForwardRequest) -> None:
-        """Every check that can fail before compute, each naming the field and the limit."""
-        adapter = self._adapter(request.adapter_id)
+    def check_forward(self, request: ForwardRequest) -> None:
+        """The checks that depend only on the request, the limits and the vocabulary.
+
+        They read no adapter state, so a front may run them as soon as a request arrives
+        (a bad batch then fails before it queues); `forward_batch` runs them again with
+        the checks against the adapter, in the adapter's op order.
+        """
         if not request.datums:
             raise InvalidArgument("data: the batch is empty")
-        loss = request.loss or adapter.loss
-        if loss is None:
-            raise FailedPrecondition("loss_fn: none given and none set with set_loss")
         vocab, total = self.base.vocab_size, 0
         for index, datum in enumerate(request.datums):
             n = datum.num_tokens
@@ -205,7 +206,24 @@ class Engine:
             raise InvalidArgument(f"data: {total} tokens is over the "
                                   f"{self.limits.max_batch_tokens}-token batch limit "
                                   "(--max-batch-tokens)")
-        losses.validate_loss(loss, request.datums)
+        if request.loss is not None:
+            losses.validate_loss(request.loss, request.datums)
+
+    def validate_forward(self, request: ForwardRequest) -> LossSpec:
+        """Every check before compute, each naming the field and the limit; returns the
+        loss the request runs with (its own, or the adapter's from `set_loss`).
+
+        Reads the adapter, so it belongs on the worker, in the adapter's op order: a
+        `set_loss` queued just before this request has run by then.
+        """
+        adapter = self._adapter(request.adapter_id)
+        self.check_forward(request)
+        if request.loss is not None:
+            return request.loss
+        if adapter.loss is None:
+            raise FailedPrecondition("loss_fn: none given and none set with set_loss")
+        losses.validate_loss(adapter.loss, request.datums)
+        return adapter.loss
 
     def forward_batch(self, requests: Sequence[ForwardRequest]
                       ) -> list[ForwardOutput | EngineError]:

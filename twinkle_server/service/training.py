@@ -189,7 +189,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         request = ForwardRequest(header.op.model_id, datums, loss, backward)
         if error is None:
             try:
-                rt.engine.validate_forward(request)
+                rt.engine.check_forward(request)  # the adapter's own checks run in its op
             except EngineError as exc:
                 error = exc
         kind = "forward_backward" if backward else "forward"
@@ -317,17 +317,21 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             target = rt.store.checkpoint_dir(tenant, mid, kind, paths.check_name(request.name))
             metadata = metadata_of(request.user_metadata, "user_metadata")
 
-        def save() -> int:
+        def save() -> CheckpointRow:
             if kind == "sampler":
-                return rt.engine.save_weights(mid, target, overwrite=request.overwrite)
-            return rt.engine.save_state(mid, target, include_optimizer=with_optimizer,
-                                        overwrite=request.overwrite)
+                size = rt.engine.save_weights(mid, target, overwrite=request.overwrite)
+            else:
+                size = rt.engine.save_state(mid, target, include_optimizer=with_optimizer,
+                                            overwrite=request.overwrite)
+            # Recorded inside the op, so the model's next op (a pipelined load of this
+            # name) finds it.
+            row = CheckpointRow(mid, kind, request.name, tenant,
+                                str(target.relative_to(rt.store.checkpoint_root)), size,
+                                with_optimizer, time.time(), metadata)
+            rt.store.add_checkpoint(row)
+            return row
 
-        size = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
-        row = CheckpointRow(mid, kind, request.name, tenant,
-                            str(target.relative_to(rt.store.checkpoint_root)), size,
-                            with_optimizer, time.time(), metadata)
-        rt.store.add_checkpoint(row)
+        row = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
         proto = checkpoint_to_proto(row, rt.store.get_run(tenant, mid))
         return tpb.SaveResponse(path=proto.path, checkpoint=proto)
 
@@ -343,13 +347,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     async def LoadState(self, request, context):
         tenant = self.rt.tenant(context)
         mid = request.op.model_id
-        source: Path | None = None
 
-        def check() -> None:
-            nonlocal source
+        def load() -> None:
+            # Resolved in the op: a save queued before this load has recorded its path.
             _, source = resolve_checkpoint(self.rt, tenant, request.path)
+            self.rt.engine.load_state(mid, source, request.include_optimizer)
 
-        await self._op(context, request.op, "load_state",
-                       lambda: self.rt.engine.load_state(mid, source, request.include_optimizer),
-                       prepare=check)
+        await self._op(context, request.op, "load_state", load)
         return tpb.OpResponse()
