@@ -4,6 +4,8 @@
 
 or call `init_tinker_client()` before `from tinker import ServiceClient`. Results are
 `tinker.types` objects, futures are `tinker.APIFuture`s, errors subclass `tinker.TinkerError`.
+Code that builds a dataset before its ServiceClient finds the server for the tokenizer in
+`TWINKLE_BASE_URL` (or `TINKER_BASE_URL`), or from `init_tinker_client(base_url=...)`.
 
 Modules: `service_client`, `training_client`, `sampling_client`, `rest_client` (the four
 clients), `futures` (APIFuture and the client futures), `errors` (gRPC status ->

@@ -17,10 +17,8 @@ from tinker_compat.errors import error_factory
 from tinker_compat.futures import APIFuture, deprecated
 from twinkle_client import paths
 from twinkle_client._proto.twinkle.v1 import runs_pb2 as rpb
-from twinkle_client.connection import Connection, parse_base_url, setting
+from twinkle_client.connection import Connection, env_endpoint, parse_base_url
 
-BASE_URL_ENV = ("TWINKLE_BASE_URL", "TINKER_BASE_URL")
-API_KEY_ENV = ("TWINKLE_API_KEY", "TINKER_API_KEY")
 AccessScope = Literal["owned", "accessible"]
 
 
@@ -35,11 +33,11 @@ def resolve_endpoint(base_url: str | None = None, api_key: str | None = None
     Raises:
         ValueError: no base URL anywhere.
     """
-    url = setting(base_url, *BASE_URL_ENV)
+    url, key = env_endpoint(base_url, api_key)
     if not url:
         raise ValueError("base_url: not given, and neither TWINKLE_BASE_URL nor TINKER_BASE_URL "
                          "is set; pass e.g. base_url='http://127.0.0.1:8000'")
-    return url, setting(api_key, *API_KEY_ENV)
+    return url, key
 
 
 def open_connection(base_url: str | None, api_key: str | None, client_name: str, *,

@@ -28,9 +28,9 @@ from twinkle_client import errors, paths
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, session_pb2
 from twinkle_client.connection import (
     Connection,
+    env_endpoint,
     get_default_connection,
     set_default_connection,
-    setting,
 )
 
 CLIENT_NAME = "twinkle_client/0.1"
@@ -315,18 +315,20 @@ def init_twinkle_client(base_url: str | None = None, api_key: str | None = None
 
     Args:
         base_url: `http://host:port`, `https://host:port` or `host:port`; default the
-            environment variable TWINKLE_BASE_URL.
-        api_key: sent as `authorization: Bearer <key>`; default TWINKLE_API_KEY. An open
-            (keyless) server ignores it, so placeholders such as 'EMPTY_TOKEN' work there.
+            environment variable TWINKLE_BASE_URL, then TINKER_BASE_URL.
+        api_key: sent as `authorization: Bearer <key>`; default TWINKLE_API_KEY, then
+            TINKER_API_KEY. An open (keyless) server ignores it, so placeholders such as
+            'EMPTY_TOKEN' work there.
 
     Raises:
         ValueError: no base URL given or set in the environment, or a malformed one.
         TwinkleError subclasses: the server refused the session (e.g. a bad key).
     """
-    url = setting(base_url, "TWINKLE_BASE_URL")
+    url, key = env_endpoint(base_url, api_key)
     if not url:
-        raise ValueError("base_url: not given and TWINKLE_BASE_URL is not set; pass e.g. "
+        raise ValueError("base_url: not given and TWINKLE_BASE_URL is not set (nor "
+                         "TINKER_BASE_URL); pass e.g. "
                          "init_twinkle_client(base_url='http://127.0.0.1:8000')")
-    connection = Connection(url, setting(api_key, "TWINKLE_API_KEY"), client_name=CLIENT_NAME)
+    connection = Connection(url, key, client_name=CLIENT_NAME)
     set_default_connection(connection)
     return TwinkleClient(connection)

@@ -84,6 +84,23 @@ def setting(value: str | None, *env_names: str) -> str | None:
     return next((os.environ[name] for name in env_names if os.environ.get(name)), None)
 
 
+BASE_URL_ENV = ("TWINKLE_BASE_URL", "TINKER_BASE_URL")
+"""Where every client entry point looks for the server when given no base_url, in order."""
+API_KEY_ENV = ("TWINKLE_API_KEY", "TINKER_API_KEY")
+"""Where every client entry point looks for the API key when given none, in order."""
+
+
+def env_endpoint(base_url: str | None = None, api_key: str | None = None
+                 ) -> tuple[str | None, str | None]:
+    """The server URL and API key a client uses: each argument if given, else the first
+    of `BASE_URL_ENV` / `API_KEY_ENV` that is set and not empty, else None.
+
+    Example:
+        url, key = env_endpoint()   # with TWINKLE_BASE_URL=http://127.0.0.1:8000 exported
+    """
+    return setting(base_url, *BASE_URL_ENV), setting(api_key, *API_KEY_ENV)
+
+
 @dataclass
 class ForwardResult:
     """What a forward/forward_backward returns: per-datum outputs in datum order (each a
@@ -359,11 +376,13 @@ _default_lock = threading.Lock()
 
 def set_default_connection(connection: Connection | None) -> None:
     """Make `connection` the one that objects created without a client use
-    (`MultiLoraTransformersModel`, templates fetching a tokenizer)."""
+    (`MultiLoraTransformersModel`, templates fetching a tokenizer); None: no default.
+    `init_twinkle_client` and `init_tinker_client(base_url=...)` set it."""
     global _default
     with _default_lock:
         _default = connection
 
 
 def get_default_connection() -> Connection | None:
+    """The connection `set_default_connection` made the default, or None."""
     return _default

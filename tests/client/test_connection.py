@@ -155,8 +155,11 @@ def test_closing_the_connection_unloads_its_models_and_later_calls_fail(keyed_se
 
 
 @pytest.mark.integration
-def test_tokenizer_comes_from_the_server_and_refuses_unserved_names(keyed_server):
+def test_tokenizer_comes_from_the_server_and_refuses_unserved_names(keyed_server,
+                                                                    monkeypatch):
     proc, keys = keyed_server
+    for name in ("TWINKLE_BASE_URL", "TINKER_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
     with Connection(proc.address, keys["bob"], client_name="test") as conn:
         tokenizer = load_tokenizer("ms://tiny", conn)
         assert tokenizer.decode(tokenizer("hello world")["input_ids"]) == "hello world"

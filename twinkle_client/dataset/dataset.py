@@ -104,7 +104,8 @@ class Dataset:
         self.template = build_template(template, **kwargs)
 
     def map(self, fn: str | type | Callable[[Row], Mapping[str, Any]],
-            init_args: Mapping[str, Any] | None = None) -> None:
+            init_args: Mapping[str, Any] | None = None,
+            load_from_cache_file: bool = False) -> None:
         """Replace every row by `fn(row)`.
 
         Args:
@@ -112,6 +113,9 @@ class Dataset:
                 `init_args`), or the name of a registered preprocessor
                 (`'SelfCognitionProcessor'`, `'GSM8KProcessor'`).
             init_args: keyword arguments for a class or name; not allowed with a callable.
+            load_from_cache_file: accepted for code written against datasets-backed
+                Datasets (the seed article passes False); rows live in memory and are
+                always computed, so there is no cache file to load either way.
 
         Raises:
             DatasetError: `fn` fails on a row or returns something other than a dict; the
@@ -138,7 +142,8 @@ class Dataset:
         self.rows = [row for row in self.rows if fn(row)]
 
     def encode(self, batched: bool = True, add_generation_prompt: bool = False,
-               batch_size: int = DEFAULT_ENCODE_BATCH_SIZE, progress: bool = True) -> None:
+               batch_size: int = DEFAULT_ENCODE_BATCH_SIZE, progress: bool = True,
+               load_from_cache_file: bool = False) -> None:
         """Tokenize every row's `messages` with the template, in place.
 
         Each row keeps its fields and gains `input_ids` and shifted `labels` (numpy int64;
@@ -150,6 +155,7 @@ class Dataset:
             add_generation_prompt: encode prompts for sampling instead of training rows.
             batch_size: rows per tokenizer call when batched.
             progress: show a tqdm progress bar.
+            load_from_cache_file: as in `map`: accepted, and there is no cache to load.
 
         Raises:
             DatasetError: no template was set, or a bad `batch_size`.
