@@ -302,6 +302,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                                  lambda: self.rt.engine.get_train_configs(mid))
         return tpb.TrainConfigs(json=json.dumps(configs, default=str))
 
+    @unary
+    async def SkipSeq(self, request, context):
+        await self._op(context, request.op, "skip_seq", lambda: None)
+        return tpb.OpResponse()
+
     # ------------------------------------------------------------------ checkpoints
 
     async def _save(self, request, context, kind: str) -> tpb.SaveResponse:

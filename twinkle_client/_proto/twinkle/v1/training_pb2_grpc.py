@@ -110,6 +110,11 @@ class TrainingServiceStub:
                 request_serializer=twinkle_dot_v1_dot_training__pb2.OpRequest.SerializeToString,
                 response_deserializer=twinkle_dot_v1_dot_training__pb2.TrainConfigs.FromString,
                 _registered_method=True)
+        self.SkipSeq = channel.unary_unary(
+                '/twinkle.v1.TrainingService/SkipSeq',
+                request_serializer=twinkle_dot_v1_dot_training__pb2.OpRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_training__pb2.OpResponse.FromString,
+                _registered_method=True)
         self.SaveState = channel.unary_unary(
                 '/twinkle.v1.TrainingService/SaveState',
                 request_serializer=twinkle_dot_v1_dot_training__pb2.SaveRequest.SerializeToString,
@@ -223,6 +228,14 @@ class TrainingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SkipSeq(self, request, context):
+        """Spends a seq_id the client reserved but will send no op under (the op failed in
+        the client's hands), so the model's later ops do not wait for it. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SaveState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -318,6 +331,11 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.GetTrainConfigs,
                     request_deserializer=twinkle_dot_v1_dot_training__pb2.OpRequest.FromString,
                     response_serializer=twinkle_dot_v1_dot_training__pb2.TrainConfigs.SerializeToString,
+            ),
+            'SkipSeq': grpc.unary_unary_rpc_method_handler(
+                    servicer.SkipSeq,
+                    request_deserializer=twinkle_dot_v1_dot_training__pb2.OpRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_training__pb2.OpResponse.SerializeToString,
             ),
             'SaveState': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveState,
@@ -740,6 +758,33 @@ class TrainingService:
             '/twinkle.v1.TrainingService/GetTrainConfigs',
             twinkle_dot_v1_dot_training__pb2.OpRequest.SerializeToString,
             twinkle_dot_v1_dot_training__pb2.TrainConfigs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SkipSeq(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.TrainingService/SkipSeq',
+            twinkle_dot_v1_dot_training__pb2.OpRequest.SerializeToString,
+            twinkle_dot_v1_dot_training__pb2.OpResponse.FromString,
             options,
             channel_credentials,
             insecure,
