@@ -522,10 +522,11 @@ def test_plan_batch_starts_at_start_index_and_wraps_around():
             plan_batch(heads, "merged", 10, start_index=bad)
 
 
-def test_refusals_belong_to_the_families_the_service_maps():
-    from twinkle_server.engine.errors import FailedPrecondition
+def test_refusals_belong_to_the_one_error_family_the_fronts_map():
+    from twinkle_server.engine.errors import FailedPrecondition, NotFound, Unavailable
     assert issubclass(OutOfOrder, FailedPrecondition)
-    assert issubclass(UnknownQueue, LookupError)
+    assert issubclass(UnknownQueue, NotFound)
+    assert issubclass(SchedulerClosed, Unavailable)
     assert str(UnknownQueue("model_id: x")) == "model_id: x"  # no KeyError-style quotes
 
 

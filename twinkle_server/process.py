@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from twinkle_server.service.health import is_serving
 
 STARTUP_TIMEOUT_S = 120
 
@@ -62,10 +61,7 @@ def start_server(data_dir: Path, *extra: str, tls_ca: bytes | None = None) -> Se
     if address is None:
         proc.kill()
         raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca))
-               if tls_ca is not None else grpc.insecure_channel(address))
-    with channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                           timeout=30)
-        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    if not is_serving(address, tls_ca):
+        proc.kill()
+        raise RuntimeError(f"server is not SERVING:\n{log_path.read_text()}")
     return ServerProcess(proc, address, data_dir, log_path)

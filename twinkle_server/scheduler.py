@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
+from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 Mode = Literal["merged", "timeshare"]
 MODES: tuple[str, ...] = ("merged", "timeshare")
@@ -53,7 +53,7 @@ def default_token_budget(device_type: str) -> int:
     return CPU_TOKEN_BUDGET if device_type == "cpu" else ACCELERATOR_TOKEN_BUDGET
 
 
-class SchedulerClosed(Exception):
+class SchedulerClosed(Unavailable):
     """The server is shutting down; the op was not run."""
 
 
@@ -61,11 +61,8 @@ class OutOfOrder(FailedPrecondition):
     """The op's seq_id can never run (too old and forgotten, too far ahead, or reused)."""
 
 
-class UnknownQueue(LookupError):
-    """No model or sampling session with this id is registered.
-
-    A `LookupError` like `KeyError`, without `KeyError`'s quoting of the message.
-    """
+class UnknownQueue(NotFound):
+    """No model or sampling session with this id is registered."""
 
 
 @dataclass(frozen=True)

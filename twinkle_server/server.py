@@ -115,5 +115,6 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     expiry.cancel()
     await asyncio.to_thread(rt.scheduler.stop, True, 60.0)
     await server.stop(grace=5.0)
+    rt.close()
     store.close()
     log.info("stopped")

@@ -89,7 +89,12 @@ class CheckpointRow:
 
 
 class Store:
-    """Thread-safe access to the registry; one connection guarded by a lock."""
+    """Thread-safe access to the registry: one connection for writes, one for reads.
+
+    Each has its own lock, so under WAL a read never waits for a write's fsync: the
+    runtime writes from a thread of its own and reads (key lookups on every request)
+    from the event loop.
+    """
 
     def __init__(self, data_dir: str | Path) -> None:
         self.data_dir = Path(data_dir)
@@ -101,15 +106,25 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._read_lock = threading.Lock()
+        self._reader = sqlite3.connect(self.data_dir / "twinkle.db", check_same_thread=False,
+                                       isolation_level=None)
 
     def close(self) -> None:
+        with self._read_lock:
+            self._reader.close()
         with self._lock:
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._read_lock:
+            return self._reader.execute(sql, args).fetchall()
+
+    def _write(self, sql: str, args: tuple = ()) -> int:
+        """Run one write statement; returns the number of rows it changed."""
         with self._lock:
-            return self._db.execute(sql, args).fetchall()
+            return self._db.execute(sql, args).rowcount
 
     # ------------------------------------------------------------------ keys
 
@@ -119,7 +134,7 @@ class Store:
             raise ValueError("tenant: use 1-64 letters, digits, '-' or '_'")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = secrets.token_hex(4)
-        self._query("INSERT INTO api_keys VALUES (?, ?, ?, ?, NULL)",
+        self._write("INSERT INTO api_keys VALUES (?, ?, ?, ?, NULL)",
                     (hash_key(key), key_id, tenant, time.time()))
         return key_id, key
 
@@ -129,10 +144,8 @@ class Store:
         return [KeyRow(*r) for r in rows]
 
     def revoke_key(self, key_id: str) -> bool:
-        with self._lock:
-            cur = self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? "
-                                   "AND revoked_at IS NULL", (time.time(), key_id))
-            return cur.rowcount > 0
+        return self._write("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? "
+                           "AND revoked_at IS NULL", (time.time(), key_id)) > 0
 
     def has_keys(self) -> bool:
         return bool(self._query("SELECT 1 FROM api_keys LIMIT 1"))
@@ -152,7 +165,7 @@ class Store:
     def create_session(self, tenant: str, tags: dict[str, str]) -> str:
         session_id = "sess-" + secrets.token_hex(8)
         now = time.time()
-        self._query("INSERT INTO sessions VALUES (?, ?, ?, ?, NULL, ?)",
+        self._write("INSERT INTO sessions VALUES (?, ?, ?, ?, NULL, ?)",
                     (session_id, tenant, now, now, json.dumps(tags)))
         return session_id
 
@@ -162,11 +175,11 @@ class Store:
         return rows[0][0] if rows else None
 
     def heartbeat(self, session_id: str) -> None:
-        self._query("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?",
+        self._write("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?",
                     (time.time(), session_id))
 
     def close_session(self, session_id: str) -> None:
-        self._query("UPDATE sessions SET closed_at = ? WHERE session_id = ?",
+        self._write("UPDATE sessions SET closed_at = ? WHERE session_id = ?",
                     (time.time(), session_id))
 
     def open_sessions(self, tenant: str) -> int:
@@ -183,13 +196,13 @@ class Store:
     def create_run(self, run_id: str, tenant: str, base_model: str, lora: dict[str, Any],
                    user_metadata: dict[str, str], session_id: str | None) -> RunRow:
         now = time.time()
-        self._query("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        self._write("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (run_id, tenant, base_model, json.dumps(lora), json.dumps(user_metadata),
                      session_id, now, now))
         return self.get_run(tenant, run_id)  # type: ignore[return-value]
 
     def touch_run(self, run_id: str) -> None:
-        self._query("UPDATE runs SET last_request_time = ? WHERE run_id = ?",
+        self._write("UPDATE runs SET last_request_time = ? WHERE run_id = ?",
                     (time.time(), run_id))
 
     def get_run(self, tenant: str, run_id: str) -> RunRow | None:
@@ -211,7 +224,7 @@ class Store:
         return self.checkpoint_root / tenant / run_id / segment / name
 
     def add_checkpoint(self, row: CheckpointRow) -> None:
-        self._query("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self._write("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (row.run_id, row.kind, row.name, row.tenant, row.rel_path, row.size_bytes,
                      int(row.has_optimizer), row.created_at, json.dumps(row.user_metadata)))
 
@@ -237,7 +250,7 @@ class Store:
         return [_checkpoint(r) for r in rows], total
 
     def delete_checkpoint(self, row: CheckpointRow) -> None:
-        self._query("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+        self._write("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
                     (row.run_id, row.kind, row.name))
 
 

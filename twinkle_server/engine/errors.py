@@ -1,7 +1,8 @@
-"""The engine's one exception family.
+"""The server's one exception family: the engine's errors and the runtime's.
 
-Each class names a category; `twinkle_server.service.errors` maps categories to gRPC
-status codes, so the engine never imports gRPC. Messages name the field and the limit.
+Each class names a category; each front maps categories to its status codes (the gRPC
+front in `twinkle_server.service.errors`), so nothing below the fronts knows a protocol.
+Messages name the field and the limit.
 """
 
 from __future__ import annotations
@@ -35,3 +36,15 @@ class FailedPrecondition(EngineError):
     """The request is valid but the state does not allow it now (e.g. no optimizer set)."""
 
     category = "failed_precondition"
+
+
+class Unauthenticated(EngineError):
+    """No valid API key came with the request (raised by the runtime, never the engine)."""
+
+    category = "unauthenticated"
+
+
+class Unavailable(EngineError):
+    """The server cannot take the request now (shutting down); retry elsewhere or later."""
+
+    category = "unavailable"

@@ -1,4 +1,5 @@
-"""What every servicer shares: the exception-to-status wrappers and proto conversions."""
+"""What every servicer shares: the exception-to-status wrappers, auth metadata and proto
+conversions."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from twinkle_client import paths
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.service.errors import ServiceError, status_for
+from twinkle_server.runtime import CheckpointRef, OpRef, Runtime
+from twinkle_server.runtime.runs import RunView
+from twinkle_server.service.errors import status_for
 from twinkle_server.store import CheckpointRow, RunRow
 
 
@@ -45,21 +50,22 @@ def streaming(fn: Callable) -> Callable:
     return wrapper
 
 
-MAX_METADATA_ENTRIES = 64
-MAX_METADATA_BYTES = 16 * 1024
-"""Caps on user metadata and session tags: they are stored in SQLite and returned with
-every run listing, so one request must not be able to bloat either."""
+def tenant_of(rt: Runtime, context: grpc.aio.ServicerContext) -> str:
+    """The calling tenant from `authorization: Bearer <key>` metadata."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return rt.authenticate(value[7:] if value.startswith("Bearer ") else "")
+    return rt.authenticate(None)
 
 
-def metadata_of(values: Any, field: str) -> dict[str, str]:
-    """A copy of a string map from the wire, refused when over the caps above."""
-    out = dict(values)
-    size = sum(len(k.encode()) + len(v.encode()) for k, v in out.items())
-    if len(out) > MAX_METADATA_ENTRIES or size > MAX_METADATA_BYTES:
-        raise ServiceError("invalid_argument",
-                           f"{field}: {len(out)} entries, {size} bytes; at most "
-                           f"{MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes")
-    return out
+def op_ref(header: pb.OpHeader) -> OpRef:
+    return OpRef(header.model_id, header.seq_id, header.request_id)
+
+
+def checkpoint_ref(text: str, field: str = "path") -> CheckpointRef:
+    """A `twinkle://` or `tinker://` checkpoint path, parsed (raises `PathError`)."""
+    path = paths.parse(text, field)
+    return CheckpointRef(path.run_id, path.kind, path.name, text, field)
 
 
 def kwargs_of(struct) -> dict[str, Any]:
@@ -77,8 +83,6 @@ def spec_from_proto(lora: pb.LoraConfig) -> LoraSpec:
     spec = LoraSpec.from_tinker(lora.rank, seed, lora.train_mlp, lora.train_attn,
                                 lora.train_unembed)
     if not spec.target_modules:
-        from twinkle_server.engine.errors import InvalidArgument
-
         raise InvalidArgument("lora: train_mlp, train_attn and train_unembed are all false; "
                               "the adapter would train nothing")
     return LoraSpec(rank=spec.rank, alpha=lora.alpha or spec.alpha, dropout=lora.dropout,
@@ -99,13 +103,6 @@ def spec_to_proto(spec: LoraSpec) -> pb.LoraConfig:
     return out
 
 
-def spec_to_json(spec: LoraSpec) -> dict[str, Any]:
-    targets = spec.target_modules
-    return {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
-            "target_modules": targets if isinstance(targets, str) else list(targets),
-            "use_rslora": spec.use_rslora, "seed": spec.seed}
-
-
 def checkpoint_to_proto(row: CheckpointRow, run: RunRow | None) -> pb.Checkpoint:
     return pb.Checkpoint(
         checkpoint_id=row.checkpoint_id, checkpoint_type=row.kind,
@@ -115,14 +112,15 @@ def checkpoint_to_proto(row: CheckpointRow, run: RunRow | None) -> pb.Checkpoint
         user_metadata=row.user_metadata)
 
 
-def run_to_proto(run: RunRow, loaded: bool, last: CheckpointRow | None,
-                 last_sampler: CheckpointRow | None) -> pb.TrainingRun:
+def run_to_proto(view: RunView) -> pb.TrainingRun:
+    run = view.run
     out = pb.TrainingRun(run_id=run.run_id, base_model=run.base_model, owner=run.tenant,
                          is_lora=True, lora_rank=int(run.lora["rank"]), created_at=run.created_at,
                          last_request_time=run.last_request_time,
-                         user_metadata=run.user_metadata, loaded=loaded)
-    if last is not None:
-        out.last_checkpoint.CopyFrom(checkpoint_to_proto(last, run))
-    if last_sampler is not None:
-        out.last_sampler_checkpoint.CopyFrom(checkpoint_to_proto(last_sampler, run))
+                         user_metadata=run.user_metadata, loaded=view.loaded)
+    if view.last_checkpoint is not None:
+        out.last_checkpoint.CopyFrom(checkpoint_to_proto(view.last_checkpoint, run))
+    if view.last_sampler_checkpoint is not None:
+        out.last_sampler_checkpoint.CopyFrom(checkpoint_to_proto(view.last_sampler_checkpoint,
+                                                                 run))
     return out

@@ -1,7 +1,8 @@
 """The one mapping from internal failures to gRPC status codes.
 
-Every servicer raises or returns internal exceptions; `status_for` turns each into a
-code and a message that names the field and the limit.
+The runtime raises the one error family (`twinkle_server.engine.errors`); decoding the
+wire raises the codec's `WireError`/`PathError`. `status_for` turns each into a code and
+a message that names the field and the limit.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import grpc
 from twinkle_client.paths import PathError
 from twinkle_client.wire import WireError
 from twinkle_server.engine.errors import EngineError
-from twinkle_server.scheduler import OutOfOrder, SchedulerClosed, UnknownQueue
 
 log = logging.getLogger(__name__)
 
@@ -28,31 +28,13 @@ _CODES = {
 }
 
 
-class ServiceError(Exception):
-    """A failure raised by a servicer itself, with its category."""
-
-    def __init__(self, category: str, message: str) -> None:
-        super().__init__(message)
-        self.category = category
-
-
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, ServiceError | EngineError):
+    if isinstance(exc, EngineError):
         return _CODES.get(exc.category, grpc.StatusCode.INTERNAL), str(exc)
     if isinstance(exc, WireError | PathError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, UnknownQueue):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, OutOfOrder):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, SchedulerClosed):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "server out of memory for this request"
     log.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
-
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code, message = status_for(exc)
-    await context.abort(code, message)

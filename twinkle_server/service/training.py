@@ -1,12 +1,9 @@
-"""TrainingService: models (one adapter each) and every op of a training loop."""
+"""TrainingService: proto -> `runtime.training` verbs -> proto."""
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -17,146 +14,90 @@ from twinkle_client._proto.twinkle.v1 import training_pb2_grpc
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.types import AdamParams, Datum, LossSpec
-from twinkle_server.executor import FORWARD
-from twinkle_server.runtime import ModelEntry, Runtime
-from twinkle_server.scheduler import Op
+from twinkle_server.runtime import Runtime
+from twinkle_server.runtime.training import ModelInfo
 from twinkle_server.service.common import (
+    checkpoint_ref,
     checkpoint_to_proto,
     kwargs_of,
-    metadata_of,
+    op_ref,
     spec_from_proto,
-    spec_to_json,
     spec_to_proto,
     streaming,
+    tenant_of,
     unary,
 )
-from twinkle_server.service.errors import ServiceError
-from twinkle_server.store import CheckpointRow
 
 
-def resolve_checkpoint(rt: Runtime, tenant: str, path: str, field: str = "path"
-                       ) -> tuple[CheckpointRow, Path]:
-    """A tenant's checkpoint by twinkle:// or tinker:// path; others' look like nothing."""
-    ref = paths.parse(path, field)
-    row = rt.store.get_checkpoint(tenant, ref.run_id, ref.kind, ref.name)
-    if row is None:
-        raise ServiceError("not_found", f"{field}: no checkpoint {path!r}")
-    return row, rt.store.checkpoint_root / row.rel_path
+def info_to_proto(info: ModelInfo) -> tpb.ModelInfo:
+    return tpb.ModelInfo(
+        model_id=info.entry.model_id, base_model=info.entry.base_model, arch=info.arch,
+        tokenizer_id=info.entry.base_model, is_lora=True, lora=spec_to_proto(info.spec),
+        next_seq_id=info.next_seq_id, target_modules=info.target_modules,
+        trainable_params=info.trainable_params, state_bytes=info.state_bytes)
+
+
+def loss_of(loss: pb.LossFn) -> LossSpec | None:
+    return LossSpec(loss.name, dict(loss.config)) if loss.name else None
 
 
 class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        self.verbs = rt.training
 
     # ------------------------------------------------------------------ models
 
-    def _info(self, entry: ModelEntry) -> tpb.ModelInfo:
-        info = self.rt.engine.adapter_info(entry.model_id)
-        base = self.rt.engine.base
-        return tpb.ModelInfo(
-            model_id=entry.model_id, base_model=entry.base_model, arch=base.arch,
-            tokenizer_id=entry.base_model, is_lora=True, lora=spec_to_proto(info["spec"]),
-            next_seq_id=self.rt.scheduler.next_seq(entry.model_id),
-            target_modules=info["target_modules"], trainable_params=info["trainable_params"],
-            state_bytes=info["state_bytes"])
-
     @unary
     async def CreateModel(self, request, context):
-        rt = self.rt
-        tenant = rt.tenant(context)
-        if request.session_id and rt.store.session_tenant(request.session_id) != tenant:
-            raise ServiceError("not_found", f"session_id: no session {request.session_id!r}")
-        metadata = metadata_of(request.user_metadata, "user_metadata")
-        base_name = request.base_model or rt.config.model
-        rt.check_base_model(base_name)
-        owned = sum(1 for e in rt.models.values() if e.tenant == tenant)
-        if owned >= rt.config.max_adapters_per_tenant:
-            raise ServiceError("resource_exhausted",
-                               f"adapters: tenant already has {owned} adapters loaded, the "
-                               f"per-tenant limit (--max-adapters-per-tenant "
-                               f"{rt.config.max_adapters_per_tenant}); unload one first")
-        source = None
-        if request.from_checkpoint:
-            _, source = resolve_checkpoint(rt, tenant, request.from_checkpoint,
-                                           "from_checkpoint")
-            spec = rt.engine.read_checkpoint_spec(source)
-        else:
-            spec = spec_from_proto(request.lora)
-        accum = request.gradient_accumulation_steps or 1
-        model_id = rt.new_model_id()
-
-        def create() -> None:
-            rt.engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum)
-            if source is not None:
-                try:
-                    rt.engine.load_state(model_id, source, include_optimizer=request.load_optimizer,
-                                         adopt_accumulation=not request.gradient_accumulation_steps)
-                except EngineError:
-                    rt.engine.remove_adapter(model_id)
-                    raise
-        await rt.admin("create_model", create)
-        entry = ModelEntry(model_id, tenant, request.session_id or None, base_name)
-        rt.models[model_id] = entry
-        rt.scheduler.register_model(model_id)
-        rt.store.create_run(model_id, tenant, base_name,
-                            spec_to_json(rt.engine.adapters[model_id].spec),
-                            metadata, request.session_id or None)
-        return self._info(entry)
+        tenant = tenant_of(self.rt, context)
+        source = (checkpoint_ref(request.from_checkpoint, "from_checkpoint")
+                  if request.from_checkpoint else None)
+        info = await self.verbs.create_model(
+            tenant, spec=None if source else spec_from_proto(request.lora),
+            from_checkpoint=source, load_optimizer=request.load_optimizer,
+            session_id=request.session_id, base_model=request.base_model,
+            user_metadata=request.user_metadata,
+            gradient_accumulation_steps=request.gradient_accumulation_steps)
+        return info_to_proto(info)
 
     @unary
     async def GetInfo(self, request, context):
-        entry = self.rt.model_of(self.rt.tenant(context), request.model_id)
-        return self._info(entry)
+        return info_to_proto(self.verbs.info(tenant_of(self.rt, context), request.model_id))
 
     @unary
     async def UnloadModel(self, request, context):
-        self.rt.model_of(self.rt.tenant(context), request.model_id)
-        await self.rt.unload(request.model_id, "unloaded by its owner")
+        await self.verbs.unload_model(tenant_of(self.rt, context), request.model_id)
         return pb.Empty()
 
-    # ------------------------------------------------------------------ ordered ops
+    # ------------------------------------------------------------------ forward
 
-    async def _op(self, context, header: pb.OpHeader, kind: str, fn: Callable[[], Any],
-                  prepare: Callable[[], Any] | None = None) -> Any:
-        """Run `fn` as the model's op `header.seq_id`.
+    async def _read_forward(self, request_iterator, context, backward: bool):
+        """Read every chunk and decode it; returns (tenant, header, request or refusal).
 
-        `prepare` does the request's own checks; if it fails, the failure is stored as
-        this seq's result, so the model's later ops are not left waiting for it.
+        A refusal found while reading (a bad chunk, too many datums or tokens) still
+        reads the stream to its end, then takes the op's seq_id as its result.
         """
-        tenant = self.rt.tenant(context)
-        self.rt.model_of(tenant, header.model_id)
-        self.rt.store.touch_run(header.model_id)
-        op = Op(header.model_id, header.seq_id, kind, None, 0, fn, header.request_id)
-        if prepare is not None:
-            try:
-                prepare()
-            except Exception as exc:
-                op = Op.failed(header.model_id, header.seq_id, kind, exc, header.request_id)
-        return await self.rt.run(op)
-
-    async def _read_forward(self, request_iterator, context, backward: bool
-                            ) -> tuple[pb.OpHeader, Op]:
-        """Read every chunk, decode and validate; returns the op to run (or a failing op)."""
-        rt = self.rt
-        header = None
+        cfg = self.rt.config
+        tenant = header = None
         datums: list[Datum] = []
         tokens = 0
         error: Exception | None = None
         async for chunk in request_iterator:
             if header is None:
                 if not chunk.HasField("header"):
-                    raise ServiceError("invalid_argument", "header: the first chunk must carry "
-                                                           "the ForwardHeader")
+                    raise InvalidArgument("header: the first chunk must carry the "
+                                          "ForwardHeader")
                 header = chunk.header
-                tenant = rt.tenant(context)
-                rt.model_of(tenant, header.op.model_id)
+                tenant = tenant_of(self.rt, context)
+                self.rt.model_of(tenant, header.op.model_id)
                 if header.num_datums < 0:
                     error = InvalidArgument(f"num_datums: must not be negative, got "
                                             f"{header.num_datums}")
-                elif header.num_datums > rt.config.max_batch_tokens:
+                elif header.num_datums > cfg.max_batch_tokens:
                     error = InvalidArgument(
                         f"num_datums: {header.num_datums} datums need more than the "
-                        f"{rt.config.max_batch_tokens} tokens one request may hold "
+                        f"{cfg.max_batch_tokens} tokens one request may hold "
                         "(--max-batch-tokens); split the batch")
             if error is not None:
                 continue
@@ -170,40 +111,38 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             try:
                 unpacked = wire.unpack_datums(chunk.batch, len(datums))
                 tokens += sum(datum.num_tokens for datum in unpacked)
-                if tokens > rt.config.max_batch_tokens:
+                if tokens > cfg.max_batch_tokens:
                     raise InvalidArgument(
-                        f"data: more than {rt.config.max_batch_tokens} tokens in one request "
+                        f"data: more than {cfg.max_batch_tokens} tokens in one request "
                         "(--max-batch-tokens); split the batch")
-                datums.extend(unpacked)
+                datums.extend(Datum(d.input_ids, d.loss_inputs) for d in unpacked)
             except (wire.WireError, EngineError) as exc:
                 error = exc
         if header is None:
-            raise ServiceError("invalid_argument", "data: the stream carried no chunks")
+            raise InvalidArgument("data: the stream carried no chunks")
         if error is None and len(datums) < header.num_datums:
             # A stream cut short (its client gone, or a bug): nothing runs and the seq_id
             # stays free, so a retry of the whole op under the same seq_id still applies.
-            raise ServiceError("invalid_argument", f"num_datums: header says "
-                                                   f"{header.num_datums} but {len(datums)} "
-                                                   "datums arrived; the op did not run")
-        loss = LossSpec(header.loss.name, dict(header.loss.config)) if header.loss.name else None
-        request = ForwardRequest(header.op.model_id, datums, loss, backward)
+            raise InvalidArgument(f"num_datums: header says {header.num_datums} but "
+                                  f"{len(datums)} datums arrived; the op did not run")
         if error is None:
             try:
-                rt.engine.check_forward(request)  # the adapter's own checks run in its op
+                return tenant, header, self.verbs.forward_request(
+                    tenant, header.op.model_id, datums, loss_of(header.loss), backward)
             except EngineError as exc:
                 error = exc
-        kind = "forward_backward" if backward else "forward"
-        if error is not None:
-            return header.op, Op.failed(header.op.model_id, header.op.seq_id, kind, error,
-                                        header.op.request_id)
-        return header.op, Op(header.op.model_id, header.op.seq_id, kind, FORWARD, tokens,
-                             request, header.op.request_id)
+        return tenant, header, error
 
     async def _forward(self, request_iterator, context, backward: bool
                        ) -> AsyncIterator[tpb.ForwardResultChunk]:
-        op_header, op = await self._read_forward(request_iterator, context, backward)
-        self.rt.store.touch_run(op_header.model_id)
-        result = await self.rt.run(op)
+        tenant, header, request = await self._read_forward(request_iterator, context,
+                                                           backward)
+        ref = op_ref(header.op)
+        if isinstance(request, ForwardRequest):
+            result = await self.verbs.forward(tenant, ref, request)
+        else:  # a retry of a seq_id that already ran gets that run's result instead
+            result = await self.verbs.refuse(ref, "forward_backward" if backward else "forward",
+                                             request)
         chunk = tpb.ForwardResultChunk()
         size = 0
         for lp in result.logprobs:
@@ -230,114 +169,90 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         async for chunk in self._forward(request_iterator, context, backward=True):
             yield chunk
 
+    # ------------------------------------------------------------------ optimizer and loop
+
     @unary
     async def OptimStep(self, request, context):
         a = request.adam
         adam = AdamParams(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2,
                           eps=a.eps, weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm)
-        mid = request.op.model_id
-        metrics = await self._op(context, request.op, "optim_step",
-                                 lambda: self.rt.engine.optim_step(mid, adam))
+        metrics = await self.verbs.optim_step(tenant_of(self.rt, context), op_ref(request.op),
+                                              adam)
         return tpb.MetricsResponse(metrics=metrics)
 
     @unary
     async def SetOptimizer(self, request, context):
-        kwargs, mid = kwargs_of(request.kwargs), request.op.model_id
-        await self._op(context, request.op, "set_optimizer",
-                       lambda: self.rt.engine.set_optimizer(mid, request.name, kwargs))
+        await self.verbs.set_optimizer(tenant_of(self.rt, context), op_ref(request.op),
+                                       request.name, kwargs_of(request.kwargs))
         return tpb.OpResponse()
 
     @unary
     async def SetLrScheduler(self, request, context):
-        kwargs, mid = kwargs_of(request.kwargs), request.op.model_id
-        await self._op(context, request.op, "set_lr_scheduler",
-                       lambda: self.rt.engine.set_lr_scheduler(mid, request.name, kwargs))
+        await self.verbs.set_lr_scheduler(tenant_of(self.rt, context), op_ref(request.op),
+                                          request.name, kwargs_of(request.kwargs))
         return tpb.OpResponse()
 
     @unary
     async def SetLoss(self, request, context):
-        loss, mid = LossSpec(request.loss.name, dict(request.loss.config)), request.op.model_id
-        await self._op(context, request.op, "set_loss",
-                       lambda: self.rt.engine.set_loss(mid, loss))
+        await self.verbs.set_loss(tenant_of(self.rt, context), op_ref(request.op),
+                                  LossSpec(request.loss.name, dict(request.loss.config)))
         return tpb.OpResponse()
 
     @unary
     async def ClipGradNorm(self, request, context):
-        mid = request.op.model_id
-        norm = await self._op(context, request.op, "clip_grad_norm",
-                              lambda: self.rt.engine.clip_grad_norm(mid, request.max_norm))
+        norm = await self.verbs.clip_grad_norm(tenant_of(self.rt, context), op_ref(request.op),
+                                               request.max_norm)
         return tpb.MetricsResponse(metrics={"grad_norm": norm})
 
     @unary
     async def Step(self, request, context):
-        mid = request.op.model_id
-        metrics = await self._op(context, request.op, "step", lambda: self.rt.engine.step(mid))
+        metrics = await self.verbs.step(tenant_of(self.rt, context), op_ref(request.op))
         return tpb.MetricsResponse(metrics=metrics)
 
     @unary
     async def ZeroGrad(self, request, context):
-        mid = request.op.model_id
-        await self._op(context, request.op, "zero_grad", lambda: self.rt.engine.zero_grad(mid))
+        await self.verbs.zero_grad(tenant_of(self.rt, context), op_ref(request.op))
         return tpb.OpResponse()
 
     @unary
     async def LrStep(self, request, context):
-        mid = request.op.model_id
-        await self._op(context, request.op, "lr_step", lambda: self.rt.engine.lr_step(mid))
+        await self.verbs.lr_step(tenant_of(self.rt, context), op_ref(request.op))
         return tpb.OpResponse()
 
     @unary
     async def CalculateMetric(self, request, context):
-        mid = request.op.model_id
-        metrics = await self._op(
-            context, request.op, "calculate_metric",
-            lambda: self.rt.engine.calculate_metric(mid, request.is_training))
+        metrics = await self.verbs.calculate_metric(tenant_of(self.rt, context),
+                                                    op_ref(request.op), request.is_training)
         return tpb.MetricsResponse(metrics={k: float(v) for k, v in metrics.items()
                                             if np.isfinite(v)})
 
     @unary
     async def GetTrainConfigs(self, request, context):
-        mid = request.op.model_id
-        configs = await self._op(context, request.op, "get_train_configs",
-                                 lambda: self.rt.engine.get_train_configs(mid))
+        configs = await self.verbs.get_train_configs(tenant_of(self.rt, context),
+                                                     op_ref(request.op))
         return tpb.TrainConfigs(json=json.dumps(configs, default=str))
 
     @unary
     async def SkipSeq(self, request, context):
-        await self._op(context, request.op, "skip_seq", lambda: None)
+        await self.verbs.skip_seq(tenant_of(self.rt, context), op_ref(request.op))
         return tpb.OpResponse()
 
     # ------------------------------------------------------------------ checkpoints
 
     async def _save(self, request, context, kind: str) -> tpb.SaveResponse:
-        rt = self.rt
-        tenant = rt.tenant(context)
-        mid = request.op.model_id
-        target = rt.store.checkpoint_dir(tenant, mid, kind, "_")
-        with_optimizer = kind == "training" and request.include_optimizer
-        metadata: dict[str, str] = {}
-
-        def check() -> None:
-            nonlocal target, metadata
-            target = rt.store.checkpoint_dir(tenant, mid, kind, paths.check_name(request.name))
-            metadata = metadata_of(request.user_metadata, "user_metadata")
-
-        def save() -> CheckpointRow:
-            if kind == "sampler":
-                size = rt.engine.save_weights(mid, target, overwrite=request.overwrite)
-            else:
-                size = rt.engine.save_state(mid, target, include_optimizer=with_optimizer,
-                                            overwrite=request.overwrite)
-            # Recorded inside the op, so the model's next op (a pipelined load of this
-            # name) finds it.
-            row = CheckpointRow(mid, kind, request.name, tenant,
-                                str(target.relative_to(rt.store.checkpoint_root)), size,
-                                with_optimizer, time.time(), metadata)
-            rt.store.add_checkpoint(row)
-            return row
-
-        row = await self._op(context, request.op, f"save_{kind}", save, prepare=check)
-        proto = checkpoint_to_proto(row, rt.store.get_run(tenant, mid))
+        tenant = tenant_of(self.rt, context)
+        ref = op_ref(request.op)
+        try:
+            name = paths.check_name(request.name)
+        except paths.PathError as exc:
+            self.rt.model_of(tenant, ref.model_id)
+            row = await self.verbs.refuse(ref, f"save_{kind}", exc)
+        else:
+            row = await self.verbs.save(tenant, ref, kind, name,
+                                        include_optimizer=request.include_optimizer,
+                                        overwrite=request.overwrite,
+                                        user_metadata=request.user_metadata)
+        proto = checkpoint_to_proto(row, self.rt.store.get_run(tenant, row.run_id))
         return tpb.SaveResponse(path=proto.path, checkpoint=proto)
 
     @unary
@@ -350,13 +265,13 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
     @unary
     async def LoadState(self, request, context):
-        tenant = self.rt.tenant(context)
-        mid = request.op.model_id
-
-        def load() -> None:
-            # Resolved in the op: a save queued before this load has recorded its path.
-            _, source = resolve_checkpoint(self.rt, tenant, request.path)
-            self.rt.engine.load_state(mid, source, request.include_optimizer)
-
-        await self._op(context, request.op, "load_state", load)
+        tenant = tenant_of(self.rt, context)
+        ref = op_ref(request.op)
+        try:
+            source = checkpoint_ref(request.path)
+        except paths.PathError as exc:
+            self.rt.model_of(tenant, ref.model_id)
+            await self.verbs.refuse(ref, "load_state", exc)
+        else:
+            await self.verbs.load(tenant, ref, source, request.include_optimizer)
         return tpb.OpResponse()

@@ -1,0 +1,110 @@
+"""The runtime's training verbs in-process, with the real tiny engine and store and no
+gRPC: ops of a model run against the state its earlier ops left, in seq order, however
+long the worker is busy; refusals take their seq_id; ownership hides other tenants'."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
+from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
+from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.store import Store
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_cache) -> Engine:
+    return Engine.load("tiny", cache_dir=str(tiny_cache))
+
+
+@pytest.fixture
+def runtime(engine, tmp_path):
+    rt = Runtime(ServerConfig(data_dir=tmp_path), engine, Store(tmp_path))
+    rt.scheduler.start()
+    yield rt
+    rt.scheduler.stop(drain=True, timeout=60)
+    for model_id in list(rt.models):
+        engine.remove_adapter(model_id)
+    rt.close()
+    rt.store.close()
+
+
+def _datums(n: int = 2, length: int = 8) -> list[Datum]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(3, 200, length + 1)
+        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
+                                    "weights": np.ones(length, np.float32)}))
+    return out
+
+
+async def _model(rt: Runtime, tenant: str = "alice") -> str:
+    info = await rt.training.create_model(tenant, spec=LoraSpec(rank=4, alpha=8, seed=0))
+    return info.entry.model_id
+
+
+def test_set_loss_queued_behind_a_busy_worker_is_the_loss_the_next_forward_runs_with(
+        runtime):
+    async def scenario():
+        mid = await _model(runtime)
+        release = threading.Event()
+        busy = asyncio.ensure_future(runtime.admin("hold the worker", release.wait))
+        set_loss = asyncio.ensure_future(runtime.training.set_loss(
+            "alice", OpRef(mid, 0), LossSpec("CrossEntropyLoss")))
+        # Built (and checked) while set_loss still waits behind the held worker.
+        request = runtime.training.forward_request("alice", mid, _datums(), None, True)
+        forward = asyncio.ensure_future(runtime.training.forward("alice", OpRef(mid, 1),
+                                                                 request))
+        await asyncio.sleep(0.2)
+        assert not set_loss.done() and not forward.done()
+        release.set()
+        await busy
+        await set_loss
+        return await forward
+
+    out = asyncio.run(scenario())
+    assert "loss:mean" in out.metrics and "loss:sum" not in out.metrics
+
+
+def test_forward_with_no_loss_anywhere_is_refused_in_its_op_and_later_seqs_still_run(
+        runtime):
+    async def scenario():
+        mid = await _model(runtime)
+        request = runtime.training.forward_request("alice", mid, _datums(), None, True)
+        with pytest.raises(FailedPrecondition, match="none set with set_loss"):
+            await runtime.training.forward("alice", OpRef(mid, 0), request)
+        await runtime.training.set_loss("alice", OpRef(mid, 1), LossSpec("cross_entropy"))
+        return await runtime.training.forward("alice", OpRef(mid, 2), request)
+
+    assert "loss:sum" in asyncio.run(scenario()).metrics
+
+
+def test_a_request_refused_before_it_queues_takes_its_seq_id(runtime):
+    async def scenario():
+        mid = await _model(runtime)
+        with pytest.raises(InvalidArgument, match="the batch is empty"):
+            runtime.training.forward_request("alice", mid, [], None, True)
+        with pytest.raises(InvalidArgument, match="bad name"):
+            await runtime.training.refuse(OpRef(mid, 0), "forward", InvalidArgument("bad name"))
+        await runtime.training.set_loss("alice", OpRef(mid, 1), LossSpec("cross_entropy"))
+        return await runtime.training.get_train_configs("alice", OpRef(mid, 2))
+
+    assert asyncio.run(scenario())["loss"]["name"] == "cross_entropy"
+
+
+def test_another_tenants_model_looks_like_no_model(runtime):
+    async def scenario():
+        mid = await _model(runtime, "alice")
+        with pytest.raises(NotFound, match="no model"):
+            await runtime.training.set_loss("bob", OpRef(mid, 0), LossSpec("cross_entropy"))
+        with pytest.raises(NotFound, match="no model"):
+            runtime.training.info("bob", mid)
+
+    asyncio.run(scenario())

@@ -1,0 +1,40 @@
+"""The runtime: the one layer between the fronts and the scheduler.
+
+It owns tenants and ownership (`Core`), op construction (merge groups, token costs),
+the store, and the typed verbs every front calls: `runtime.training` (create_model,
+forward, optim_step, save, load, ...), `runtime.sampling` (sessions, sample,
+compute_logprobs) and `runtime.runs` (sessions, runs, checkpoints, capabilities). Verbs
+take plain values and an authenticated tenant (`Runtime.authenticate`) and return plain
+values or raise the one error family (`twinkle_server.engine.errors`). Nothing here
+imports a protocol: a front maps values and error categories to its own wire.
+"""
+
+from __future__ import annotations
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.engine import Engine
+from twinkle_server.runtime.core import (
+    CheckpointRef,
+    Core,
+    ModelEntry,
+    OpRef,
+    SamplerEntry,
+    check_metadata,
+)
+from twinkle_server.runtime.runs import Runs
+from twinkle_server.runtime.sampling import Sampling
+from twinkle_server.runtime.training import Training
+from twinkle_server.store import Store
+
+__all__ = ["CheckpointRef", "ModelEntry", "OpRef", "Runtime", "SamplerEntry",
+           "check_metadata"]
+
+
+class Runtime(Core):
+    """`Core` plus its verb groups."""
+
+    def __init__(self, config: ServerConfig, engine: Engine, store: Store) -> None:
+        super().__init__(config, engine, store)
+        self.training = Training(self)
+        self.sampling = Sampling(self)
+        self.runs = Runs(self)

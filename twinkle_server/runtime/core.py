@@ -1,0 +1,231 @@
+"""The runtime's state: who owns which model, op submission, auth and the store writer.
+
+Every change to the engine (adding or removing an adapter, any compute) goes through the
+scheduler's single worker, so the engine never sees two threads. Store writes go through
+one writer thread of their own, so a slow disk never stalls the event loop (heartbeats,
+health checks, other tenants' cheap calls); reads stay on the loop, on a connection of
+their own (`Store`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
+from twinkle_server.executor import EngineExecutor
+from twinkle_server.scheduler import Op, Scheduler, default_token_budget
+from twinkle_server.store import CheckpointRow, Store
+
+log = logging.getLogger("twinkle_server")
+T = TypeVar("T")
+OPEN_TENANT = "local"
+ADMIN_QUEUE = "__admin__"
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_BYTES = 16 * 1024
+"""Caps on user metadata and session tags: they are stored in SQLite and returned with
+every run listing, so one request must not be able to bloat either."""
+
+
+@dataclass(frozen=True)
+class OpRef:
+    """Which op of which model: the client's `seq_id` orders it (None: unordered) and
+    `request_id` names it in logs."""
+
+    model_id: str
+    seq_id: int | None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A parsed checkpoint path, with the text and field it came from for messages."""
+
+    run_id: str
+    kind: str           # "training" or "sampler"
+    name: str
+    text: str
+    field: str = "path"
+
+
+@dataclass
+class ModelEntry:
+    """A loaded adapter: which tenant and session own it."""
+
+    model_id: str
+    tenant: str
+    session_id: str | None
+    base_model: str
+
+
+@dataclass
+class SamplerEntry:
+    session_id: str
+    tenant: str
+    model_id: str | None       # live adapter
+    weights_path: str | None   # sampler checkpoint directory
+    base_model: str
+
+
+def check_metadata(values: Mapping[str, str], field: str) -> dict[str, str]:
+    """A copy of a string map, refused when over the caps above."""
+    out = dict(values)
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in out.items())
+    if len(out) > MAX_METADATA_ENTRIES or size > MAX_METADATA_BYTES:
+        raise InvalidArgument(f"{field}: {len(out)} entries, {size} bytes; at most "
+                              f"{MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes")
+    return out
+
+
+class Core:
+    """Config, engine, scheduler and store, and the registry of loaded models and
+    sampling sessions. The verb groups (`runtime.training`, `.sampling`, `.runs`) build
+    on it; fronts call those verbs with an authenticated tenant."""
+
+    def __init__(self, config: ServerConfig, engine: Engine, store: Store) -> None:
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.models: dict[str, ModelEntry] = {}
+        self.samplers: dict[str, SamplerEntry] = {}
+        self.draining = False
+        budget = config.merge_token_budget or default_token_budget(engine.base.device.type)
+        self.scheduler = Scheduler(EngineExecutor(engine), mode=config.scheduling,
+                                   token_budget=budget)
+        self.scheduler.register_model(ADMIN_QUEUE)
+        self.open_mode = not store.has_keys()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
+
+    def close(self) -> None:
+        """Finish the queued store writes; the caller closes the store after."""
+        self._writer.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ store writes
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a store write on the writer thread, in submission order, and await it."""
+        return await asyncio.wrap_future(self._writer.submit(fn, *args))
+
+    def write_later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue a store write nobody waits for (a run's last request time)."""
+        future = self._writer.submit(fn, *args)
+        future.add_done_callback(_log_write_failure)
+
+    # ------------------------------------------------------------------ names
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.config.model, *self.config.model_alias)
+
+    def check_base_model(self, name: str) -> str:
+        if name and name not in self.model_names:
+            raise InvalidArgument(f"base_model: {name!r} is not served here; served names are "
+                                  f"{list(self.model_names)}")
+        return self.config.model
+
+    # ------------------------------------------------------------------ auth
+
+    def authenticate(self, token: str | None) -> str:
+        """The tenant of an API key (`None`: none sent); every front calls this first."""
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        if self.open_mode:
+            return OPEN_TENANT
+        tenant = self.store.tenant_for_key(token) if token else None
+        if tenant is None:
+            raise Unauthenticated("authorization: missing or invalid API key "
+                                  "(send 'Bearer <key>')")
+        return tenant
+
+    def model_of(self, tenant: str, model_id: str) -> ModelEntry:
+        entry = self.models.get(model_id)
+        if entry is None or entry.tenant != tenant:
+            raise NotFound(f"model_id: no model {model_id!r}")
+        return entry
+
+    def sampler_of(self, tenant: str, session_id: str) -> SamplerEntry:
+        entry = self.samplers.get(session_id)
+        if entry is None or entry.tenant != tenant:
+            raise NotFound(f"sampling_session_id: no sampling session {session_id!r}")
+        return entry
+
+    def checkpoint(self, tenant: str, ref: CheckpointRef) -> tuple[CheckpointRow, Path]:
+        """A tenant's checkpoint record and directory; others' look like nothing."""
+        row = self.store.get_checkpoint(tenant, ref.run_id, ref.kind, ref.name)
+        if row is None:
+            raise NotFound(f"{ref.field}: no checkpoint {ref.text!r}")
+        return row, self.store.checkpoint_root / row.rel_path
+
+    # ------------------------------------------------------------------ ops
+
+    async def run(self, op: Op) -> Any:
+        """Submit to the scheduler and await the result; failures raise."""
+        start = time.perf_counter()
+        try:
+            return await asyncio.wrap_future(self.scheduler.submit(op))
+        finally:
+            log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f", op.queue_id, op.seq_id,
+                     op.kind, op.tokens, (time.perf_counter() - start) * 1000)
+
+    async def ordered(self, tenant: str, ref: OpRef, kind: str, fn: Callable[[], T]) -> T:
+        """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""
+        self.model_of(tenant, ref.model_id)
+        self.write_later(self.store.touch_run, ref.model_id)
+        return await self.run(Op(ref.model_id, ref.seq_id, kind, None, 0, fn, ref.request_id))
+
+    async def refuse(self, queue_id: str, seq_id: int | None, kind: str, error: Exception,
+                     request_id: str = "") -> Any:
+        """Store `error` as the result of a request refused before it ran: it still takes
+        its seq_id, so the queue's later ops are not left waiting for it. Raises it."""
+        return await self.run(Op.failed(queue_id, seq_id, kind, error, request_id))
+
+    async def admin(self, kind: str, fn: Callable[[], T]) -> T:
+        """Run an engine mutation (add/remove adapter) on the worker."""
+        return await self.run(Op(ADMIN_QUEUE, None, kind, None, 0, fn))
+
+    def new_model_id(self) -> str:
+        return "run-" + secrets.token_hex(6)
+
+    # ------------------------------------------------------------------ unloading
+
+    async def unload(self, model_id: str, reason: str) -> None:
+        """Free an adapter's slot; its run record and checkpoints stay."""
+        entry = self.models.pop(model_id, None)
+        if entry is None:
+            return
+        self.scheduler.unregister(model_id, FailedPrecondition(
+            f"model_id: {model_id!r} was unloaded ({reason})"))
+        await self.admin("unload", lambda: self.engine.remove_adapter(model_id))
+        log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
+
+    async def expire_sessions(self) -> None:
+        for session_id in self.store.expired_sessions(self.config.session_timeout):
+            await self.write(self.store.close_session, session_id)
+            await self.close_session_models(session_id, "session expired")
+
+    async def close_session_models(self, session_id: str, reason: str) -> None:
+        for model_id in [m for m, e in self.models.items() if e.session_id == session_id]:
+            await self.unload(model_id, reason)
+        for sid in [s for s, e in self.samplers.items() if e.session_id == session_id]:
+            self.samplers.pop(sid, None)
+            self.scheduler.unregister(sid, FailedPrecondition(reason))
+
+
+def _log_write_failure(future) -> None:
+    if future.exception() is not None:
+        log.error("store write failed", exc_info=future.exception())

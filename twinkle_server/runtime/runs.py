@@ -1,0 +1,148 @@
+"""Session, run and checkpoint verbs, and what the server offers (capabilities, tokenizer
+files). Everything a tenant lists or reads is scoped to that tenant."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from twinkle_server.engine import losses, optim
+from twinkle_server.engine.engine import available_memory_bytes
+from twinkle_server.engine.errors import InvalidArgument, NotFound, ResourceExhausted
+from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
+from twinkle_server.store import CheckpointRow, RunRow
+
+DEFAULT_PAGE = 20
+MAX_PAGE = 1000
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                   "added_tokens.json", "generation_config.json", "config.json")
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run with what a listing shows beside it."""
+
+    run: RunRow
+    loaded: bool
+    last_checkpoint: CheckpointRow | None
+    last_sampler_checkpoint: CheckpointRow | None
+
+
+@dataclass(frozen=True)
+class Page:
+    items: list[Any]
+    total: int
+    next_offset: int     # -1 when this page is the last
+
+
+def _page(limit: int, offset: int) -> tuple[int, int]:
+    if limit < 0 or offset < 0:
+        raise InvalidArgument("limit, offset: must be >= 0")
+    return min(limit or DEFAULT_PAGE, MAX_PAGE), offset
+
+
+class Runs:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    # ------------------------------------------------------------------ sessions
+
+    async def create_session(self, tenant: str, tags: dict[str, str]) -> str:
+        core = self.core
+        if core.store.open_sessions(tenant) >= core.config.max_sessions_per_tenant:
+            raise ResourceExhausted(
+                f"sessions: tenant has {core.config.max_sessions_per_tenant} open sessions "
+                "(--max-sessions-per-tenant); close one first")
+        return await core.write(core.store.create_session, tenant, check_metadata(tags, "tags"))
+
+    def _own_session(self, tenant: str, session_id: str) -> None:
+        if self.core.store.session_tenant(session_id) != tenant:
+            raise NotFound(f"session_id: no open session {session_id!r}")
+
+    async def heartbeat(self, tenant: str, session_id: str) -> None:
+        self._own_session(tenant, session_id)
+        await self.core.write(self.core.store.heartbeat, session_id)
+
+    async def close_session(self, tenant: str, session_id: str) -> None:
+        self._own_session(tenant, session_id)
+        await self.core.write(self.core.store.close_session, session_id)
+        await self.core.close_session_models(session_id, "session closed")
+
+    # ------------------------------------------------------------------ runs
+
+    def _view(self, run: RunRow) -> RunView:
+        rows, _ = self.core.store.list_checkpoints(run.tenant, run.run_id)
+        return RunView(run, run.run_id in self.core.models,
+                       next((r for r in rows if r.kind == "training"), None),
+                       next((r for r in rows if r.kind == "sampler"), None))
+
+    def list_runs(self, tenant: str, limit: int = 0, offset: int = 0) -> Page:
+        limit, offset = _page(limit, offset)
+        runs, total = self.core.store.list_runs(tenant, limit, offset)
+        following = offset + len(runs)
+        return Page([self._view(r) for r in runs], total,
+                    following if following < total else -1)
+
+    def get_run(self, tenant: str, run_id: str) -> RunView:
+        run = self.core.store.get_run(tenant, run_id)
+        if run is None:
+            raise NotFound(f"run_id: no run {run_id!r}")
+        return self._view(run)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def list_checkpoints(self, tenant: str, run_id: str = "", limit: int = 0,
+                         offset: int = 0) -> Page:
+        """Checkpoints (all the tenant's, or one run's), newest first, each paired with
+        its run: `Page.items` holds `(CheckpointRow, RunRow | None)`."""
+        store = self.core.store
+        if run_id and store.get_run(tenant, run_id) is None:
+            raise NotFound(f"run_id: no run {run_id!r}")
+        limit, offset = _page(limit or MAX_PAGE, offset)
+        rows, total = store.list_checkpoints(tenant, run_id or None, limit, offset)
+        runs = {r.run_id: store.get_run(tenant, r.run_id) for r in rows}
+        following = offset + len(rows)
+        return Page([(r, runs[r.run_id]) for r in rows], total,
+                    following if following < total else -1)
+
+    def get_checkpoint(self, tenant: str, ref: CheckpointRef
+                       ) -> tuple[CheckpointRow, RunRow | None]:
+        row, _ = self.core.checkpoint(tenant, ref)
+        return row, self.core.store.get_run(tenant, row.run_id)
+
+    async def delete_checkpoint(self, tenant: str, ref: CheckpointRef) -> None:
+        row, directory = self.core.checkpoint(tenant, ref)
+        await self.core.write(self.core.store.delete_checkpoint, row)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def checkpoint_files(self, tenant: str, ref: CheckpointRef) -> tuple[Path, list[str]]:
+        """A checkpoint's directory and the names of its files, for a download."""
+        _, directory = self.core.checkpoint(tenant, ref)
+        return directory, sorted(p.name for p in directory.iterdir() if p.is_file())
+
+    # ------------------------------------------------------------------ the server
+
+    def tokenizer_files(self, model: str) -> tuple[Path, list[str]]:
+        """The served model's tokenizer directory and the names of its files."""
+        self.core.check_base_model(model)
+        root = self.core.engine.base.model_dir
+        return root, [n for n in TOKENIZER_FILES if (root / n).is_file()]
+
+    def capabilities(self) -> dict[str, Any]:
+        """The served model, the limits, free adapter slots and memory, and the names of
+        every loss, optimizer and scheduler."""
+        core = self.core
+        base, cfg = core.engine.base, core.config
+        loaded = len(core.models)
+        return {
+            "model": cfg.model, "aliases": list(cfg.model_alias), "arch": base.arch,
+            "max_context_length": min(cfg.max_seq_len, base.max_seq_len),
+            "vocab_size": base.vocab_size, "adapters_loaded": loaded,
+            "adapters_free": max(0, cfg.max_adapters - loaded),
+            "memory_available_bytes": available_memory_bytes(base.device) or 0,
+            "loss_functions": sorted(losses.LOSS_NAMES),
+            "optimizers": sorted(optim.OPTIMIZERS), "lr_schedulers": sorted(optim.SCHEDULERS),
+        }

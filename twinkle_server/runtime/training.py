@@ -1,0 +1,237 @@
+"""Training verbs: models (one adapter each) and every op of a training loop.
+
+Each verb takes an authenticated tenant and plain values, runs through the scheduler in
+the model's seq order, and returns plain values or raises the one error family
+(`twinkle_server.engine.errors`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from twinkle_server.engine.engine import ForwardRequest
+from twinkle_server.engine.errors import (
+    EngineError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LoraSpec, LossSpec
+from twinkle_server.executor import FORWARD
+from twinkle_server.runtime.core import CheckpointRef, Core, ModelEntry, OpRef, check_metadata
+from twinkle_server.scheduler import Op
+from twinkle_server.store import CheckpointRow
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front reports about a loaded model."""
+
+    entry: ModelEntry
+    arch: str
+    spec: LoraSpec
+    next_seq_id: int
+    target_modules: list[str]
+    trainable_params: int
+    state_bytes: int
+
+
+def spec_to_json(spec: LoraSpec) -> dict[str, Any]:
+    targets = spec.target_modules
+    return {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
+            "target_modules": targets if isinstance(targets, str) else list(targets),
+            "use_rslora": spec.use_rslora, "seed": spec.seed}
+
+
+class Training:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    # ------------------------------------------------------------------ models
+
+    def info(self, tenant: str, model_id: str) -> ModelInfo:
+        core = self.core
+        entry = core.model_of(tenant, model_id)
+        info = core.engine.adapter_info(model_id)
+        return ModelInfo(entry, core.engine.base.arch, info["spec"],
+                         core.scheduler.next_seq(model_id), info["target_modules"],
+                         info["trainable_params"], info["state_bytes"])
+
+    async def create_model(self, tenant: str, *, spec: LoraSpec | None,
+                           from_checkpoint: CheckpointRef | None = None,
+                           load_optimizer: bool = False, session_id: str | None = None,
+                           base_model: str = "", user_metadata: Mapping[str, str] = {},
+                           gradient_accumulation_steps: int = 0) -> ModelInfo:
+        """A new adapter (a training run) from `spec`, or from a saved checkpoint.
+
+        `gradient_accumulation_steps` 0 means 1, or the checkpoint's count when loading
+        its optimizer.
+        """
+        core = self.core
+        if session_id and core.store.session_tenant(session_id) != tenant:
+            raise NotFound(f"session_id: no session {session_id!r}")
+        metadata = check_metadata(user_metadata, "user_metadata")
+        base_name = base_model or core.config.model
+        core.check_base_model(base_name)
+        owned = sum(1 for e in core.models.values() if e.tenant == tenant)
+        if owned >= core.config.max_adapters_per_tenant:
+            raise ResourceExhausted(
+                f"adapters: tenant already has {owned} adapters loaded, the per-tenant limit "
+                f"(--max-adapters-per-tenant {core.config.max_adapters_per_tenant}); "
+                "unload one first")
+        source: Path | None = None
+        if from_checkpoint is not None:
+            _, source = core.checkpoint(tenant, from_checkpoint)
+            spec = core.engine.read_checkpoint_spec(source)
+        if spec is None:
+            raise InvalidArgument("lora: give a LoRA config or from_checkpoint")
+        accum = gradient_accumulation_steps or 1
+        model_id = core.new_model_id()
+
+        def create() -> None:
+            core.engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum)
+            if source is not None:
+                try:
+                    core.engine.load_state(model_id, source, include_optimizer=load_optimizer,
+                                           adopt_accumulation=not gradient_accumulation_steps)
+                except EngineError:
+                    core.engine.remove_adapter(model_id)
+                    raise
+        await core.admin("create_model", create)
+        core.models[model_id] = ModelEntry(model_id, tenant, session_id or None, base_name)
+        core.scheduler.register_model(model_id)
+        await core.write(core.store.create_run, model_id, tenant, base_name,
+                         spec_to_json(core.engine.adapters[model_id].spec), metadata,
+                         session_id or None)
+        return self.info(tenant, model_id)
+
+    async def unload_model(self, tenant: str, model_id: str) -> None:
+        self.core.model_of(tenant, model_id)
+        await self.core.unload(model_id, "unloaded by its owner")
+
+    # ------------------------------------------------------------------ forward
+
+    def forward_request(self, tenant: str, model_id: str, datums: Sequence[Datum],
+                        loss: LossSpec | None, backward: bool) -> ForwardRequest:
+        """The engine request, after the checks that need no adapter state (the model's
+        ownership, shapes, limits, vocabulary), so a bad batch fails before it queues."""
+        self.core.model_of(tenant, model_id)
+        request = ForwardRequest(model_id, datums, loss, backward)
+        self.core.engine.check_forward(request)
+        return request
+
+    async def forward(self, tenant: str, ref: OpRef, request: ForwardRequest) -> ForwardOutput:
+        """Forward (or forward_backward, by `request.backward`) as op `ref.seq_id`,
+        merged with other models' passes; the adapter's own checks run in the op."""
+        core = self.core
+        core.model_of(tenant, ref.model_id)
+        core.write_later(core.store.touch_run, ref.model_id)
+        kind = "forward_backward" if request.backward else "forward"
+        return await core.run(Op(ref.model_id, ref.seq_id, kind, FORWARD, request.num_tokens,
+                                 request, ref.request_id))
+
+    async def refuse(self, ref: OpRef, kind: str, error: Exception) -> Any:
+        """Store a refusal as op `ref.seq_id`'s result (see `Core.refuse`); raises it."""
+        return await self.core.refuse(ref.model_id, ref.seq_id, kind, error, ref.request_id)
+
+    # ------------------------------------------------------------------ optimizer and loop
+
+    async def optim_step(self, tenant: str, ref: OpRef, adam: AdamParams) -> dict[str, float]:
+        engine, mid = self.core.engine, ref.model_id
+        return await self.core.ordered(tenant, ref, "optim_step",
+                                       lambda: engine.optim_step(mid, adam))
+
+    async def set_optimizer(self, tenant: str, ref: OpRef, name: str,
+                            kwargs: dict[str, Any]) -> None:
+        engine, mid = self.core.engine, ref.model_id
+        await self.core.ordered(tenant, ref, "set_optimizer",
+                                lambda: engine.set_optimizer(mid, name, kwargs))
+
+    async def set_lr_scheduler(self, tenant: str, ref: OpRef, name: str,
+                               kwargs: dict[str, Any]) -> None:
+        engine, mid = self.core.engine, ref.model_id
+        await self.core.ordered(tenant, ref, "set_lr_scheduler",
+                                lambda: engine.set_lr_scheduler(mid, name, kwargs))
+
+    async def set_loss(self, tenant: str, ref: OpRef, loss: LossSpec) -> None:
+        engine, mid = self.core.engine, ref.model_id
+        await self.core.ordered(tenant, ref, "set_loss", lambda: engine.set_loss(mid, loss))
+
+    async def clip_grad_norm(self, tenant: str, ref: OpRef, max_norm: float) -> float:
+        engine, mid = self.core.engine, ref.model_id
+        return await self.core.ordered(tenant, ref, "clip_grad_norm",
+                                       lambda: engine.clip_grad_norm(mid, max_norm))
+
+    async def step(self, tenant: str, ref: OpRef) -> dict[str, float]:
+        engine, mid = self.core.engine, ref.model_id
+        return await self.core.ordered(tenant, ref, "step", lambda: engine.step(mid))
+
+    async def zero_grad(self, tenant: str, ref: OpRef) -> None:
+        engine, mid = self.core.engine, ref.model_id
+        await self.core.ordered(tenant, ref, "zero_grad", lambda: engine.zero_grad(mid))
+
+    async def lr_step(self, tenant: str, ref: OpRef) -> None:
+        engine, mid = self.core.engine, ref.model_id
+        await self.core.ordered(tenant, ref, "lr_step", lambda: engine.lr_step(mid))
+
+    async def calculate_metric(self, tenant: str, ref: OpRef,
+                               is_training: bool) -> dict[str, float]:
+        engine, mid = self.core.engine, ref.model_id
+        return await self.core.ordered(tenant, ref, "calculate_metric",
+                                       lambda: engine.calculate_metric(mid, is_training))
+
+    async def get_train_configs(self, tenant: str, ref: OpRef) -> dict[str, Any]:
+        engine, mid = self.core.engine, ref.model_id
+        return await self.core.ordered(tenant, ref, "get_train_configs",
+                                       lambda: engine.get_train_configs(mid))
+
+    async def skip_seq(self, tenant: str, ref: OpRef) -> None:
+        """Spend a seq_id the client reserved and will send no op under."""
+        await self.core.ordered(tenant, ref, "skip_seq", lambda: None)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def save(self, tenant: str, ref: OpRef, kind: str, name: str, *,
+                   include_optimizer: bool = False, overwrite: bool = False,
+                   user_metadata: Mapping[str, str] = {}) -> CheckpointRow:
+        """Save a training checkpoint (`kind` 'training', optionally with the optimizer)
+        or sampler weights ('sampler'); `name` must already be a valid checkpoint name."""
+        core, mid = self.core, ref.model_id
+        with_optimizer = kind == "training" and include_optimizer
+        core.model_of(tenant, mid)
+        try:
+            metadata = check_metadata(user_metadata, "user_metadata")
+        except EngineError as exc:
+            return await self.refuse(ref, f"save_{kind}", exc)
+        target = core.store.checkpoint_dir(tenant, mid, kind, name)
+
+        def save() -> CheckpointRow:
+            if kind == "sampler":
+                size = core.engine.save_weights(mid, target, overwrite=overwrite)
+            else:
+                size = core.engine.save_state(mid, target, include_optimizer=with_optimizer,
+                                              overwrite=overwrite)
+            # Recorded inside the op, so the model's next op (a pipelined load of this
+            # name) finds it.
+            row = CheckpointRow(mid, kind, name, tenant,
+                                str(target.relative_to(core.store.checkpoint_root)), size,
+                                with_optimizer, time.time(), metadata)
+            core.store.add_checkpoint(row)
+            return row
+
+        return await core.ordered(tenant, ref, f"save_{kind}", save)
+
+    async def load(self, tenant: str, ref: OpRef, source: CheckpointRef,
+                   include_optimizer: bool) -> None:
+        core, mid = self.core, ref.model_id
+
+        def load() -> None:
+            # Resolved in the op: a save queued before this load has recorded its path.
+            _, directory = core.checkpoint(tenant, source)
+            core.engine.load_state(mid, directory, include_optimizer)
+
+        await core.ordered(tenant, ref, "load_state", load)
