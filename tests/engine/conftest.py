@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from twinkle_server.engine import checkpoint
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.types import Datum, EngineLimits, LoraSpec
 
@@ -65,7 +66,7 @@ def add(engine, fresh) -> Callable[..., dict]:
 def adapter_weights(engine: Engine, name: str) -> dict[str, torch.Tensor]:
     """A copy of an adapter's weights under their PEFT keys."""
     return {k: v.detach().clone()
-            for k, v in engine._peft_tensors(engine.adapters[name]).items()}
+            for k, v in checkpoint.peft_tensors(engine.adapters[name]).items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

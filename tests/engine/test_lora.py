@@ -20,9 +20,22 @@ from twinkle_server.engine.types import LoraSpec
 IN, OUT = 12, 10
 
 
+def _eighths(*shape: int, top: int = 8) -> torch.Tensor:
+    """Multiples of 1/8 in [-top/8, top/8]: their products and sums are exact in float32."""
+    return torch.randint(-top, top + 1, shape).float() / 8
+
+
 def _layer(seed: int = 0):
+    """A routed linear layer whose base projection is exact: weights and bias in eighths of
+    at most 1/4 (inputs from `_eighths` at most 1), so every partial sum of a row is a
+    multiple of 1/64 under 4 and the base gives the same bits whatever GEMM kernel BLAS
+    picks for the batch's row count. What differs merged and alone is then only the
+    routing's own arithmetic."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(IN, OUT))
+    with torch.no_grad():
+        model[0].weight.copy_(_eighths(OUT, IN, top=2))
+        model[0].bias.copy_(_eighths(OUT, top=2))
     router = Router()
     layers = inject(model, router)
     return model, router, layers["0"]
@@ -59,10 +72,11 @@ def test_mixed_batch_gives_each_row_its_own_adapter_and_base_rows_the_base():
     _, router, layer = _layer()
     wa, wb = _weights(LoraSpec(rank=2, alpha=2), 1), _weights(LoraSpec(rank=6, alpha=3), 2)
     layer.adapters.update(a=wa, b=wb)
-    x = torch.randn(5, 4, IN)
+    x = _eighths(5, 4, IN)
     with router.route(["a", "a", None, "b", "b"]):
         got = layer(x)
     torch.testing.assert_close(got[:2], _by_hand(layer, wa, x[:2]), rtol=0, atol=1e-6)
+    # The base only, exactly: the base over 1 row is the base over 5 (see `_layer`).
     torch.testing.assert_close(got[2], layer.base_layer(x[2]), rtol=0, atol=0)
     torch.testing.assert_close(got[3:], _by_hand(layer, wb, x[3:]), rtol=0, atol=1e-6)
 
@@ -71,10 +85,11 @@ def test_adapter_gradient_from_a_mixed_batch_equals_its_gradient_alone():
     _, router, layer = _layer()
     wa, wb = _weights(LoraSpec(rank=2, alpha=2), 1), _weights(LoraSpec(rank=3, alpha=3), 2)
     layer.adapters.update(a=wa, b=wb)
-    x = torch.randn(4, 3, IN)
+    x = _eighths(4, 3, IN)
     with router.route(["b", "a", "a", None]):
         layer(x)[1:3].pow(2).sum().backward()
     merged = [p.grad.clone() for p in (wa.lora_A, wa.lora_B)]
+    # b's rows are outside the loss: every term of its gradient is 0 * finite, exactly 0.
     assert float(wb.lora_A.grad.abs().max()) == 0.0 and float(wb.lora_B.grad.abs().max()) == 0.0
     wa.zero_grad()
     with router.route(["a", "a"]):
@@ -85,12 +100,16 @@ def test_adapter_gradient_from_a_mixed_batch_equals_its_gradient_alone():
 
 @pytest.mark.parametrize("route", [list("aabbcc"), list("abbbcc"), ["a", None, "b", "c"]])
 def test_rows_are_bit_for_bit_the_same_merged_as_alone_outputs_and_gradients(route):
+    # Exact, not a rounding apart: the base is exact (see `_layer`), and each adapter's
+    # delta and its gradient are the same matmuls on the same rows as alone. 8 positions
+    # put every row's slice of x and of the gradient 64-byte aligned (8 * 12 and 8 * 10
+    # floats), as alone: MKL's results may depend on alignment.
     _, router, layer = _layer()
     weights = {name: _weights(LoraSpec(rank=r, alpha=a), i)
                for i, (name, r, a) in enumerate([("a", 3, 3), ("b", 3, 12), ("c", 5, 1)])}
     layer.adapters.update(weights)
-    x = torch.randn(len(route), 4, IN)
-    grad = torch.randn(len(route), 4, OUT)
+    x = _eighths(len(route), 8, IN)
+    grad = torch.randn(len(route), 8, OUT)
     with router.route(route):
         merged = layer(x)
         (merged * grad).sum().backward()
@@ -148,7 +167,7 @@ def test_same_seed_gives_the_same_init_and_b_starts_at_zero_like_peft():
 def test_dropout_applies_on_training_rows_only():
     _, router, layer = _layer()
     layer.adapters["a"] = w = _weights(LoraSpec(rank=4, alpha=4, dropout=0.5), 1)
-    x = torch.randn(2, 6, IN)
+    x = _eighths(2, 6, IN)  # row 1 alone below: an exact base (see `_layer`)
     with router.route(["a", "a"]):
         torch.testing.assert_close(layer(x), _by_hand(layer, w, x), rtol=0, atol=1e-6)
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
 
+from ..numerics import assert_trained_alike
+
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 
@@ -26,8 +28,7 @@ def peft_logprobs(model, datum) -> torch.Tensor:
     return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
 
-def test_three_adamw_steps_match_a_plain_peft_loop(engine, datums, add, snapshot, diff,
-                                                   tmp_path):
+def test_three_adamw_steps_match_a_plain_peft_loop(engine, datums, add, snapshot, tmp_path):
     add("parity", LoraSpec(rank=8, alpha=16, seed=7, target_modules="all-linear"))
     engine.save_weights("parity", tmp_path / "init")
     model = peft_model(engine, tmp_path / "init")
@@ -48,11 +49,12 @@ def test_three_adamw_steps_match_a_plain_peft_loop(engine, datums, add, snapshot
         opt.zero_grad()
     peft_weights = {k.replace(".default", ""): v for k, v in model.state_dict().items()
                     if "lora_" in k}
-    assert diff(snapshot("parity"), peft_weights) <= 1e-5
+    # Padded batch against one datum at a time, our layer against PEFT's: a rounding apart.
+    assert_trained_alike(snapshot("parity"), peft_weights, ADAM.learning_rate, steps=3)
 
 
 def test_gradient_accumulation_of_two_half_batches_equals_one_full_batch(engine, datums, add,
-                                                                         snapshot, diff):
+                                                                         snapshot):
     spec = LoraSpec(rank=4, alpha=8, seed=3)
     add("accum", spec, gradient_accumulation_steps=2)
     add("full", spec)
@@ -74,7 +76,8 @@ def test_gradient_accumulation_of_two_half_batches_equals_one_full_batch(engine,
         engine.zero_grad("full")
     assert engine.adapters["accum"].step == engine.adapters["full"].step == 2
     assert engine.adapters["accum"].micro_step == 4
-    assert diff(snapshot("accum"), snapshot("full")) <= 1e-5
+    # 4-row passes against 8-row ones, two gradients added against one: a rounding apart.
+    assert_trained_alike(snapshot("accum"), snapshot("full"), 1e-3, steps=2)
 
 
 def test_accumulation_applies_the_optimizer_only_every_kth_step(engine, datums, add, snapshot):
@@ -89,6 +92,7 @@ def test_accumulation_applies_the_optimizer_only_every_kth_step(engine, datums, 
         engine.zero_grad("k3")  # a no-op inside the window: the gradients keep adding up
         grads = [p.grad for p in engine.adapters["k3"].parameters()]
         assert all(g is not None for g in grads) == (len(applied) < 3)
+        # Exact: inside the window no step touches the weights.
         unchanged = all(torch.equal(start[k], v) for k, v in snapshot("k3").items())
         assert unchanged == (len(applied) < 3)
     assert applied == [0.0, 0.0, 1.0]

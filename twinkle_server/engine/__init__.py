@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from twinkle_server.engine.base_model import BaseModel, load_base_model
-    from twinkle_server.engine.engine import Engine, ForwardRequest, SampleRequest
+    from twinkle_server.engine.engine import Engine
+    from twinkle_server.engine.types import ForwardRequest, SampleRequest
 
 __all__ = ["BaseModel", "Engine", "ForwardRequest", "SampleRequest", "load_base_model"]
 
 _HOMES = {"BaseModel": "base_model", "load_base_model": "base_model", "Engine": "engine",
-          "ForwardRequest": "engine", "SampleRequest": "engine"}
+          "ForwardRequest": "types", "SampleRequest": "types"}
 
 
 def __getattr__(name: str) -> Any:

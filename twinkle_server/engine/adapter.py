@@ -1,14 +1,18 @@
-"""One adapter's whole state in one object: weights, optimizer, scheduler, loss, counters."""
+"""One adapter's whole state in one object: weights, optimizer, scheduler, loss, counters,
+and the optimizer verbs that change it (Tinker's `optim_step`, the native loop's
+`set_optimizer` ... `lr_step`, `calculate_metric`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from twinkle_server.engine import optim
+from twinkle_server.engine.errors import FailedPrecondition
 from twinkle_server.engine.lora import LoraWeights
-from twinkle_server.engine.types import LoraSpec, LossSpec
+from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
 
 
 @dataclass
@@ -81,3 +85,97 @@ class Adapter:
         if self.optimizer is None:
             return 0.0
         return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ Tinker optimizer
+
+    def optim_step(self, params: AdamParams) -> dict[str, float]:
+        """AdamW with exactly `params`, optional clipping, then zero the gradients."""
+        if self.optimizer is None:
+            self.optimizer = optim.make_adamw(self.parameters(), params)
+            self.optimizer_name = "AdamW"
+        elif not isinstance(self.optimizer, torch.optim.AdamW):
+            raise FailedPrecondition(f"optim_step: the adapter uses {self.optimizer_name} "
+                                     "(set_optimizer); optim_step needs AdamW")
+        optim.apply_adam_params(self.optimizer, params)
+        norm = optim.clip_grad_norm(self.parameters(), params.grad_clip_norm)
+        self.optimizer.step()
+        self.zero_grad()
+        self.step += 1
+        self.last_grad_norm = norm
+        return {"grad_norm": norm, "learning_rate": params.learning_rate,
+                "step": float(self.step)}
+
+    # ------------------------------------------------------------------ native loop
+
+    def set_optimizer(self, name: str, kwargs: dict[str, Any]) -> None:
+        """Replace the optimizer (allow-listed `name`); a set scheduler is rebuilt on it."""
+        self.optimizer = optim.build_optimizer(name, self.parameters(), **kwargs)
+        self.optimizer_name, self.optimizer_kwargs = name, dict(kwargs)
+        if self.scheduler_name:
+            self.scheduler = optim.build_scheduler(self.scheduler_name, self.optimizer,
+                                                   **self.scheduler_kwargs)
+
+    def set_lr_scheduler(self, name: str, kwargs: dict[str, Any]) -> None:
+        """Schedule the optimizer's lr (allow-listed `name`); needs `set_optimizer` first."""
+        if self.optimizer is None:
+            raise FailedPrecondition("lr_scheduler: call set_optimizer first")
+        self.scheduler = optim.build_scheduler(name, self.optimizer, **kwargs)
+        self.scheduler_name, self.scheduler_kwargs = name, dict(kwargs)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip when the next `step` applies the optimizer; mid-window only measure, so a
+        window's gradients are clipped once, as one big batch's would be."""
+        if not self.step_applies_next:
+            return optim.grad_norm(self.parameters())
+        self.last_grad_norm = optim.clip_grad_norm(self.parameters(), max_norm)
+        return self.last_grad_norm
+
+    def step_optimizer(self) -> dict[str, float]:
+        """The native `step()`: count a micro-step; every `grad_accum`-th applies the
+        optimizer."""
+        if self.optimizer is None:
+            raise FailedPrecondition("step: no optimizer; call set_optimizer first")
+        self.micro_step += 1
+        applied = self.at_boundary
+        if applied:
+            self.optimizer.step()
+            self.step += 1
+        return {"applied": float(applied), "step": float(self.step),
+                "micro_step": float(self.micro_step)}
+
+    def zero_grad_at_boundary(self) -> None:
+        """The native `zero_grad()`: clears only at a window boundary, so the window's
+        micro-batches keep accumulating."""
+        if self.at_boundary:
+            self.zero_grad()
+
+    def lr_step(self) -> None:
+        """Advance the scheduler once per applied optimizer step (not per micro-step)."""
+        if self.scheduler is not None and self.at_boundary and self.micro_step:
+            self.scheduler.step()
+
+    def calculate_metric(self, is_training: bool = True) -> dict[str, float]:
+        """Averages since the last call (then reset), plus the adapter's counters."""
+        book = self.train_metrics if is_training else self.eval_metrics
+        out = {
+            "loss": book.loss_sum / book.batches if book.batches else float("nan"),
+            "token_accuracy": book.correct / book.tokens if book.tokens else float("nan"),
+            "grad_norm": self.last_grad_norm,
+            "lr": self.learning_rate(),
+            "tokens_seen": float(self.tokens_seen),
+            "steps": float(self.step),
+        }
+        book.__init__()
+        return out
+
+    def train_configs(self) -> dict[str, Any]:
+        """LoRA shape, optimizer, scheduler, loss and counters, as plain values."""
+        return {
+            "lora": {**asdict(self.spec), "target_modules": sorted(self.weights)},
+            "optimizer": {"name": self.optimizer_name, "kwargs": self.optimizer_kwargs},
+            "lr_scheduler": {"name": self.scheduler_name, "kwargs": self.scheduler_kwargs},
+            "loss": asdict(self.loss) if self.loss else None,
+            "gradient_accumulation_steps": self.grad_accum,
+            "step": self.step, "micro_step": self.micro_step,
+            "tokens_seen": self.tokens_seen,
+        }

@@ -4,7 +4,10 @@ A checkpoint is a directory:
 - `adapter_config.json`, `adapter_model.safetensors`: what `peft` writes, so
   `peft.PeftModel.from_pretrained(base, dir)` loads it and gives the engine's logits;
 - `training_state.pt` (training checkpoints with optimizer): optimizer and scheduler
-  state with their names and kwargs, counters, native loss, RNG state.
+  state with their names and kwargs, counters, native loss. It holds only tensors and
+  plain Python values and is read with `torch.load(weights_only=True)`, which executes
+  no code from the file. No RNG state: torch's global generator is shared by every
+  tenant of the process, so one adapter's load must not rewind it.
 
 Writes go to a temp directory beside the target and are renamed into place, so a crash
 never leaves a half checkpoint under a real name.
@@ -17,15 +20,20 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
+from twinkle_server.engine import optim
+from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
-from twinkle_server.engine.types import LoraSpec
+from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -139,3 +147,142 @@ def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Tensor]
         if found[key].shape != shape:
             raise InvalidArgument(f"checkpoint: {key} has shape {list(found[key].shape)}, "
                                   f"the adapter needs {list(shape)} (a different rank?)")
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+def peft_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
+    """The adapter's live LoRA matrices under their PEFT keys (the tensors themselves)."""
+    return {peft_key(name, which): getattr(w, which)
+            for name, w in adapter.weights.items() for which in ("lora_A", "lora_B")}
+
+
+def check_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
+    """Refuse saved tensors that are not exactly the adapter's (names and shapes)."""
+    check_shapes({k: v.shape for k, v in peft_tensors(adapter).items()}, found)
+
+
+def copy_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
+    """Overwrite the adapter's weights in place with checked saved tensors."""
+    with torch.no_grad():
+        for key, tensor in peft_tensors(adapter).items():
+            tensor.copy_(found[key].to(tensor.device, tensor.dtype))
+
+
+def _fill_weights(adapter: Adapter, out: Path, base_model_path: str) -> None:
+    write_peft(out, adapter.spec, peft_tensors(adapter), sorted(adapter.weights),
+               base_model_path)
+
+
+def save_weights(adapter: Adapter, path: str | Path, base_model_path: str,
+                 overwrite: bool = False) -> int:
+    """PEFT weights only (a sampler checkpoint); returns bytes written."""
+    return write_atomically(path, lambda out: _fill_weights(adapter, out, base_model_path),
+                            overwrite)
+
+
+def save_state(adapter: Adapter, path: str | Path, base_model_path: str,
+               include_optimizer: bool = True, overwrite: bool = False) -> int:
+    """PEFT weights plus, with `include_optimizer`, everything needed to resume exactly."""
+    def fill(out: Path) -> None:
+        _fill_weights(adapter, out, base_model_path)
+        if include_optimizer:
+            write_state(out, training_state(adapter))
+    return write_atomically(path, fill, overwrite)
+
+
+def _plain(value: Any) -> Any:
+    """`value` with numpy scalars as Python numbers, which `weights_only` loading accepts
+    (kwargs and loss configs given in-process may hold them; the wire gives floats)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def training_state(adapter: Adapter) -> dict[str, Any]:
+    """What `training_state.pt` holds: tensors and plain Python values only."""
+    return {
+        "optimizer": adapter.optimizer.state_dict() if adapter.optimizer else None,
+        "optimizer_name": adapter.optimizer_name,
+        "optimizer_kwargs": _plain(adapter.optimizer_kwargs),
+        "scheduler": adapter.scheduler.state_dict() if adapter.scheduler else None,
+        "scheduler_name": adapter.scheduler_name,
+        "scheduler_kwargs": _plain(adapter.scheduler_kwargs),
+        "loss": _plain(asdict(adapter.loss)) if adapter.loss else None,
+        "counters": {"step": adapter.step, "micro_step": adapter.micro_step,
+                     "tokens_seen": adapter.tokens_seen, "grad_accum": adapter.grad_accum},
+        "seed": _plain(adapter.spec.seed),
+    }
+
+
+def load_state(adapter: Adapter, path: str | Path, include_optimizer: bool,
+               adopt_accumulation: bool = False) -> None:
+    """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter.
+
+    Everything is read and rebuilt before the adapter changes, so a failure leaves it as
+    it was. With the optimizer, the saved gradient accumulation count must equal the
+    adapter's, or the load is refused; `adopt_accumulation` (an adapter created from the
+    checkpoint with no count of its own) takes the saved count instead. Checkpoints
+    written before the RNG state was dropped carry an `rng` key, which is ignored.
+    """
+    found = read_weights(path)
+    check_weights(adapter, found)
+    restored = None
+    if include_optimizer:
+        state_file = Path(path) / STATE_FILE
+        if not state_file.is_file():
+            raise FailedPrecondition("checkpoint: saved without optimizer state; "
+                                     "load it without the optimizer")
+        restored = _rebuild(adapter, torch.load(state_file, weights_only=True),
+                            adopt_accumulation)
+    copy_weights(adapter, found)
+    adapter.zero_grad()
+    if restored is not None:
+        for field_name, value in restored.items():
+            setattr(adapter, field_name, value)
+
+
+def _rebuild(adapter: Adapter, state: dict[str, Any], adopt_accumulation: bool
+             ) -> dict[str, Any]:
+    """The adapter fields a saved training state sets, built without touching it."""
+    counters = state["counters"]
+    if counters["grad_accum"] != adapter.grad_accum and not adopt_accumulation:
+        raise FailedPrecondition(
+            f"checkpoint: saved with gradient_accumulation_steps={counters['grad_accum']} "
+            f"but this adapter uses {adapter.grad_accum}; load it into an adapter with "
+            f"{counters['grad_accum']}, or without the optimizer")
+    optimizer = scheduler = None
+    optimizer_name, optimizer_kwargs = "", {}
+    scheduler_name, scheduler_kwargs = "", {}
+    if state["optimizer"] is not None:
+        optimizer_name = state["optimizer_name"]
+        optimizer_kwargs = dict(state["optimizer_kwargs"])
+        if optimizer_name == "AdamW" and not optimizer_kwargs:
+            optimizer = optim.make_adamw(adapter.parameters(), AdamParams())
+        else:
+            optimizer = optim.build_optimizer(optimizer_name, adapter.parameters(),
+                                              **optimizer_kwargs)
+        optimizer.load_state_dict(state["optimizer"])
+        if state["scheduler"] is not None:
+            scheduler_name = state["scheduler_name"]
+            scheduler_kwargs = dict(state["scheduler_kwargs"])
+            scheduler = optim.build_scheduler(scheduler_name, optimizer, **scheduler_kwargs)
+            # Building a scheduler takes its initial step, which rewrites every group's
+            # lr (LinearLR: base lr / 3); the saved groups put the resumed lr back.
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+    return {
+        "optimizer": optimizer, "optimizer_name": optimizer_name,
+        "optimizer_kwargs": optimizer_kwargs, "scheduler": scheduler,
+        "scheduler_name": scheduler_name, "scheduler_kwargs": scheduler_kwargs,
+        "loss": LossSpec(**state["loss"]) if state["loss"] else adapter.loss,
+        "step": counters["step"], "micro_step": counters["micro_step"],
+        "tokens_seen": counters["tokens_seen"], "grad_accum": counters["grad_accum"],
+    }

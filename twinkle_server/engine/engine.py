@@ -3,25 +3,52 @@
 `Engine` is a plain Python object with no network: the gRPC services drive it through
 the scheduler, and tests and benchmarks use it directly as the reference. It is not
 thread-safe by design: one compute worker (the scheduler's) calls it.
+
+Isolation contract: what an adapter gets in a merged pass, against its pass alone
+(`tests/numerics.py` holds the tolerances below, and the tests that check them).
+
+* Rows never mix. Each row is its own sequence, and the multi-LoRA layer adds an
+  adapter's delta to its own rows only, computed by the same matmuls on the same rows as
+  alone (`lora.py`). Another adapter's rows, data, NaNs or failure never reach its
+  loss, logprobs or gradients.
+* Numbers agree to float32 rounding, not bit for bit. The frozen base projection is one
+  GEMM over every row of the pass, and BLAS picks its kernel, so its summation order, by
+  the row count and the CPU: on AMD EPYC (AVX2 or AVX-512, MKL) a 40-row GEMM and a
+  10-row one round some rows differently. With float32 eps = 1.2e-7 and 4096 (the
+  vocabulary) the longest reduction: losses to relative 1e-5 (eps * sqrt(4096) =
+  7.6e-6); logprobs to absolute 1e-5 (a log-sum-exp's error is absolute); gradients to
+  1e-4 of the tensor's largest element (they sum over every token, through every layer).
+  Measured over four kernel choices: 1.1e-7, 9.5e-7 and 2.7e-6.
+* Weights after N AdamW steps at learning rate lr agree within 1e-2 * lr * N, element by
+  element. Adam divides each gradient element by its own running size, so the rounding
+  of an element that nearly cancels becomes a visible step: measured up to
+  1.0e-3 * lr * N, where weighting one token's loss by 0.999 instead of 1 moves some
+  weight by 0.7 * lr * N.
+* Seeded sampling draws the same numbers alone or batched, so it picks the same tokens
+  unless a draw lands within rounding of the boundary between two tokens (a chance of
+  about 1e-6 per token); their logprobs agree to 1e-5.
+* Exact, bit for bit, where the shapes and the code are the same: the same request on
+  the same adapter state run twice in one process; a retried seq_id (the stored result);
+  token ids and counters; a checkpoint's weights and optimizer state after a save and
+  load; and the weights, optimizer state and pending gradients of an adapter that no op
+  touched (one whose request was refused or whose loss was not finite included).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
-from twinkle_server.engine import checkpoint, losses, optim
+from twinkle_server.engine import checkpoint, forward, losses
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel, load_base_model
 from twinkle_server.engine.errors import (
@@ -34,14 +61,16 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.lora import LoraWeights, Router, inject, resolve_targets
 from twinkle_server.engine.types import (
     AdamParams,
-    Datum,
     EngineLimits,
     ForwardOutput,
+    ForwardRequest,
     LoraSpec,
     LossSpec,
     SampledSequence,
-    SamplingParams,
+    SampleRequest,
 )
+
+__all__ = ["Engine", "ForwardRequest", "SampleRequest", "available_memory_bytes"]
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
 _STATE_COPIES = 4
@@ -49,29 +78,12 @@ _STATE_COPIES = 4
 _SAMPLER_CACHE_SIZE = 8
 
 
-@dataclass(frozen=True)
-class ForwardRequest:
-    """One request's datums for one adapter; `loss` None means the adapter's native loss."""
-
-    adapter_id: str
-    datums: Sequence[Datum]
-    loss: LossSpec | None
-    backward: bool
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """Sample from a live adapter, a saved sampler checkpoint, or (both None) the base."""
-
-    adapter_id: str | None
-    weights_path: str | None
-    prompt: np.ndarray
-    num_samples: int
-    params: SamplingParams
-
-
 class Engine:
-    """Trains and samples many LoRA adapters on one frozen base model."""
+    """Trains and samples many LoRA adapters on one frozen base model.
+
+    Owns the adapters and the forward/sample entry points; the merged pass is in
+    `engine.forward`, the optimizer verbs on `Adapter`, save and load in `checkpoint`.
+    """
 
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits()) -> None:
         self.base = base
@@ -86,6 +98,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
              cache_dir: str | None = None, limits: EngineLimits = EngineLimits()) -> Engine:
+        """An engine on `model` (a local dir, a hub name in the cache, or `tiny`)."""
         return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),
                    limits)
 
@@ -148,23 +161,22 @@ class Engine:
         for name, weights in adapter.weights.items():
             self.layers[name].adapters[adapter.adapter_id] = weights
 
-    def _detach(self, adapter_id: str, names) -> None:
+    def _detach(self, adapter_id: str, names: Iterable[str]) -> None:
         for name in names:
             self.layers[name].adapters.pop(adapter_id, None)
 
     def adapter_info(self, adapter_id: str) -> dict[str, Any]:
+        """Trainable parameter count, state bytes, resolved target modules and spec."""
         adapter = self._adapter(adapter_id)
         return {"trainable_params": adapter.num_params,
                 "state_bytes": adapter.num_params * 4 * _STATE_COPIES,
                 "target_modules": sorted(adapter.weights), "spec": adapter.spec}
 
     def remove_adapter(self, adapter_id: str) -> None:
+        """Detach the adapter from every layer and drop its state, freeing its slot."""
         adapter = self._adapter(adapter_id)
         self._detach(adapter_id, adapter.weights)
         del self.adapters[adapter_id]
-
-    def adapter_ids(self) -> list[str]:
-        return list(self.adapters)
 
     def _adapter(self, adapter_id: str) -> Adapter:
         if adapter_id not in self.adapters:
@@ -237,329 +249,79 @@ class Engine:
             except EngineError as exc:
                 results[i] = exc
         if valid:
-            self._run_forward([requests[i] for i in valid], valid, results)
+            outputs = forward.run_forward(self.base, self.router, self.adapters,
+                                          [requests[i] for i in valid])
+            for i, output in zip(valid, outputs, strict=True):
+                results[i] = output
         return results  # type: ignore[return-value]
 
-    def _run_forward(self, requests: list[ForwardRequest], slots: list[int],
-                     results: list) -> None:
-        # Group the rows by adapter (stable, first appearance): the router needs each
-        # adapter's rows contiguous, and a single-adapter batch becomes one fast segment.
-        first_seen: dict[str, int] = {}
-        for request in requests:
-            first_seen.setdefault(request.adapter_id, len(first_seen))
-        order = sorted(range(len(requests)), key=lambda i: first_seen[requests[i].adapter_id])
-        requests = [requests[i] for i in order]
-        slots = [slots[i] for i in order]
-        rows = [(r, d) for r in requests for d in r.datums]
-        device = self.base.device
-        lengths = [d.num_tokens for _, d in rows]
-        width = max(lengths)
-        ids = torch.full((len(rows), width), self.base.pad_token_id, dtype=torch.long)
-        for row, (_, datum) in enumerate(rows):
-            ids[row, :datum.num_tokens] = torch.tensor(np.asarray(datum.input_ids))
-        # No mask when nothing is padded: the plain causal path is the fastest kernel.
-        mask = None
-        if min(lengths) != width:
-            mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(device)
-        backward = any(r.backward for r in requests)
-        route = self.router.route([r.adapter_id for r, _ in rows],
-                                  [r.backward for r, _ in rows])
-        with torch.set_grad_enabled(backward), route:
-            logits = self.base.model(input_ids=ids.to(device), attention_mask=mask,
-                                     use_cache=False).logits
-        # One fused cross-entropy over the real (unpadded) positions of every row with
-        # per-position targets, not one call per datum and nothing spent on padding.
-        simple = [d.loss_inputs["target_tokens"].ndim == 1 for _, d in rows]
-        if mask is None and all(simple):
-            # Every position is real: no gather, whose copy and backward scatter of the
-            # whole logits tensor cost more than the loss itself.
-            flat_logits = logits.flatten(0, 1)
-        else:
-            real = torch.cat([row * width + torch.arange(n)
-                              for row, n in enumerate(lengths) if simple[row]] or
-                             [torch.zeros(0, dtype=torch.long)]).to(device)
-            flat_logits = logits.flatten(0, 1)[real]
-        flat_targets = torch.cat([torch.tensor(np.asarray(d.loss_inputs["target_tokens"]))
-                                  for (_, d), ok in zip(rows, simple, strict=True) if ok]
-                                 or [torch.zeros(0, dtype=torch.long)]).to(device)
-        flat = target_logprobs(flat_logits, flat_targets)
-        with torch.no_grad():
-            hits = (flat_logits.argmax(-1) == flat_targets).float()
-        row, offset = 0, 0
-        to_backward: list[torch.Tensor] = []
-        for request, slot in zip(requests, slots, strict=True):
-            adapter = self.adapters[request.adapter_id]
-            loss_spec = request.loss or adapter.loss
-            lps, inputs = [], []
-            correct = 0.0
-            for datum in request.datums:
-                n = datum.num_tokens
-                tensors = {k: torch.tensor(np.asarray(v)).to(device)
-                           for k, v in datum.loss_inputs.items()}
-                if simple[row]:
-                    lp, hit = flat[offset:offset + n], hits[offset:offset + n]
-                    offset += n
-                    weights = tensors.get("weights")
-                    correct += float((hit * (weights != 0) if weights is not None else hit).sum())
-                else:
-                    lp = target_logprobs(logits[row, :n], tensors["target_tokens"])
-                lps.append(lp)
-                inputs.append(tensors)
-                row += 1
-            # Native losses divide a training micro-batch by the accumulation count so the
-            # window's gradients add up to one big batch's; an eval pass is not divided, and
-            # the loss reported (output, metrics, calculate_metric) is the batch's own mean.
-            native = losses.LOSSES[loss_spec.name].native
-            divisor = adapter.grad_accum if native and request.backward else 1
-            loss, metrics = losses.compute_loss(loss_spec, lps, inputs, divisor)
-            if divisor != 1:
-                metrics = {k: v * divisor if k.startswith("loss:") else v
-                           for k, v in metrics.items()}
-            if not torch.isfinite(loss):
-                results[slot] = InvalidArgument(
-                    f"loss: {loss_spec.name} is not finite ({float(loss.detach())}); this "
-                    "batch's gradient was discarded and the adapter is unchanged")
-                continue
-            if request.backward:
-                to_backward.append(loss)
-                adapter.tokens_seen += sum(d.num_tokens for d in request.datums)
-            book = adapter.train_metrics if request.backward else adapter.eval_metrics
-            reported = float(loss.detach()) * divisor
-            book.add(reported, correct, metrics["tokens:sum"])
-            results[slot] = ForwardOutput(
-                logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
-                loss=reported, metrics=metrics)
-        if to_backward:
-            self._backward(to_backward, requests, slots, results)
-
-    def _backward(self, to_backward: list[torch.Tensor], requests: list[ForwardRequest],
-                  slots: list[int], results: list) -> None:
-        """Backpropagate the kept losses; adapters not trained by them keep their grads.
-
-        Autograd also reaches adapters in the batch whose loss is not backpropagated
-        (forward-only, or discarded as non-finite): their rows add zeros, or NaN when
-        their own logits are NaN (0 * NaN in the fused cross-entropy backward). Their
-        gradients are saved before and put back after, bit for bit.
-        """
-        trained = {r.adapter_id for r, s in zip(requests, slots, strict=True)
-                   if r.backward and isinstance(results[s], ForwardOutput)}
-        kept = [(p, None if p.grad is None else p.grad.clone())
-                for a in {r.adapter_id for r in requests} - trained
-                for p in self.adapters[a].parameters()]
-        torch.stack(to_backward).sum().backward()
-        for param, grad in kept:
-            param.grad = grad
-
-    # ------------------------------------------------------------------ Tinker optimizer
+    # ------------------------------------------------------------------ optimizer verbs
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
-        """AdamW with exactly `params`, optional clipping, then zero the gradients."""
-        adapter = self._adapter(adapter_id)
-        if adapter.optimizer is None:
-            adapter.optimizer = optim.make_adamw(adapter.parameters(), params)
-            adapter.optimizer_name = "AdamW"
-        elif not isinstance(adapter.optimizer, torch.optim.AdamW):
-            raise FailedPrecondition(f"optim_step: the adapter uses {adapter.optimizer_name} "
-                                     "(set_optimizer); optim_step needs AdamW")
-        optim.apply_adam_params(adapter.optimizer, params)
-        norm = optim.clip_grad_norm(adapter.parameters(), params.grad_clip_norm)
-        adapter.optimizer.step()
-        adapter.zero_grad()
-        adapter.step += 1
-        adapter.last_grad_norm = norm
-        return {"grad_norm": norm, "learning_rate": params.learning_rate,
-                "step": float(adapter.step)}
-
-    # ------------------------------------------------------------------ native loop
+        """Tinker's step: AdamW with exactly `params`, optional clipping, zero the grads."""
+        return self._adapter(adapter_id).optim_step(params)
 
     def set_loss(self, adapter_id: str, loss: LossSpec) -> None:
+        """The adapter's native loss, used by requests that name none."""
         losses.resolve_config(loss)
         self._adapter(adapter_id).loss = loss
 
     def set_optimizer(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
-        adapter = self._adapter(adapter_id)
-        adapter.optimizer = optim.build_optimizer(name, adapter.parameters(), **kwargs)
-        adapter.optimizer_name, adapter.optimizer_kwargs = name, dict(kwargs)
-        if adapter.scheduler_name:
-            adapter.scheduler = optim.build_scheduler(adapter.scheduler_name, adapter.optimizer,
-                                                      **adapter.scheduler_kwargs)
+        """Replace the adapter's optimizer with an allow-listed one (`optim.OPTIMIZERS`)."""
+        self._adapter(adapter_id).set_optimizer(name, kwargs)
 
     def set_lr_scheduler(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
-        adapter = self._adapter(adapter_id)
-        if adapter.optimizer is None:
-            raise FailedPrecondition("lr_scheduler: call set_optimizer first")
-        adapter.scheduler = optim.build_scheduler(name, adapter.optimizer, **kwargs)
-        adapter.scheduler_name, adapter.scheduler_kwargs = name, dict(kwargs)
+        """Schedule the adapter's lr with an allow-listed scheduler (`optim.SCHEDULERS`)."""
+        self._adapter(adapter_id).set_lr_scheduler(name, kwargs)
 
     def clip_grad_norm(self, adapter_id: str, max_norm: float) -> float:
-        adapter = self._adapter(adapter_id)
-        if not adapter.step_applies_next:
-            return optim.grad_norm(adapter.parameters())
-        adapter.last_grad_norm = optim.clip_grad_norm(adapter.parameters(), max_norm)
-        return adapter.last_grad_norm
+        """Clip at an accumulation boundary; returns the norm before clipping."""
+        return self._adapter(adapter_id).clip_grad_norm(max_norm)
 
     def step(self, adapter_id: str) -> dict[str, float]:
         """Count a micro-step; every `grad_accum`-th one applies the optimizer."""
-        adapter = self._adapter(adapter_id)
-        if adapter.optimizer is None:
-            raise FailedPrecondition("step: no optimizer; call set_optimizer first")
-        adapter.micro_step += 1
-        applied = adapter.at_boundary
-        if applied:
-            adapter.optimizer.step()
-            adapter.step += 1
-        return {"applied": float(applied), "step": float(adapter.step),
-                "micro_step": float(adapter.micro_step)}
+        return self._adapter(adapter_id).step_optimizer()
 
     def zero_grad(self, adapter_id: str) -> None:
-        adapter = self._adapter(adapter_id)
-        if adapter.at_boundary:
-            adapter.zero_grad()
+        """Clear the gradients at an accumulation boundary (kept inside a window)."""
+        self._adapter(adapter_id).zero_grad_at_boundary()
 
     def lr_step(self, adapter_id: str) -> None:
-        adapter = self._adapter(adapter_id)
-        if adapter.scheduler is not None and adapter.at_boundary and adapter.micro_step:
-            adapter.scheduler.step()
+        """Advance the scheduler once per applied optimizer step."""
+        self._adapter(adapter_id).lr_step()
 
     def calculate_metric(self, adapter_id: str, is_training: bool = True) -> dict[str, float]:
         """Averages since the last call (then reset), plus the adapter's counters."""
-        adapter = self._adapter(adapter_id)
-        book = adapter.train_metrics if is_training else adapter.eval_metrics
-        out = {
-            "loss": book.loss_sum / book.batches if book.batches else float("nan"),
-            "token_accuracy": book.correct / book.tokens if book.tokens else float("nan"),
-            "grad_norm": adapter.last_grad_norm,
-            "lr": adapter.learning_rate(),
-            "tokens_seen": float(adapter.tokens_seen),
-            "steps": float(adapter.step),
-        }
-        book.__init__()
-        return out
+        return self._adapter(adapter_id).calculate_metric(is_training)
 
     def get_train_configs(self, adapter_id: str) -> dict[str, Any]:
-        adapter = self._adapter(adapter_id)
-        return {
-            "lora": {**asdict(adapter.spec), "target_modules": sorted(adapter.weights)},
-            "optimizer": {"name": adapter.optimizer_name, "kwargs": adapter.optimizer_kwargs},
-            "lr_scheduler": {"name": adapter.scheduler_name, "kwargs": adapter.scheduler_kwargs},
-            "loss": asdict(adapter.loss) if adapter.loss else None,
-            "gradient_accumulation_steps": adapter.grad_accum,
-            "step": adapter.step, "micro_step": adapter.micro_step,
-            "tokens_seen": adapter.tokens_seen,
-        }
+        """LoRA shape, optimizer, scheduler, loss and counters, as plain values."""
+        return self._adapter(adapter_id).train_configs()
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _peft_tensors(self, adapter: Adapter) -> dict[str, torch.Tensor]:
-        return {checkpoint.peft_key(name, which): getattr(w, which)
-                for name, w in adapter.weights.items() for which in ("lora_A", "lora_B")}
-
-    def _fill_weights(self, adapter: Adapter, out: Path) -> None:
-        checkpoint.write_peft(out, adapter.spec, self._peft_tensors(adapter),
-                              sorted(adapter.weights), str(self.base.model_dir))
-
     def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
         """PEFT weights only (a sampler checkpoint); returns bytes written."""
-        adapter = self._adapter(adapter_id)
-        return checkpoint.write_atomically(path, lambda out: self._fill_weights(adapter, out),
-                                           overwrite)
+        return checkpoint.save_weights(self._adapter(adapter_id), path,
+                                       str(self.base.model_dir), overwrite)
 
     def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
                    overwrite: bool = False) -> int:
         """PEFT weights plus, with `include_optimizer`, everything needed to resume exactly."""
-        adapter = self._adapter(adapter_id)
-
-        def fill(out: Path) -> None:
-            self._fill_weights(adapter, out)
-            if include_optimizer:
-                checkpoint.write_state(out, self._training_state(adapter))
-        return checkpoint.write_atomically(path, fill, overwrite)
-
-    def _training_state(self, adapter: Adapter) -> dict[str, Any]:
-        return {
-            "optimizer": adapter.optimizer.state_dict() if adapter.optimizer else None,
-            "optimizer_name": adapter.optimizer_name,
-            "optimizer_kwargs": adapter.optimizer_kwargs,
-            "scheduler": adapter.scheduler.state_dict() if adapter.scheduler else None,
-            "scheduler_name": adapter.scheduler_name,
-            "scheduler_kwargs": adapter.scheduler_kwargs,
-            "loss": asdict(adapter.loss) if adapter.loss else None,
-            "counters": {"step": adapter.step, "micro_step": adapter.micro_step,
-                         "tokens_seen": adapter.tokens_seen, "grad_accum": adapter.grad_accum},
-            "rng": torch.random.get_rng_state(),
-            "seed": adapter.spec.seed,
-        }
+        return checkpoint.save_state(self._adapter(adapter_id), path, str(self.base.model_dir),
+                                     include_optimizer, overwrite)
 
     @staticmethod
     def read_checkpoint_spec(path: str | Path) -> LoraSpec:
+        """The LoRA shape a checkpoint was saved with (to create an adapter to load it)."""
         return checkpoint.read_spec(path)[0]
 
     def load_state(self, adapter_id: str, path: str | Path, include_optimizer: bool,
                    adopt_accumulation: bool = False) -> None:
-        """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter.
-
-        Everything is read and rebuilt before the adapter changes, so a failure leaves it as
-        it was. With the optimizer, the saved gradient accumulation count must equal the
-        adapter's, or the load is refused; `adopt_accumulation` (an adapter created from the
-        checkpoint with no count of its own) takes the saved count instead.
-        """
-        adapter = self._adapter(adapter_id)
-        found = checkpoint.read_weights(path)
-        tensors = self._peft_tensors(adapter)
-        checkpoint.check_shapes({k: v.shape for k, v in tensors.items()}, found)
-        restored = None
-        if include_optimizer:
-            state_file = Path(path) / checkpoint.STATE_FILE
-            if not state_file.is_file():
-                raise FailedPrecondition("checkpoint: saved without optimizer state; "
-                                         "load it without the optimizer")
-            restored = self._rebuild(adapter, torch.load(state_file, weights_only=False),
-                                     adopt_accumulation)
-        with torch.no_grad():
-            for key, tensor in tensors.items():
-                tensor.copy_(found[key].to(tensor.device, tensor.dtype))
-        adapter.zero_grad()
-        if restored is not None:
-            for field_name, value in restored.items():
-                setattr(adapter, field_name, value)
-
-    def _rebuild(self, adapter: Adapter, state: dict[str, Any], adopt_accumulation: bool
-                 ) -> dict[str, Any]:
-        """The adapter fields a saved training state sets, built without touching it."""
-        counters = state["counters"]
-        if counters["grad_accum"] != adapter.grad_accum and not adopt_accumulation:
-            raise FailedPrecondition(
-                f"checkpoint: saved with gradient_accumulation_steps={counters['grad_accum']} "
-                f"but this adapter uses {adapter.grad_accum}; load it into an adapter with "
-                f"{counters['grad_accum']}, or without the optimizer")
-        optimizer = scheduler = None
-        optimizer_name, optimizer_kwargs = "", {}
-        scheduler_name, scheduler_kwargs = "", {}
-        if state["optimizer"] is not None:
-            optimizer_name = state["optimizer_name"]
-            optimizer_kwargs = dict(state["optimizer_kwargs"])
-            if optimizer_name == "AdamW" and not optimizer_kwargs:
-                optimizer = optim.make_adamw(adapter.parameters(), AdamParams())
-            else:
-                optimizer = optim.build_optimizer(optimizer_name, adapter.parameters(),
-                                                  **optimizer_kwargs)
-            optimizer.load_state_dict(state["optimizer"])
-            if state["scheduler"] is not None:
-                scheduler_name = state["scheduler_name"]
-                scheduler_kwargs = dict(state["scheduler_kwargs"])
-                scheduler = optim.build_scheduler(scheduler_name, optimizer, **scheduler_kwargs)
-                # Building a scheduler takes its initial step, which rewrites every group's
-                # lr (LinearLR: base lr / 3); the saved groups put the resumed lr back.
-                optimizer.load_state_dict(state["optimizer"])
-                scheduler.load_state_dict(state["scheduler"])
-        return {
-            "optimizer": optimizer, "optimizer_name": optimizer_name,
-            "optimizer_kwargs": optimizer_kwargs, "scheduler": scheduler,
-            "scheduler_name": scheduler_name, "scheduler_kwargs": scheduler_kwargs,
-            "loss": LossSpec(**state["loss"]) if state["loss"] else adapter.loss,
-            "step": counters["step"], "micro_step": counters["micro_step"],
-            "tokens_seen": counters["tokens_seen"], "grad_accum": counters["grad_accum"],
-        }
+        """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter;
+        all or nothing (see `checkpoint.load_state`)."""
+        checkpoint.load_state(self._adapter(adapter_id), path, include_optimizer,
+                              adopt_accumulation)
 
     # ------------------------------------------------------------------ sampling
 
@@ -574,16 +336,14 @@ class Engine:
         if key in self._samplers:
             self._samplers.move_to_end(key)
             return key
-        spec, targets = checkpoint.read_spec(weights_path)
+        spec, _ = checkpoint.read_spec(weights_path)
         found = checkpoint.read_weights(weights_path)
         adapter = Adapter(key, spec, self._new_weights(LoraSpec(**{**asdict(spec), "seed": 0}),
                                                        self._targets(spec)))
-        tensors = self._peft_tensors(adapter)
-        checkpoint.check_shapes({k: v.shape for k, v in tensors.items()}, found)
-        with torch.no_grad():
-            for k, t in tensors.items():
-                t.copy_(found[k].to(t.device, t.dtype))
-                t.requires_grad_(False)
+        checkpoint.check_weights(adapter, found)
+        checkpoint.copy_weights(adapter, found)
+        for param in adapter.parameters():
+            param.requires_grad_(False)
         self._attach(adapter)
         self._samplers[key] = adapter
         while len(self._samplers) > _SAMPLER_CACHE_SIZE:
@@ -628,10 +388,10 @@ class Engine:
                 f"sampling_params.max_tokens: prompt ({request.prompt.size} tokens) + "
                 f"max_tokens ({request.params.max_tokens}) is over the {limits.max_seq_len}-"
                 "token limit (--max-seq-len)")
-        if request.num_samples * n > limits.max_batch_tokens:
+        if request.num_tokens > limits.max_batch_tokens:
             raise InvalidArgument(
                 f"num_samples: {request.num_samples} x (prompt + max_tokens) = "
-                f"{request.num_samples * n} tokens is over the {limits.max_batch_tokens}-token "
+                f"{request.num_tokens} tokens is over the {limits.max_batch_tokens}-token "
                 "limit (--max-batch-tokens); use fewer samples or a shorter max_tokens")
 
     def _check_prompt(self, prompt: np.ndarray) -> None:
@@ -658,17 +418,6 @@ class Engine:
         route_id = self._sampling_adapter(adapter_id, weights_path)
         return sampler.prompt_logprobs(self.base.model, self.router.route, route_id,
                                        np.asarray(tokens), topk)
-
-    def describe(self) -> str:
-        return json.dumps({"model": self.base.name, "adapters": len(self.adapters)})
-
-
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position: `[T]` targets give `[T]`, `[T, K]` give `[T, K]`."""
-    logits, targets = logits.float(), targets.long()
-    if targets.ndim == 1:
-        return -F.cross_entropy(logits, targets, reduction="none")
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets)
 
 
 def available_memory_bytes(device: torch.device) -> int | None:

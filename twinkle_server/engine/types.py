@@ -8,19 +8,34 @@ nothing inside the engine sees a protobuf or a client object.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
-# One training sequence: the codec's `Datum`, so decoded wire datums reach the engine as is.
-from twinkle_client.wire import Datum as Datum
-
 # Module-name suffixes for Tinker's coarse LoRA switches (Qwen/Llama naming).
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
+
+
+@dataclass(frozen=True, slots=True)
+class Datum:
+    """One training sequence, as numpy arrays.
+
+    `input_ids` is 1-D `[T]`. `loss_inputs` holds arrays with the token axis first:
+    `target_tokens` (`[T]`, or `[T, K]` for several targets per position), `weights`,
+    and for RL losses `logprobs` (the sampler's) and `advantages`. The gRPC front builds
+    these from decoded wire datums with `Datum(d.input_ids, d.loss_inputs)`.
+    """
+
+    input_ids: np.ndarray
+    loss_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,21 @@ class LossSpec:
 
 
 @dataclass(frozen=True)
+class ForwardRequest:
+    """One request's datums for one adapter; `loss` None means the adapter's native loss."""
+
+    adapter_id: str
+    datums: Sequence[Datum]
+    loss: LossSpec | None
+    backward: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of every datum: the request's share of a merged pass's budget."""
+        return sum(datum.num_tokens for datum in self.datums)
+
+
+@dataclass(frozen=True)
 class ForwardOutput:
     """Result of forward / forward_backward for one request: per-datum target logprobs,
     the scalar loss and metrics keyed `name:reduction` (e.g. `loss:sum`)."""
@@ -134,6 +164,23 @@ class SampledSequence:
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: StopReason
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """Sample from a live adapter, a saved sampler checkpoint, or (both None) the base."""
+
+    adapter_id: str | None
+    weights_path: str | None
+    prompt: np.ndarray
+    num_samples: int
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the request may occupy: every sample's prompt plus `max_tokens`. The
+        one measure of a sample's size, for its limit and its share of a merged pass."""
+        return self.num_samples * (self.prompt.size + self.params.max_tokens)
 
 
 @dataclass(frozen=True)
