@@ -21,9 +21,9 @@ import grpc
 import numpy as np
 
 from bench.timing import best_per_call
+from tests.server.transport import Transport
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import training_pb2
-from twinkle_client.transport import Transport
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
 from twinkle_server.process import start_server

@@ -1,9 +1,10 @@
-"""Conversions between the Twinkle protobuf messages and `tinker.types`, at the edge only.
+"""Conversions between `tinker.types` and the Twinkle client's plain values, at the edge only.
 
-Tensors and datums cross through `twinkle_client.wire` (the one codec); this module only
-rearranges fields: ModelInfo -> GetInfoResponse, Checkpoint -> tinker Checkpoint with a
-`tinker://` path, SamplingParams -> the server's (including Tinker's `stop` semantics), and
-the Twinkle input feature <-> Tinker Datum helpers.
+Requests and replies are built and read by `twinkle_client.api`; this module rearranges
+fields between its values and Tinker's: Tinker `Datum`s -> wire datums (through
+`wire.encode_datum`, the one codec), ModelInfo -> GetInfoResponse, Checkpoint -> tinker
+Checkpoint with a `tinker://` path, SamplingParams -> the server's (including Tinker's
+`stop` semantics), and the Twinkle input feature <-> Tinker Datum helpers.
 """
 
 from __future__ import annotations
@@ -19,12 +20,8 @@ from tinker import types
 from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
 from tinker.types.topk_logprobs import TopkLogprobs
 
-from twinkle_client import paths, wire
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_client._proto.twinkle.v1 import sampling_pb2 as spb
-from twinkle_client._proto.twinkle.v1 import session_pb2
-from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
-from twinkle_client.connection import ForwardResult
+from twinkle_client import api, paths, wire
+from twinkle_client.features import feature_to_loss_inputs, loss_inputs_to_feature
 
 LOSS_FN_OUTPUT_TYPE = "ArrayRecord"
 """`ForwardBackwardOutput.loss_fn_output_type`: per-datum dicts of arrays."""
@@ -42,23 +39,41 @@ def encode_datums(data: Sequence[types.Datum]) -> list[wire.Datum]:
         if not isinstance(datum, types.Datum):
             raise wire.WireError(f"datum[{index}]: expected tinker.types.Datum, got "
                                  f"{type(datum).__name__}")
-        encoded.append(wire.encode_tinker_datum(datum, index))
+        encoded.append(encode_tinker_datum(datum, index))
     return encoded
 
 
-def loss_fn_to_proto(loss_fn: str, config: Mapping[str, float | str] | None) -> pb.LossFn:
+def encode_tinker_datum(datum: Any, index: int = 0) -> wire.Datum:
+    """Encode a `tinker.types.Datum` (text chunks only; sparse inputs are sent dense)."""
+    try:
+        tokens = datum.model_input.to_ints()
+    except Exception as exc:
+        raise wire.WireError(
+            f"datum[{index}].model_input: only text (EncodedTextChunk) inputs are supported: {exc}"
+        ) from None
+    return wire.encode_datum(np.asarray(tokens, dtype=np.int64), datum.loss_fn_inputs, index)
+
+
+def tensor_data(array: np.ndarray) -> types.TensorData:
+    """An array as a dense `TensorData` in the dtypes Tinker uses: int64 or float32."""
+    if array.dtype.kind in "iu":
+        return types.TensorData.from_numpy(array.astype(np.int64, copy=False))
+    return types.TensorData.from_numpy(array.astype(np.float32, copy=False))
+
+
+def loss_spec(loss_fn: str, config: Mapping[str, float | str] | None) -> api.Loss:
     """A loss by name with its numeric config (`clip_low_threshold`, `beta`, ...)."""
     if not isinstance(loss_fn, str) or not loss_fn:
         raise ValueError(f"loss_fn: expected a loss name such as 'cross_entropy', got {loss_fn!r}")
-    proto = pb.LossFn(name=loss_fn)
+    numbers = {}
     for key, value in (config or {}).items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"loss_fn_config[{key!r}]: must be a number, got {value!r}")
-        proto.config[key] = float(value)
-    return proto
+        numbers[key] = float(value)
+    return api.Loss(loss_fn, numbers)
 
 
-def forward_output(result: ForwardResult) -> types.ForwardBackwardOutput:
+def forward_output(result: api.ForwardResult) -> types.ForwardBackwardOutput:
     """A decoded forward(_backward) result as Tinker's output: per-datum `logprobs`."""
     outputs = [{key: types.TensorData.from_numpy(np.asarray(value))
                 for key, value in out.items()} for out in result.outputs]
@@ -72,26 +87,25 @@ def combine_outputs(parts: Sequence[types.ForwardBackwardOutput]) -> types.Forwa
     return parts[0] if len(parts) == 1 else combine_fwd_bwd_output_results(parts)
 
 
-def adam_to_proto(params: Any) -> tpb.AdamParams:
+def adam_spec(params: Any) -> api.AdamParams:
     """Tinker `AdamParams` for OptimStep; other optimizer families are refused by name."""
     if not isinstance(params, types.AdamParams):
         raise ValueError(f"optim_params: Twinkle servers run AdamW; pass tinker.types.AdamParams, "
                          f"got {type(params).__name__}")
-    return tpb.AdamParams(learning_rate=params.learning_rate, beta1=params.beta1,
+    return api.AdamParams(learning_rate=params.learning_rate, beta1=params.beta1,
                           beta2=params.beta2, eps=params.eps, weight_decay=params.weight_decay,
                           grad_clip_norm=params.grad_clip_norm)
 
 
-def info_to_tinker(info: tpb.ModelInfo) -> types.GetInfoResponse:
+def info_to_tinker(info: api.ModelInfo) -> types.GetInfoResponse:
     return types.GetInfoResponse(
         type="get_info", model_id=info.model_id, is_lora=info.is_lora,
-        lora_rank=info.lora.rank, model_name=info.base_model,
+        lora_rank=info.lora_rank, model_name=info.base_model,
         model_data=types.ModelData(arch=info.arch, model_name=info.base_model,
                                    tokenizer_id=info.tokenizer_id or info.base_model))
 
 
-def capabilities_to_tinker(caps: session_pb2.ServerCapabilities
-                           ) -> types.GetServerCapabilitiesResponse:
+def capabilities_to_tinker(caps: api.Capabilities) -> types.GetServerCapabilitiesResponse:
     return types.GetServerCapabilitiesResponse(supported_models=[
         types.SupportedModel(model_name=m.name, max_context_length=m.max_context_length,
                              trainable=m.trainable, sampleable=m.sampleable)
@@ -110,22 +124,22 @@ def _time(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def checkpoint_to_tinker(ckpt: pb.Checkpoint) -> types.Checkpoint:
+def checkpoint_to_tinker(ckpt: api.Checkpoint) -> types.Checkpoint:
     return types.Checkpoint(checkpoint_id=ckpt.checkpoint_id,
                             checkpoint_type=ckpt.checkpoint_type, time=_time(ckpt.created_at),
                             tinker_path=tinker_path(ckpt.path), size_bytes=ckpt.size_bytes,
                             user_metadata=dict(ckpt.user_metadata) or None)
 
 
-def run_to_tinker(run: pb.TrainingRun) -> types.TrainingRun:
+def run_to_tinker(run: api.TrainingRun) -> types.TrainingRun:
     return types.TrainingRun(
         training_run_id=run.run_id, base_model=run.base_model, model_owner=run.owner,
         is_lora=run.is_lora, corrupted=run.corrupted, lora_rank=run.lora_rank,
         last_request_time=_time(run.last_request_time or run.created_at),
         last_checkpoint=(checkpoint_to_tinker(run.last_checkpoint)
-                         if run.HasField("last_checkpoint") else None),
+                         if run.last_checkpoint is not None else None),
         last_sampler_checkpoint=(checkpoint_to_tinker(run.last_sampler_checkpoint)
-                                 if run.HasField("last_sampler_checkpoint") else None),
+                                 if run.last_sampler_checkpoint is not None else None),
         user_metadata=dict(run.user_metadata) or None)
 
 
@@ -136,8 +150,8 @@ def cursor(offset: int, limit: int, total: int) -> types.Cursor:
 # ----------------------------------------------------------------------------- sampling
 
 
-def prompt_to_proto(prompt: types.ModelInput, field: str = "prompt") -> pb.Tensor:
-    """The prompt's token ids as an int32 tensor; only text chunks are supported."""
+def prompt_tokens(prompt: types.ModelInput, field: str = "prompt") -> np.ndarray:
+    """The prompt's token ids as an int32 array, checked; only text chunks are supported."""
     if not isinstance(prompt, types.ModelInput):
         raise ValueError(f"{field}: expected tinker.types.ModelInput, got {type(prompt).__name__}")
     try:
@@ -147,11 +161,10 @@ def prompt_to_proto(prompt: types.ModelInput, field: str = "prompt") -> pb.Tenso
                          ) from None
     if not tokens:
         raise ValueError(f"{field}: empty; give at least one token")
-    return wire.encode_array(wire.token_array(np.asarray(tokens, dtype=np.int64), field
-                                              ).astype(np.int32), field)
+    return wire.token_array(np.asarray(tokens, dtype=np.int64), field).astype(np.int32)
 
 
-def sampling_params_to_proto(params: types.SamplingParams) -> spb.SamplingParams:
+def sampling_spec(params: types.SamplingParams) -> api.SamplingParams:
     """Tinker's SamplingParams for the server.
 
     `stop`: None keeps stopping at EOS; `[]` disables every stop, EOS included (the
@@ -163,26 +176,27 @@ def sampling_params_to_proto(params: types.SamplingParams) -> spb.SamplingParams
                          f"{type(params).__name__}")
     if params.max_tokens is not None and params.max_tokens < 1:
         raise ValueError(f"sampling_params.max_tokens: must be >= 1, got {params.max_tokens}")
-    proto = spb.SamplingParams(max_tokens=params.max_tokens or 0,
-                               temperature=params.temperature, top_p=params.top_p,
-                               top_k=params.top_k)
-    if params.seed is not None:
-        proto.seed = params.seed
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    ignore_eos = False
     stop = params.stop
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None:
         items = list(stop)
         if not items:
-            proto.ignore_eos = True
+            ignore_eos = True
         elif all(isinstance(s, str) and s for s in items):
-            proto.stop_strings.extend(items)
+            strings = tuple(items)
         elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
-            proto.stop_token_ids.extend(items)
+            token_ids = tuple(items)
         else:
             raise ValueError(f"sampling_params.stop: expected non-empty strings or "
                              f"non-negative token ids (not mixed), got {params.stop!r}")
-    return proto
+    return api.SamplingParams(max_tokens=params.max_tokens or 0,
+                              temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, stop_strings=strings, stop_token_ids=token_ids,
+                              seed=params.seed, ignore_eos=ignore_eos)
 
 
 def logprobs_list(values: np.ndarray) -> list[float | None]:
@@ -190,26 +204,20 @@ def logprobs_list(values: np.ndarray) -> list[float | None]:
     return [None if math.isnan(v) else v for v in np.asarray(values, np.float64).tolist()]
 
 
-def sample_response_to_tinker(reply: spb.SampleResponse, include_prompt_logprobs: bool
+def sample_response_to_tinker(result: api.SampleResult, include_prompt_logprobs: bool
                               ) -> types.SampleResponse:
     sequences = [
         types.SampledSequence(
             stop_reason=seq.stop_reason or "length", sequence_id=uuid.uuid4().hex,
-            tokens_np=wire.decode_array(seq.tokens, f"sequences[{i}].tokens").astype(np.int32),
-            logprobs_np=wire.decode_array(seq.logprobs, f"sequences[{i}].logprobs"
-                                          ).astype(np.float32))
-        for i, seq in enumerate(reply.sequences)]
+            tokens_np=seq.tokens.astype(np.int32), logprobs_np=seq.logprobs.astype(np.float32))
+        for seq in result.sequences]
     prompt_logprobs = None
-    if include_prompt_logprobs and reply.HasField("prompt_logprobs"):
-        prompt_logprobs = wire.decode_array(reply.prompt_logprobs, "prompt_logprobs"
-                                            ).astype(np.float32)
+    if include_prompt_logprobs and result.prompt_logprobs is not None:
+        prompt_logprobs = result.prompt_logprobs.astype(np.float32)
     topk = None
-    if reply.HasField("topk_prompt_token_ids"):
-        topk = TopkLogprobs(
-            token_ids=wire.decode_array(reply.topk_prompt_token_ids, "topk_prompt_token_ids"
-                                        ).astype(np.int32),
-            logprobs=wire.decode_array(reply.topk_prompt_logprobs, "topk_prompt_logprobs"
-                                       ).astype(np.float32))
+    if result.topk_token_ids is not None:
+        topk = TopkLogprobs(token_ids=result.topk_token_ids.astype(np.int32),
+                            logprobs=result.topk_logprobs.astype(np.float32))
     return types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_logprobs,
                                 topk_prompt_logprobs_np=topk)
 
@@ -231,7 +239,7 @@ def input_feature_to_datum(feature: Mapping[str, Any]) -> types.Datum:
         datum = input_feature_to_datum({"input_ids": [5, 6, 7], "labels": [-100, 7, 2]})
         datum.loss_fn_inputs["weights"].tolist()   # [0.0, 1.0, 1.0]
     """
-    ids, inputs = wire.feature_to_loss_inputs(feature)
+    ids, inputs = feature_to_loss_inputs(feature)
     if ids.ndim != 1:
         raise ValueError(f"feature.input_ids: one sequence of shape [T] expected, got shape "
                          f"{list(ids.shape)}; convert a batch feature by feature")
@@ -249,4 +257,4 @@ def datum_to_input_feature(datum: types.Datum) -> dict[str, np.ndarray]:
     """
     ids = np.asarray(datum.model_input.to_ints(), dtype=np.int64)
     inputs = {key: value.to_numpy() for key, value in datum.loss_fn_inputs.items()}
-    return wire.loss_inputs_to_feature(ids, inputs)
+    return loss_inputs_to_feature(ids, inputs)

@@ -15,8 +15,7 @@ from tinker import types
 from tinker_compat import convert
 from tinker_compat.errors import error_factory
 from tinker_compat.futures import APIFuture, deprecated
-from twinkle_client import paths
-from twinkle_client._proto.twinkle.v1 import runs_pb2 as rpb
+from twinkle_client import api, paths
 from twinkle_client.connection import Connection, env_endpoint, parse_base_url
 
 AccessScope = Literal["owned", "accessible"]
@@ -102,7 +101,7 @@ class RestClient:
         ```
         """
         return self._conn.submit(
-            lambda: convert.capabilities_to_tinker(self._conn.capabilities(refresh=True)),
+            lambda: convert.capabilities_to_tinker(api.capabilities(self._conn, refresh=True)),
             future_class=APIFuture)
 
     # ------------------------------------------------------------------ runs
@@ -118,10 +117,9 @@ class RestClient:
         print(run.base_model, run.lora_rank, run.last_checkpoint)
         ```
         """
-        request = rpb.GetRunRequest(run_id=training_run_id)
-        return self._conn.submit(
-            lambda: convert.run_to_tinker(self._conn.call(self._conn.runs.GetRun, request)),
-            future_class=APIFuture)
+        call = api.get_run(training_run_id)
+        return self._conn.submit(lambda: convert.run_to_tinker(call.send(self._conn)),
+                                 future_class=APIFuture)
 
     @deprecated(_single("get_training_run"))
     async def get_training_run_async(self, training_run_id: str,
@@ -165,13 +163,13 @@ class RestClient:
         more = page.cursor.offset + page.cursor.limit < page.cursor.total_count
         ```
         """
-        request = rpb.ListRunsRequest(limit=limit, offset=offset)
+        call = api.list_runs(limit, offset)
 
         def run() -> types.TrainingRunsResponse:
-            reply = self._conn.call(self._conn.runs.ListRuns, request)
+            page = call.send(self._conn)
             return types.TrainingRunsResponse(
-                training_runs=[convert.run_to_tinker(r) for r in reply.runs],
-                cursor=convert.cursor(offset, limit, reply.total))
+                training_runs=[convert.run_to_tinker(r) for r in page.items],
+                cursor=convert.cursor(offset, limit, page.total))
 
         return self._conn.submit(run, future_class=APIFuture)
 
@@ -186,11 +184,10 @@ class RestClient:
     # ------------------------------------------------------------------ checkpoints
 
     def _list(self, run_id: str, limit: int, offset: int) -> types.CheckpointsListResponse:
-        reply = self._conn.call(self._conn.runs.ListCheckpoints, rpb.ListCheckpointsRequest(
-            run_id=run_id, limit=limit, offset=offset))
+        page = api.list_checkpoints(run_id, limit, offset).send(self._conn)
         return types.CheckpointsListResponse(
-            checkpoints=[convert.checkpoint_to_tinker(c) for c in reply.checkpoints],
-            cursor=convert.cursor(offset, limit or len(reply.checkpoints), reply.total))
+            checkpoints=[convert.checkpoint_to_tinker(c) for c in page.items],
+            cursor=convert.cursor(offset, limit or len(page.items), page.total))
 
     def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
         """Every checkpoint (training and sampler) of one run, newest first.
@@ -240,10 +237,10 @@ class RestClient:
         ```
         """
         paths.parse(tinker_path, "tinker_path")
-        request = rpb.CheckpointRef(path=tinker_path)
+        call = api.get_checkpoint(tinker_path)
 
         def run() -> types.WeightsInfoResponse:
-            ckpt = self._conn.call(self._conn.runs.GetCheckpoint, request)
+            ckpt = call.send(self._conn)
             return types.WeightsInfoResponse(base_model=ckpt.base_model, is_lora=True,
                                              lora_rank=ckpt.lora_rank or None)
 
@@ -274,12 +271,8 @@ class RestClient:
         ```
         """
         paths.parse(tinker_path, "tinker_path")
-        request = rpb.CheckpointRef(path=tinker_path)
-
-        def run() -> None:
-            self._conn.call(self._conn.runs.DeleteCheckpoint, request, retry=False)
-
-        return self._conn.submit(run, future_class=APIFuture)
+        return self._conn.submit(api.delete_checkpoint(tinker_path).send, self._conn,
+                                 future_class=APIFuture)
 
     @deprecated(_single("delete_checkpoint_from_tinker_path"))
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
@@ -304,5 +297,5 @@ class RestClient:
         ```
         """
         paths.parse(tinker_path, "tinker_path")
-        return self._conn.submit(self._conn.download_checkpoint, tinker_path, dest,
+        return self._conn.submit(api.download_checkpoint, self._conn, tinker_path, dest,
                                  future_class=APIFuture)

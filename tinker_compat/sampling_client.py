@@ -13,8 +13,7 @@ from tinker import types
 
 from tinker_compat import convert
 from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
-from twinkle_client import paths, wire
-from twinkle_client._proto.twinkle.v1 import sampling_pb2 as spb
+from twinkle_client import api, paths
 from twinkle_client.connection import Connection
 from twinkle_client.errors import require_int
 from twinkle_client.tokenizer import load_tokenizer
@@ -75,15 +74,13 @@ class SamplingClient:
         """
         require_int(num_samples, "num_samples")
         require_int(topk_prompt_logprobs, "topk_prompt_logprobs", minimum=0)
-        request = spb.SampleRequest(
-            sampling_session_id=self.sampling_session_id, prompt=convert.prompt_to_proto(prompt),
-            num_samples=num_samples, params=convert.sampling_params_to_proto(sampling_params),
-            include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs)
+        call = api.sample(self.sampling_session_id, convert.prompt_tokens(prompt), num_samples,
+                          convert.sampling_spec(sampling_params), include_prompt_logprobs,
+                          topk_prompt_logprobs)
 
         def run() -> types.SampleResponse:
-            reply = self._conn.call(self._conn.sampling.Sample, request)
-            return convert.sample_response_to_tinker(reply, include_prompt_logprobs)
+            return convert.sample_response_to_tinker(call.send(self._conn),
+                                                     include_prompt_logprobs)
 
         return self._conn.submit(run, future_class=APIFuture)
 
@@ -113,12 +110,10 @@ class SamplingClient:
         total = sum(lp for lp in logprobs if lp is not None)
         ```
         """
-        request = spb.ComputeLogprobsRequest(sampling_session_id=self.sampling_session_id,
-                                             prompt=convert.prompt_to_proto(prompt))
+        call = api.compute_logprobs(self.sampling_session_id, convert.prompt_tokens(prompt))
 
         def run() -> list[float | None]:
-            reply = self._conn.call(self._conn.sampling.ComputeLogprobs, request)
-            return convert.logprobs_list(wire.decode_array(reply.logprobs, "logprobs"))
+            return convert.logprobs_list(call.send(self._conn))
 
         return self._conn.submit(run, future_class=APIFuture)
 
@@ -158,13 +153,12 @@ def open_sampling_client(connection: Connection, *, model_path: str | None = Non
     """Create a sampling session (blocking): on a sampler checkpoint, else the base model."""
     if model_path:
         paths.parse(model_path, "model_path")
-        request = spb.CreateSamplingSessionRequest(model_path=model_path)
+        call = api.create_sampling_session(model_path=model_path)
     elif base_model:
-        request = spb.CreateSamplingSessionRequest(base_model=base_model)
+        call = api.create_sampling_session(base_model=base_model)
     else:
         raise ValueError("Either model_path or base_model must be provided")
-    request.session_id = connection.session_id or ""
-    info = connection.call(connection.sampling.CreateSamplingSession, request, retry=False)
+    info = call.send(connection)
     return SamplingClient(connection, info.sampling_session_id, info.base_model,
                           info.model_path or None)
 

@@ -20,9 +20,7 @@ from tinker_compat.futures import APIFuture, ClientFuture, deprecated
 from tinker_compat.rest_client import RestClient, open_connection
 from tinker_compat.sampling_client import SamplingClient, submit_sampling_client
 from tinker_compat.training_client import TrainingClient, TrainingClientFuture
-from twinkle_client import paths
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+from twinkle_client import api, paths
 from twinkle_client.errors import require_int
 
 CLIENT_NAME = "tinker_compat/0.1"
@@ -104,9 +102,9 @@ class ServiceClient:
 
     # ------------------------------------------------------------------ training clients
 
-    def _submit_training(self, request: tpb.CreateModelRequest) -> ClientFuture:
+    def _submit_training(self, call: api.Call[api.ModelInfo]) -> ClientFuture:
         def create() -> TrainingClient:
-            return TrainingClient(self._conn, self._conn.create_model(request))
+            return TrainingClient(self._conn, call.send(self._conn))
 
         return self._conn.submit(create, future_class=TrainingClientFuture)
 
@@ -141,12 +139,10 @@ class ServiceClient:
                              "True")
         require_int(rank, "rank")
         self._check_optimizer(optimizer)
-        lora = pb.LoraConfig(rank=rank, train_mlp=train_mlp, train_attn=train_attn,
-                             train_unembed=train_unembed)
-        if seed is not None:
-            lora.seed = seed
-        return self._submit_training(tpb.CreateModelRequest(
-            base_model=base_model, lora=lora, user_metadata=user_metadata or {}))
+        lora = api.LoraSpec(rank=rank, train_mlp=train_mlp, train_attn=train_attn,
+                            train_unembed=train_unembed, seed=seed)
+        return self._submit_training(api.create_model(
+            base_model=base_model, lora=lora, user_metadata=user_metadata))
 
     @deprecated(_single("create_lora_training_client"))
     async def create_lora_training_client_async(
@@ -166,9 +162,9 @@ class ServiceClient:
         if weights_access_token is not None:
             raise ValueError("weights_access_token: Twinkle checkpoints are readable only by "
                              "their own tenant; pass None")
-        return self._submit_training(tpb.CreateModelRequest(
+        return self._submit_training(api.create_model(
             base_model=base_model or "", from_checkpoint=path, load_optimizer=with_optimizer,
-            user_metadata=user_metadata or {}))
+            user_metadata=user_metadata))
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
@@ -263,7 +259,7 @@ class ServiceClient:
                 "RestClient().get_server_capabilities() instead; it returns an APIFuture.")
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         """The models the server serves (blocking)."""
-        return convert.capabilities_to_tinker(self._conn.capabilities(refresh=True))
+        return convert.capabilities_to_tinker(api.capabilities(self._conn, refresh=True))
 
     @deprecated("DEPRECATED: ServiceClient.get_server_capabilities_async() is deprecated. Use "
                 "`await RestClient().get_server_capabilities()` instead.")

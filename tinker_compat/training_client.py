@@ -6,21 +6,20 @@ model's ops strictly in seq_id order, so `forward_backward(...)` then `optim_ste
 submitted before waiting on either is correct, and faster than waiting in between.
 
 A reserved seq_id must always reach the server, or the model's later ops would wait for
-it: when an op cannot be sent (its batch failed to encode after reservation, the user's
-custom loss raised), a cheap read-only op (`GetTrainConfigs`) is sent in its place.
+it: when an op cannot be sent (an earlier part of its request failed, the user's custom
+loss raised), the seq_id is spent with no op under it (`api.release`, the SkipSeq RPC).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 from tinker import types
 
-from tinker_compat import convert
+from tinker_compat import convert, forward_ops
+from tinker_compat.forward_ops import CustomLossFn
 from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
 from tinker_compat.sampling_client import (
     SamplingClient,
@@ -29,21 +28,15 @@ from tinker_compat.sampling_client import (
     open_sampling_client,
     submit_sampling_client,
 )
-from twinkle_client import paths, wire
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
+from twinkle_client import api, paths, wire
 from twinkle_client.connection import Connection
 from twinkle_client.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
-CustomLossFn = Callable[[list[types.Datum], list["torch.Tensor"]],
-                        tuple["torch.Tensor", dict[str, float]]]
-"""(data, per-datum logprob tensors) -> (scalar loss, metrics), as tinker's CustomLossFnV1."""
-
-_SURROGATE = pb.LossFn(name="cross_entropy")
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 def _moved(method: str, advice: str) -> str:
@@ -53,15 +46,6 @@ def _moved(method: str, advice: str) -> str:
 
 _AT_ONCE = ("it returns an APIFuture at once; submit the requests that follow, then await "
             "the future or call .result() on it.")
-
-
-@dataclass(frozen=True)
-class Ops:
-    """A request split into ops: each op's datum range in the request and its packed
-    stream chunks."""
-
-    bounds: list[tuple[int, int]]
-    chunks: list[list[tpb.ForwardChunk]]
 
 
 class TrainingClient:
@@ -77,14 +61,14 @@ class TrainingClient:
         optim_result = optim_future.result()    # wait for the update
     """
 
-    def __init__(self, connection: Connection, info: tpb.ModelInfo) -> None:
+    def __init__(self, connection: Connection, info: api.ModelInfo) -> None:
         self._conn = connection
         self.model_id: str = info.model_id
         self._base_model = info.base_model
         self._info = convert.info_to_tinker(info)
         # The server refuses a request over this many tokens; bigger batches are sent as
         # several consecutive ops, whose gradients accumulate exactly as one would.
-        self._max_batch_tokens = int(connection.capabilities().limits.max_batch_tokens)
+        self._max_batch_tokens = int(api.capabilities(connection).limits.max_batch_tokens)
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.model_id} on {self._base_model}>"
@@ -182,28 +166,18 @@ class TrainingClient:
                              f"got {type(loss_fn).__name__}")
         if not data:
             raise ValueError("No data provided")
-        forward_data = []
-        for index, datum in enumerate(data):
-            targets = datum.loss_fn_inputs.get("target_tokens")
-            if targets is None:
-                raise ValueError(f"datum[{index}].loss_fn_inputs: 'target_tokens' is required "
-                                 "by forward_backward_custom")
-            weights = datum.loss_fn_inputs.get("weights")
-            if weights is None:
-                weights = types.TensorData.from_numpy(np.zeros(targets.to_numpy().shape,
-                                                               np.float32))
-            forward_data.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
-                "target_tokens": targets, "weights": weights}))
-        ops = self._pack(forward_data, "Forward")
+        ops = self._pack(forward_ops.surrogate_data(data), forward_ops.SURROGATE,
+                         backward=False)
         if isinstance(ops, APIFuture):
             return ops
-        forward_ops = [self._conn.op(self.model_id) for _ in ops.bounds]
-        backward_ops = [self._conn.op(self.model_id) for _ in ops.bounds]
-        return self._conn.submit(self._run_custom, list(data), loss_fn, ops, forward_ops,
-                                 backward_ops, future_class=APIFuture)
+        first_pass = [self._conn.reserve(self.model_id) for _ in ops.bounds]
+        second_pass = [self._conn.reserve(self.model_id) for _ in ops.bounds]
+        return self._conn.submit(forward_ops.run_custom, self._conn, list(data), loss_fn, ops,
+                                 first_pass, second_pass, future_class=APIFuture)
 
     @deprecated(_moved("forward_backward_custom", _AT_ONCE))
-    async def forward_backward_custom_async(self, data: list[types.Datum], loss_fn: CustomLossFn
+    async def forward_backward_custom_async(self, data: list[types.Datum],
+                                            loss_fn: CustomLossFn
                                             ) -> APIFuture[types.ForwardBackwardOutput]:
         """Deprecated: use `training_client.forward_backward_custom(...)`."""
         return self.forward_backward_custom(data, loss_fn)
@@ -230,15 +204,9 @@ class TrainingClient:
         """
         if optim_params is not None and adam_params is not None:
             raise ValueError("Specify optim_params or legacy adam_params, not both")
-        adam = convert.adam_to_proto(optim_params if optim_params is not None else adam_params)
-        header = self._conn.op(self.model_id)
-
-        def run() -> types.OptimStepResponse:
-            reply = self._conn.call(self._conn.training.OptimStep,
-                                    tpb.OptimStepRequest(op=header, adam=adam))
-            return types.OptimStepResponse(metrics=dict(reply.metrics))
-
-        return self._conn.submit(run, future_class=APIFuture)
+        adam = convert.adam_spec(optim_params if optim_params is not None else adam_params)
+        return self._submit(api.optim_step(adam),
+                            lambda metrics: types.OptimStepResponse(metrics=metrics))
 
     @deprecated(_moved("optim_step", _AT_ONCE))
     async def optim_step_async(self, optim_params: types.AdamParams | None = None, *,
@@ -270,16 +238,10 @@ class TrainingClient:
         ```
         """
         self._warn_ttl(ttl_seconds)
-        request = tpb.SaveRequest(name=paths.check_name(name, "name"), include_optimizer=True,
-                                  user_metadata=user_metadata or {}, overwrite=overwrite)
-        request.op.CopyFrom(self._conn.op(self.model_id))
-
-        def run() -> types.SaveWeightsResponse:
-            reply = self._conn.call(self._conn.training.SaveState, request)
-            return types.SaveWeightsResponse(path=convert.tinker_path(reply.path),
-                                             type="save_weights")
-
-        return self._conn.submit(run, future_class=APIFuture)
+        call = api.save_state(paths.check_name(name, "name"), include_optimizer=True,
+                              user_metadata=user_metadata, overwrite=overwrite)
+        return self._submit(call, lambda path: types.SaveWeightsResponse(
+            path=convert.tinker_path(path), type="save_weights"))
 
     @deprecated(_moved("save_state", "it returns an APIFuture that can be awaited."))
     async def save_state_async(self, name: str, ttl_seconds: int | None = None,
@@ -302,16 +264,9 @@ class TrainingClient:
         ```
         """
         self._warn_ttl(ttl_seconds)
-        request = tpb.SaveRequest(name=paths.check_name(name, "name"),
-                                  user_metadata=user_metadata or {})
-        request.op.CopyFrom(self._conn.op(self.model_id))
-
-        def run() -> types.SaveWeightsForSamplerResponse:
-            reply = self._conn.call(self._conn.training.SaveWeightsForSampler, request)
-            return types.SaveWeightsForSamplerResponse(path=convert.tinker_path(reply.path),
-                                                       type="save_weights_for_sampler")
-
-        return self._conn.submit(run, future_class=APIFuture)
+        call = api.save_weights_for_sampler(paths.check_name(name, "name"), user_metadata)
+        return self._submit(call, lambda path: types.SaveWeightsForSamplerResponse(
+            path=convert.tinker_path(path), type="save_weights_for_sampler"))
 
     @deprecated(_moved("save_weights_for_sampler", "it returns an APIFuture that can be awaited."))
     async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None,
@@ -322,15 +277,10 @@ class TrainingClient:
 
     def _load(self, path: str, optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
         paths.parse(path, "path")
-        request = tpb.LoadStateRequest(op=self._conn.op(self.model_id), path=path,
-                                       include_optimizer=optimizer)
-
-        def run() -> types.LoadWeightsResponse:
-            self._conn.call(self._conn.training.LoadState, request)
-            return types.LoadWeightsResponse(path=convert.tinker_path(path),
-                                             model_id=self.model_id, type="load_weights")
-
-        return self._conn.submit(run, future_class=APIFuture)
+        return self._submit(api.load_state(path, include_optimizer=optimizer),
+                            lambda _: types.LoadWeightsResponse(
+                                path=convert.tinker_path(path), model_id=self.model_id,
+                                type="load_weights"))
 
     @deprecated("DEPRECATED: TrainingClient.load_state() is deprecated in tinker; use "
                 "ServiceClient.create_training_client_from_state() instead.")
@@ -421,12 +371,11 @@ class TrainingClient:
             raise ValueError(f"kind: Twinkle serves only 'snapshot' sampling clients, got {kind!r}")
         check_sampling_options(retry_config=retry_config,
                                record_stability_info=record_stability_info)
-        header = self._conn.op(self.model_id)
-        request = tpb.SaveRequest(op=header, name=f"ephemeral-{header.seq_id}")
+        op = self._conn.reserve(self.model_id)
+        call = api.save_weights_for_sampler(f"ephemeral-{op.seq_id}")
 
         def run() -> SamplingClient:
-            reply = self._conn.call(self._conn.training.SaveWeightsForSampler, request)
-            return open_sampling_client(self._conn, model_path=reply.path)
+            return open_sampling_client(self._conn, model_path=call.send(self._conn, op))
 
         return self._conn.submit(run, future_class=SamplingClientFuture)
 
@@ -478,106 +427,34 @@ class TrainingClient:
             warnings.warn("ttl_seconds: Twinkle checkpoints do not expire; the value is ignored",
                           UserWarning, stacklevel=3)
 
-    def _pack(self, data: Sequence[types.Datum], method: str) -> Ops | APIFuture[Any]:
+    def _submit(self, call: api.OpCall[T], then: Callable[[T], U]) -> APIFuture[U]:
+        """One op: its seq_id taken now, in call order; `then` makes its Tinker response."""
+        return api.submit(self._conn, self.model_id, call, future_class=APIFuture).then(then)
+
+    def _pack(self, data: Sequence[types.Datum], loss: api.Loss, backward: bool
+              ) -> forward_ops.Ops | APIFuture[Any]:
         """Encode and pack before any seq_id is reserved: a bad datum fails its future (a
         BadRequestError naming the datum and field) and nothing reaches the server."""
         if not data:
             raise ValueError("No data provided")
         try:
             encoded = convert.encode_datums(data)
-            return self._ops(encoded, self._bounds(encoded))
+            bounds = forward_ops.split(encoded, self._max_batch_tokens)
+            return forward_ops.pack(encoded, bounds, loss, backward)
         except wire.WireError as exc:
-            return APIFuture.failed(self._conn.error_factory("invalid_argument", str(exc),
-                                                             method))
-
-    def _bounds(self, datums: list[wire.Datum]) -> list[tuple[int, int]]:
-        """Where consecutive groups of datums start and end, each group within the
-        server's per-request token limit: one op per group."""
-        budget = self._max_batch_tokens
-        bounds, start, tokens = [], 0, 0
-        for index, datum in enumerate(datums):
-            length = datum.num_tokens
-            if index > start and budget and tokens + length > budget:
-                bounds.append((start, index))
-                start, tokens = index, 0
-            tokens += length
-        bounds.append((start, len(datums)))
-        return bounds
-
-    @staticmethod
-    def _ops(datums: list[wire.Datum], bounds: list[tuple[int, int]]) -> Ops:
-        """Each group's datums packed as one op's chunks (errors name datums by their
-        index in the whole request)."""
-        return Ops(bounds, [wire.pack_request(datums[a:b], first=a) for a, b in bounds])
+            return APIFuture.failed(self._conn.error_factory(
+                "invalid_argument", str(exc), "ForwardBackward" if backward else "Forward"))
 
     def _forward(self, data: list[types.Datum], loss_fn: str,
                  loss_fn_config: Mapping[str, float | str] | None, backward: bool
                  ) -> APIFuture[types.ForwardBackwardOutput]:
-        loss = convert.loss_fn_to_proto(loss_fn, loss_fn_config)
-        ops = self._pack(data, "ForwardBackward" if backward else "Forward")
+        loss = convert.loss_spec(loss_fn, loss_fn_config)
+        ops = self._pack(data, loss, backward)
         if isinstance(ops, APIFuture):
             return ops
-        headers = [self._conn.op(self.model_id) for _ in ops.bounds]
-        return self._conn.submit(self._run_ops, headers, ops, loss, backward,
+        reserved = [self._conn.reserve(self.model_id) for _ in ops.bounds]
+        return self._conn.submit(forward_ops.run_ops, self._conn, reserved, ops,
                                  future_class=APIFuture)
-
-    def _run_ops(self, headers: list[pb.OpHeader], ops: Ops, loss: pb.LossFn, backward: bool
-                 ) -> types.ForwardBackwardOutput:
-        """Send each group as its op, in order; if one fails, the rest are stood in for."""
-        parts = []
-        for index, (header, chunks) in enumerate(zip(headers, ops.chunks, strict=True)):
-            try:
-                parts.append(convert.forward_output(
-                    self._conn.forward(header, chunks, loss, backward)))
-            except BaseException:
-                for header in headers[index + 1:]:
-                    self._conn.release(header)
-                raise
-        return convert.combine_outputs(parts)
-
-    def _run_custom(self, data: list[types.Datum], loss_fn: CustomLossFn, ops: Ops,
-                    forward_ops: list[pb.OpHeader], backward_ops: list[pb.OpHeader]
-                    ) -> types.ForwardBackwardOutput:
-        try:
-            forward = self._run_ops(forward_ops, ops, _SURROGATE, backward=False)
-            linear_data, metrics, loss_sum = _custom_loss(data, loss_fn, forward)
-            backward = self._ops(convert.encode_datums(linear_data), ops.bounds)
-        except BaseException:
-            for header in backward_ops:
-                self._conn.release(header)
-            raise
-        result = self._run_ops(backward_ops, backward, _SURROGATE, backward=True)
-        result.metrics["surrogate_loss:sum"] = result.metrics.pop("loss:sum")
-        result.metrics.update(metrics)
-        result.metrics["loss:sum"] = loss_sum
-        return result
-
-
-def _custom_loss(data: list[types.Datum], loss_fn: CustomLossFn,
-                 forward: types.ForwardBackwardOutput
-                 ) -> tuple[list[types.Datum], dict[str, float], float]:
-    """Run the user's loss on the forward logprobs; returns the cross_entropy datums whose
-    gradient equals the loss's (`weights = -dLoss/dlogprobs`), its metrics and its value."""
-    import torch
-
-    logprobs = [torch.tensor(out["logprobs"].to_numpy(), requires_grad=True)
-                for out in forward.loss_fn_outputs]
-    loss, metrics = loss_fn(data, logprobs)
-    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-        raise ValueError("loss_fn: must return (loss, metrics) with loss a tensor computed "
-                         "from the logprobs it was given")
-    loss_sum = float(loss.detach().sum().item())
-    loss.backward()
-    linear = []
-    for index, (datum, lp) in enumerate(zip(data, logprobs, strict=True)):
-        if lp.grad is None:
-            raise ValueError(f"loss_fn: no gradient reached datum[{index}]'s logprobs; compute "
-                             "the loss from the logprobs tensors it is given")
-        linear.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
-            "target_tokens": datum.loss_fn_inputs["target_tokens"],
-            # Server CE is L = -sum(logprobs * weights), so weights = -dC/dlogprobs.
-            "weights": types.TensorData.from_torch(-lp.grad.detach().float())}))
-    return linear, {k: float(v) for k, v in metrics.items()}, loss_sum
 
 
 TrainingClientFuture: type[ClientFuture] = client_future(TrainingClient, "TrainingClient")

@@ -17,15 +17,14 @@ Listings are oldest first, so the last item a loop sees is the newest:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict
 
-from twinkle_client import errors, paths
-from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, session_pb2
+from twinkle_client import api, paths
 from twinkle_client.connection import (
     Connection,
     env_endpoint,
@@ -132,7 +131,7 @@ def _time(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def checkpoint_from_proto(ckpt: common_pb2.Checkpoint) -> Checkpoint:
+def checkpoint_record(ckpt: api.Checkpoint) -> Checkpoint:
     return Checkpoint(
         checkpoint_id=ckpt.checkpoint_id, checkpoint_type=ckpt.checkpoint_type,
         twinkle_path=ckpt.path, training_run_id=ckpt.run_id, name=ckpt.name,
@@ -141,31 +140,22 @@ def checkpoint_from_proto(ckpt: common_pb2.Checkpoint) -> Checkpoint:
         lora_rank=ckpt.lora_rank, user_metadata=dict(ckpt.user_metadata))
 
 
-def run_from_proto(run: common_pb2.TrainingRun) -> TrainingRun:
+def run_record(run: api.TrainingRun) -> TrainingRun:
     return TrainingRun(
         training_run_id=run.run_id, base_model=run.base_model, owner=run.owner,
         is_lora=run.is_lora, lora_rank=run.lora_rank, created_at=_time(run.created_at),
         last_request_time=_time(run.last_request_time),
-        last_checkpoint=(checkpoint_from_proto(run.last_checkpoint)
-                         if run.HasField("last_checkpoint") else None),
-        last_sampler_checkpoint=(checkpoint_from_proto(run.last_sampler_checkpoint)
-                                 if run.HasField("last_sampler_checkpoint") else None),
+        last_checkpoint=(checkpoint_record(run.last_checkpoint)
+                         if run.last_checkpoint is not None else None),
+        last_sampler_checkpoint=(checkpoint_record(run.last_sampler_checkpoint)
+                                 if run.last_sampler_checkpoint is not None else None),
         user_metadata=dict(run.user_metadata), loaded=run.loaded, corrupted=run.corrupted)
 
 
-def capabilities_from_proto(caps: session_pb2.ServerCapabilities) -> ServerCapabilities:
-    limits = caps.limits
+def capabilities_record(caps: api.Capabilities) -> ServerCapabilities:
     return ServerCapabilities(
-        models=[ServedModel(name=m.name, aliases=list(m.aliases),
-                            max_context_length=m.max_context_length, vocab_size=m.vocab_size,
-                            trainable=m.trainable, sampleable=m.sampleable, arch=m.arch)
-                for m in caps.models],
-        limits=ServerLimits(
-            max_adapters=limits.max_adapters, max_rank=limits.max_rank,
-            max_seq_len=limits.max_seq_len, max_batch_tokens=limits.max_batch_tokens,
-            max_message_bytes=limits.max_message_bytes,
-            max_sessions_per_tenant=limits.max_sessions_per_tenant,
-            max_adapters_per_tenant=limits.max_adapters_per_tenant),
+        models=[ServedModel(**dataclasses.asdict(m)) for m in caps.models],
+        limits=ServerLimits(**dataclasses.asdict(caps.limits)),
         scheduling=caps.scheduling, server_version=caps.server_version,
         loss_functions=list(caps.loss_functions), optimizers=list(caps.optimizers),
         lr_schedulers=list(caps.lr_schedulers))
@@ -201,21 +191,15 @@ class TwinkleClient:
     def health_check(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
         """True when the server's standard `grpc.health.v1` check answers SERVING; False
         when it answers otherwise or cannot be reached within `timeout` seconds."""
-        stub = health_pb2_grpc.HealthStub(self.connection.channel)
-        try:
-            reply = self.connection.call(stub.Check, health_pb2.HealthCheckRequest(),
-                                         timeout=timeout, retry=False)
-        except (errors.UnavailableError, errors.DeadlineExceededError):
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return api.health_check(self.connection, timeout)
 
     def get_server_capabilities(self) -> ServerCapabilities:
         """Served models (names and aliases), limits and allow-lists, fetched now."""
-        return capabilities_from_proto(self.connection.capabilities(refresh=True))
+        return capabilities_record(api.capabilities(self.connection, refresh=True))
 
     def get_capacity_info(self) -> CapacityInfo:
         """Adapter slots in use and free, and memory free for new adapter state, now."""
-        caps = self.connection.capabilities(refresh=True)
+        caps = api.capabilities(self.connection, refresh=True)
         return CapacityInfo(
             adapters_loaded=caps.adapters_loaded, adapters_free=caps.adapters_free,
             max_adapters=caps.limits.max_adapters,
@@ -236,19 +220,17 @@ class TwinkleClient:
         runs: list[TrainingRun] = []
         page_offset = 0
         while True:
-            reply = self.connection.call(self.connection.runs.ListRuns, runs_pb2.ListRunsRequest(
-                limit=PAGE_SIZE, offset=page_offset))
-            runs.extend(run_from_proto(r) for r in reply.runs)
-            if reply.next_offset < 0 or not reply.runs:
+            page = api.list_runs(PAGE_SIZE, page_offset).send(self.connection)
+            runs.extend(run_record(r) for r in page.items)
+            if page.next_offset < 0 or not page.items:
                 break
-            page_offset = reply.next_offset
+            page_offset = page.next_offset
         runs.sort(key=lambda r: (r.created_at, r.training_run_id))
         return runs[offset:] if limit is None else runs[offset:offset + limit]
 
     def get_training_run(self, training_run_id: str) -> TrainingRun:
         """One run by id; NotFoundError (with the server's message) if this tenant has none."""
-        return run_from_proto(self.connection.call(
-            self.connection.runs.GetRun, runs_pb2.GetRunRequest(run_id=training_run_id)))
+        return run_record(api.get_run(training_run_id).send(self.connection))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -258,13 +240,12 @@ class TwinkleClient:
         found: list[Checkpoint] = []
         page_offset = 0
         while True:
-            reply = self.connection.call(
-                self.connection.runs.ListCheckpoints, runs_pb2.ListCheckpointsRequest(
-                    run_id=training_run_id or "", limit=PAGE_SIZE, offset=page_offset))
-            found.extend(checkpoint_from_proto(c) for c in reply.checkpoints)
-            if reply.next_offset < 0 or not reply.checkpoints:
+            page = api.list_checkpoints(training_run_id or "", PAGE_SIZE, page_offset
+                                        ).send(self.connection)
+            found.extend(checkpoint_record(c) for c in page.items)
+            if page.next_offset < 0 or not page.items:
                 break
-            page_offset = reply.next_offset
+            page_offset = page.next_offset
         found.sort(key=lambda c: (c.created_at, c.name))
         return found
 
@@ -276,19 +257,17 @@ class TwinkleClient:
 
     def get_checkpoint(self, path: str) -> Checkpoint:
         """One checkpoint by twinkle:// (or tinker://) path."""
-        return checkpoint_from_proto(self.connection.call(
-            self.connection.runs.GetCheckpoint, runs_pb2.CheckpointRef(path=path)))
+        return checkpoint_record(api.get_checkpoint(path).send(self.connection))
 
     def delete_checkpoint(self, path: str) -> None:
         """Delete a checkpoint's record and files; NotFoundError if there is none."""
-        self.connection.call(self.connection.runs.DeleteCheckpoint,
-                             runs_pb2.CheckpointRef(path=path), retry=False)
+        api.delete_checkpoint(path).send(self.connection)
 
     def download_checkpoint(self, path: str, dest_dir: str | os.PathLike) -> Path:
         """Every file of checkpoint `path` (PEFT `adapter_model.safetensors` and
         `adapter_config.json`, plus optimizer state if saved) into `dest_dir`, which
         `peft.PeftModel.from_pretrained(base, dest_dir)` then loads. Returns `dest_dir`."""
-        return self.connection.download_checkpoint(path, dest_dir)
+        return api.download_checkpoint(self.connection, path, dest_dir)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -6,38 +6,32 @@ the per-model `seq_id` counters that order a model's ops, the thread pool that r
 so they can be submitted before they are awaited, retries of idempotent calls while the
 server is unreachable, and the mapping of a failed call to an exception (`errors`).
 
-`twinkle_client` and `tinker_compat` add only their own types on top; neither opens a
-channel or converts a tensor itself (tensors go through `wire`).
+It carries messages and builds none but its own session's: what each call sends and what
+its reply means is `twinkle_client.api`, the typed layer both clients call.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
-import numpy as np
 
-from twinkle_client import errors, wire
+from twinkle_client import errors
 from twinkle_client._proto.twinkle.v1 import (
-    common_pb2,
-    runs_pb2,
     runs_pb2_grpc,
     sampling_pb2_grpc,
     session_pb2,
     session_pb2_grpc,
-    training_pb2,
     training_pb2_grpc,
 )
 from twinkle_client.futures import Future
@@ -101,14 +95,15 @@ def env_endpoint(base_url: str | None = None, api_key: str | None = None
     return setting(base_url, *BASE_URL_ENV), setting(api_key, *API_KEY_ENV)
 
 
-@dataclass
-class ForwardResult:
-    """What a forward/forward_backward returns: per-datum outputs in datum order (each a
-    dict such as {"logprobs": float32 [T]}), the loss and the metrics ("name:reduction")."""
+@dataclass(frozen=True)
+class Op:
+    """A reserved place in a model's op order: the model, its `seq_id`, and a fresh
+    request id. Every op reserved must reach the server (`api.release` spends one that
+    carries no op), or the model's later ops wait for it."""
 
-    outputs: list[dict[str, np.ndarray]]
-    loss: float
-    metrics: dict[str, float] = field(default_factory=dict)
+    model_id: str
+    seq_id: int
+    request_id: str
 
 
 class Connection:
@@ -154,7 +149,8 @@ class Connection:
         self._submit_lock = threading.Lock()
         self.session_id: str | None = None
         self._heartbeat: threading.Thread | None = None
-        self._capabilities = None
+        # Server facts the typed calls keep for this connection's life (`api.capabilities`).
+        self.cache: dict[str, Any] = {}
         if open_session:
             self._open_session(client_name, tags or {})
 
@@ -193,6 +189,20 @@ class Connection:
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc, _method_name(method), self.error_factory) from None
 
+    def call_stream(self, method: Any, messages: Sequence[Any]) -> list[Any]:
+        """The replies of a client-and-server-streaming ordered op, `messages` sent as one
+        stream. The whole stream is resent (same seq_id) while the server is unreachable;
+        there is no deadline, as for every ordered op. Failures raise like `call`."""
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            try:
+                return list(method(iter(messages), metadata=self.metadata))
+            except grpc.RpcError as exc:
+                if not self._retryable(exc, True, attempt):
+                    raise errors.from_rpc_error(exc, _method_name(method),
+                                                self.error_factory) from None
+            time.sleep(RETRY_DELAYS_S[attempt])
+        raise AssertionError("unreachable")
+
     def submit(self, fn: Callable[..., T], *args: Any, future_class: type[Future] = Future,
                **kwargs: Any) -> Future[T]:
         """Run `fn(*args, **kwargs)` on the call pool; returns its future at once."""
@@ -209,8 +219,8 @@ class Connection:
         with self._seq_lock:
             self._seq[model_id] = next_seq_id
 
-    def op(self, model_id: str) -> common_pb2.OpHeader:
-        """The header of `model_id`'s next op: seq_ids in call order, a fresh request id."""
+    def reserve(self, model_id: str) -> Op:
+        """The next place in `model_id`'s op order: seq_ids in call order."""
         with self._seq_lock:
             if model_id not in self._seq:
                 raise self.error_factory("failed_precondition",
@@ -218,75 +228,7 @@ class Connection:
                                          "through this connection", "")
             seq = self._seq[model_id]
             self._seq[model_id] = seq + 1
-        return common_pb2.OpHeader(model_id=model_id, seq_id=seq, request_id=uuid.uuid4().hex)
-
-    def release(self, header: common_pb2.OpHeader) -> None:
-        """Spend a reserved seq_id that will carry no real op, with a read-only op in its
-        place, so the model's later ops do not wait for it (failures are ignored: the
-        caller is already reporting the reason the real op was not sent)."""
-        try:
-            self.call(self.training.GetTrainConfigs, training_pb2.OpRequest(op=header))
-        except Exception as exc:  # noqa: BLE001 - logged; the caller's own error is raised
-            log.warning("releasing seq %d of %s: %s", header.seq_id, header.model_id, exc)
-
-    def create_model(self, request: training_pb2.CreateModelRequest) -> training_pb2.ModelInfo:
-        """CreateModel under this session; registers the new model's seq counter."""
-        if self.session_id and not request.session_id:
-            request.session_id = self.session_id
-        info = self.call(self.training.CreateModel, request, retry=False)
-        self.register_model(info.model_id, info.next_seq_id)
-        return info
-
-    def forward(self, header: common_pb2.OpHeader, chunks: Sequence[training_pb2.ForwardChunk],
-                loss: common_pb2.LossFn | None = None, backward: bool = True) -> ForwardResult:
-        """Stream packed datum chunks (`wire.pack_request`) as one Forward(Backward) op.
-
-        Callers pack before they take the op's seq_id, so a datum that cannot be sent
-        fails in their hands and no seq_id is left waiting for it. The op is retried
-        whole (same seq_id) while the server is unreachable.
-        """
-        method = self.training.ForwardBackward if backward else self.training.Forward
-        name = _method_name(method)
-        chunks = list(chunks)
-        if not all(isinstance(c, training_pb2.ForwardChunk) and c.HasField("batch")
-                   for c in chunks):
-            self.release(header)
-            raise TypeError("chunks: expected the ForwardChunk messages of "
-                            "wire.pack_request(datums), packed before the op's seq_id is taken")
-        messages = forward_messages(header, chunks, loss)
-        for attempt in range(len(RETRY_DELAYS_S) + 1):
-            try:
-                replies = list(method(iter(messages), metadata=self.metadata))
-                break
-            except grpc.RpcError as exc:
-                if not self._retryable(exc, True, attempt):
-                    raise errors.from_rpc_error(exc, name, self.error_factory) from None
-            time.sleep(RETRY_DELAYS_S[attempt])
-        outputs = [{key: wire.decode_array(tensor, f"outputs[{i}][{key!r}]")
-                    for key, tensor in out.outputs.items()}
-                   for i, out in enumerate(o for reply in replies for o in reply.outputs)]
-        last = replies[-1]
-        return ForwardResult(outputs, last.loss, dict(last.metrics))
-
-    # ------------------------------------------------------------------ server facts
-
-    def capabilities(self, refresh: bool = False) -> session_pb2.ServerCapabilities:
-        """The server's served models, limits and allow-lists (cached after the first call)."""
-        if self._capabilities is None or refresh:
-            self._capabilities = self.call(self.session.GetServerCapabilities,
-                                           common_pb2.Empty())
-        return self._capabilities
-
-    def download_checkpoint(self, path: str, dest: str | os.PathLike) -> Path:
-        """Every file of checkpoint `path` into directory `dest` (made if missing)."""
-        chunks = self.stream(self.runs.DownloadCheckpoint, runs_pb2.CheckpointRef(path=path))
-        return write_files(chunks, Path(dest))
-
-    def download_tokenizer(self, model: str, dest: str | os.PathLike) -> Path:
-        """The tokenizer files of served `model` into `dest`, so no model hub is needed."""
-        chunks = self.stream(self.session.GetTokenizer,
-                             session_pb2.GetTokenizerRequest(model=model))
-        return write_files(chunks, Path(dest))
+        return Op(model_id, seq, uuid.uuid4().hex)
 
     # ------------------------------------------------------------------ session
 
@@ -335,39 +277,9 @@ class Connection:
         self.close()
 
 
-def forward_messages(header: common_pb2.OpHeader, chunks: Sequence[training_pb2.ForwardChunk],
-                     loss: common_pb2.LossFn | None = None) -> list[training_pb2.ForwardChunk]:
-    """The messages of one Forward(Backward) stream: its header, then the packed chunks."""
-    first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
-        op=header, loss=loss or common_pb2.LossFn(),
-        num_datums=sum([len(chunk.batch.lengths) for chunk in chunks])))
-    return [first, *chunks]
-
-
 def _method_name(method: Any) -> str:
     raw = getattr(method, "_method", b"")
     return (raw.decode() if isinstance(raw, bytes) else str(raw)).rsplit("/", 1)[-1]
-
-
-def write_files(chunks: Iterator[common_pb2.FileChunk], dest: Path) -> Path:
-    """Write streamed files into `dest` through a temp dir, so `dest` never holds a partial
-    download. File names from the server are checked: they may not leave `dest`."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=dest.parent))
-    try:
-        for chunk in chunks:
-            name = chunk.path
-            if not name or "/" in name or "\\" in name or name in (".", ".."):
-                raise errors.InvalidArgumentError(f"download: server sent an unsafe file "
-                                                  f"name {name!r}")
-            with open(staging / name, "ab" if chunk.offset else "wb") as handle:
-                handle.write(chunk.data)
-        dest.mkdir(exist_ok=True)
-        for item in staging.iterdir():
-            os.replace(item, dest / item.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return dest
 
 
 _default: Connection | None = None

@@ -24,22 +24,21 @@ a rejected call never leaves a gap that would stall the model's later ops.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-from google.protobuf import struct_pb2
 
-from twinkle_client import errors, paths, wire
-from twinkle_client._proto.twinkle.v1 import common_pb2, sampling_pb2, training_pb2
-from twinkle_client.client import TwinkleClient, _Record
+from twinkle_client import api, errors, paths, sampling
+from twinkle_client.client import TwinkleClient
 from twinkle_client.connection import Connection, get_default_connection
 from twinkle_client.errors import require_int
+from twinkle_client.features import align_per_token, encode_feature
 from twinkle_client.futures import Future
+from twinkle_client.lora import lora_spec
+from twinkle_client.outputs import AdapterInfo, ForwardOutput, SampledSequence, SampleOutput
 from twinkle_client.processor import InputProcessor, make_processor
 from twinkle_client.tokenizer import served_name
 
@@ -48,65 +47,10 @@ if TYPE_CHECKING:
 
     from twinkle_client.template import Template
 
+__all__ = ["AdapterInfo", "ForwardOutput", "MultiLoraTransformersModel", "SampleOutput",
+           "SampledSequence"]
+
 T = TypeVar("T")
-
-MAPPED_LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
-"""peft.LoraConfig fields the server honours."""
-IGNORED_LORA_FIELDS = frozenset({
-    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path",
-    "revision", "inference_mode", "megatron_core", "qalora_group_size", "runtime_config"})
-"""Bookkeeping fields that do not change what is trained."""
-ALL_LINEAR = "all-linear"
-
-
-# ----------------------------------------------------------------------------- records
-
-
-class AdapterInfo(_Record):
-    """One adapter of the model: its server run and what it trains."""
-
-    adapter_name: str
-    training_run_id: str
-    base_model: str
-    target_modules: list[str]
-    trainable_params: int
-    state_bytes: int
-    gradient_accumulation_steps: int
-
-
-@dataclass
-class ForwardOutput:
-    """A forward(_backward)'s result: the loss (a token mean for CrossEntropyLoss), the
-    metrics ("name:reduction") and each sequence's target-token logprobs, in input order."""
-
-    loss: float
-    metrics: dict[str, float]
-    logps: list[np.ndarray] = field(repr=False)
-
-    def __repr__(self) -> str:
-        return (f"ForwardOutput(loss={self.loss:.4f}, sequences={len(self.logps)}, "
-                f"metrics={self.metrics})")
-
-
-@dataclass
-class SampledSequence:
-    """One completion: its tokens, their logprobs under the adapter that sampled them,
-    why it stopped ('stop' or 'length'), its text, and `new_input_feature`: prompt plus
-    completion as a training feature (labels on the completion only) for RL."""
-
-    prompt_index: int
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    stop_reason: str
-    text: str
-    new_input_feature: dict[str, np.ndarray] = field(repr=False)
-
-
-@dataclass
-class SampleOutput:
-    """Every completion of a `sample` call: prompt by prompt, `num_samples` each."""
-
-    sequences: list[SampledSequence]
 
 
 @dataclass
@@ -116,63 +60,6 @@ class _Adapter:
     info: AdapterInfo
     last_forward: Future[ForwardOutput] | None = None
     last_op: Future[Any] | None = None
-
-
-# ----------------------------------------------------------------------------- LoRA config
-
-
-def lora_to_proto(config: LoraConfig | Mapping[str, Any], seed: int | None = None
-                  ) -> common_pb2.LoraConfig:
-    """A peft `LoraConfig` (or a dict of its fields) as the wire's LoraConfig.
-
-    Honoured: r, lora_alpha, lora_dropout, target_modules ('all-linear' or a list of
-    module names/suffixes), use_rslora. Any other field set away from peft's default
-    would be silently dropped by the server, so it is refused here.
-
-    Raises:
-        ValueError: naming the field: an unsupported field, a regex `target_modules`
-            string, no target_modules, a rank < 1, or alpha <= 0.
-    """
-    from peft import LoraConfig
-
-    if isinstance(config, Mapping):
-        known = {f.name for f in dataclasses.fields(LoraConfig)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"lora_config.{unknown[0]}: not a peft LoraConfig field")
-        config = LoraConfig(**config)
-    if not isinstance(config, LoraConfig):
-        raise ValueError(f"lora_config: expected a peft.LoraConfig or a dict, got "
-                         f"{type(config).__name__}")
-    default = LoraConfig()
-    for f in dataclasses.fields(LoraConfig):
-        if f.name in MAPPED_LORA_FIELDS or f.name in IGNORED_LORA_FIELDS:
-            continue
-        value, expected = getattr(config, f.name), getattr(default, f.name)
-        if value != expected:
-            raise ValueError(
-                f"lora_config.{f.name}: {value!r} is not supported by the Twinkle server, "
-                f"which honours only {list(MAPPED_LORA_FIELDS)}; leave it at {expected!r}")
-    require_int(config.r, "lora_config.r")
-    alpha = float(config.lora_alpha)
-    if not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"lora_config.lora_alpha: must be > 0, got {config.lora_alpha!r}")
-    out = common_pb2.LoraConfig(rank=config.r, alpha=alpha, dropout=float(config.lora_dropout),
-                                use_rslora=bool(config.use_rslora))
-    targets = config.target_modules
-    if targets is None:
-        raise ValueError("lora_config.target_modules: not set; pass 'all-linear' or a list "
-                         "of module names such as ['q_proj', 'v_proj']")
-    if isinstance(targets, str):
-        if targets.lower() != ALL_LINEAR:
-            raise ValueError(f"lora_config.target_modules: the regex {targets!r} is not "
-                             "supported over the wire; pass 'all-linear' or a list of names")
-        out.all_linear = True
-    else:
-        out.target_modules.extend(sorted(targets))
-    if seed is not None:
-        out.seed = int(seed)
-    return out
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -197,7 +84,7 @@ def _served_base(connection: Connection, model_id: str) -> str:
     """The served name `model_id` stands for; an unserved name is an error, never a
     silent fallback to whatever the server holds."""
     name = served_name(model_id)
-    caps = connection.capabilities()
+    caps = api.capabilities(connection)
     for model in caps.models:
         if name == model.name or name in model.aliases:
             return model.name
@@ -205,18 +92,6 @@ def _served_base(connection: Connection, model_id: str) -> str:
     raise errors.InvalidArgumentError(
         f"model_id: {model_id!r} is not served by {connection.base_url}; it serves {served} "
         "(start the server with --model <it> or --model-alias <it>)")
-
-
-def _struct(kwargs: Mapping[str, Any], what: str) -> struct_pb2.Struct:
-    out = struct_pb2.Struct()
-    for key, value in kwargs.items():
-        if isinstance(value, tuple):
-            value = list(value)
-        if not isinstance(value, (bool, int, float, str, list, type(None))):
-            raise ValueError(f"{what}.{key}: {type(value).__name__} values cannot be sent; "
-                             "use numbers, strings, booleans or lists")
-        out[key] = value
-    return out
 
 
 def _loss_config(kwargs: Mapping[str, Any]) -> dict[str, float]:
@@ -236,27 +111,13 @@ def _class_name(value: str | type, what: str) -> str:
     return name
 
 
-def _metrics(reply: Any) -> dict[str, float]:
-    return dict(reply.metrics)
+def _check_bool(value: Any, field: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: must be True or False, got {value!r}")
 
 
-def _aligned(values: Any, feature: Mapping[str, Any], field_name: str) -> np.ndarray:
-    """Per-token RL values aligned with the feature's input_ids: as given when they have
-    one per position, else scattered onto the label positions (a sampler's completion
-    logprobs), else an error naming both lengths."""
-    array = np.asarray(values, dtype=np.float32).reshape(-1)
-    length = len(feature["input_ids"])
-    if array.size == length:
-        return array
-    labels = np.asarray(feature.get("labels", np.full(length, wire.IGNORE_INDEX)))
-    positions = np.flatnonzero(labels != wire.IGNORE_INDEX)
-    if array.size != positions.size:
-        raise ValueError(f"{field_name}: has {array.size} values but the sequence has {length} "
-                         f"positions and {positions.size} label tokens; give one value per "
-                         "position or one per label token")
-    out = np.zeros(length, dtype=np.float32)
-    out[positions] = array
-    return out
+def _forward_output(result: api.ForwardResult) -> ForwardOutput:
+    return ForwardOutput(result.loss, result.metrics, [out["logprobs"] for out in result.outputs])
 
 
 # ----------------------------------------------------------------------------- the model
@@ -298,7 +159,7 @@ class MultiLoraTransformersModel:
 
         Args:
             adapter_name: the name later ops pass as `adapter_name=`; unique in this object.
-            config: a peft `LoraConfig` or a dict of its fields (see `lora_to_proto`).
+            config: a peft `LoraConfig` or a dict of its fields (see `lora.lora_spec`).
             gradient_accumulation_steps: `step()` applies the optimizer (and `zero_grad`,
                 `lr_step` act) only every k-th call; native losses divide by k, so k
                 micro-batches of equal token count equal one k-times larger batch.
@@ -320,11 +181,12 @@ class MultiLoraTransformersModel:
                 or gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps: must be an integer >= 1, got "
                              f"{gradient_accumulation_steps!r}")
-        lora = lora_to_proto(config, seed)
-        info = self.connection.create_model(training_pb2.CreateModelRequest(
+        lora = lora_spec(config, seed)
+        info = api.create_model(
             base_model=self.base_model, lora=lora,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            user_metadata={"adapter_name": adapter_name, **(user_metadata or {})}))
+            user_metadata={"adapter_name": adapter_name, **(user_metadata or {})}
+        ).send(self.connection)
         record = AdapterInfo(adapter_name=adapter_name, training_run_id=info.model_id,
                              base_model=info.base_model, target_modules=list(info.target_modules),
                              trainable_params=info.trainable_params, state_bytes=info.state_bytes,
@@ -351,9 +213,7 @@ class MultiLoraTransformersModel:
         adapter = self._adapter(adapter_name)
         if adapter.last_op is not None:
             adapter.last_op.exception()
-        self.connection.call(self.connection.training.UnloadModel,
-                             training_pb2.UnloadModelRequest(model_id=adapter.run_id),
-                             retry=False)
+        api.unload_model(adapter.run_id).send(self.connection)
         del self._adapters[adapter.name]
 
     def _adapter(self, adapter_name: str | None) -> _Adapter:
@@ -394,21 +254,13 @@ class MultiLoraTransformersModel:
         adapter.last_op = future
         return future.result() if blocking else future
 
-    def _unary(self, adapter: _Adapter, method: Any, build: Callable[[common_pb2.OpHeader], Any],
-               convert: Callable[[Any], T], blocking: bool) -> T | Future[T]:
-        """One ordered unary op: its seq_id is taken now, in the caller's thread, and only
-        after the request has been built, so a bad argument fails here without leaving a
-        gap in the model's seq chain."""
-        request = build(common_pb2.OpHeader())
-        request.op.CopyFrom(self.connection.op(adapter.run_id))
-        future = self.connection.submit(self.connection.call, method, request).then(convert)
-        return self._finish(adapter, future, blocking)
-
-    def _simple(self, name: str, adapter_name: str | None, blocking: bool,
-                convert: Callable[[Any], T]) -> T | Future[T]:
-        adapter = self._adapter(adapter_name)
-        return self._unary(adapter, getattr(self.connection.training, name),
-                           lambda op: training_pb2.OpRequest(op=op), convert, blocking)
+    def _ordered(self, adapter: _Adapter, call: api.OpCall[Any], blocking: bool,
+                 then: Callable[[Any], T] | None = None) -> T | Future[T]:
+        """One ordered op, already built (and its arguments checked) by the caller: its
+        seq_id is taken now, in the caller's thread, so a bad argument fails before and
+        leaves no gap in the model's seq chain."""
+        future = api.submit(self.connection, adapter.run_id, call)
+        return self._finish(adapter, future if then is None else future.then(then), blocking)
 
     # ------------------------------------------------------------------ configuration ops
 
@@ -419,34 +271,21 @@ class MultiLoraTransformersModel:
         its numeric config."""
         name, config = _class_name(loss_cls, "loss"), _loss_config(kwargs)
         adapter = self._adapter(adapter_name)
-        return self._unary(adapter, self.connection.training.SetLoss,
-                           lambda op: training_pb2.SetLossRequest(
-                               op=op, loss=common_pb2.LossFn(name=name, config=config)),
-                           lambda _: None, blocking)
+        return self._ordered(adapter, api.set_loss(api.Loss(name, config)), blocking)
 
     def set_optimizer(self, optimizer_cls: str | type, *, adapter_name: str | None = None,
                       blocking: bool = True, **kwargs: Any) -> None | Future[None]:
         """The optimizer by name or class ('AdamW', 'Adam', 'SGD') and its kwargs
         (lr=..., weight_decay=...); the server checks both against its allow-list."""
-        return self._configure(self.connection.training.SetOptimizer, "optimizer",
-                               optimizer_cls, kwargs, adapter_name, blocking)
+        call = api.set_optimizer(_class_name(optimizer_cls, "optimizer"), kwargs)
+        return self._ordered(self._adapter(adapter_name), call, blocking)
 
     def set_lr_scheduler(self, scheduler_cls: str | type, *, adapter_name: str | None = None,
                          blocking: bool = True, **kwargs: Any) -> None | Future[None]:
         """The learning-rate scheduler by name or class ('LinearLR', 'CosineAnnealingLR',
         'CosineWarmupScheduler', ...) and its kwargs; call after set_optimizer."""
-        return self._configure(self.connection.training.SetLrScheduler, "lr_scheduler",
-                               scheduler_cls, kwargs, adapter_name, blocking)
-
-    def _configure(self, method: Any, field: str, cls: str | type, kwargs: dict[str, Any],
-                   adapter_name: str | None, blocking: bool) -> None | Future[None]:
-        """SetOptimizer / SetLrScheduler: a name from the server's allow-list and kwargs."""
-        name = _class_name(cls, field)
-        struct = _struct(kwargs, field)
-        return self._unary(self._adapter(adapter_name), method,
-                           lambda op: training_pb2.ConfigureRequest(op=op, name=name,
-                                                                    kwargs=struct),
-                           lambda _: None, blocking)
+        call = api.set_lr_scheduler(_class_name(scheduler_cls, "lr_scheduler"), kwargs)
+        return self._ordered(self._adapter(adapter_name), call, blocking)
 
     # ------------------------------------------------------------------ forward
 
@@ -472,7 +311,7 @@ class MultiLoraTransformersModel:
                 if key == "advantages" and np.ndim(value) == 0:
                     feature[key] = float(value)
                 else:
-                    feature[key] = _aligned(value, feature, f"{key}[{index}]")
+                    feature[key] = align_per_token(value, feature, f"{key}[{index}]")
         return features
 
     def _forward(self, inputs: Any, backward: bool, adapter_name: str | None,
@@ -481,15 +320,9 @@ class MultiLoraTransformersModel:
         adapter = self._adapter(adapter_name)
         features = self._features(inputs, old_logps, advantages)
         # Packed before the seq_id is taken: a datum that cannot be sent fails here.
-        chunks = wire.pack_request([wire.encode_feature(f, i) for i, f in enumerate(features)])
-        header = self.connection.op(adapter.run_id)
-
-        def run() -> ForwardOutput:
-            result = self.connection.forward(header, chunks, backward=backward)
-            return ForwardOutput(result.loss, result.metrics,
-                                 [out["logprobs"] for out in result.outputs])
-
-        future = self.connection.submit(run)
+        call = api.forward([encode_feature(f, i) for i, f in enumerate(features)],
+                           backward=backward)
+        future = api.submit(self.connection, adapter.run_id, call).then(_forward_output)
         adapter.last_forward = future
         return self._finish(adapter, future, blocking)
 
@@ -546,9 +379,7 @@ class MultiLoraTransformersModel:
         tokens_seen and steps; the averages then restart."""
         _check_bool(is_training, "is_training")
         adapter = self._adapter(adapter_name)
-        return self._unary(adapter, self.connection.training.CalculateMetric,
-                           lambda op: training_pb2.CalculateMetricRequest(
-                               op=op, is_training=is_training), _metrics, blocking)
+        return self._ordered(adapter, api.calculate_metric(is_training), blocking)
 
     # ------------------------------------------------------------------ optimizer ops
 
@@ -560,27 +391,25 @@ class MultiLoraTransformersModel:
                 or not math.isfinite(max_norm):
             raise ValueError(f"max_norm: must be a finite number, got {max_norm!r}")
         adapter = self._adapter(adapter_name)
-        return self._unary(adapter, self.connection.training.ClipGradNorm,
-                           lambda op: training_pb2.ClipGradNormRequest(op=op,
-                                                                       max_norm=float(max_norm)),
-                           lambda reply: reply.metrics["grad_norm"], blocking)
+        return self._ordered(adapter, api.clip_grad_norm(float(max_norm)), blocking,
+                             lambda metrics: metrics["grad_norm"])
 
     def step(self, *, adapter_name: str | None = None, blocking: bool = True
              ) -> dict[str, float] | Future[dict[str, float]]:
         """Count a micro-step; every gradient_accumulation_steps-th one applies the
         optimizer. Returns {'applied', 'step', 'micro_step'}."""
-        return self._simple("Step", adapter_name, blocking, _metrics)
+        return self._ordered(self._adapter(adapter_name), api.step(), blocking)
 
     def zero_grad(self, *, adapter_name: str | None = None, blocking: bool = True
                   ) -> None | Future[None]:
         """Drop the gradients, at an accumulation boundary (inside a window they keep
         adding up)."""
-        return self._simple("ZeroGrad", adapter_name, blocking, lambda _: None)
+        return self._ordered(self._adapter(adapter_name), api.zero_grad(), blocking)
 
     def lr_step(self, *, adapter_name: str | None = None, blocking: bool = True
                 ) -> None | Future[None]:
         """Advance the learning-rate scheduler, once per applied optimizer step."""
-        return self._simple("LrStep", adapter_name, blocking, lambda _: None)
+        return self._ordered(self._adapter(adapter_name), api.lr_step(), blocking)
 
     def clip_grad_and_step(self, max_norm: float = 1.0, *, adapter_name: str | None = None,
                            blocking: bool = True
@@ -597,8 +426,7 @@ class MultiLoraTransformersModel:
     def get_train_configs(self, *, adapter_name: str | None = None, blocking: bool = True
                           ) -> dict[str, Any] | Future[dict[str, Any]]:
         """The adapter's LoRA spec, optimizer, scheduler, loss, accumulation and counters."""
-        return self._simple("GetTrainConfigs", adapter_name, blocking,
-                            lambda reply: json.loads(reply.json))
+        return self._ordered(self._adapter(adapter_name), api.get_train_configs(), blocking)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -609,10 +437,8 @@ class MultiLoraTransformersModel:
         paths.check_name(name)
         _check_bool(save_optimizer, "save_optimizer")
         adapter = self._adapter(adapter_name)
-        return self._unary(adapter, self.connection.training.SaveState,
-                           lambda op: training_pb2.SaveRequest(
-                               op=op, name=name, include_optimizer=save_optimizer),
-                           lambda reply: reply.path, blocking)
+        return self._ordered(adapter, api.save_state(name, include_optimizer=save_optimizer),
+                             blocking)
 
     def load(self, path: str, load_optimizer: bool = False, *,
              adapter_name: str | None = None, blocking: bool = True) -> None | Future[None]:
@@ -624,44 +450,10 @@ class MultiLoraTransformersModel:
         if "://" not in path:
             path = f"twinkle://{adapter.run_id}/weights/{paths.check_name(path)}"
         paths.parse(path)
-        return self._unary(adapter, self.connection.training.LoadState,
-                           lambda op: training_pb2.LoadStateRequest(
-                               op=op, path=path, include_optimizer=load_optimizer),
-                           lambda _: None, blocking)
+        return self._ordered(adapter, api.load_state(path, include_optimizer=load_optimizer),
+                             blocking)
 
     # ------------------------------------------------------------------ sampling
-
-    def _prompts(self, inputs: Any) -> list[np.ndarray]:
-        """Prompts as token-id arrays: token ids, a feature with input_ids, a string (one
-        user message), a list of chat messages, or a list of any of these."""
-        def one(item: Any) -> np.ndarray | None:
-            if isinstance(item, str) or (isinstance(item, Sequence) and item
-                                         and all(isinstance(m, Mapping) and "role" in m
-                                                 for m in item)):
-                messages = ([{"role": "user", "content": item}] if isinstance(item, str)
-                            else list(item))
-                return np.asarray(self._template().encode(
-                    {"messages": messages}, add_generation_prompt=True)["input_ids"])
-            if isinstance(item, Mapping) and "input_ids" in item:
-                return np.asarray(item["input_ids"]).reshape(-1)
-            if isinstance(item, Mapping) and "messages" in item:
-                return np.asarray(self._template().encode(
-                    item, add_generation_prompt=True)["input_ids"])
-            array = np.asarray(item) if np.ndim(item) == 1 else None
-            return array if array is not None and array.dtype.kind in "iu" else None
-
-        single = one(inputs)
-        if single is not None:
-            return [single]
-        if isinstance(inputs, Sequence) and inputs:
-            prompts = [one(item) for item in inputs]
-            bad = next((i for i, p in enumerate(prompts) if p is None), None)
-            if bad is None:
-                return prompts  # type: ignore[return-value]
-            raise ValueError(f"inputs[{bad}]: not a prompt; give token ids, a feature with "
-                             "input_ids, a string or a list of chat messages")
-        raise ValueError("inputs: not a prompt; give token ids, a feature with input_ids, a "
-                         "string, a list of chat messages, or a list of these")
 
     def _template(self) -> Template:
         """The template set with `set_template`, else the default one for this model."""
@@ -689,49 +481,18 @@ class MultiLoraTransformersModel:
         require_int(max_tokens, "max_tokens")
         require_int(num_samples, "num_samples")
         adapter = self._adapter(adapter_name)
-        prompts = self._prompts(inputs)
-        stops = list(stop or [])
-        params = sampling_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            stop_strings=[s for s in stops if isinstance(s, str)],
-            stop_token_ids=[int(s) for s in stops if not isinstance(s, str)])
-        if seed is not None:
-            params.seed = seed
-        requests = [sampling_pb2.SampleRequest(
-            op=self.connection.op(adapter.run_id), prompt=wire.encode_array(
-                prompt.astype(np.int64), f"inputs[{i}]"), num_samples=num_samples,
-            params=params) for i, prompt in enumerate(prompts)]
-        calls = [self.connection.submit(self.connection.call, self.connection.sampling.Sample,
-                                        request) for request in requests]
+        prompts = sampling.prompts(inputs, self._template)
+        params = sampling.params(max_tokens, temperature, top_p, top_k, stop, seed)
+        calls = [api.sample_op(prompt.astype(np.int64), num_samples, params, f"inputs[{i}]")
+                 for i, prompt in enumerate(prompts)]
+        replies = [api.submit(self.connection, adapter.run_id, call) for call in calls]
 
         def collect() -> SampleOutput:
             decode = self._template().decode
-            out = []
-            for index, (prompt, call) in enumerate(zip(prompts, calls, strict=True)):
-                for seq in call.result().sequences:
-                    tokens = wire.decode_array(seq.tokens, "tokens").astype(np.int64)
-                    logprobs = wire.decode_array(seq.logprobs, "logprobs").astype(np.float32)
-                    out.append(SampledSequence(
-                        index, tokens, logprobs, seq.stop_reason,
-                        decode(tokens, skip_special_tokens=True),
-                        _rollout_feature(prompt, tokens)))
-            return SampleOutput(out)
+            return sampling.completions(prompts, [reply.result() for reply in replies], decode)
 
         return self._finish(adapter, self.connection.submit(collect), blocking)
 
     def __repr__(self) -> str:
         return (f"MultiLoraTransformersModel({self.model_id!r}, "
                 f"adapters={ {n: a.run_id for n, a in self._adapters.items()} })")
-
-
-def _rollout_feature(prompt: np.ndarray, completion: np.ndarray) -> dict[str, np.ndarray]:
-    """Prompt + completion as a training feature: shifted labels on the completion only."""
-    full = np.concatenate([prompt.astype(np.int64), completion.astype(np.int64)])
-    labels = np.full(full.size - 1, wire.IGNORE_INDEX, dtype=np.int64)
-    labels[prompt.size - 1:] = completion
-    return {"input_ids": full[:-1], "labels": labels}
-
-
-def _check_bool(value: Any, field: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{field}: must be True or False, got {value!r}")

@@ -3,7 +3,7 @@
 The server takes one datum per sequence, unpadded, so whatever the loop hands to
 `forward_backward` is brought back to a list of per-sequence features (`input_ids`,
 shifted `labels` with -100 = no loss, optional `weights`, `old_logps`, `advantages`)
-before `wire.encode_feature` puts each on the wire. Accepted shapes:
+before `features.encode_feature` puts each on the wire. Accepted shapes:
 
 - a list of features, as a dataset or `DataLoader` yields them;
 - a single feature (`input_ids` is one sequence);
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from twinkle_client.wire import IGNORE_INDEX
+from twinkle_client.features import IGNORE_INDEX
 
 Feature = dict[str, Any]
 

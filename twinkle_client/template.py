@@ -1,6 +1,6 @@
 """Chat templates: a row with `messages` -> the token feature the training calls take.
 
-An encoded training feature is Tinker's convention (`twinkle_client.wire.feature_to_loss_inputs`
+An encoded training feature is Tinker's convention (`features.feature_to_loss_inputs`
 reads exactly this): for the conversation's tokens `T[0..n)`,
 
 - `input_ids = T[:-1]` (int64 numpy array),
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from twinkle_client.wire import IGNORE_INDEX
+from twinkle_client.features import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from twinkle_client import api
 from twinkle_client.connection import Connection, env_endpoint, get_default_connection
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def load_tokenizer(model_id: str, connection: Connection | None = None
         with _lock:
             if key not in _fetched:
                 dest = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=_scratch_dir()))
-                connection.download_tokenizer(name, dest / "files")
+                api.download_tokenizer(connection, name, dest / "files")
                 _fetched[key] = AutoTokenizer.from_pretrained(dest / "files")
             return _fetched[key]
     finally:

@@ -9,9 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from twinkle_client import errors, wire
-from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
-from twinkle_client.connection import Connection, parse_base_url, setting, write_files
+from twinkle_client import api, errors, wire
+from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+from twinkle_client.api import write_files
+from twinkle_client.connection import Connection, parse_base_url, setting
 from twinkle_client.tokenizer import load_tokenizer, served_name
 from twinkle_server.process import start_server
 
@@ -77,13 +78,12 @@ def _datums(n: int = 2, length: int = 8) -> list[wire.Datum]:
                                "weights": np.ones(length, np.float32)}, i) for i in range(n)]
 
 
-def _chunks(n: int = 2, length: int = 8) -> list:
-    return wire.pack_request(_datums(n, length))
+CE = api.Loss("cross_entropy")
 
 
 def _new_model(conn: Connection) -> str:
-    lora = common_pb2.LoraConfig(rank=4, seed=0, train_mlp=True, train_attn=True)
-    return conn.create_model(training_pb2.CreateModelRequest(lora=lora)).model_id
+    lora = api.LoraSpec(rank=4, seed=0, train_mlp=True, train_attn=True)
+    return api.create_model(lora=lora).send(conn).model_id
 
 
 @pytest.mark.integration
@@ -102,10 +102,10 @@ def test_ops_submitted_from_threads_run_in_call_order(keyed_server):
         lock = threading.Lock()
 
         def submit(k: int) -> None:
-            with lock:  # header and submission together: the call order is the seq order
-                header = conn.op(model)
-                futures.append((header.seq_id, conn.submit(
-                    conn.forward, header, _chunks(), common_pb2.LossFn(name="cross_entropy"))))
+            call = api.forward(_datums(), CE)
+            with lock:  # reservation and submission together: the call order is the seq order
+                op = conn.reserve(model)
+                futures.append((op.seq_id, conn.submit(call.send, conn, op)))
 
         threads = [threading.Thread(target=submit, args=(k,)) for k in range(6)]
         for t in threads:
@@ -128,14 +128,14 @@ def test_server_errors_become_typed_exceptions_with_the_servers_message(keyed_se
             Connection(proc.address, keys["bob"], client_name="test") as bob:
         model = _new_model(alice)
         with pytest.raises(errors.InvalidArgumentError, match="unknown loss 'nope'"):
-            alice.forward(alice.op(model), _chunks(), common_pb2.LossFn(name="nope"))
+            api.forward(_datums(), api.Loss("nope")).send(alice, alice.reserve(model))
         with pytest.raises(errors.NotFoundError, match="run_id: no run"):
-            bob.call(bob.runs.GetRun, runs_pb2.GetRunRequest(run_id=model))
+            api.get_run(model).send(bob)
         bob.register_model(model, 0)
         with pytest.raises(errors.NotFoundError, match="model_id"):
-            bob.forward(bob.op(model), _chunks(), common_pb2.LossFn(name="cross_entropy"))
+            api.forward(_datums(), CE).send(bob, bob.reserve(model))
         # The failed op took its seq id; the model's next op still runs.
-        result = alice.forward(alice.op(model), _chunks(), common_pb2.LossFn(name="cross_entropy"))
+        result = api.forward(_datums(), CE).send(alice, alice.reserve(model))
         assert np.isfinite(result.loss)
 
 
@@ -148,7 +148,7 @@ def test_closing_the_connection_unloads_its_models_and_later_calls_fail(keyed_se
     with Connection(proc.address, keys["alice"], client_name="test") as other:
         with pytest.raises(errors.NotFoundError):
             other.call(other.training.GetInfo, training_pb2.GetInfoRequest(model_id=model))
-        run = other.call(other.runs.GetRun, runs_pb2.GetRunRequest(run_id=model))
+        run = api.get_run(model).send(other)
         assert not run.loaded
     with pytest.raises(errors.FailedPreconditionError, match="closed"):
         conn.submit(lambda: None)
@@ -174,9 +174,12 @@ def test_forward_refuses_unpacked_datums_and_releases_the_seq_id_it_was_given(ke
     proc, keys = keyed_server
     with Connection(proc.address, keys["alice"], client_name="test") as conn:
         model = _new_model(conn)
+        op = conn.reserve(model)
         with pytest.raises(TypeError, match=r"chunks: expected the ForwardChunk messages of "
                                             r"wire.pack_request"):
-            conn.forward(conn.op(model), _datums(), common_pb2.LossFn(name="cross_entropy"))
-        result = conn.submit(conn.forward, conn.op(model), _chunks(),
-                             common_pb2.LossFn(name="cross_entropy")).result(timeout=60)
+            api.ForwardCall(_datums(), CE)
+        with pytest.raises(TypeError, match=r"datums: expected a list of wire.Datum"):
+            api.forward(wire.pack_request(_datums()), CE)
+        api.release(conn, op)  # SkipSeq: the op that was never sent gives its seq_id back
+        result = api.submit(conn, model, api.forward(_datums(), CE)).result(timeout=60)
         assert np.isfinite(result.loss)

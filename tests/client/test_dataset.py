@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from twinkle_client.dataset import Dataset, DatasetError, DatasetMeta, builtin_ids
+from twinkle_client.features import IGNORE_INDEX
 from twinkle_client.preprocessor import GSM8KProcessor, SelfCognitionProcessor
 from twinkle_client.template import TemplateError
-from twinkle_client.wire import IGNORE_INDEX
 
 ROWS = [{"query": f"q{i}", "response": f"r{i}"} for i in range(6)]
 

@@ -12,10 +12,11 @@ import pytest
 from peft import LoraConfig
 from safetensors.numpy import load_file
 
-from twinkle_client import wire
+from twinkle_client import features, wire
 from twinkle_client.errors import InvalidArgumentError
 from twinkle_client.futures import Future
-from twinkle_client.model import MultiLoraTransformersModel, lora_to_proto
+from twinkle_client.lora import lora_spec
+from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.processor import InputProcessor, ProcessorError
 
 from .conftest import toy_features
@@ -238,7 +239,7 @@ def test_sampling_sees_earlier_training_and_rollouts_feed_grpo(client):
     seq = rollout.sequences[0]
     fed = seq.new_input_feature
     assert fed["input_ids"].size == prompt.size + seq.tokens.size - 1
-    assert (fed["labels"] != wire.IGNORE_INDEX).sum() == seq.tokens.size
+    assert (fed["labels"] != features.IGNORE_INDEX).sum() == seq.tokens.size
     model.set_loss("GRPOLoss", epsilon=0.2)
     out = model.forward_backward([s.new_input_feature for s in rollout.sequences],
                                  old_logps=[s.logprobs for s in rollout.sequences],
@@ -295,15 +296,15 @@ def test_rejected_calls_take_no_seq_id_and_server_errors_do_not_stall_later_ops(
 
 
 def test_a_peft_lora_config_maps_onto_the_wire_fields():
-    proto = lora_to_proto(LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, use_rslora=True,
-                                     target_modules=["v_proj", "q_proj"]), seed=5)
-    assert (proto.rank, proto.alpha, proto.use_rslora, proto.seed) == (16, 32.0, True, 5)
-    assert proto.dropout == pytest.approx(0.1)
-    assert list(proto.target_modules) == ["q_proj", "v_proj"] and not proto.all_linear
-    default = lora_to_proto(LoraConfig(target_modules="all-linear"))
+    spec = lora_spec(LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, use_rslora=True,
+                                target_modules=["v_proj", "q_proj"]), seed=5)
+    assert (spec.rank, spec.alpha, spec.use_rslora, spec.seed) == (16, 32.0, True, 5)
+    assert spec.dropout == pytest.approx(0.1)
+    assert list(spec.target_modules) == ["q_proj", "v_proj"] and not spec.all_linear
+    default = lora_spec(LoraConfig(target_modules="all-linear"))
     assert default.all_linear and (default.rank, default.alpha) == (8, 8.0)
-    assert not default.HasField("seed")
-    assert lora_to_proto({"r": 2, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}).rank == 2
+    assert default.seed is None
+    assert lora_spec({"r": 2, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}).rank == 2
 
 
 @pytest.mark.parametrize("config, match", [
@@ -322,4 +323,4 @@ def test_a_peft_lora_config_maps_onto_the_wire_fields():
 ])
 def test_lora_fields_the_server_cannot_honour_are_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
-        lora_to_proto(config)
+        lora_spec(config)

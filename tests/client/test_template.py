@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from twinkle_client.features import IGNORE_INDEX, feature_to_loss_inputs
 from twinkle_client.template import Template, TemplateError, build_template
-from twinkle_client.wire import IGNORE_INDEX, feature_to_loss_inputs
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 SINGLE = [SYSTEM,

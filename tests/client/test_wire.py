@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tinker import types as tt
 
-from twinkle_client import wire
+from tinker_compat.convert import encode_tinker_datum, tensor_data
+from twinkle_client import features, wire
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
 from twinkle_client._proto.twinkle.v1 import training_pb2
 
@@ -57,7 +58,7 @@ def test_sparse_target_tokens_as_tinker_builds_them_round_trip_dense():
                         "weights": (dense > 0).float()},
     )
     assert datum.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
-    [out] = _through_wire([wire.encode_tinker_datum(datum)])
+    [out] = _through_wire([encode_tinker_datum(datum)])
     np.testing.assert_array_equal(out.input_ids, [1, 2, 3, 4, 5, 6])
     np.testing.assert_array_equal(out.loss_inputs["target_tokens"], dense.numpy())
     np.testing.assert_array_equal(out.loss_inputs["weights"], (dense > 0).float().numpy())
@@ -69,10 +70,10 @@ def test_tinker_datum_round_trips_in_wire_dtypes_and_back_to_tensor_data():
         loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [0.0, 0.5, 2.0],
                         "advantages": [1.0, -1.0, 0.25]},
     )
-    [out] = _through_wire([wire.encode_tinker_datum(datum)])
+    [out] = _through_wire([encode_tinker_datum(datum)])
     assert out.input_ids.dtype == np.int32 and out.loss_inputs["target_tokens"].dtype == np.int32
     np.testing.assert_array_equal(out.loss_inputs["weights"], [0.0, 0.5, 2.0])
-    back = wire.decode_tensor_data(wire.encode_array(out.loss_inputs["advantages"]))
+    back = tensor_data(_roundtrip(wire.encode_array(out.loss_inputs["advantages"])))
     assert back.dtype == "float32" and back.tolist() == [1.0, -1.0, 0.25]
 
 
@@ -103,12 +104,12 @@ def test_datums_with_different_loss_inputs_travel_in_separate_batches_in_order()
 def test_feature_with_shifted_labels_becomes_target_tokens_and_weights_and_back():
     feature = {"input_ids": [10, 11, 12, 13], "labels": [-100, -100, 13, 2],
                "advantages": 0.5, "old_logps": [0.0, 0.0, -1.0, -2.0]}
-    [out] = _through_wire([wire.encode_feature(feature)])
+    [out] = _through_wire([features.encode_feature(feature)])
     ids, inputs = out.input_ids, out.loss_inputs
     np.testing.assert_array_equal(inputs["target_tokens"], [0, 0, 13, 2])
     np.testing.assert_array_equal(inputs["weights"], [0, 0, 1, 1])
     np.testing.assert_array_equal(inputs["advantages"], [0.5] * 4)
-    back = wire.loss_inputs_to_feature(ids, inputs)
+    back = features.loss_inputs_to_feature(ids, inputs)
     np.testing.assert_array_equal(back["labels"], feature["labels"])
     np.testing.assert_array_equal(back["old_logps"], feature["old_logps"])
 
@@ -117,12 +118,12 @@ def test_feature_with_shifted_labels_becomes_target_tokens_and_weights_and_back(
 def test_feature_weights_scale_labelled_positions_and_are_zero_where_labels_are_ignored():
     feature = {"input_ids": [10, 11, 12, 13], "labels": [-100, -100, 13, 2],
                "weights": [1.0, 1.0, 0.5, 2.0]}
-    _, inputs = wire.feature_to_loss_inputs(feature)
+    _, inputs = features.feature_to_loss_inputs(feature)
     np.testing.assert_array_equal(inputs["weights"], [0.0, 0.0, 0.5, 2.0])
     with pytest.raises(wire.WireError, match=r"feature\[0\].weights: has shape \[3\]"):
-        wire.feature_to_loss_inputs({**feature, "weights": [1.0, 1.0, 1.0]})
+        features.feature_to_loss_inputs({**feature, "weights": [1.0, 1.0, 1.0]})
     with pytest.raises(wire.WireError, match=r"feature\[0\].weights: given without 'labels'"):
-        wire.feature_to_loss_inputs({"input_ids": [1, 2], "weights": [1.0, 1.0]})
+        features.feature_to_loss_inputs({"input_ids": [1, 2], "weights": [1.0, 1.0]})
 
 
 @pytest.mark.parametrize(
@@ -137,7 +138,8 @@ def test_feature_weights_scale_labelled_positions_and_are_zero_where_labels_are_
          "datum[0].loss_inputs['target_tokens']: token id 9223372036854775808 does not fit"),
         (lambda: wire.encode_datum([1, 2, 3], {"weights": [1.0, 1.0]}),
          "loss_inputs['weights']: first dimension is 2 but input_ids has 3"),
-        (lambda: wire.encode_feature({"input_ids": [1, 2], "labels": [2]}), "feature[0].labels"),
+        (lambda: features.encode_feature({"input_ids": [1, 2], "labels": [2]}),
+         "feature[0].labels"),
         (lambda: wire.encode_array(np.array(["a"])), "is not supported on the wire"),
         (lambda: wire.encode_array(np.zeros(2, np.complex64), field="x"), "x: dtype complex64"),
     ],

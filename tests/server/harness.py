@@ -9,8 +9,9 @@ import numpy as np
 
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
-from twinkle_client.transport import Transport as Client  # noqa: F401
 from twinkle_server.process import ServerProcess, start_server  # noqa: F401
+
+from .transport import Transport as Client  # noqa: F401
 
 
 def twinkle_server(*args: str) -> subprocess.CompletedProcess:
@@ -29,7 +30,7 @@ def toy_datums(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0):
 
 
 def packed_datums(n: int = 2, length: int = 8, seed: int = 0) -> list:
-    """`toy_datums` packed as stream chunks, for tests that drive `twinkle_client.connection`."""
+    """`toy_datums` packed as stream chunks, for tests that drive `transport.ProtoConnection`."""
     return wire.pack_request([wire.encode_datum(ids, inputs, i)
                               for i, (ids, inputs) in enumerate(toy_datums(n, length, seed=seed))])
 

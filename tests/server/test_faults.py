@@ -14,10 +14,10 @@ import pytest
 
 from twinkle_client import errors
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, training_pb2
-from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 
 from .harness import packed_datums, small_lora
+from .transport import ProtoConnection as Connection
 
 pytestmark = pytest.mark.integration
 
@@ -156,6 +156,7 @@ def test_save_that_hits_a_full_disk_fails_clearly_and_succeeds_once_space_is_bac
                 op=conn.op(model), name="full", include_optimizer=True))
             assert saved.checkpoint.size_bytes > limit
             again = conn.forward(conn.op(model), packed_datums(), CE, backward=False)
+            # Exact: the same request on the same weights, alone, in the same process.
             np.testing.assert_array_equal(again.outputs[0]["logprobs"],
                                           probe.outputs[0]["logprobs"])
     finally:

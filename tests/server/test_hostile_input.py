@@ -22,11 +22,11 @@ from twinkle_client._proto.twinkle.v1 import (
     sampling_pb2,
     training_pb2,
 )
-from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 from twinkle_server.server import SERVICES
 
 from .harness import send_batch
+from .transport import ProtoConnection as Connection
 
 pytestmark = pytest.mark.integration
 

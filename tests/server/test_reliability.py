@@ -8,12 +8,12 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2, session_pb2, training_pb2
 
+from ..numerics import assert_trained_alike
 from .harness import Client, start_server, toy_datums, twinkle_server
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,9 @@ def test_sixteen_threads_on_four_tenants_pipelined_equal_each_sequential_referen
                            tmp_path / f"m{i}")
             want = _weights(client, client.save(references[i], "ref", optimizer=False).path,
                             tmp_path / f"r{i}")
-            assert max(float(np.abs(got[k] - want[k]).max()) for k in got) <= 1e-5
+            # Pipelined passes merge the tenants' rows (shapes that depend on timing), the
+            # references run alone: a rounding apart, which Adam turns into weight drift.
+            assert_trained_alike(got, want, learning_rate=1e-2, steps=STEPS)
     finally:
         proc.stop()
 

@@ -24,11 +24,11 @@ from twinkle_client._proto.twinkle.v1 import (
     session_pb2,
     training_pb2,
 )
-from twinkle_client.connection import Connection
 from twinkle_server.process import start_server
 from twinkle_server.server import SERVICES
 
 from .harness import create_key, packed_datums, small_lora
+from .transport import ProtoConnection as Connection
 
 pytestmark = pytest.mark.integration
 
@@ -94,6 +94,7 @@ def _isolation_cases(bob: Connection, o: dict[str, str], tmp: Path
         "LrStep": op(t.LrStep, training_pb2.OpRequest),
         "CalculateMetric": op(t.CalculateMetric, training_pb2.CalculateMetricRequest),
         "GetTrainConfigs": op(t.GetTrainConfigs, training_pb2.OpRequest),
+        "SkipSeq": op(t.SkipSeq, training_pb2.OpRequest),
         "SaveState": op(t.SaveState, training_pb2.SaveRequest, name="stolen"),
         "SaveWeightsForSampler": op(t.SaveWeightsForSampler, training_pb2.SaveRequest,
                                     name="stolen"),

@@ -12,6 +12,7 @@ from tinker import types
 
 from tinker_compat import RestClient, SamplingClient, ServiceClient, TrainingClient
 
+from ..numerics import LOGPROB_ATOL
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -27,13 +28,14 @@ def test_sampling_is_seeded_stop_empty_runs_to_max_tokens_and_logprobs_line_up(
     params = types.SamplingParams(max_tokens=7, seed=11, stop=[], top_k=-1)
     first = sampling_client.sample(PROMPT, 3, params, include_prompt_logprobs=True).result()
     again = sampling_client.sample(prompt=PROMPT, num_samples=3, sampling_params=params).result()
+    # Exact: the same request and seed, sampled alone both times.
     assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
     for sequence in first.sequences:
         assert len(sequence.tokens) == len(sequence.logprobs) == 7
         assert sequence.stop_reason == "length"
     scored = sampling_client.compute_logprobs(PROMPT).result()
     assert scored[0] is None and first.prompt_logprobs[0] is None
-    assert scored[1:] == pytest.approx(first.prompt_logprobs[1:], abs=1e-5)
+    assert scored[1:] == pytest.approx(first.prompt_logprobs[1:], abs=LOGPROB_ATOL)
     assert again.prompt_logprobs is None and again.topk_prompt_logprobs is None
     with pytest.raises(ValueError, match="topk_prompt_logprobs"):
         sampling_client.sample(PROMPT, 1, params, topk_prompt_logprobs=-1)

@@ -15,6 +15,7 @@ from tinker import types
 
 from tinker_compat import RestClient, ServiceClient, TrainingClient
 
+from ..numerics import LOSS_RTOL
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -190,7 +191,9 @@ def test_custom_loss_puts_minus_its_gradient_into_a_cross_entropy_surrogate(serv
     reference = builtin.forward_backward(data, "cross_entropy").result()
     builtin_step = builtin.optim_step(ADAM)
     result = out.result()
-    assert result.metrics["loss:sum"] == pytest.approx(reference.metrics["loss:sum"], rel=1e-5)
+    # Two models whose passes the server may merge or not: float32 rounding apart.
+    assert result.metrics["loss:sum"] == pytest.approx(reference.metrics["loss:sum"],
+                                                       rel=LOSS_RTOL)
     assert result.metrics["surrogate_loss:sum"] == pytest.approx(result.metrics["loss:sum"],
                                                                  rel=1e-5)
     assert "custom/neg_ll:sum" in result.metrics

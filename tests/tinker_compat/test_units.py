@@ -100,16 +100,16 @@ def test_futures_are_tinker_api_futures_and_failed_ones_raise_their_error():
 ])
 def test_tinker_stop_maps_to_stop_strings_token_ids_or_ignore_eos(stop, strings, ids,
                                                                    ignore_eos):
-    proto = convert.sampling_params_to_proto(types.SamplingParams(max_tokens=4, stop=stop))
-    assert list(proto.stop_strings) == strings and list(proto.stop_token_ids) == ids
-    assert proto.ignore_eos is ignore_eos
-    assert proto.top_k == -1 and not proto.HasField("seed")
+    spec = convert.sampling_spec(types.SamplingParams(max_tokens=4, stop=stop))
+    assert list(spec.stop_strings) == strings and list(spec.stop_token_ids) == ids
+    assert spec.ignore_eos is ignore_eos
+    assert spec.top_k == -1 and spec.seed is None
 
 
 @pytest.mark.parametrize("stop", [[""], [-1], [3, -2]])
 def test_empty_or_negative_stop_entries_are_refused_naming_the_field(stop):
     with pytest.raises(ValueError, match="sampling_params.stop"):
-        convert.sampling_params_to_proto(types.SamplingParams(stop=stop))
+        convert.sampling_spec(types.SamplingParams(stop=stop))
 
 
 def test_input_feature_becomes_a_datum_with_targets_and_weights_and_converts_back():
@@ -131,7 +131,7 @@ def test_a_batched_feature_is_refused_with_the_shape():
 
 def test_loss_config_must_be_numeric_and_names_the_key():
     with pytest.raises(ValueError, match=r"loss_fn_config\['clip_low_threshold'\]"):
-        convert.loss_fn_to_proto("ppo", {"clip_low_threshold": "low"})
+        convert.loss_spec("ppo", {"clip_low_threshold": "low"})
 
 
 def test_checkpoint_paths_are_shown_in_tinker_form():

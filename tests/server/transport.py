@@ -1,9 +1,12 @@
-"""The raw transport: one gRPC channel, API-key metadata and per-model seq counters.
+"""The raw transports server tests and benchmarks drive the contract with.
 
-Server tests, benchmarks and the demo use it to drive the contract directly; errors
-surface as raw `grpc.RpcError`s carrying the server's status code and message. The
-clients build on `twinkle_client.connection` instead, which shares its stream and
-download code with this module.
+- `Transport`: stubs of every service over one channel with API-key metadata and
+  per-model seq counters; errors surface as raw `grpc.RpcError`s carrying the server's
+  status code and message (`tests/server/harness.py` calls it `Client`; `bench.server`
+  measures through it).
+- `ProtoConnection`: the clients' `Connection` (typed errors, retries, session) plus the
+  proto-level helpers the server tests write their requests with: op headers as
+  messages, CreateModel from its request, Forward(Backward) over packed chunks.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from twinkle_client import wire
+from twinkle_client import api, wire
 from twinkle_client._proto.twinkle.v1 import (
     common_pb2,
     runs_pb2,
@@ -22,7 +25,8 @@ from twinkle_client._proto.twinkle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
-from twinkle_client.connection import forward_messages, write_files
+from twinkle_client.api.calls import op_header
+from twinkle_client.connection import Connection, Op
 
 CALL_TIMEOUT_S = 60
 
@@ -67,10 +71,12 @@ class Transport:
         encoded = [d if isinstance(d, wire.Datum) else wire.encode_datum(d[0], d[1], i)
                    for i, d in enumerate(datums)]
         chunks = wire.pack_request(encoded, chunk_bytes)
-        messages = forward_messages(self.header(model_id, seq), chunks,
-                                    common_pb2.LossFn(name=loss))
+        first = training_pb2.ForwardChunk(header=training_pb2.ForwardHeader(
+            op=self.header(model_id, seq), loss=common_pb2.LossFn(name=loss),
+            num_datums=len(encoded)))
         method = self.training.ForwardBackward if backward else self.training.Forward
-        results = list(method(iter(messages), metadata=self.metadata, timeout=CALL_TIMEOUT_S))
+        results = list(method(iter([first, *chunks]), metadata=self.metadata,
+                              timeout=CALL_TIMEOUT_S))
         outputs = [wire.decode_array(o.outputs["logprobs"]) for r in results for o in r.outputs]
         return outputs, results[-1]
 
@@ -89,6 +95,37 @@ class Transport:
 
     def download(self, path: str, dest: Path) -> Path:
         """Write every file of checkpoint `path` under `dest`."""
-        return write_files(self.runs.DownloadCheckpoint(
+        return api.write_files(self.runs.DownloadCheckpoint(
             runs_pb2.CheckpointRef(path=path), metadata=self.metadata, timeout=CALL_TIMEOUT_S),
             Path(dest))
+
+
+class ProtoConnection(Connection):
+    """A `Connection` whose helpers take and return protobuf messages, for tests that
+    write requests by hand; failures raise the client's typed exceptions."""
+
+    def op(self, model_id: str) -> common_pb2.OpHeader:
+        """The header of `model_id`'s next op, as a message to put in a request."""
+        return op_header(self.reserve(model_id))
+
+    def create_model(self, request: training_pb2.CreateModelRequest) -> training_pb2.ModelInfo:
+        """CreateModel under this session; registers the new model's seq counter."""
+        if self.session_id and not request.session_id:
+            request.session_id = self.session_id
+        info = self.call(self.training.CreateModel, request, retry=False)
+        self.register_model(info.model_id, info.next_seq_id)
+        return info
+
+    def forward(self, header: common_pb2.OpHeader, chunks: list[training_pb2.ForwardChunk],
+                loss: common_pb2.LossFn | None = None, backward: bool = True
+                ) -> api.ForwardResult:
+        """Stream chunks packed by `wire.pack_request` as one Forward(Backward) op."""
+        plain = None if loss is None else api.Loss(loss.name, dict(loss.config))
+        op = Op(header.model_id, header.seq_id, header.request_id)
+        return api.ForwardCall(chunks, plain, backward).send(self, op)
+
+    def capabilities(self, refresh: bool = False) -> api.Capabilities:
+        return api.capabilities(self, refresh)
+
+    def download_checkpoint(self, path: str, dest) -> Path:
+        return api.download_checkpoint(self, path, dest)

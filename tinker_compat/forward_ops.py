@@ -1,0 +1,141 @@
+"""How a Tinker forward request becomes ops on a Twinkle training model.
+
+The server refuses a request over its `--max-batch-tokens`, so a bigger batch is split
+into consecutive groups (`split`), each one op whose gradients accumulate exactly as one
+op's would; every group is packed before any seq_id is taken (`pack`). `run_ops` sends
+the groups in order under their reserved seq_ids and, if one fails, releases the rest so
+the model's later ops do not wait. A custom loss (`run_custom`) is tinker's two passes: a
+forward for the logprobs, the user's torch loss on them here, then a cross_entropy
+forward_backward whose weights carry exactly that loss's gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tinker import types
+
+from tinker_compat import convert
+from twinkle_client import api, wire
+from twinkle_client.connection import Connection, Op
+
+if TYPE_CHECKING:
+    import torch
+
+CustomLossFn = Callable[[list[types.Datum], list["torch.Tensor"]],
+                        tuple["torch.Tensor", dict[str, float]]]
+"""(data, per-datum logprob tensors) -> (scalar loss, metrics), as tinker's CustomLossFnV1."""
+
+SURROGATE = api.Loss("cross_entropy")
+"""The loss both passes of a custom loss run on the server."""
+
+
+@dataclass(frozen=True)
+class Ops:
+    """A request split into ops: each op's datum range in the request and its call, packed."""
+
+    bounds: list[tuple[int, int]]
+    calls: list[api.OpCall[api.ForwardResult]]
+
+
+def split(datums: Sequence[wire.Datum], max_batch_tokens: int) -> list[tuple[int, int]]:
+    """Where consecutive groups of datums start and end, each group within the
+    server's per-request token limit (0: no limit): one op per group."""
+    budget = max_batch_tokens
+    bounds, start, tokens = [], 0, 0
+    for index, datum in enumerate(datums):
+        length = datum.num_tokens
+        if index > start and budget and tokens + length > budget:
+            bounds.append((start, index))
+            start, tokens = index, 0
+        tokens += length
+    bounds.append((start, len(datums)))
+    return bounds
+
+
+def pack(datums: list[wire.Datum], bounds: list[tuple[int, int]], loss: api.Loss,
+         backward: bool) -> Ops:
+    """Each group's datums packed as one op (errors name datums by their index in the
+    whole request)."""
+    return Ops(bounds, [api.forward(datums[a:b], loss, backward, first=a) for a, b in bounds])
+
+
+def run_ops(conn: Connection, reserved: list[Op], ops: Ops) -> types.ForwardBackwardOutput:
+    """Send each group as its op, in order; if one fails, the rest are released."""
+    parts = []
+    for index, (op, call) in enumerate(zip(reserved, ops.calls, strict=True)):
+        try:
+            parts.append(convert.forward_output(call.send(conn, op)))
+        except BaseException:
+            for later in reserved[index + 1:]:
+                api.release(conn, later)
+            raise
+    return convert.combine_outputs(parts)
+
+
+def surrogate_data(data: Sequence[types.Datum]) -> list[types.Datum]:
+    """The custom loss's forward pass datums: each datum's tokens and targets, with its
+    weights (zero if it has none); `target_tokens` is required."""
+    forward_data = []
+    for index, datum in enumerate(data):
+        targets = datum.loss_fn_inputs.get("target_tokens")
+        if targets is None:
+            raise ValueError(f"datum[{index}].loss_fn_inputs: 'target_tokens' is required "
+                             "by forward_backward_custom")
+        weights = datum.loss_fn_inputs.get("weights")
+        if weights is None:
+            weights = types.TensorData.from_numpy(np.zeros(targets.to_numpy().shape,
+                                                           np.float32))
+        forward_data.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
+            "target_tokens": targets, "weights": weights}))
+    return forward_data
+
+
+def run_custom(conn: Connection, data: list[types.Datum], loss_fn: CustomLossFn, ops: Ops,
+               forward_ops: list[Op], backward_ops: list[Op]) -> types.ForwardBackwardOutput:
+    """Both passes of a custom loss under their reserved seq_ids; if the forward pass or
+    the user's loss fails, the backward pass's seq_ids are released."""
+    try:
+        forward = run_ops(conn, forward_ops, ops)
+        linear_data, metrics, loss_sum = _custom_loss(data, loss_fn, forward)
+        backward = pack(convert.encode_datums(linear_data), ops.bounds, SURROGATE,
+                        backward=True)
+    except BaseException:
+        for op in backward_ops:
+            api.release(conn, op)
+        raise
+    result = run_ops(conn, backward_ops, backward)
+    result.metrics["surrogate_loss:sum"] = result.metrics.pop("loss:sum")
+    result.metrics.update(metrics)
+    result.metrics["loss:sum"] = loss_sum
+    return result
+
+
+def _custom_loss(data: list[types.Datum], loss_fn: CustomLossFn,
+                 forward: types.ForwardBackwardOutput
+                 ) -> tuple[list[types.Datum], dict[str, float], float]:
+    """Run the user's loss on the forward logprobs; returns the cross_entropy datums whose
+    gradient equals the loss's (`weights = -dLoss/dlogprobs`), its metrics and its value."""
+    import torch
+
+    logprobs = [torch.tensor(out["logprobs"].to_numpy(), requires_grad=True)
+                for out in forward.loss_fn_outputs]
+    loss, metrics = loss_fn(data, logprobs)
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ValueError("loss_fn: must return (loss, metrics) with loss a tensor computed "
+                         "from the logprobs it was given")
+    loss_sum = float(loss.detach().sum().item())
+    loss.backward()
+    linear = []
+    for index, (datum, lp) in enumerate(zip(data, logprobs, strict=True)):
+        if lp.grad is None:
+            raise ValueError(f"loss_fn: no gradient reached datum[{index}]'s logprobs; compute "
+                             "the loss from the logprobs tensors it is given")
+        linear.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
+            "target_tokens": datum.loss_fn_inputs["target_tokens"],
+            # Server CE is L = -sum(logprobs * weights), so weights = -dC/dlogprobs.
+            "weights": types.TensorData.from_torch(-lp.grad.detach().float())}))
+    return linear, {k: float(v) for k, v in metrics.items()}, loss_sum

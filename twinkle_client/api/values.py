@@ -1,0 +1,204 @@
+"""The plain values the typed calls take and return: frozen dataclasses and numpy arrays.
+
+Each mirrors one message of the contract (`protos/twinkle/v1/`) field for field, in
+Python types: the clients convert these to their own public records (`twinkle_client`'s
+pydantic models, `tinker.types`), never a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter as CreateModel takes it: `target_modules` (names or suffixes) or
+    `all_linear` choose its layers; with neither, Tinker's `train_mlp`/`train_attn`/
+    `train_unembed` switches do. `alpha` 0 is the server default (32); `seed` None is
+    random."""
+
+    rank: int
+    alpha: float = 0.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    all_linear: bool = False
+    use_rslora: bool = False
+    seed: int | None = None
+    train_mlp: bool = False
+    train_attn: bool = False
+    train_unembed: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A training model (one adapter, one run): `next_seq_id` is where its ops start."""
+
+    model_id: str
+    base_model: str
+    arch: str
+    tokenizer_id: str
+    is_lora: bool
+    lora_rank: int
+    next_seq_id: int
+    target_modules: tuple[str, ...]
+    trainable_params: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss by name with its numeric config; the empty name is the loss set with
+    `set_loss` (native client)."""
+
+    name: str = ""
+    config: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Tinker's optim_step: AdamW with exactly these hyper-parameters (0 = no clipping)."""
+
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: `max_tokens` 0 is up to the context limit, `top_k` <= 0 no limit;
+    `ignore_eos` does not stop on EOS either (Tinker's `stop=[]`)."""
+
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class ForwardResult:
+    """What a forward/forward_backward returns: per-datum outputs in datum order (each a
+    dict such as {"logprobs": float32 [T]}), the loss and the metrics ("name:reduction")."""
+
+    outputs: list[dict[str, np.ndarray]]
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled sequence: tokens, their logprobs, and 'stop' or 'length'."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """A Sample reply. `prompt_logprobs` (NaN at 0) when asked for; with top-k prompt
+    logprobs, the k likeliest tokens at each prompt position and their logprobs."""
+
+    sequences: list[Completion]
+    prompt_logprobs: np.ndarray | None = None
+    topk_token_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str
+    base_model: str
+    model_path: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A saved checkpoint; `path` is its twinkle:// path, times are unix seconds."""
+
+    checkpoint_id: str
+    checkpoint_type: str
+    path: str
+    run_id: str
+    name: str
+    created_at: float
+    size_bytes: int
+    has_optimizer: bool
+    base_model: str
+    lora_rank: int
+    user_metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    run_id: str
+    base_model: str
+    owner: str
+    is_lora: bool
+    lora_rank: int
+    created_at: float
+    last_request_time: float
+    last_checkpoint: Checkpoint | None
+    last_sampler_checkpoint: Checkpoint | None
+    user_metadata: dict[str, str]
+    loaded: bool
+    corrupted: bool
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a listing: its items, the total, and the next offset (-1: no more)."""
+
+    items: list[T]
+    total: int
+    next_offset: int
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    aliases: tuple[str, ...]
+    max_context_length: int
+    vocab_size: int
+    trainable: bool
+    sampleable: bool
+    arch: str
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_adapters: int
+    max_rank: int
+    max_seq_len: int
+    max_batch_tokens: int
+    max_message_bytes: int
+    max_sessions_per_tenant: int
+    max_adapters_per_tenant: int
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the server serves and allows, and its free adapter slots and memory."""
+
+    models: tuple[ServedModel, ...]
+    limits: ServerLimits
+    scheduling: str
+    server_version: str
+    adapters_loaded: int
+    adapters_free: int
+    memory_available_bytes: int
+    loss_functions: tuple[str, ...]
+    optimizers: tuple[str, ...]
+    lr_schedulers: tuple[str, ...]

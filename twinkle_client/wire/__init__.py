@@ -1,0 +1,56 @@
+"""The one codec between numpy arrays and the protobuf wire messages.
+
+Every conversion of a tensor or a batch of datums to or from the wire goes through this
+package, on the client and on the server alike. It does two jobs, one module each:
+
+- `tensors`: tensor coding. Arrays travel as packed little-endian bytes plus dtype and
+  shape (`encode_array`, `decode_array`: one `tobytes`/`frombuffer`, no per-element
+  Python), token ids with their own checks (`token_array`, `decode_tokens`).
+- `datums`: datum packing. Tinker-form `Datum`s (`encode_datum`) travel packed
+  column-wise (`DatumBatch`): `pack_request` groups them under a byte budget
+  (`chunk_datums`) and packs every group (`pack_datums`) before anything is sent; the
+  server's `unpack_datums` validates a batch before it allocates and splits it back.
+
+Every failure is a `WireError` naming the field and, where it is one datum's, the datum.
+The clients' own input conventions live beside them, not here: Twinkle input features
+(shifted `labels`, -100 = no loss) in `twinkle_client.features`, Tinker datums in
+`tinker_compat.convert`; both reach the wire through `encode_datum` and `pack_request`.
+"""
+
+from twinkle_client.wire.datums import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    TOKEN_FIELDS,
+    Datum,
+    chunk_datums,
+    encode_datum,
+    pack_datums,
+    pack_request,
+    unpack_datums,
+)
+from twinkle_client.wire.tensors import (
+    MAX_DIMS,
+    WireError,
+    decode_array,
+    decode_tokens,
+    encode_array,
+    token_array,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MAX_DIMS",
+    "MAX_MESSAGE_BYTES",
+    "TOKEN_FIELDS",
+    "Datum",
+    "WireError",
+    "chunk_datums",
+    "decode_array",
+    "decode_tokens",
+    "encode_array",
+    "encode_datum",
+    "pack_datums",
+    "pack_request",
+    "token_array",
+    "unpack_datums",
+]
