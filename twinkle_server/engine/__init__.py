@@ -1,20 +1,28 @@
 """The engine: one frozen base model, many LoRA adapters, no network.
 
-Map of the server and who owns what:
+The server's layers, and the one direction of their imports (an arrow: "imports"):
 
-- `twinkle_server.service` (gRPC servicers) owns the wire: it turns protobuf messages into
-  the engine's frozen value types (`engine.types`), validates them, and maps
-  `engine.errors` categories to status codes. It never touches torch.
+    service/ (gRPC front) --> runtime/ --> scheduler --> executor --> engine/
+                                  \--> store
+
+- `twinkle_server.service` (the gRPC front) owns the wire: protobuf in, a runtime verb,
+  protobuf out, and the one map from error categories to status codes. Only it (and the
+  assembly in `server.py`) imports grpc; a second front plugs in beside it.
+- `twinkle_server.runtime` owns tenants and ownership, op construction (merge groups,
+  token costs), the store and the typed verbs (`runtime.training`, `.sampling`, `.runs`)
+  over plain values, raising the one error family (`engine.errors`).
 - `twinkle_server.scheduler` owns order: per-model queues ordered by `seq_id`, idempotent
   retries, and the decision which ready ops run together. It calls the engine only
   through `twinkle_server.executor` (`forward_batch`, `sample_batch`, and one callable
   per optimizer/save/load op), from its one worker thread.
 - `twinkle_server.engine` (this package) owns the model and every adapter's state:
-  `base_model` loads the frozen base, `lora` the multi-LoRA layers and row routing,
-  `adapter` one object per adapter holding all its state, `losses`, `optim`, `sampler`,
-  `checkpoint` (PEFT format, atomic), and `engine.Engine`, the only entry point.
+  `types` its value types, `base_model` the frozen base, `lora` the multi-LoRA layers and
+  row routing, `forward` the merged pass, `adapter` one object per adapter with its
+  optimizer verbs, `losses`, `optim`, `sampler`, `checkpoint` (PEFT format, atomic,
+  save and load), and `engine.Engine`, the only entry point. It imports only torch,
+  transformers, peft, numpy, safetensors and itself.
 - `twinkle_server.store` owns durable records (keys, sessions, runs, checkpoint paths)
-  beside the engine; the services pass the engine plain file paths from it.
+  beside the runtime, which passes the engine plain file paths from it.
 
 The engine talks back only through return values: results, or an `EngineError` value per
 failed request, so one tenant's bad request never stops another's.
