@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         env = os.environ.get(f"TWINKLE_{f.name.upper()}")
         default = f.default if f.default is not MISSING else None
-        kwargs = {"help": f"{f.metadata['help']} (env TWINKLE_{f.name.upper()})",
+        shown = "" if default in (None, ()) else f"; default {default}"
+        kwargs = {"help": f"{f.metadata['help']} (env TWINKLE_{f.name.upper()}{shown})",
                   "dest": f.name}
         if f.metadata.get("repeat"):
             kwargs.update(action="append", default=list(env.split(",")) if env else [])
