@@ -3,7 +3,8 @@
 The server's layers, and the one direction of their imports (an arrow: "imports"):
 
     service/ (gRPC front) --> runtime/ --> scheduler --> executor --> engine/
-                                  \--> store
+                                 |
+                                 +--> store
 
 - `twinkle_server.service` (the gRPC front) owns the wire: protobuf in, a runtime verb,
   protobuf out, and the one map from error categories to status codes. Only it (and the
