@@ -26,6 +26,9 @@ class ServerConfig:
                                             "(repeatable), e.g. Qwen/Qwen3-4B", repeat=True)
     host: str = _opt("127.0.0.1", "address to bind; non-loopback needs API keys")
     port: int = _opt(0, "port; 0 picks a free one (printed as 'listening on HOST:PORT')")
+    http_port: int = _opt(-1, "HTTP port for the Tinker REST API (the stock tinker SDK), "
+                              "/metrics and /api/v1/healthz; 0 picks a free one (printed as "
+                              "'http listening on HOST:PORT'), -1 turns it off")
     data_dir: Path = _opt(Path("./twinkle-data"), "SQLite store and checkpoint files")
     scheduling: str = _opt("merged", "merged: one base pass for many tenants; timeshare: one "
                                      "model per pass (the baseline)", choices=("merged", "timeshare"))

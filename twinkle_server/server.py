@@ -1,4 +1,5 @@
-"""Assembly: engine + scheduler + store behind a grpc.aio server with health and reflection."""
+"""Assembly: engine + scheduler + store behind a grpc.aio server with health and reflection,
+and the HTTP front (Tinker REST API, /metrics) as a task on the same event loop."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from twinkle_client._proto.twinkle.v1 import (
 from twinkle_client.wire import MAX_MESSAGE_BYTES
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
+from twinkle_server.http import HTTP_OFF, HttpServer
 from twinkle_server.runtime import Runtime
 from twinkle_server.service.runs import RunsServicer
 from twinkle_server.service.sampling import SamplingServicer
@@ -90,6 +92,12 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    http = None
+    if config.http_port != HTTP_OFF:
+        http = HttpServer(rt, config)
+        rt.observe_op = http.metrics.observe
+        http.start()
+        print(f"http listening on {config.host}:{http.port}", flush=True)
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
     log.info("serving %s on %s, scheduling %s, %s", config.model, engine.base.device,
              config.scheduling, mode)
@@ -114,6 +122,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
     await asyncio.to_thread(rt.scheduler.stop, True, 60.0)
+    if http is not None:
+        await http.stop()
     await server.stop(grace=5.0)
     rt.close()
     store.close()

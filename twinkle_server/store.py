@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-KEY_PREFIX = "tw-"
+KEY_PREFIX = "tml-"
+"""New keys start with `tml-`, the prefix the stock `tinker` SDK requires of an API key;
+keys made before (`tw-...`) stay valid: a key is looked up by its hash."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (

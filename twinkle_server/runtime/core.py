@@ -34,6 +34,7 @@ from twinkle_server.store import CheckpointRow, Store
 
 log = logging.getLogger("twinkle_server")
 T = TypeVar("T")
+OpObserver = Callable[[Op, float, Any, "BaseException | None"], None]
 OPEN_TENANT = "local"
 ADMIN_QUEUE = "__admin__"
 MAX_METADATA_ENTRIES = 64
@@ -110,6 +111,8 @@ class Core:
         self.scheduler.register_model(ADMIN_QUEUE)
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
+        self.observe_op: OpObserver | None = None
+        """Called after every op with (op, seconds, result, error): the metrics hook."""
 
     def close(self) -> None:
         """Finish the queued store writes; the caller closes the store after."""
@@ -174,13 +177,22 @@ class Core:
     # ------------------------------------------------------------------ ops
 
     async def run(self, op: Op) -> Any:
-        """Submit to the scheduler and await the result; failures raise."""
+        """Submit to the scheduler and await the result; failures raise. Every op of
+        every front passes here, so this is where it is logged and observed."""
         start = time.perf_counter()
+        result = error = None
         try:
-            return await asyncio.wrap_future(self.scheduler.submit(op))
+            result = await asyncio.wrap_future(self.scheduler.submit(op))
+            return result
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            seconds = time.perf_counter() - start
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f", op.queue_id, op.seq_id,
-                     op.kind, op.tokens, (time.perf_counter() - start) * 1000)
+                     op.kind, op.tokens, seconds * 1000)
+            if self.observe_op is not None:
+                self.observe_op(op, seconds, result, error)
 
     async def ordered(self, tenant: str, ref: OpRef, kind: str, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""

@@ -1,0 +1,74 @@
+"""One keyed server with its HTTP front for the package: tenants alice and bob, each with
+a `tml-` key made by the CLI; the stock `tinker` SDK, unpatched, talks to it."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+from twinkle_server.process import start_server  # noqa: E402
+
+from ..server.harness import create_key  # noqa: E402
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory, tiny_cache):
+    data_dir = tmp_path_factory.mktemp("http-server")
+    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
+    proc = start_server(data_dir, "--max-adapters-per-tenant", "16", http=True)
+    proc.keys = keys
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="package")
+def base_url(server) -> str:
+    return f"http://{server.http_address}"
+
+
+@pytest.fixture(scope="package")
+def service(server, base_url):
+    client = tinker.ServiceClient(base_url=base_url, api_key=server.keys["alice"])
+    yield client
+    client.close("success").result()
+
+
+@pytest.fixture(scope="package")
+def bob(server, base_url):
+    client = tinker.ServiceClient(base_url=base_url, api_key=server.keys["bob"])
+    yield client
+    client.close("success").result()
+
+
+def sft_data(n: int = 4, length: int = 16, vocab: int = 200, seed: int = 0
+             ) -> list[types.Datum]:
+    """Random next-token datums as Tinker's docs build them: tokens, targets, weights."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(n):
+        ids = rng.integers(3, vocab, length + 1)
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": np.ones(length, np.float32)}))
+    return data
+
+
+def rl_data(n: int = 4, length: int = 16, seed: int = 1) -> list[types.Datum]:
+    """Datums for importance_sampling / ppo: sampler logprobs and advantages."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(n):
+        ids = rng.integers(3, 200, length + 1)
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": ids[1:],
+                            "logprobs": rng.normal(-8.3, 0.1, length).astype(np.float32),
+                            "advantages": rng.normal(0, 1, length).astype(np.float32)}))
+    return data

@@ -1,0 +1,66 @@
+"""The SDK's RestClient (runs, checkpoints, sessions) over HTTP, and `/metrics`."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import tinker
+from prometheus_client.parser import text_string_to_metric_families
+from tinker import types
+
+from .conftest import sft_data
+
+pytestmark = pytest.mark.integration
+
+
+def _samples(base_url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_runs_and_checkpoints(service, server, base_url):
+    tc = service.create_lora_training_client(base_model="tiny", rank=4,
+                                             user_metadata={"team": "a"}).result()
+    tc.forward_backward(sft_data(n=1), "cross_entropy").result()
+    saved = tc.save_state("keep").result().path
+    doomed = tc.save_state("drop").result().path
+    run_id = saved.split("/")[2]
+    rest = tinker.RestClient(base_url=base_url, api_key=server.keys["alice"])
+    run = rest.get_training_run(run_id).result()
+    assert run.training_run_id == run_id and run.lora_rank == 4
+    assert run.user_metadata == {"team": "a"} and run.last_checkpoint is not None
+    runs = rest.list_training_runs(limit=100).result()
+    assert run_id in [r.training_run_id for r in runs.training_runs]
+    assert runs.cursor.total_count >= 1
+    paths = [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+    assert saved in paths and doomed in paths
+    rest.delete_checkpoint_from_tinker_path(doomed).result()
+    paths = [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+    assert saved in paths and doomed not in paths
+    everything = rest.list_user_checkpoints(limit=100).result()
+    assert saved in [c.tinker_path for c in everything.checkpoints]
+    session = rest.get_session(service.holder.get_session_id()).result()
+    assert run_id in session.training_run_ids
+    info = rest.get_weights_info_by_tinker_path(saved).result()
+    assert info.base_model == "tiny" and info.lora_rank == 4
+
+
+def test_metrics_move_with_traffic(service, base_url):
+    before = _samples(base_url)
+    tc = service.create_lora_training_client(base_model="tiny", rank=4).result()
+    tc.forward_backward(sft_data(n=2), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    after = _samples(base_url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    assert delta("twinkle_ops_total", kind="forward_backward", outcome="ok") == 1
+    assert delta("twinkle_ops_total", kind="optim_step", outcome="ok") == 1
+    assert delta("twinkle_tokens_trained_total") == 32
+    assert delta("twinkle_op_seconds_count", kind="optim_step") == 1
+    assert after[("twinkle_adapters_loaded", ())] >= 1
+    assert ("twinkle_queue_depth", ()) in after
+    assert not any("tenant" in dict(labels) or "model" in dict(labels)
+                   for _, labels in after)

@@ -1,0 +1,92 @@
+"""The HTTP front: the Tinker REST API, so the stock `tinker` SDK works unmodified, plus
+`/metrics` (Prometheus) and `/api/v1/healthz` on the same port.
+
+A thin adapter, like the gRPC front: routes (`app`, `rest`) read the SDK's bodies
+(`convert`), call the same runtime verbs with the tenant from the same
+`Runtime.authenticate`, and answer in the SDK's shapes; ops become futures (`futures`)
+that `retrieve_future` resolves; failures map to statuses in one place (`errors`).
+
+Stack: Starlette on uvicorn. `uvicorn.Server.serve()` is a coroutine, so the HTTP server
+runs as one more task on the loop that runs `grpc.aio` and the runtime: no second
+thread or process, and both fronts share the scheduler, store and futures without
+locks. Starlette is the small, well-kept ASGI toolkit FastAPI is built on; FastAPI's
+extra (pydantic request models, OpenAPI) buys nothing here, because the SDK's own types
+are the contract, `forward_backward` arrives as protobuf, and our messages name the field
+and the limit the way the gRPC front's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.http.app import Front
+from twinkle_server.http.metrics import Metrics
+from twinkle_server.http.rest import Rest
+from twinkle_server.runtime import Runtime
+
+log = logging.getLogger("twinkle_server")
+HTTP_OFF = -1
+"""`--http-port -1` turns the HTTP front off; 0 picks a free port."""
+
+
+def build_app(rt: Runtime) -> tuple[Starlette, Front, Metrics]:
+    front = Front(rt)
+    metrics = Metrics(rt, front.futures.pending)
+    routes = [*front.routes(), *Rest(front).routes(),
+              Route("/metrics", metrics.endpoint, methods=["GET"])]
+    return Starlette(routes=routes), front, metrics
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `server.serve` owns SIGINT/SIGTERM and
+    stops this server as part of its drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class HttpServer:
+    """The ASGI app served by uvicorn on the running loop."""
+
+    def __init__(self, rt: Runtime, config: ServerConfig) -> None:
+        self.app, self.front, self.metrics = build_app(rt)
+        self.socket = bind(config.host, config.http_port)
+        self.port = self.socket.getsockname()[1]
+        ssl = ({"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}
+               if config.tls_cert else {})
+        self.server = _Server(uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off",
+            timeout_keep_alive=75, **ssl))
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[self.socket]))
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        self.front.futures.close()
+        if self.task is not None:
+            await asyncio.wait([self.task], timeout=10)

@@ -1,0 +1,281 @@
+"""The SDK's bodies <-> the runtime's plain values, at the edge only.
+
+The stock `tinker` SDK (0.38) sends `forward_backward` as its own protobuf
+(`tinker.proto.tinker_public_pb2.ForwardBackwardRequest`) and reads `ForwardBackwardOutput`
+and `SampleResponse` only as protobuf; everything else is JSON shaped like
+`tinker.types`. Datums pass through the gRPC front's codec (`twinkle_client.wire`:
+`encode_datum`, `pack_datums`, `unpack_datums`), so both fronts check and narrow them
+identically (token ids int32, other loss inputs float32) and give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as tpb
+
+from twinkle_client import wire
+from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LossSpec, SamplingParams
+from twinkle_server.http.errors import BadBody
+from twinkle_server.runtime.runs import RunView
+from twinkle_server.store import CheckpointRow, RunRow
+
+PROTOBUF = "application/x-protobuf"
+MAX_SPARSE_ELEMENTS = 1 << 24
+"""A sparse loss input is densified; its dense size is capped (64 MiB of float32) so a
+small body cannot ask for a huge allocation."""
+_DTYPES = {tpb.DTYPE_FLOAT32: np.float32, tpb.DTYPE_INT64: np.int64,
+           tpb.DTYPE_INT32: np.int32}
+_STOP = {"stop": tpb.STOP_REASON_STOP, "length": tpb.STOP_REASON_LENGTH}
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type | tuple, default: Any = None,
+           required: bool = False) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        if required:
+            raise BadBody(f"{name}: required")
+        return default
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise BadBody(f"{name}: expected a number, got {value!r}")
+    if not isinstance(value, kind):
+        raise BadBody(f"{name}: expected {getattr(kind, '__name__', 'a number')}, got "
+                      f"{type(value).__name__}")
+    return value
+
+
+def text(body: Mapping[str, Any], name: str, required: bool = False) -> str:
+    return _field(body, name, str, "", required)
+
+
+def integer(body: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
+    return _field(body, name, int, default)
+
+
+def number(body: Mapping[str, Any], name: str, default: float) -> float:
+    return float(_field(body, name, (int, float), default))
+
+
+def mapping(body: Mapping[str, Any], name: str) -> dict[str, str]:
+    value = _field(body, name, dict, {})
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _tensor(msg: tpb.Tensor, field: str) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise BadBody(f"{field}: dtype {msg.dtype} is not float32 or int64")
+    shape = [int(s) for s in msg.shape]
+    if any(s < 0 for s in shape):
+        raise BadBody(f"{field}: negative dimension in shape {shape}")
+    if msg.HasField("sparse_csr"):
+        if len(shape) != 2 or math.prod(shape) > MAX_SPARSE_ELEMENTS:
+            raise BadBody(f"{field}: a sparse tensor must be 2-D with at most "
+                          f"{MAX_SPARSE_ELEMENTS} elements, got shape {shape}")
+        values = np.frombuffer(msg.sparse_csr.values, dtype)
+        crow = np.frombuffer(msg.sparse_csr.crow_indices, np.int64)
+        col = np.frombuffer(msg.sparse_csr.col_indices, np.int64)
+        if (len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
+                or crow[-1] != len(values) or np.any(np.diff(crow) < 0)
+                or np.any((col < 0) | (col >= shape[1]))):
+            raise BadBody(f"{field}: inconsistent sparse CSR indices for shape {shape}")
+        dense = np.zeros(shape, dtype)
+        dense[np.repeat(np.arange(shape[0]), np.diff(crow)), col] = values
+        return dense
+    itemsize = np.dtype(dtype).itemsize
+    if len(msg.dense) % itemsize:
+        raise BadBody(f"{field}: {len(msg.dense)} bytes is not a whole number of "
+                      f"{np.dtype(dtype).name} values")
+    flat = np.frombuffer(msg.dense, dtype)
+    if not shape:
+        shape = [flat.size]
+    if math.prod(shape) != flat.size:
+        raise BadBody(f"{field}: shape {shape} needs {math.prod(shape)} values, the body "
+                      f"holds {flat.size}")
+    return flat.reshape(shape)
+
+
+def forward_request(body: bytes, max_tokens: int
+                    ) -> tuple[tpb.ForwardBackwardRequest, list[Datum] | Exception, LossSpec]:
+    """The SDK's protobuf `forward_backward` body: (message, datums or the reason they are
+    refused, loss). A body that does not parse at all raises `BadBody`."""
+    msg = tpb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError
+        raise BadBody(f"body: not a tinker ForwardBackwardRequest protobuf ({exc})") from None
+    try:
+        return msg, _datums(msg, max_tokens), _loss(msg)
+    except (wire.WireError, BadBody) as exc:
+        return msg, exc, LossSpec(msg.loss_fn)
+
+
+def _loss(msg: tpb.ForwardBackwardRequest) -> LossSpec:
+    config: dict[str, float] = dict(msg.loss_fn_config)
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise BadBody(f"loss_fn_config[{key!r}]: must be a number, got {value.text!r}")
+        config[key] = value.number
+    return LossSpec(msg.loss_fn, config)
+
+
+def _datums(msg: tpb.ForwardBackwardRequest, max_tokens: int) -> list[Datum]:
+    encoded, tokens = [], 0
+    for index, datum in enumerate(msg.data):
+        parts = []
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                raise BadBody(f"datum[{index}].model_input: only text (EncodedTextChunk) "
+                              "inputs are supported")
+            parts.append(np.frombuffer(chunk.encoded_text.tokens, np.int32))
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        tokens += ids.size
+        if tokens > max_tokens:
+            raise BadBody(f"data: more than {max_tokens} tokens in one request "
+                          "(--max-batch-tokens); split the batch")
+        inputs = {key: _tensor(value, f"datum[{index}].loss_fn_inputs[{key!r}]")
+                  for key, value in datum.loss_fn_inputs.items()}
+        encoded.append(wire.encode_datum(ids.astype(np.int64), inputs, index))
+    if not encoded:
+        return []
+    return [Datum(d.input_ids, d.loss_inputs)
+            for d in wire.unpack_datums(wire.pack_datums(encoded))]
+
+
+def adam(body: Mapping[str, Any]) -> AdamParams:
+    params = _field(body, "optim_params", dict, {}) or _field(body, "adam_params", dict, {})
+    kind = params.get("type", "adam")
+    if kind not in ("adam", "adamw"):
+        raise BadBody(f"optim_params.type: {kind!r}; this server runs AdamW only")
+    return AdamParams(learning_rate=number(params, "learning_rate", 1e-4),
+                      beta1=number(params, "beta1", 0.9), beta2=number(params, "beta2", 0.95),
+                      eps=number(params, "eps", 1e-12),
+                      weight_decay=number(params, "weight_decay", 0.0),
+                      grad_clip_norm=number(params, "grad_clip_norm", 0.0))
+
+
+def prompt_tokens(body: Mapping[str, Any]) -> np.ndarray:
+    prompt = _field(body, "prompt", dict, required=True)
+    ids: list[int] = []
+    for index, chunk in enumerate(_field(prompt, "chunks", list, [])):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise BadBody(f"prompt.chunks[{index}]: only text (encoded_text) chunks are "
+                          "supported")
+        ids.extend(_field(chunk, "tokens", list, []))
+    if not ids:
+        raise BadBody("prompt: empty; give at least one token")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadBody("prompt: token ids must be integers")
+    return wire.token_array(np.asarray(ids, np.int64), "prompt").astype(np.int64)
+
+
+def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
+    """Tinker's `stop`: None keeps stopping at EOS; [] disables every stop, EOS included;
+    strings stop on those texts; ints on those token ids (EOS still stops)."""
+    p = _field(body, "sampling_params", dict, {})
+    stop = p.get("stop")
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    stop_on_eos = True
+    items = [stop] if isinstance(stop, str) else stop
+    if items is not None:
+        if not isinstance(items, list):
+            raise BadBody(f"sampling_params.stop: expected strings or token ids, got {stop!r}")
+        if not items:
+            stop_on_eos = False
+        elif all(isinstance(s, str) and s for s in items):
+            strings = tuple(items)
+        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+            token_ids = tuple(items)
+        else:
+            raise BadBody(f"sampling_params.stop: expected non-empty strings or non-negative "
+                          f"token ids (not mixed), got {stop!r}")
+    max_tokens = integer(p, "max_tokens", 0) or 0
+    if max_tokens < 0:
+        raise BadBody(f"sampling_params.max_tokens: must be >= 1, got {max_tokens}")
+    return SamplingParams(max_tokens=max_tokens, temperature=number(p, "temperature", 1.0),
+                          top_p=number(p, "top_p", 1.0), top_k=integer(p, "top_k", -1),
+                          stop_token_ids=token_ids, stop_strings=strings,
+                          seed=integer(p, "seed"), stop_on_eos=stop_on_eos)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _batched(arrays: list[np.ndarray], dtype: int) -> tpb.BatchedTensor:
+    offsets = np.zeros(len(arrays) + 1, np.int64)
+    np.cumsum([a.nbytes for a in arrays], out=offsets[1:])
+    return tpb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays),
+                             offsets=offsets.tobytes(), dtype=dtype,
+                             trailing_shape=list(arrays[0].shape[1:]) if arrays else [])
+
+
+def forward_output(result: ForwardOutput) -> bytes:
+    """`ForwardBackwardOutput` protobuf: per-datum `logprobs`, one ArrayRecord per run of
+    datums sharing a trailing shape, and the metrics."""
+    out = tpb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
+    arrays = [np.ascontiguousarray(lp, np.float32) for lp in result.logprobs]
+    start = 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and arrays[end].shape[1:] == arrays[start].shape[1:]:
+            end += 1
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=end - start)
+        record.fields["logprobs"].CopyFrom(_batched(arrays[start:end], tpb.DTYPE_FLOAT32))
+        start = end
+    return out.SerializeToString()
+
+
+def sample_response(result: Any, include_prompt_logprobs: bool) -> bytes:
+    """`SampleResponse` protobuf from the runtime's `SampleResult`."""
+    out = tpb.SampleResponse()
+    for seq in result.sequences:
+        out.sequences.add(stop_reason=_STOP.get(seq.stop_reason or "length",
+                                                tpb.STOP_REASON_LENGTH),
+                          tokens=np.asarray(seq.tokens, np.int32).tobytes(),
+                          logprobs=np.asarray(seq.logprobs, np.float32).tobytes())
+    scored = result.prompt_logprobs
+    if scored is not None and include_prompt_logprobs:
+        out.prompt_logprobs = np.asarray(scored.logprobs, np.float32).tobytes()
+    if scored is not None and getattr(scored, "topk_token_ids", None) is not None:
+        ids = np.asarray(scored.topk_token_ids, np.int32)
+        if ids.size:
+            out.topk_prompt_logprobs.CopyFrom(tpb.TopkLogprobs(
+                token_ids=ids.tobytes(),
+                logprobs=np.asarray(scored.topk_logprobs, np.float32).tobytes(),
+                k=ids.shape[1], length=ids.shape[0]))
+    return out.SerializeToString()
+
+
+def _time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat()
+
+
+def tinker_path(row: CheckpointRow) -> str:
+    return f"tinker://{row.run_id}/{row.checkpoint_id}"
+
+
+def checkpoint(row: CheckpointRow) -> dict[str, Any]:
+    return {"checkpoint_id": row.checkpoint_id, "checkpoint_type": row.kind,
+            "time": _time(row.created_at), "tinker_path": tinker_path(row),
+            "size_bytes": row.size_bytes, "public": False,
+            "user_metadata": dict(row.user_metadata) or None}
+
+
+def run(view: RunView) -> dict[str, Any]:
+    r: RunRow = view.run
+    return {"training_run_id": r.run_id, "base_model": r.base_model, "model_owner": r.tenant,
+            "is_lora": True, "corrupted": False, "lora_rank": int(r.lora["rank"]),
+            "last_request_time": _time(r.last_request_time or r.created_at),
+            "last_checkpoint": (checkpoint(view.last_checkpoint)
+                                if view.last_checkpoint else None),
+            "last_sampler_checkpoint": (checkpoint(view.last_sampler_checkpoint)
+                                        if view.last_sampler_checkpoint else None),
+            "user_metadata": dict(r.user_metadata) or None}

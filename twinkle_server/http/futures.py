@@ -1,0 +1,99 @@
+"""The futures table: what `retrieve_future` answers for each op the SDK was promised.
+
+Every op route starts its runtime verb as an asyncio task on the server's one loop and
+answers at once with `{"request_id": ...}`; the scheduler still orders the op by its
+`seq_id` and dedupes retries. This table only remembers the task per tenant, so a
+tenant can never read another's future, and forgets it `FUTURE_TTL_SECONDS` after it
+finished. `retrieve` long-polls: it waits up to `LONG_POLL_SECONDS` for the task before
+answering "try again", because the SDK re-polls a try-again at once, without a pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twinkle_server.engine.errors import NotFound, ResourceExhausted
+
+FUTURE_TTL_SECONDS = 30 * 60
+"""A finished future's result stays readable this long: the SDK reads it once, but may
+read it again after a dropped connection, and a slow client may come late."""
+MAX_FUTURES_PER_TENANT = 4096
+"""Bounds what one tenant can park in server memory. The SDK keeps at most a few hundred
+ops in flight per client (its byte semaphores), so 4096 leaves room for many clients."""
+LONG_POLL_SECONDS = 20.0
+"""Under the SDK's 45 s `retrieve_future` timeout, so a pending op answers try-again in
+time; long enough that a waiting client costs one request per op, not a busy loop."""
+
+
+@dataclass
+class Entry:
+    task: asyncio.Task
+    render: Callable[[Any], Any]      # the verb's result -> the response body
+    finished_at: float | None = None
+
+
+def _finished(entry: Entry, task: asyncio.Task) -> None:
+    entry.finished_at = time.monotonic()
+    if not task.cancelled():
+        task.exception()  # read here; `retrieve_future` reports it to the client
+
+
+class Futures:
+    def __init__(self) -> None:
+        self._tables: dict[str, OrderedDict[str, Entry]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tables.values())
+
+    def pending(self) -> int:
+        return sum(1 for t in self._tables.values() for e in t.values() if not e.task.done())
+
+    def submit(self, tenant: str, request_id: str, work: Awaitable[Any],
+               render: Callable[[Any], Any]) -> None:
+        """Start `work` as the tenant's future `request_id`. Refuses (without starting it)
+        when the tenant already holds `MAX_FUTURES_PER_TENANT` unfinished or unexpired
+        futures."""
+        table = self._tables.setdefault(tenant, OrderedDict())
+        self._sweep(table)
+        if len(table) >= MAX_FUTURES_PER_TENANT:
+            if hasattr(work, "close"):
+                work.close()
+            raise ResourceExhausted(
+                f"futures: {len(table)} requests of this tenant are unfinished or unread "
+                f"(at most {MAX_FUTURES_PER_TENANT}); retrieve their results first")
+        entry = Entry(asyncio.ensure_future(work), render)
+        entry.task.add_done_callback(lambda task: _finished(entry, task))
+        table[request_id] = entry
+
+    def get(self, tenant: str, request_id: str) -> Entry:
+        entry = self._tables.get(tenant, {}).get(request_id)
+        if entry is None:
+            raise NotFound(f"request_id: no future {request_id!r} (unknown, or forgotten "
+                           f"{FUTURE_TTL_SECONDS} s after it finished)")
+        return entry
+
+    async def wait(self, entry: Entry, timeout: float = LONG_POLL_SECONDS) -> bool:
+        """Whether the entry's task finished within `timeout` seconds."""
+        if not entry.task.done():
+            await asyncio.wait([entry.task], timeout=timeout)
+        return entry.task.done()
+
+    def cancel(self, tenant: str, request_id: str) -> None:
+        """Stop waiting for the op; one the scheduler already runs still finishes."""
+        self.get(tenant, request_id).task.cancel()
+
+    def _sweep(self, table: OrderedDict[str, Entry]) -> None:
+        cutoff = time.monotonic() - FUTURE_TTL_SECONDS
+        for request_id in [r for r, e in table.items()
+                           if e.finished_at is not None and e.finished_at < cutoff]:
+            del table[request_id]
+
+    def close(self) -> None:
+        for table in self._tables.values():
+            for entry in table.values():
+                entry.task.cancel()
