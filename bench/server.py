@@ -4,7 +4,9 @@ Run: `.venv/bin/python -m bench.server` (also part of `make bench`).
 
 1. forward_backward + optim_step, 8 x 256 tokens, through a real server process vs the
    in-process engine in this process (same model, adapter shape and data).
-2. GetInfo round trips: p50 / p99 latency.
+2. Round trips over loopback, p50 / p99: GetServerCapabilities (the event loop) and
+   GetTrainConfigs (an ordered op: the worker, and a store write of the run's last
+   request time).
 3. A 64 MiB batch of datums streamed to ForwardBackward in chunks under the default
    4 MiB message limit. The request names an unknown loss, so the server reads and
    decodes every chunk and then refuses it: the figure is upload + decode, not compute.
@@ -17,18 +19,29 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from bench.timing import best_per_call
-from tests.server.transport import Transport
-from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import training_pb2
+from twinkle_client import api, wire
+from twinkle_client.connection import Connection
+from twinkle_client.errors import InvalidArgumentError
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
 from twinkle_server.process import start_server
 
 STEPS = 5
+
+
+def _latency_ms(call: Callable[[], object], calls: int = 500, warmup: int = 50
+                ) -> tuple[float, float]:
+    """p50 and p99 of `calls` round trips after `warmup` unmeasured ones, in ms."""
+    latencies = []
+    for _ in range(warmup + calls):
+        start = time.perf_counter()
+        call()
+        latencies.append((time.perf_counter() - start) * 1000)
+    p50, p99 = np.percentile(latencies[warmup:], [50, 99])
+    return float(p50), float(p99)
 
 
 def _data(n: int, length: int, vocab: int, seed: int = 0):
@@ -66,25 +79,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(Path(tmp), "--max-batch-tokens", "8000000")
         try:
-            client = Transport(server.address)
-            model = client.create_model(rank=4, seed=0)
+            conn = Connection(f"http://{server.address}", client_name="bench.server")
+            model = api.create_model(lora=api.LoraSpec(4, seed=0, train_mlp=True,
+                                                      train_attn=True, train_unembed=True)
+                                     ).send(conn).model_id
+            remote = [wire.encode_datum(ids, inputs, i) for i, (ids, inputs) in enumerate(batch)]
+            adam = api.AdamParams(1e-2, 0.9, 0.95, 1e-8)
 
             def remote_step():
-                client.forward_backward(model, batch)
-                client.optim_step(model)
+                api.submit(conn, model, api.forward(remote, api.Loss("cross_entropy"))).result()
+                api.submit(conn, model, api.optim_step(adam)).result()
 
             print_overhead("remote overhead: forward_backward + optim_step, 8 x 256 tokens",
                            local_step, "gRPC loopback", remote_step, 8 * 256, "remote")
 
-            request = training_pb2.GetInfoRequest(model_id=model)
-            latencies = []
-            for _ in range(500):
-                start = time.perf_counter()
-                client.call(client.training.GetInfo, request)
-                latencies.append((time.perf_counter() - start) * 1000)
-            p50, p99 = np.percentile(latencies[50:], [50, 99])
-            print(f"GetInfo round trip over loopback: p50 {p50:.2f} ms, p99 {p99:.2f} ms "
-                  "(450 calls after 50 warm-up)")
+            rows = {"GetServerCapabilities (event loop)": lambda: api.capabilities(
+                        conn, refresh=True),
+                    "GetTrainConfigs (ordered op)": lambda: api.submit(
+                        conn, model, api.get_train_configs()).result()}
+            for label, call in rows.items():
+                p50, p99 = _latency_ms(call)
+                print(f"{label} round trip over loopback: p50 {p50:.2f} ms, p99 {p99:.2f} ms "
+                      "(500 calls after 50 warm-up)")
 
             big = _data(2048, 2048, vocab, seed=1)
             # The datums' size with int64 targets (as Tinker builds them), so the figure
@@ -92,15 +108,17 @@ def main() -> None:
             mib = sum(ids.size * 4 + inputs["target_tokens"].nbytes + inputs["weights"].nbytes
                       for ids, inputs in big) / 2**20
             wire_mib = sum(ids.size * 12 for ids, _ in big) / 2**20
+            big_datums = [wire.encode_datum(ids, inputs, i) for i, (ids, inputs) in enumerate(big)]
             start = time.perf_counter()
             try:
-                client.forward_backward(model, big, loss="no_such_loss")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+                api.submit(conn, model, api.forward(big_datums, api.Loss("no_such_loss"))).result()
+            except InvalidArgumentError:
+                pass
             elapsed = time.perf_counter() - start
             print(f"stream intake: {mib:.0f} MiB of datums ({wire_mib:.0f} MiB on the "
                   f"wire) in {elapsed:.2f} s = {mib / elapsed:.0f} MiB/s of datums "
                   f"({wire.DEFAULT_CHUNK_BYTES // 1024} KiB chunks, default limits)")
+            conn.close()
         finally:
             server.stop()
 
