@@ -1,6 +1,7 @@
-"""Engine benchmarks on the tiny model: overhead vs plain PEFT, merging, memory.
+"""Engine benchmarks on the tiny model: overhead vs plain PEFT, merging, memory, packing.
 
-Run: `.venv/bin/python -m bench.engine` (also part of `make bench`). Each section runs
+Run: `.venv/bin/python -m bench.engine` (also part of `make bench`); `--only packing`
+(repeatable) runs one section. Each section runs
 both sides in this one process, side by side, and prints throughput ratios; memory is
 measured in fresh subprocesses so each RSS figure starts from the same baseline.
 """
@@ -139,6 +140,48 @@ def pass_sizes(engine: Engine, rounds: int = 8) -> None:
               f"{best['separate'] / best['merged']:>19.2f}x")
 
 
+def _mixed_datums(n: int, low: int, high: int, vocab: int, seed: int) -> list[Datum]:
+    """`n` datums whose lengths are drawn uniformly from `[low, high]`."""
+    rng = np.random.default_rng(seed)
+    return [_datums(1, int(length), vocab, seed=seed * 1000 + i)[0]
+            for i, length in enumerate(rng.integers(low, high + 1, n))]
+
+
+def packing(engine: Engine, tenants: int = 8, per_tenant: int = 2, rounds: int = 7) -> None:
+    """One merged forward_backward pass of `tenants` adapters, packed (the default) vs
+    padded (`--packing off`): real tokens per second, each path's best of `rounds`
+    interleaved rounds. Datums of lengths uniform in 32..1024, then every datum 528 tokens
+    (the same mean, so padded computes no padding: packing must not cost there)."""
+    ids = [f"k{i}" for i in range(tenants)]
+    for adapter_id in ids:
+        engine.add_adapter(adapter_id, SPEC)
+    vocab = engine.base.vocab_size
+    mixed = [_mixed_datums(per_tenant, 32, 1024, vocab, seed=i) for i in range(tenants)]
+    uniform = [_datums(per_tenant, 528, vocab, seed=i) for i in range(tenants)]
+    print(f"packing: {tenants} adapters x {per_tenant} datums, one merged forward_backward "
+          f"pass, best of {rounds} interleaved rounds")
+    print(f"  {'datum lengths':<20}{'real tokens':>12}{'padded positions':>18}"
+          f"{'padded tok/s':>14}{'packed tok/s':>14}{'ratio':>8}")
+    previous = engine.packing
+    for label, batches in (("uniform 32..1024", mixed), ("all 528", uniform)):
+        requests = [ForwardRequest(a, batch, CE, True) for a, batch in zip(ids, batches,
+                                                                            strict=True)]
+        lengths = [d.num_tokens for batch in batches for d in batch]
+        real, padded_positions = sum(lengths), len(lengths) * max(lengths)
+
+        def run(packed: bool, requests=requests) -> None:
+            engine.packing = packed
+            engine.forward_batch(requests)
+
+        best = best_per_call({"padded": lambda: run(False), "packed": lambda: run(True)},
+                             rounds, warmup=False)
+        print(f"  {label:<20}{real:>12}{padded_positions:>18}{real / best['padded']:>14.0f}"
+              f"{real / best['packed']:>14.0f}{best['padded'] / best['packed']:>7.2f}x")
+    engine.packing = previous
+    for adapter_id in ids:
+        engine.remove_adapter(adapter_id)
+
+
 _MEMORY_CHILD = """
 import json, sys
 from twinkle_server.engine.engine import Engine, ForwardRequest
@@ -188,6 +231,94 @@ def memory(adapters: int = 16) -> None:
           "(one base model each, before their adapters)")
 
 
+_TRAINING_MEMORY_CHILD = """
+import gc, json, sys, time
+import numpy as np
+import torch
+from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
+path, checkpointing, n, length = sys.argv[1], sys.argv[2] == 'on', *map(int, sys.argv[3:5])
+# An engine from before issue 17 takes no activation_checkpointing argument.
+engine = Engine.load(path, **({'activation_checkpointing': True} if checkpointing else {}))
+engine.add_adapter('a', LoraSpec(rank=16, alpha=32, seed=0))
+vocab = engine.base.vocab_size
+rng = np.random.default_rng(0)
+batch = []
+for _ in range(n):
+    ids = rng.integers(3, vocab, length + 1)
+    batch.append(Datum(ids[:-1], {'target_tokens': ids[1:],
+                                  'weights': np.ones(length, np.float32)}))
+gc.collect()
+def status(key):
+    line = next(l for l in open('/proc/self/status') if l.startswith(key + ':'))
+    return int(line.split()[1]) * 1024
+before = status('VmRSS')
+# Reset the peak to the current RSS (Linux: clear_refs 5), so the peak is this pass's.
+open('/proc/self/clear_refs', 'w').write('5')
+start = time.perf_counter()
+out = engine.forward_batch([ForwardRequest('a', batch, LossSpec('cross_entropy'), True)])[0]
+seconds = time.perf_counter() - start
+print(json.dumps({'before': before, 'peak': status('VmHWM'), 'seconds': seconds,
+                  'loss': float(out.loss)}))
+"""
+
+
+def _random_qwen3(out: str, vocab: int, hidden: int, layers: int, intermediate: int,
+                  heads: int) -> str:
+    """The tiny model's tokenizer on a random Qwen3 of this shape (written to `out`)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    tiny = build_tiny_model()
+    config = AutoConfig.from_pretrained(tiny)
+    config.update({"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+                   "num_hidden_layers": layers, "num_attention_heads": heads,
+                   "num_key_value_heads": max(1, heads // 2), "head_dim": hidden // heads,
+                   "layer_types": ["full_attention"] * layers})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in Path(tiny).iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out)
+    return out
+
+
+def training_memory(before: str | None = None, n: int = 4, length: int = 1024) -> None:
+    """Peak RSS rise of ONE forward_backward of 4 x 1024 tokens (rank 16 all-linear), each
+    in a fresh process: the rise from the RSS just before the pass to its peak.
+
+    Two random Qwen3 bases: a 151,936-token vocabulary on a small body (hidden 64, 2
+    layers), where the output layer's logits dominate, and the tiny vocabulary on a wider
+    body (hidden 512, 8 layers), where the decoder layers' activations do; each with
+    activation checkpointing off and on. `before`: the root of a checkout from before
+    issue 17 (`git worktree add /tmp/before <commit>`), whose engine computes the
+    whole pass's logits, run on the same models for the first rows.
+    """
+    shapes = {"vocab 151936, hidden 64, 2 layers": (151_936, 64, 2, 192, 4),
+              "vocab 4096, hidden 512, 8 layers": (4096, 512, 8, 1536, 8)}
+    print(f"training memory: one forward_backward, {n} x {length} tokens, rank 16 "
+          "all-linear, peak RSS rise in a fresh process")
+    print(f"  {'random Qwen3':<36}{'engine':<34}{'RSS before':>11}{'rise':>11}{'s/pass':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, shape in shapes.items():
+            path = _random_qwen3(f"{tmp}/{shape[0]}-{shape[1]}", *shape)
+            runs = [("full logits (before issue 17)", before, "off")] if before else []
+            runs += [("chunked", None, "off"), ("chunked + activation ckpt", None, "on")]
+            for name, root, checkpointing in runs:
+                env = {**os.environ, "PYTHONPATH": root} if root else os.environ
+                out = subprocess.run([sys.executable, "-c", _TRAINING_MEMORY_CHILD, path,
+                                      checkpointing, str(n), str(length)], check=True,
+                                     capture_output=True, text=True, env=env, cwd=root)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                rise = got["peak"] - got["before"]
+                print(f"  {label:<36}{name:<34}{got['before'] / 2**30:>8.2f} GiB"
+                      f"{rise / 2**30:>7.2f} GiB{got['seconds']:>8.2f}")
+
+
 def _wider_base(out: str) -> str:
     """The tiny model's tokenizer on a wider random Qwen3 (hidden 512, 8 layers, ~40M
     parameters): closer to where base compute, not Python, dominates a pass."""
@@ -215,25 +346,37 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="engine benchmarks")
+    on_engine = {"overhead": overhead, "pass_sizes": pass_sizes, "merging": merging,
+                 "packing": packing}
+    sections = ("memory", "training_memory", *on_engine)
     parser.add_argument("--base", choices=("tiny", "wide"), default="tiny",
                         help="tiny: the embedded model; wide: a ~40M-parameter random Qwen3")
+    parser.add_argument("--only", choices=sections, action="append",
+                        help="run only this section (repeatable); default: all")
+    parser.add_argument("--before", metavar="ROOT",
+                        help="training_memory: also run the engine of the checkout at ROOT "
+                             "(from before issue 17: whole-pass logits)")
     args = parser.parse_args()
+    chosen = args.only or sections
     if args.base == "wide":
         with tempfile.TemporaryDirectory() as tmp:
             engine = Engine.load(_wider_base(tmp))
             print(f"base: wide random Qwen3, {sum(p.numel() for p in engine.base.model.parameters())} "
                   "parameters")
-            overhead(engine)
-            pass_sizes(engine)
-            merging(engine)
+            for name, section in on_engine.items():
+                if name in chosen:
+                    section(engine)
         return
     engine = Engine.load("tiny")
     print(f"device {engine.base.device}, dtype {engine.base.dtype}, "
           f"torch threads {torch.get_num_threads()}")
-    memory()
-    overhead(engine)
-    pass_sizes(engine)
-    merging(engine)
+    if "memory" in chosen:
+        memory()
+    if "training_memory" in chosen:
+        training_memory(args.before)
+    for name, section in on_engine.items():
+        if name in chosen:
+            section(engine)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,14 @@ class ServerConfig:
     data_dir: Path = _opt(Path("./twinkle-data"), "SQLite store and checkpoint files")
     scheduling: str = _opt("merged", "merged: one base pass for many tenants; timeshare: one "
                                      "model per pass (the baseline)", choices=("merged", "timeshare"))
+    packing: str = _opt("on", "on: a merged pass packs its datums into one sequence, attention "
+                              "confined to each (no padding); off: pads every datum to the "
+                              "longest (the baseline)", choices=("on", "off"))
+    activation_checkpointing: str = _opt(
+        "off", "on: training passes recompute each decoder layer in backward instead of "
+               "keeping its activations (less memory, about one more forward of compute); "
+               "off on every device until measured on an accelerator",
+        choices=("on", "off"))
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
     dtype: str = _opt("auto", "float32, bfloat16 or auto (float32 on CPU, bf16 on CUDA)")
     max_adapters: int = _opt(32, "adapters loaded at once (all tenants)")

@@ -69,7 +69,9 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError("--tls-cert and --tls-key: give both or neither")
     engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
-                         cache_dir=None, limits=config.limits())
+                         cache_dir=None, limits=config.limits(),
+                         packing=config.packing == "on",
+                         activation_checkpointing=config.activation_checkpointing == "on")
     rt = Runtime(config, engine, store)
     rt.scheduler.start()
     server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -18,7 +18,10 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   per optimizer/save/load op), from its one worker thread.
 - `twinkle_server.engine` (this package) owns the model and every adapter's state:
   `types` its value types, `base_model` the frozen base, `lora` the multi-LoRA layers and
-  row routing, `forward` the merged pass, `adapter` one object per adapter with its
+  row routing, `forward` the merged pass (`packing`: datums packed into one
+  sequence, attention confined to each; `logprobs`: target logprobs from hidden states in
+  chunks through the output layer; `activations`: optional activation checkpointing),
+  `adapter` one object per adapter with its
   optimizer verbs, `losses`, `optim`, `sampler`, `checkpoint` (PEFT format, atomic,
   save and load), and `engine.Engine`, the only entry point. It imports only torch,
   transformers, peft, numpy, safetensors and itself.

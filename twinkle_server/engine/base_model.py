@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,86 @@ class BaseModel:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def hidden_states(self, **inputs) -> torch.Tensor:
+        """`last_hidden_states(self.model, **inputs)`."""
+        return last_hidden_states(self.model, **inputs)
+
+
+def last_hidden_states(model: torch.nn.Module, **inputs) -> torch.Tensor:
+    """The last hidden states `[batch, seq, hidden]` of one pass of `model`'s decoder (its
+    forward minus the output layer: `check_output_head` verifies that the output layer
+    and `final_logit_transform` turn them into the model's logits); `inputs` as for the
+    model's forward."""
+    out = model.get_decoder()(**inputs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def final_logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The function the model applies to `lm_head(h)` before returning its logits.
+
+    None for most models; Gemma 2/3's `final_logit_softcapping` (`cap * tanh(z / cap)`),
+    Cohere's `logit_scale` (`z * scale`) and Granite's `logits_scaling` (`z / scaling`),
+    read from the (text) config. Any other transform is caught by `check_output_head`.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    divide = getattr(config, "logits_scaling", None)
+    steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    if cap is not None:
+        steps.append(lambda z: torch.tanh(z / cap) * cap)
+    if isinstance(scale, (int, float)) and scale != 1:
+        steps.append(lambda z: z * scale)
+    if isinstance(divide, (int, float)) and divide != 1:
+        steps.append(lambda z: z / divide)
+    if not steps:
+        return None
+    if len(steps) > 1:
+        raise InvalidArgument(
+            "model: the config sets more than one final logit transform "
+            "(final_logit_softcapping, logit_scale, logits_scaling); the engine applies at "
+            "most one, in the model's own order it cannot know")
+    return steps[0]
+
+
+# A probe this long exercises attention and the output layer, and costs one small pass.
+_PROBE_TOKENS = 8
+
+
+def check_output_head(model: torch.nn.Module) -> None:
+    """Refuse a model whose logits are not `transform(output_layer(last hidden state))`.
+
+    The engine computes training logprobs from the decoder's last hidden states a chunk of
+    tokens at a time (`engine.logprobs`), never from the model's own `[tokens x vocab]`
+    logits; this compares both on a short probe once, at load, so an architecture that
+    does something else to its logits fails here with a clear message instead of
+    training on wrong numbers. Raises InvalidArgument.
+    """
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    head = model.get_output_embeddings()
+    decoder = model.get_decoder()
+    if head is None or decoder is model:
+        raise InvalidArgument(
+            f"model: {arch} has no separate decoder and output layer "
+            "(get_decoder / get_output_embeddings); the engine needs both to compute "
+            "logprobs from hidden states in chunks")
+    device = next(model.parameters()).device
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    ids = (torch.arange(_PROBE_TOKENS, device=device) * 7919 % vocab)[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits.float()
+        got = head(last_hidden_states(model, input_ids=ids, use_cache=False))
+        transform = final_logit_transform(model.config)
+        got = (transform(got) if transform is not None else got).float()
+    # The same ops on the same tensors: equal but for rounding (bf16: 2^-8 relative).
+    scale = float(want.abs().max()) or 1.0
+    if got.shape != want.shape or float((got - want).abs().max()) > 1e-2 * scale:
+        raise InvalidArgument(
+            f"model: {arch}'s logits are not its output layer applied to the last hidden "
+            "state (with final_logit_softcapping, logit_scale or logits_scaling when "
+            "set); the engine computes logprobs from hidden states in chunks and cannot "
+            "serve this architecture")
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -125,5 +206,6 @@ def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
             f"Hugging Face cache (nothing is downloaded): {exc}") from None
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
+    check_output_head(hf_model)
     return BaseModel(model=hf_model, tokenizer=tokenizer, name=model, model_dir=Path(path),
                      device=torch_device, dtype=torch_dtype)

@@ -7,18 +7,18 @@ thread-safe by design: one compute worker (the scheduler's) calls it.
 Isolation contract: what an adapter gets in a merged pass, against its pass alone
 (`tests/numerics.py` holds the tolerances below, and the tests that check them).
 
-* Rows never mix. Each row is its own sequence, and the multi-LoRA layer adds an
-  adapter's delta to its own rows only, computed by the same matmuls on the same rows as
-  alone (`lora.py`). Another adapter's rows, data, NaNs or failure never reach its
-  loss, logprobs or gradients.
+* Datums never mix. Each is its own sequence (packed, its positions restart and its
+  attention stays inside it), and the multi-LoRA layer adds an adapter's delta to its
+  own tokens only, by the same matmuls on the same tokens as alone (`lora.py`). Another
+  adapter's data, NaNs or failure never reach its loss, logprobs or gradients.
 * Numbers agree to float32 rounding, not bit for bit. The frozen base projection is one
-  GEMM over every row of the pass, and BLAS picks its kernel, so its summation order, by
-  the row count and the CPU: on AMD EPYC (AVX2 or AVX-512, MKL) a 40-row GEMM and a
-  10-row one round some rows differently. With float32 eps = 1.2e-7 and 4096 (the
+  GEMM over every token of the pass, and BLAS picks its kernel, so its summation order,
+  by the GEMM's row count and the CPU: on AMD EPYC (AVX2 or AVX-512, MKL) a 40-row GEMM
+  and a 10-row one round some rows differently. With float32 eps = 1.2e-7 and 4096 (the
   vocabulary) the longest reduction: losses to relative 1e-5 (eps * sqrt(4096) =
   7.6e-6); logprobs to absolute 1e-5 (a log-sum-exp's error is absolute); gradients to
   1e-4 of the tensor's largest element (they sum over every token, through every layer).
-  Measured over four kernel choices: 1.1e-7, 9.5e-7 and 2.7e-6.
+  Measured over four kernel choices: 1.1e-7, 9.5e-7 and 2.8e-6.
 * Weights after N AdamW steps at learning rate lr agree within 1e-2 * lr * N, element by
   element. Adam divides each gradient element by its own running size, so the rounding
   of an element that nearly cancels becomes a visible step: measured up to
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from twinkle_server.engine import checkpoint, forward, losses
+from twinkle_server.engine import activations, checkpoint, forward, losses
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel, load_base_model
 from twinkle_server.engine.errors import (
@@ -85,11 +85,18 @@ class Engine:
     `engine.forward`, the optimizer verbs on `Adapter`, save and load in `checkpoint`.
     """
 
-    def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits()) -> None:
+    def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
+                 packing: bool = True, activation_checkpointing: bool = False) -> None:
         self.base = base
         self.limits = limits
+        # Merged passes pack their datums into one sequence; False pads them (the baseline).
+        self.packing = packing
         self.router = Router()
         self.layers = inject(base.model, self.router)
+        # Decoder layers recomputed in backward (`engine.activations`); off by default.
+        self.activation_checkpointing = activation_checkpointing
+        if activation_checkpointing:
+            activations.enable(base.model, self.router)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
@@ -97,10 +104,14 @@ class Engine:
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
-             cache_dir: str | None = None, limits: EngineLimits = EngineLimits()) -> Engine:
-        """An engine on `model` (a local dir, a hub name in the cache, or `tiny`)."""
+             cache_dir: str | None = None, limits: EngineLimits = EngineLimits(),
+             packing: bool = True, activation_checkpointing: bool = False) -> Engine:
+        """An engine on `model` (a local dir, a hub name in the cache, or `tiny`);
+        `packing` False pads merged passes instead of packing them (`--packing off`);
+        `activation_checkpointing` recomputes decoder layers in backward
+        (`--activation-checkpointing on`)."""
         return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),
-                   limits)
+                   limits, packing, activation_checkpointing)
 
     # ------------------------------------------------------------------ adapters
 
@@ -250,7 +261,7 @@ class Engine:
                 results[i] = exc
         if valid:
             outputs = forward.run_forward(self.base, self.router, self.adapters,
-                                          [requests[i] for i in valid])
+                                          [requests[i] for i in valid], self.packing)
             for i, output in zip(valid, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]

@@ -1,10 +1,14 @@
 """The merged forward pass: many requests of many adapters in one base-model pass.
 
-Rows are grouped by adapter (the router needs each adapter's rows contiguous), padded to
-the longest row, and run once through the base model with per-row LoRA routing. Target
-log-probabilities come from one fused cross-entropy over every real position; each
-request's loss is then computed on its own rows, and the kept losses are backpropagated
-together. Requests reach `run_forward` already validated (`Engine.validate_forward`).
+Rows (datums) are grouped by adapter (the router needs each adapter's rows contiguous),
+packed one after another into one sequence (position ids restarting and attention confined
+to each datum: `engine.packing`; `--packing off` pads them to the longest instead), and
+run once through the base model's decoder with each adapter's LoRA on its own tokens.
+Target log-probabilities come from the last hidden states of the real positions, through
+the output layer a chunk of tokens at a time (`engine.logprobs`: no `[tokens x vocab]`
+logits for the whole pass); each request's loss is then computed on its own rows, and the
+kept losses are backpropagated together. Requests reach `run_forward` already validated
+(`Engine.validate_forward`).
 """
 
 from __future__ import annotations
@@ -13,24 +17,16 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
-from twinkle_server.engine import losses
+from twinkle_server.engine import logprobs, losses, packing
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.lora import Router
+from twinkle_server.engine.packing import PassLayout
 from twinkle_server.engine.types import Datum, ForwardOutput, ForwardRequest
 
 Row = tuple[ForwardRequest, Datum]
-
-
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position: `[T]` targets give `[T]`, `[T, K]` give `[T, K]`."""
-    logits, targets = logits.float(), targets.long()
-    if targets.ndim == 1:
-        return -F.cross_entropy(logits, targets, reduction="none")
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets)
 
 
 def adapter_order(requests: Sequence[ForwardRequest]) -> list[int]:
@@ -42,31 +38,66 @@ def adapter_order(requests: Sequence[ForwardRequest]) -> list[int]:
     return sorted(range(len(requests)), key=lambda i: first_seen[requests[i].adapter_id])
 
 
-def _logits(base: BaseModel, router: Router, rows: list[Row]
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits `[rows, width, vocab]` of one pass over the right-padded rows, and the
-    attention mask it used (None when no row is padded)."""
-    device = base.device
-    lengths = [d.num_tokens for _, d in rows]
-    width = max(lengths)
-    ids = torch.full((len(rows), width), base.pad_token_id, dtype=torch.long)
-    for row, (_, datum) in enumerate(rows):
-        ids[row, :datum.num_tokens] = torch.tensor(np.asarray(datum.input_ids))
-    # No mask when nothing is padded: the plain causal path is the fastest kernel.
-    mask = None
-    if min(lengths) != width:
-        mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(device)
+def _hidden(base: BaseModel, router: Router, rows: list[Row], packed: bool = True
+            ) -> torch.Tensor:
+    """Last hidden states `[positions, hidden]` of every real position of one pass,
+    rows one after another (`datum.num_tokens` each): `PassLayout.row_tokens`' layout.
+
+    Packed (the default): the rows in one sequence, position ids restarting and attention
+    confined to each row, each adapter's rows one token segment (`engine.packing`). Not
+    packed: right-padded rows (`--packing off`, the benchmark's baseline).
+    """
+    layout = PassLayout(tuple(d.num_tokens for _, d in rows), packed)
+    inputs = layout.model_inputs(base, [d.input_ids for _, d in rows])
     backward = any(r.backward for r, _ in rows)
-    route = router.route([r.adapter_id for r, _ in rows], [r.backward for r, _ in rows])
-    with torch.set_grad_enabled(backward), route:
-        logits = base.model(input_ids=ids.to(device), attention_mask=mask,
-                            use_cache=False).logits
-    return logits, mask
+    route = layout.route(router, [r.adapter_id for r, _ in rows], [r.backward for r, _ in rows])
+    with torch.set_grad_enabled(backward), route, packing.attention(base.model, layout):
+        hidden = base.hidden_states(**inputs, use_cache=False)
+    return layout.row_tokens(hidden)
+
+
+def _row_logprobs(base: BaseModel, router: Router, rows: list[Row], hidden: torch.Tensor
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Each row's target logprobs (the shape of its `target_tokens`) and, for rows with
+    `[T]` targets, its top-1 hits (1.0 where the target is the argmax of the logits).
+
+    `hidden` is `_hidden`'s `[positions, hidden]`. The rows with `[T]` targets run as
+    one chunked cross-entropy over all their positions; a row with `[T, K]` targets runs
+    alone. A row's positions use its request's adapter, with dropout when it trains.
+    """
+    device = hidden.device
+    head = logprobs.OutputHead.of(base.model, router)
+    lengths = [d.num_tokens for _, d in rows]
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    targets = [torch.tensor(np.asarray(d.loss_inputs["target_tokens"])) for _, d in rows]
+    simple = [t.ndim == 1 for t in targets]
+    spans = [(r.adapter_id, r.backward, n) for (r, _), n in zip(rows, lengths, strict=True)]
+    row_lps: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
+    row_hits: list[torch.Tensor | None] = [None] * len(rows)
+    backward = any(r.backward for r, _ in rows)
+    with torch.set_grad_enabled(backward):
+        picked = [i for i, ok in enumerate(simple) if ok]
+        if picked:
+            flat = hidden if len(picked) == len(rows) else torch.cat(
+                [hidden[starts[i]:starts[i + 1]] for i in picked])
+            lp, hits = logprobs.target_logprobs(
+                head, flat, torch.cat([targets[i] for i in picked]).to(device),
+                logprobs.token_segments([spans[i] for i in picked]), hits=True)
+            for i, piece, hit in zip(picked, lp.split([lengths[i] for i in picked]),
+                                     hits.split([lengths[i] for i in picked]), strict=True):
+                row_lps[i], row_hits[i] = piece, hit
+        for i in (i for i, ok in enumerate(simple) if not ok):
+            row_lps[i], _ = logprobs.target_logprobs(
+                head, hidden[starts[i]:starts[i + 1]], targets[i].to(device),
+                logprobs.token_segments([spans[i]]))
+    return row_lps, row_hits
 
 
 def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter],
-                requests: Sequence[ForwardRequest]) -> list[ForwardOutput | EngineError]:
+                requests: Sequence[ForwardRequest], packed: bool = True
+                ) -> list[ForwardOutput | EngineError]:
     """Run validated requests in ONE base-model pass; results in the order of `requests`.
+    `packed` False pads every datum to the longest instead (`--packing off`).
 
     A request whose loss is not finite gets an `InvalidArgument` value and its gradient
     is discarded; the others' losses are backpropagated together and their adapters'
@@ -77,28 +108,8 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     grouped = [requests[i] for i in slots]
     rows = [(r, d) for r in grouped for d in r.datums]
     device = base.device
-    lengths = [d.num_tokens for _, d in rows]
-    width = max(lengths)
-    logits, mask = _logits(base, router, rows)
-    # One fused cross-entropy over the real (unpadded) positions of every row with
-    # per-position targets, not one call per datum and nothing spent on padding.
-    simple = [d.loss_inputs["target_tokens"].ndim == 1 for _, d in rows]
-    if mask is None and all(simple):
-        # Every position is real: no gather, whose copy and backward scatter of the
-        # whole logits tensor cost more than the loss itself.
-        flat_logits = logits.flatten(0, 1)
-    else:
-        real = torch.cat([row * width + torch.arange(n)
-                          for row, n in enumerate(lengths) if simple[row]] or
-                         [torch.zeros(0, dtype=torch.long)]).to(device)
-        flat_logits = logits.flatten(0, 1)[real]
-    flat_targets = torch.cat([torch.tensor(np.asarray(d.loss_inputs["target_tokens"]))
-                              for (_, d), ok in zip(rows, simple, strict=True) if ok]
-                             or [torch.zeros(0, dtype=torch.long)]).to(device)
-    flat = target_logprobs(flat_logits, flat_targets)
-    with torch.no_grad():
-        hits = (flat_logits.argmax(-1) == flat_targets).float()
-    row, offset = 0, 0
+    row_lps, row_hits = _row_logprobs(base, router, rows, _hidden(base, router, rows, packed))
+    row = 0
     to_backward: list[torch.Tensor] = []
     for request, slot in zip(grouped, slots, strict=True):
         adapter = adapters[request.adapter_id]
@@ -106,16 +117,12 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
         lps, inputs = [], []
         correct = 0.0
         for datum in request.datums:
-            n = datum.num_tokens
             tensors = {k: torch.tensor(np.asarray(v)).to(device)
                        for k, v in datum.loss_inputs.items()}
-            if simple[row]:
-                lp, hit = flat[offset:offset + n], hits[offset:offset + n]
-                offset += n
+            lp, hit = row_lps[row], row_hits[row]
+            if hit is not None:
                 weights = tensors.get("weights")
                 correct += float((hit * (weights != 0) if weights is not None else hit).sum())
-            else:
-                lp = target_logprobs(logits[row, :n], tensors["target_tokens"])
             lps.append(lp)
             inputs.append(tensors)
             row += 1

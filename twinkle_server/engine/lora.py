@@ -11,15 +11,24 @@ PEFT supplies the target-matching rules and the on-disk format.
 
 Layout: each `MultiLoraLinear` keeps a plain dict `adapter id -> LoraWeights` (a plain
 dict, so the base model's `state_dict` never changes); the `LoraWeights` objects belong
-to the engine's `Adapter` records and are only referenced here. Which rows belong to
+to the engine's `Adapter` records and are only referenced here. Which positions belong to
 which adapter is held once, by the `Router` shared by every layer of the model: a tuple of
-contiguous row `Segment`s set for the duration of one forward pass. The segments' deltas
-are added to the base projection in one go; rows of no adapter get the base only.
+contiguous `Segment`s set for the duration of one forward pass, along one axis:
 
-Rows never mix: each row is its own sequence, so an adapter's output and gradient depend
-only on its own rows. With the rows padded to the same width they come out bit for bit
-as when the adapter runs alone: the same matmuls on the same rows (a matmul batched over
-adapters would sum in another order, and Adam turns such rounding into visible drift).
+- `ROWS` (`Router.route`): segments of the batch's rows, `x: [rows, seq, in]`: sampling,
+  and merged passes with `--packing off` (every datum its own right-padded row);
+- `TOKENS` (`Router.route_tokens`): segments of the tokens of one packed sequence,
+  `x: [1, tokens, in]` (or the flat `[tokens, in]`): merged training passes, whose
+  datums sit one after another in one row (`engine.packing`).
+
+Either way each segment's delta is one matmul pair on that segment's slice, and the deltas
+are added to the base projection in one go; positions of no adapter get the base only.
+
+Datums never mix: each is its own sequence (its own row, or its own token range of a
+packed row with attention confined to it), and the delta is per position, so an
+adapter's output and gradient depend only on its own datums. Its delta is computed by the
+same matmuls on the same positions as when it runs alone (a matmul batched over adapters
+would sum in another order, and Adam turns such rounding into visible drift).
 """
 
 from __future__ import annotations
@@ -39,12 +48,20 @@ from twinkle_server.engine.types import LoraSpec
 ALL_LINEAR = "all-linear"
 
 
+ROWS = 0
+"""Router axis: segments index the batch's rows (`x: [rows, seq, in]`, dimension 0)."""
+TOKENS = -2
+"""Router axis: segments index the tokens of one packed sequence (`x: [1, tokens, in]` or
+`[tokens, in]`: the dimension before the features)."""
+
+
 @dataclass(frozen=True)
 class Segment:
-    """Rows `[start, end)` of the batch use adapter `adapter_id` (None: base only).
+    """Positions `[start, end)` along the router's axis (batch rows, or the tokens of a
+    packed sequence) use adapter `adapter_id` (None: base only).
 
-    `train` switches the adapter's dropout on for these rows (training forward passes);
-    evaluation and sampling rows never drop.
+    `train` switches the adapter's dropout on for these positions (training forward
+    passes); evaluation and sampling never drop.
     """
 
     adapter_id: str | None
@@ -54,39 +71,65 @@ class Segment:
 
 
 class Router:
-    """The row -> adapter assignment every `MultiLoraLinear` of one model reads."""
+    """The position -> adapter assignment every `MultiLoraLinear` of one model reads:
+    `segments` along `axis` (`ROWS` or `TOKENS`), covering that axis end to end."""
 
     def __init__(self) -> None:
         self.segments: tuple[Segment, ...] = ()
+        self.axis: int = ROWS
 
-    @contextlib.contextmanager
     def route(self, row_adapter_ids: Sequence[str | None],
-              train_rows: Sequence[bool] | None = None) -> Iterator[None]:
+              train_rows: Sequence[bool] | None = None
+              ) -> contextlib.AbstractContextManager[None]:
         """Within this block, batch row i uses adapter `row_adapter_ids[i]` (None: base).
 
         `train_rows[i]` True applies dropout on row i (default: no row trains). The rows
         of one adapter must be contiguous: raises ValueError otherwise, since the layers
         slice by segment and the engine is the one that orders the batch.
         """
-        train = list(train_rows) if train_rows is not None else [False] * len(row_adapter_ids)
-        if len(train) != len(row_adapter_ids):
-            raise ValueError(f"train_rows has {len(train)} entries for "
-                             f"{len(row_adapter_ids)} rows")
+        return self._routed([1] * len(row_adapter_ids), row_adapter_ids, train_rows, ROWS)
+
+    def route_tokens(self, lengths: Sequence[int], adapter_ids: Sequence[str | None],
+                     train: Sequence[bool] | None = None
+                     ) -> contextlib.AbstractContextManager[None]:
+        """Within this block, the batch is ONE packed sequence whose next `lengths[i]`
+        tokens use adapter `adapter_ids[i]` (None: base), with dropout where `train[i]`.
+
+        Consecutive runs of the same adapter and train flag become one segment (one
+        matmul pair per layer). An adapter's runs must be contiguous: raises ValueError
+        otherwise, as for `route`.
+        """
+        return self._routed(lengths, adapter_ids, train, TOKENS)
+
+    @contextlib.contextmanager
+    def _routed(self, lengths: Sequence[int], adapter_ids: Sequence[str | None],
+                train: Sequence[bool] | None, axis: int) -> Iterator[None]:
+        flags = list(train) if train is not None else [False] * len(adapter_ids)
+        if not len(lengths) == len(adapter_ids) == len(flags):
+            raise ValueError(f"route: {len(lengths)} lengths, {len(adapter_ids)} adapter ids "
+                             f"and {len(flags)} train flags; give one of each per run")
         segments: list[Segment] = []
-        for row, (adapter_id, row_train) in enumerate(zip(row_adapter_ids, train, strict=True)):
+        start = 0
+        for size, adapter_id, run_train in zip(lengths, adapter_ids, flags, strict=True):
+            if size < 1:
+                raise ValueError(f"route: a run of adapter {adapter_id!r} has {size} "
+                                 "positions; every run needs at least one")
             last = segments[-1] if segments else None
-            if last is not None and (last.adapter_id, last.train) == (adapter_id, row_train):
-                segments[-1] = Segment(adapter_id, last.start, row + 1, row_train)
-                continue
-            if (adapter_id is not None and last is not None and last.adapter_id != adapter_id
+            end = start + size
+            if last is not None and (last.adapter_id, last.train) == (adapter_id, run_train):
+                segments[-1] = Segment(adapter_id, last.start, end, run_train)
+            elif (adapter_id is not None and last is not None and last.adapter_id != adapter_id
                     and any(s.adapter_id == adapter_id for s in segments)):
                 raise ValueError(f"rows of adapter {adapter_id!r} are not contiguous")
-            segments.append(Segment(adapter_id, row, row + 1, row_train))
-        previous, self.segments = self.segments, tuple(segments)
+            else:
+                segments.append(Segment(adapter_id, start, end, run_train))
+            start = end
+        previous = self.segments, self.axis
+        self.segments, self.axis = tuple(segments), axis
         try:
             yield
         finally:
-            self.segments = previous
+            self.segments, self.axis = previous
 
 
 class LoraWeights(nn.Module):
@@ -124,9 +167,11 @@ class LoraWeights(nn.Module):
 class MultiLoraLinear(nn.Module):
     """A frozen `nn.Linear` plus the LoRA deltas of every adapter that targets it.
 
-    `forward(x)` with `x: [batch, seq, in]` returns `W0 x (+ bias)` for every row plus,
-    for each router segment whose adapter targets this layer, that adapter's delta on the
-    segment's rows. `adapters` maps adapter id -> `LoraWeights` (references, not owned).
+    `forward(x)` with `x: [batch, seq, in]` (or `[tokens, in]` under `TOKENS` routing)
+    returns `W0 x (+ bias)` everywhere plus, for each router segment whose adapter targets
+    this layer, that adapter's delta on the segment's slice of the router's axis.
+    `adapters` maps adapter id -> `LoraWeights` (references, not owned). Raises ValueError
+    when the segments do not cover that axis exactly.
     """
 
     def __init__(self, base_layer: nn.Linear, router: Router) -> None:
@@ -154,19 +199,24 @@ class MultiLoraLinear(nn.Module):
                    for seg in segments]
         if not any(weights):
             return out
-        # One split into every segment's rows: its gradient is one concatenation, where a
+        dim = self.router.axis
+        if segments[-1].end != x.shape[dim]:
+            raise ValueError(f"router: segments cover {segments[-1].end} positions but the "
+                             f"input has {x.shape[dim]} along dimension {dim}; route every "
+                             "row (or every packed token) of the batch")
+        # One split into every segment's slice: its gradient is one concatenation, where a
         # slice per adapter would each scatter into a zeroed gradient of the whole batch.
-        whole = len(segments) == 1 and segments[0].end == x.shape[0]
-        pieces = (x,) if whole else x.split([seg.end - seg.start for seg in segments])
-        # The same matmuls on the same rows as the adapter alone: its rows come out bit
-        # for bit as they would alone.
-        deltas = [out.new_zeros((seg.end - seg.start, *out.shape[1:])) if lora is None
-                  else lora.delta(piece, seg.train).to(out.dtype)
+        sizes = [seg.end - seg.start for seg in segments]
+        pieces = (x,) if len(segments) == 1 else x.split(sizes, dim)
+        # The same matmuls on the same positions as the adapter alone: its delta comes out
+        # as it would alone.
+        deltas = [lora.delta(piece, seg.train).to(out.dtype) if lora is not None
+                  else out.new_zeros((*piece.shape[:-1], out.shape[-1]))
                   for seg, lora, piece in zip(segments, weights, pieces, strict=True)]
         # One add over the whole batch; the deltas' concatenation costs a copy, but its
         # gradient is free slicing (writing each delta into `out` in place would clone the
         # whole gradient once per adapter in the backward pass).
-        return out + (deltas[0] if len(deltas) == 1 else torch.cat(deltas))
+        return out + (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim))
 
 
 def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from twinkle_server.engine.base_model import last_hidden_states
 from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.logprobs import OutputHead, top_logprobs
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 
 Route = Callable[[Sequence[str | None]], AbstractContextManager]
@@ -217,18 +219,21 @@ def check_topk(topk: int) -> None:
 @torch.inference_mode()
 def prompt_logprobs(model: torch.nn.Module, route: Route, adapter_id: str | None,
                     tokens: np.ndarray, topk: int = 0) -> PromptLogprobs:
-    """Prompt logprobs in one teacher-forced pass (see `PromptLogprobs`)."""
+    """Prompt logprobs in one teacher-forced pass (see `PromptLogprobs`).
+
+    The logits come a chunk of positions at a time from the last hidden states
+    (`logprobs.top_logprobs`): a 4,096-token prompt's whole `[T x V]` float32 logits and
+    log-softmax would be 2 x 2.3 GiB with a 151,936-token vocabulary.
+    """
     check_topk(topk)
     device = next(model.parameters()).device
     ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None].to(device)
     with route([adapter_id]):
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    own = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        hidden = last_hidden_states(model, input_ids=ids, use_cache=False)[0, :-1]
+        own, values, indices = top_logprobs(OutputHead.of(model), hidden, ids[0, 1:], topk)
     out = np.concatenate([[np.nan], own.cpu().numpy()]).astype(np.float32)
     if topk == 0:
         return PromptLogprobs(out, None, None)
-    values, indices = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
     top_ids = np.zeros((len(out), topk), np.int32)
     top_lps = np.full((len(out), topk), TOPK_MASK_LOGPROB, np.float32)
     top_ids[1:, :indices.shape[-1]] = indices.cpu().numpy()

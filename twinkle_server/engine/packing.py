@@ -1,0 +1,220 @@
+"""Packed passes: a merged pass's datums in one sequence, each attending only to itself.
+
+Padded, a merged pass is `[datums, longest]`: a 64-token datum beside a 2048-token one
+costs 2048 positions in every linear layer. Packed, the datums sit one after another in
+ONE row `[1, total_tokens]`, and three things keep each datum as it would be alone:
+
+- position ids restart at 0 at every datum, so rotary embeddings see what they see alone;
+- attention runs per datum (`packed_attention`): sdpa with `is_causal` on each datum's
+  `[start, end)` of the queries and keys (consecutive datums of one length batched into
+  one call), so no datum sees another and attention costs `sum(n_i^2)`, not `total^2`;
+- the multi-LoRA router routes token segments of that row (`Router.route_tokens`).
+
+What transformers (5.x, `masking_utils`) does with restarting position ids on its own:
+with no 2D attention mask and no cache, `find_packed_sequence_indices` starts a new datum
+wherever a position id is not the previous one plus 1, and `create_causal_mask` ANDs the
+causal mask with "same datum". For sdpa and eager that is a dense `[1, 1, T, T]` mask
+applied to every query-key pair: correct (tests/engine/test_packing.py checks it), but
+`T^2` attention work and memory for a pass of T tokens, where the padded pass costs
+`rows * longest^2`. And a 2D attention mask switches that detection off: position ids
+then leave attention causal across the whole row, every datum seeing the ones before it.
+So for sdpa and eager models a packed pass switches the model to `packed_attention` for
+its duration (`attention`). Other implementations get the same inputs and pack on their
+own: flash-attention kernels read `cu_seq_lens_*` (varlen), flex attention the position
+ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from twinkle_server.engine.base_model import BaseModel
+from twinkle_server.engine.lora import Router
+
+PACKED_ATTENTION = "twinkle_packed_sdpa"
+"""The attention implementation name a packed pass runs under (registered below)."""
+_REPLACED = ("sdpa", "eager")
+"""Implementations a packed pass replaces with `packed_attention`: both would apply a
+dense `[T, T]` mask. Eager computes the same softmax(QK^T)V as sdpa, to rounding."""
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """Where a merged pass's datums ("rows") sit in the base model's inputs and outputs.
+
+    `lengths[i]` is row i's token count, in pass order. Packed: the rows one after another
+    in one sequence, the model's outputs `[1, total, ...]`. Padded: row i right-padded
+    to `width` in `[rows, width, ...]`. `row_tokens(out)` reads either as `[total, ...]`,
+    row i at `offsets[i]:offsets[i] + lengths[i]`: the one view of a pass's outputs (logits
+    or last hidden states) that the loss code reads, whatever the layout.
+    """
+
+    lengths: tuple[int, ...]
+    packed: bool
+
+    @property
+    def total(self) -> int:
+        """Real tokens in the pass: what the device computes when packed."""
+        return sum(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """The padded row width (the longest row); the packed row's is `total`."""
+        return self.total if self.packed else max(self.lengths)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Row i's first token in `row_tokens`' output (and in the packed row)."""
+        return tuple(np.concatenate([[0], np.cumsum(self.lengths[:-1])]).tolist())
+
+    def model_inputs(self, base: BaseModel, input_ids: Sequence[np.ndarray]
+                     ) -> dict[str, Any]:
+        """Keyword arguments for `base.model`'s forward over these rows (`input_ids[i]`
+        of length `lengths[i]`).
+
+        Packed: `input_ids` and `position_ids` `[1, total]` (positions restart per row),
+        the rows' boundaries as `cu_seq_lens_q/k` `[rows + 1]` int32 and
+        `max_length_q/k`; the boundaries stay on the CPU when `packed_attention` reads them
+        (as Python ints: no device sync per layer) and go to the device for a
+        flash-attention model's varlen kernels. Padded: `input_ids [rows, width]` and the
+        2D `attention_mask`, None when no row is padded (the plain causal path is the
+        fastest kernel).
+        """
+        device = base.device
+        if self.packed:
+            ids = torch.from_numpy(np.concatenate([np.asarray(i, np.int64) for i in input_ids]))
+            lengths = torch.tensor(self.lengths)
+            starts = torch.tensor(self.offsets).repeat_interleave(lengths)
+            positions = torch.arange(self.total) - starts
+            bounds = torch.tensor((*self.offsets, self.total), dtype=torch.int32)
+            if base.model.config._attn_implementation not in _REPLACED:
+                bounds = bounds.to(device)
+            return {"input_ids": ids[None].to(device), "position_ids": positions[None].to(device),
+                    "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+                    "max_length_q": max(self.lengths), "max_length_k": max(self.lengths)}
+        width = self.width
+        ids = torch.full((len(self.lengths), width), base.pad_token_id, dtype=torch.long)
+        for row, (n, row_ids) in enumerate(zip(self.lengths, input_ids, strict=True)):
+            ids[row, :n] = torch.from_numpy(np.asarray(row_ids, np.int64))
+        mask = None
+        if min(self.lengths) != width:
+            mask = (torch.arange(width)[None] < torch.tensor(self.lengths)[:, None]).long()
+            mask = mask.to(device)
+        return {"input_ids": ids.to(device), "attention_mask": mask}
+
+    def route(self, router: Router, adapter_ids: Sequence[str | None],
+              train: Sequence[bool]) -> contextlib.AbstractContextManager[None]:
+        """Route row i to `adapter_ids[i]`: token segments of the packed row, or rows."""
+        if self.packed:
+            return router.route_tokens(self.lengths, adapter_ids, train)
+        return router.route(adapter_ids, train)
+
+    def row_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """`[total, ...]`: every row's real positions of a pass output, row after row.
+
+        Packed and same-length padded passes are views (no copy); a padded pass of mixed
+        lengths gathers its real positions once.
+        """
+        if self.packed:
+            if out.shape[0] != 1 or out.shape[1] != self.total:
+                raise ValueError(f"row_tokens: a packed pass's output is [1, {self.total}, "
+                                 f"...], got {list(out.shape)}")
+            return out[0]
+        flat = out.flatten(0, 1)
+        if min(self.lengths) == self.width:
+            return flat
+        return flat[self._padded_index.to(out.device)]
+
+    @cached_property
+    def _padded_index(self) -> torch.Tensor:
+        return torch.cat([row * self.width + torch.arange(n)
+                          for row, n in enumerate(self.lengths)])
+
+
+@contextlib.contextmanager
+def attention(model: torch.nn.Module, layout: PassLayout) -> Iterator[None]:
+    """Within this block, a packed pass of an sdpa or eager `model` runs `packed_attention`.
+
+    Switches `model.config._attn_implementation`, which every attention layer reads on
+    each forward, and puts it back after. Padded passes and other implementations are
+    left as they are. The engine runs one pass at a time, on one thread.
+    """
+    config = model.config
+    previous = config._attn_implementation
+    if not layout.packed or previous not in _REPLACED:
+        yield
+        return
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def datum_lengths(cu_seq_lens: torch.Tensor, tokens: int) -> list[int]:
+    """Each datum's token count from a packed row's boundaries `[0, ..., tokens]`."""
+    bounds = cu_seq_lens.tolist()
+    if bounds[0] != 0 or bounds[-1] != tokens:
+        raise ValueError(f"packed attention: cu_seq_lens {bounds} do not span the row's "
+                         f"{tokens} tokens")
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None,
+                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs: Any
+                     ) -> tuple[torch.Tensor, None]:
+    """Attention over one packed row: each datum's queries attend causally to its own
+    keys and to nothing else.
+
+    `query: [1, heads, T, d]`, `key`/`value: [1, kv_heads, T, d]` (transformers' attention
+    interface), `cu_seq_lens_q` the datums' boundaries on the CPU. One sdpa call per run
+    of consecutive datums of one length, batched over the run (`[datums, heads, n, d]`
+    views, as a padded pass of equal rows would run): a batch of equal lengths costs what
+    it costs padded, a mixed one `sum(n_i^2)`. A sliding-window layer gets a banded mask
+    on datums longer than its window. Returns `[1, T, heads, d]` and no weights, as
+    transformers' own attention functions do. Raises ValueError without boundaries or
+    with an `attention_mask` (a packed pass has none).
+    """
+    if cu_seq_lens_q is None or query.shape[0] != 1 or attention_mask is not None:
+        raise ValueError("packed attention: needs one packed row, its cu_seq_lens_q and no "
+                         "attention mask (PassLayout.model_inputs builds them)")
+    lengths = datum_lengths(cu_seq_lens_q, query.shape[2])
+    runs = [(n, len(list(group))) for n, group in itertools.groupby(lengths)]
+    if len(runs) == 1:
+        pieces: Any = [(query, key, value)]
+    else:
+        sizes = [n * count for n, count in runs]
+        pieces = zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2),
+                     strict=True)
+    outputs = []
+    for (n, count), tensors in zip(runs, pieces, strict=True):
+        # [1, heads, count * n, d] -> [count, heads, n, d]: a view, no copy.
+        q, k, v = (t.unflatten(2, (count, n))[0].transpose(0, 1) for t in tensors)
+        band = None
+        if sliding_window is not None and n > sliding_window:
+            # transformers' sliding window: query i sees keys (i - window, i].
+            i = torch.arange(n, device=q.device)
+            band = ((i[:, None] >= i[None]) & (i[:, None] - i[None] < sliding_window))[None, None]
+        out = sdpa_attention_forward(module, q, k, v, band, dropout=dropout,
+                                     scaling=scaling)[0]
+        outputs.append(out.reshape(1, count * n, *out.shape[2:]))
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+# No mask function is registered under PACKED_ATTENTION on purpose: transformers'
+# `_preprocess_mask_arguments` then returns no mask at all (an implementation "without
+# equivalent mask creation"), so a packed pass builds no [T, T] mask it would not use.
