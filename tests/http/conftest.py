@@ -16,6 +16,7 @@ from tinker import types  # noqa: E402
 from twinkle_server.process import start_server  # noqa: E402
 
 from ..server.harness import create_key  # noqa: E402
+from ..tinker_compat.conftest import sft_data  # noqa: E402, F401 - the same data both fronts get
 
 
 @pytest.fixture(scope="package")
@@ -45,19 +46,6 @@ def bob(server, base_url):
     client = tinker.ServiceClient(base_url=base_url, api_key=server.keys["bob"])
     yield client
     client.close("success").result()
-
-
-def sft_data(n: int = 4, length: int = 16, vocab: int = 200, seed: int = 0
-             ) -> list[types.Datum]:
-    """Random next-token datums as Tinker's docs build them: tokens, targets, weights."""
-    rng = np.random.default_rng(seed)
-    data = []
-    for _ in range(n):
-        ids = rng.integers(3, vocab, length + 1)
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": ids[1:], "weights": np.ones(length, np.float32)}))
-    return data
 
 
 def rl_data(n: int = 4, length: int = 16, seed: int = 1) -> list[types.Datum]:
