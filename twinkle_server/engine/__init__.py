@@ -21,7 +21,7 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   row routing, `forward` the merged pass (`packing`: datums packed into one
   sequence, attention confined to each; `logprobs`: target logprobs from hidden states in
   chunks through the output layer; `activations`: optional activation checkpointing),
-  `adapter` one object per adapter with its
+  `memory` the pass headroom estimate, `adapter` one object per adapter with its
   optimizer verbs, `losses`, `optim`, `sampler`, `checkpoint` (PEFT format, atomic,
   save and load), and `engine.Engine`, the only entry point. It imports only torch,
   transformers, peft, numpy, safetensors and itself.

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checkpoint, forward, losses
+from twinkle_server.engine import activations, checkpoint, forward, losses, memory
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel, load_base_model
 from twinkle_server.engine.errors import (
@@ -101,6 +101,17 @@ class Engine:
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
         self._samplers: OrderedDict[str, Adapter] = OrderedDict()
+        # Activations + one logits chunk of the largest pass the limits allow, computed
+        # once: shared by every adapter, kept free beside their state (`engine.memory`).
+        self.pass_headroom_bytes = memory.pass_headroom_bytes(
+            base.config, base.dtype, base.vocab_size, limits.max_batch_tokens,
+            activation_checkpointing)
+        # Reserved beside adapter state on accelerators, where running out is a hard
+        # failure mid-pass and the free figure is the device's own. On CPU the host's
+        # MemAvailable is shared with every other process and the default limits allow a
+        # 262,144-token request (17.9 GiB of headroom on the tiny model), so reserving it
+        # would refuse adapters on ordinary machines: there it is reported, not reserved.
+        self.reserve_pass_memory = base.device.type != "cpu"
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
@@ -119,7 +130,8 @@ class Engine:
         return resolve_targets(self.layers, spec, self.output_layer)
 
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
-        """Weights + gradients + AdamW moments of an adapter with this spec, in bytes."""
+        """Weights + gradients + AdamW moments of an adapter with this spec, in bytes
+        (its own state only; `add_adapter` also keeps `pass_headroom_bytes` free)."""
         params = sum(spec.rank * (self.layers[n].in_features + self.layers[n].out_features)
                      for n in self._targets(spec))
         return params * 4 * _STATE_COPIES
@@ -136,7 +148,12 @@ class Engine:
 
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
                     gradient_accumulation_steps: int = 1) -> dict[str, Any]:
-        """Create an adapter; refuses with the numbers when slots or memory run out."""
+        """Create an adapter; refuses with the numbers when slots or memory run out.
+
+        Memory: the adapter's state (`estimate_adapter_bytes`) plus, on an accelerator
+        (`reserve_pass_memory`), the pass headroom (`pass_headroom_bytes`: the largest
+        pass `--max-batch-tokens` allows, see `engine.memory`) must fit in what is free
+        now, so a request within the limits cannot run the device out of memory."""
         if adapter_id in self.adapters:
             raise InvalidArgument(f"adapter_id: {adapter_id!r} already exists")
         if len(self.adapters) >= self.limits.max_adapters:
@@ -149,12 +166,16 @@ class Engine:
         self._check_spec(spec)
         targets = self._targets(spec)
         need = self.estimate_adapter_bytes(spec)
+        headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
         free = available_memory_bytes(self.base.device)
-        if free is not None and need > free:
+        if free is not None and need + headroom > free:
             raise ResourceExhausted(
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
-                f"state for rank {spec.rank} on {len(targets)} layers) but only "
-                f"{free / 2**20:.1f} MiB are free; use a smaller rank or fewer target modules")
+                f"state for rank {spec.rank} on {len(targets)} layers) plus "
+                f"{headroom / 2**20:.1f} MiB pass headroom (activations and logits of a "
+                f"{self.limits.max_batch_tokens}-token pass) but only {free / 2**20:.1f} MiB "
+                "are free; use a smaller rank or fewer target modules, or a lower "
+                "--max-batch-tokens")
         if spec.seed is None:
             spec = LoraSpec(**{**asdict(spec), "seed": secrets.randbits(31)})
         adapter = Adapter(adapter_id, spec, self._new_weights(spec, targets),

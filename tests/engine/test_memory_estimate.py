@@ -1,0 +1,89 @@
+"""The pass headroom `add_adapter` keeps free beside every adapter's state (`engine.memory`):
+counted once per engine from its limits, growing with `--max-batch-tokens`, and named in
+the refusal with a fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from twinkle_server.engine import logprobs, memory
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.types import EngineLimits, LoraSpec
+
+
+def test_tiny_layer_count_is_the_documented_multiple(engine):
+    # Tiny: H 128, Q 4 x 32 = 128, K 2 x 32 = 64, I 384.
+    # kept 4H + 6Q + K + 4I = 512 + 768 + 64 + 1536; float32 copies 7H + 2Q + K + I.
+    assert memory.layer_elements(engine.base.config) == (2880, 896 + 256 + 64 + 384)
+
+
+def test_headroom_grows_with_max_batch_tokens(engine):
+    config, vocab = engine.base.config, engine.base.vocab_size
+    sizes = [memory.pass_headroom_bytes(config, torch.float32, vocab, tokens)
+             for tokens in (1024, 4096, 262_144)]
+    assert sizes[0] < sizes[1] < sizes[2]
+    per_token = memory.activation_bytes_per_token(config, torch.float32)
+    # Activations are linear in tokens; the logits term stops at one chunk.
+    chunk = logprobs.chunk_tokens(vocab)
+    assert sizes[2] - sizes[1] == (262_144 - 4096) * per_token + 4 * (chunk - 4096) * vocab * 4
+
+
+def test_checkpointing_and_dtype_change_the_per_token_bound(engine):
+    config = engine.base.config
+    full = memory.activation_bytes_per_token(config, torch.float32)
+    # Checkpointing never raises the bound; on 4 layers its margin leaves it the same, on
+    # 36 (Qwen3-4B's depth) it keeps well under half.
+    assert memory.activation_bytes_per_token(config, torch.float32, checkpointing=True) == full
+    deep = copy.deepcopy(config)
+    deep.num_hidden_layers = 36
+    assert (2 * memory.activation_bytes_per_token(deep, torch.float32, checkpointing=True)
+            < memory.activation_bytes_per_token(deep, torch.float32))
+    # bf16 keeps half-size activations, but LoRA inputs and RMSNorms are upcast to float32.
+    assert full / 2 < memory.activation_bytes_per_token(config, torch.bfloat16)
+
+
+def test_engine_counts_headroom_once_from_its_own_limits(engine, tiny_cache):
+    small = Engine.load("tiny", cache_dir=str(tiny_cache),
+                        limits=EngineLimits(max_batch_tokens=512))
+    spec = LoraSpec(rank=4, alpha=8)
+    assert small.pass_headroom_bytes < engine.pass_headroom_bytes
+    assert engine.pass_headroom_bytes == memory.pass_headroom_bytes(
+        engine.base.config, engine.base.dtype, engine.base.vocab_size,
+        engine.limits.max_batch_tokens)
+    # The adapter's own estimate does not depend on the pass.
+    assert small.estimate_adapter_bytes(spec) == engine.estimate_adapter_bytes(spec)
+
+
+def test_refusal_names_the_pass_headroom_and_the_fix(engine, fresh, monkeypatch):
+    import twinkle_server.engine.engine as engine_module
+
+    spec = LoraSpec(rank=4, alpha=8, seed=1)
+    monkeypatch.setattr(engine, "reserve_pass_memory", True)  # as on an accelerator
+    need = engine.estimate_adapter_bytes(spec) + engine.pass_headroom_bytes
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: need - 1)
+    headroom_mib = f"{engine.pass_headroom_bytes / 2**20:.1f}"
+    with pytest.raises(ResourceExhausted, match=(
+            rf"plus {headroom_mib} MiB pass headroom \(activations and logits of a 4096-token "
+            r"pass\) but only .* MiB are free; use a smaller rank or fewer target modules, "
+            r"or a lower --max-batch-tokens")):
+        engine.add_adapter("tight", spec)
+    assert "tight" not in engine.adapters
+    # Exactly enough: state plus headroom fit.
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: need)
+    engine.add_adapter("tight", spec)
+    fresh.append("tight")
+
+
+def test_cpu_engines_report_the_headroom_without_reserving_it(engine, fresh, monkeypatch):
+    import twinkle_server.engine.engine as engine_module
+
+    assert engine.base.device.type == "cpu" and not engine.reserve_pass_memory
+    spec = LoraSpec(rank=4, alpha=8, seed=2)
+    monkeypatch.setattr(engine_module, "available_memory_bytes",
+                        lambda device: engine.estimate_adapter_bytes(spec))
+    engine.add_adapter("host", spec)
+    fresh.append("host")

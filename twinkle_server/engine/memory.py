@@ -1,0 +1,128 @@
+"""Memory a training pass needs beyond the adapters' own state: the pass headroom.
+
+`Engine.add_adapter` refuses an adapter unless `adapter state + pass headroom <= free`,
+where the pass headroom is the activation and logits memory of the LARGEST pass the
+engine's limits allow (`EngineLimits.max_batch_tokens` tokens; each datum at most
+`max_seq_len`, which attention below keeps linear in). It is shared by every adapter (one
+pass runs at a time, on the scheduler's one worker), so it is computed once per engine
+and counted once, not per adapter: a request that fits the limits then cannot run the
+device out of memory in its forward_backward.
+
+How it is bounded, per token of a pass of T tokens (H hidden size, I intermediate size,
+Q = heads x head_dim and K = kv_heads x head_dim the attention widths, d the model dtype's
+bytes):
+
+    per layer   d x (4H + 6Q + K + 4I)            tensors autograd keeps for backward
+              + 4 x (7H + 2Q + K + I)             float32 copies, when d < 4 (bf16, fp16)
+    whole pass  T x (layers x per layer + 3H x d) x ACTIVATION_MARGIN
+              + 4 x min(T, chunk) x V x 4         one logits chunk's backward
+                                                  (chunk = `logprobs.chunk_tokens(V)`)
+
+The counts come from reading a Qwen3-style decoder layer with every linear LoRA-targeted
+and the base frozen (autograd keeps a matmul's input only where the weight needs a
+gradient, so the base projections keep nothing; the LoRA `A` matmuls keep theirs):
+each RMSNorm keeps its input and its output feeds the LoRA `A`s (2H, twice: 4H); the
+q/k norms keep their inputs (Q + K); sdpa keeps q, k and v repeated to the query heads,
+and its output (4Q), and the o_proj LoRA its contiguous input (Q); the MLP keeps gate for
+SiLU, SiLU(gate) and up for their product, and down's input (4I). On a bf16 base the
+LoRA weights are float32 (`lora.LoraWeights`), so each targeted layer's input is cast up
+and kept: q, k, v, gate and up cast the normed input separately (5H), o and down theirs
+(Q + I); the RMSNorms upcast their inputs (2H + Q + K). Outside the layers, the final
+norm's input and output and the last hidden states kept for the logprob chunks (3H).
+With activation checkpointing each layer keeps only its input (H x d) and one layer at a
+time is recomputed in backward: `(layers x H x d + one layer + 3H x d) x
+CHECKPOINTED_MARGIN` per token, and never more than the uncheckpointed bound.
+
+`ACTIVATION_MARGIN` covers what the count leaves out: backward's transients (a layer's
+activation gradients exist beside what it still keeps) and the allocator's slack.
+Measured on CPU, float32, 2026-12-03 (2 loaded cores), one forward_backward of N tokens
+(N/1024 datums of 1,024) in a fresh process, rank 16 all-linear: the peak RSS rise over
+the RSS just before the pass (`bench.engine`'s training_memory child), its slope between
+N = 1,024 and 4,096, less the logits (4 x 4,096 x 4 B = 64 KB a token, both vocabularies
+fitting one chunk), against the count above without margin:
+
+    per token, activations                          counted    measured   ratio
+    tiny model (H 128, I 384, 4 layers)             46.5 KB    45.0 KB    0.97
+    random Qwen3 (H 512, I 1536, 8 layers, Q 512)    366 KB     516 KB    1.41
+    tiny, activation checkpointing                  14.8 KB     8.7 KB    0.59
+    random Qwen3, activation checkpointing            67 KB     316 KB    4.7
+
+Hence `ACTIVATION_MARGIN` 1.5. Checkpointed, the count under-states the wider model 4.7x
+(the replayed layer's forward and backward transients, and freed blocks the CPU allocator
+keeps in RSS), hence `CHECKPOINTED_MARGIN` 5, and a checkpointed bound is never above the
+uncheckpointed one. A GPU pass (bf16, flash or memory-efficient sdpa) has not been
+measured (no accelerator lent yet; `bench.gpu` prints the estimate beside the measured
+peak): the float32-copies term is counted from the code, not measured.
+
+Not covered: LoRA dropout (> 0 keeps a mask and a dropped copy of each targeted input);
+`--packing off`, whose padded pass may hold more positions than tokens; an eager or math
+attention kernel that materialises `[heads, n, n]` scores per datum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from twinkle_server.engine import logprobs
+
+ACTIVATION_MARGIN = 1.5
+"""Measured / counted activation bytes per token, rounded up (module docstring: 1.41 on
+the wider random Qwen3, 0.97 on the tiny model)."""
+
+CHECKPOINTED_MARGIN = 5.0
+"""The same ratio with activation checkpointing on (4.7 measured on the wider model):
+the replayed layer's transients are most of what a checkpointed pass holds."""
+
+LOGITS_CHUNK_COPIES = 4
+"""Float32 `[chunk, vocab]` tensors a logits chunk's backward holds at once: logits,
+log-softmax and their two gradients (`engine.logprobs`)."""
+
+_FLOAT32_BYTES = 4
+
+
+def layer_elements(config: Any) -> tuple[int, int]:
+    """(elements in the model dtype, float32 elements) one decoder layer keeps for backward
+    per token, from a transformers config (hidden, intermediate, heads, kv heads, head dim)."""
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    q_width = heads * head_dim
+    kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    inter = int(config.intermediate_size)
+    kept = 4 * hidden + 6 * q_width + kv_width + 4 * inter
+    upcast = 7 * hidden + 2 * q_width + kv_width + inter
+    return kept, upcast
+
+
+def activation_bytes_per_token(config: Any, dtype: torch.dtype,
+                               checkpointing: bool = False) -> int:
+    """Activation bytes a training pass keeps per token, margin included (module docstring)."""
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    kept, upcast = layer_elements(config)
+    layer = kept * dtype_bytes + (upcast * _FLOAT32_BYTES if dtype_bytes < 4 else 0)
+    hidden = int(config.hidden_size)
+    layers = int(config.num_hidden_layers)
+    outside = 3 * hidden * dtype_bytes
+    full = math.ceil((layers * layer + outside) * ACTIVATION_MARGIN)
+    if not checkpointing:
+        return full
+    kept = layers * hidden * dtype_bytes + layer + outside
+    return min(full, math.ceil(kept * CHECKPOINTED_MARGIN))
+
+
+def logits_bytes(tokens: int, vocab_size: int) -> int:
+    """One logits chunk's backward: `LOGITS_CHUNK_COPIES` float32 `[chunk, vocab]` tensors,
+    the chunk no longer than the pass."""
+    chunk = min(tokens, logprobs.chunk_tokens(vocab_size))
+    return LOGITS_CHUNK_COPIES * chunk * vocab_size * _FLOAT32_BYTES
+
+
+def pass_headroom_bytes(config: Any, dtype: torch.dtype, vocab_size: int, tokens: int,
+                        checkpointing: bool = False) -> int:
+    """Memory the largest training pass of `tokens` tokens needs besides the weights and
+    the adapters' state: its activations plus one logits chunk's backward."""
+    return (tokens * activation_bytes_per_token(config, dtype, checkpointing)
+            + logits_bytes(tokens, vocab_size))
