@@ -33,16 +33,30 @@ def _when(ts: float | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from twinkle_server.server import ConfigError, serve
+    from twinkle_server import launch
+    from twinkle_server.server import ConfigError, GroupLost, serve
 
     cfg = config_mod.from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parallel = channel = None
+    if launch.under_launcher():
+        parallel, channel = launch.join(cfg)
+        if parallel.rank != 0:
+            return launch.run_follower(cfg, parallel, channel)
+    elif launch.wants_launch(cfg):
+        return launch.launch(cfg, args.argv)
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, parallel=parallel, channel=channel))
     except ConfigError as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
+    except GroupLost as exc:
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if parallel is not None:
+            parallel.close()
     return 0
 
 
@@ -128,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -40,7 +40,8 @@ class ServerConfig:
                "keeping its activations (less memory, about one more forward of compute); "
                "off on every device until measured on an accelerator",
         choices=("on", "off"))
-    device: str = _opt("auto", "cpu, cuda, cuda:N or auto")
+    device: str = _opt("auto", "cpu, cuda, cuda:N or auto (on several ranks: each rank's "
+                               "own cuda:LOCAL_RANK, or cpu)")
     dtype: str = _opt("auto", "float32, bfloat16 or auto (float32 on CPU, bf16 on CUDA)")
     max_adapters: int = _opt(32, "adapters loaded at once (all tenants)")
     max_adapters_per_tenant: int = _opt(8, "adapters one tenant may have loaded at once")
@@ -55,6 +56,20 @@ class ServerConfig:
     tls_cert: Path | None = _opt(None, "PEM certificate: serve TLS")
     tls_key: Path | None = _opt(None, "PEM private key for --tls-cert")
     log_level: str = _opt("info", "debug, info, warning or error")
+    nproc_per_node: int = _opt(1, "ranks on this node: over 1 launches them through torch's "
+                                  "elastic launcher (torchrun), the base sharded over them "
+                                  "with FSDP2; rank 0 serves, the others follow it")
+    nnodes: str = _opt("1", "nodes (torchrun --nnodes: N or MIN:MAX); over 1 needs "
+                            "--rdzv-endpoint")
+    node_rank: int = _opt(0, "this node's rank among the nodes (torchrun --node-rank)")
+    rdzv_endpoint: str = _opt("", "HOST:PORT where the nodes meet (torchrun --rdzv-endpoint); "
+                                  "empty: a single node")
+    shard_group_size: int = _opt(0, "ranks that shard the base together; the groups "
+                                    "replicate it (hybrid sharding: e.g. ranks per node). "
+                                    "0: all ranks shard one copy")
+    collective_timeout: float = _opt(600.0, "seconds any collective between ranks may take "
+                                            "before the server gives the group up as lost "
+                                            "(answers UNAVAILABLE, exits non-zero)")
 
     def limits(self) -> EngineLimits:
         return EngineLimits(max_adapters=self.max_adapters, max_rank=self.max_rank,

@@ -25,7 +25,10 @@ from twinkle_client._proto.twinkle.v1 import (
 from twinkle_client.wire import MAX_MESSAGE_BYTES
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.parallel import Parallel
 from twinkle_server.http import HTTP_OFF, HttpServer
+from twinkle_server.launch import load_engine
+from twinkle_server.replication import Channel, ReplicatedEngine
 from twinkle_server.runtime import Runtime
 from twinkle_server.service.runs import RunsServicer
 from twinkle_server.service.sampling import SamplingServicer
@@ -48,6 +51,10 @@ class ConfigError(Exception):
     """The configuration cannot work; the message says how to fix it."""
 
 
+class GroupLost(Exception):
+    """A rank of a distributed server died or hung; the server has shut down."""
+
+
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return host == "localhost"
@@ -57,8 +64,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
-    """Run the server until SIGINT/SIGTERM, then drain and flush the store."""
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
+                parallel: Parallel | None = None, channel: Channel | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM, then drain and flush the store.
+
+    With `parallel` (rank 0 of several, `twinkle_server.launch`) the engine is sharded
+    and every call replayed on the other ranks through `channel`; when a rank is lost
+    the server drains (ops fail UNAVAILABLE), stops, and raises GroupLost."""
     store = Store(config.data_dir)
     if not store.has_keys() and not is_loopback(config.host):
         store.close()
@@ -68,10 +80,17 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
             "'twinkle-server keys create --tenant NAME' first.")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError("--tls-cert and --tls-key: give both or neither")
-    engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
-                         cache_dir=None, limits=config.limits(),
-                         packing=config.packing == "on",
-                         activation_checkpointing=config.activation_checkpointing == "on")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    lost: list[str] = []
+
+    def on_lost(message: str) -> None:  # from the worker thread
+        lost.append(message)
+        loop.call_soon_threadsafe(stop.set)
+
+    engine: Engine | ReplicatedEngine = await asyncio.to_thread(load_engine, config, parallel)
+    if parallel is not None and channel is not None:
+        engine = ReplicatedEngine(engine, channel, config.collective_timeout, on_lost)
     rt = Runtime(config, engine, store)
     rt.scheduler.start()
     server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -101,14 +120,13 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         http.start()
         print(f"http listening on {config.host}:{http.port}", flush=True)
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
-    log.info("serving %s on %s, scheduling %s, %s", config.model, engine.base.device,
+    ranks = f", {parallel.world} ranks" if parallel is not None else ""
+    log.info("serving %s on %s%s, scheduling %s, %s", config.model, engine.base.device, ranks,
              config.scheduling, mode)
     print(f"listening on {config.host}:{port}", flush=True)
     if ready is not None:
         ready.set()
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
@@ -129,4 +147,8 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     await server.stop(grace=5.0)
     rt.close()
     store.close()
+    if isinstance(engine, ReplicatedEngine):
+        await asyncio.to_thread(engine.close)
+    if lost:
+        raise GroupLost(lost[0])
     log.info("stopped")

@@ -59,6 +59,7 @@ from twinkle_server.engine.errors import (
     ResourceExhausted,
 )
 from twinkle_server.engine.lora import LoraWeights, Router, inject, resolve_targets
+from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.types import (
     AdamParams,
     EngineLimits,
@@ -86,7 +87,8 @@ class Engine:
     """
 
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
-                 packing: bool = True, activation_checkpointing: bool = False) -> None:
+                 packing: bool = True, activation_checkpointing: bool = False,
+                 parallel: Parallel | None = None) -> None:
         self.base = base
         self.limits = limits
         # Merged passes pack their datums into one sequence; False pads them (the baseline).
@@ -97,6 +99,12 @@ class Engine:
         self.activation_checkpointing = activation_checkpointing
         if activation_checkpointing:
             activations.enable(base.model, self.router)
+        # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split
+        # by datum. Every rank must then make the same calls in the same order
+        # (`twinkle_server.replication` sees to it).
+        self.parallel = parallel
+        if parallel is not None:
+            parallel.shard(base.model)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
@@ -116,13 +124,21 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
              cache_dir: str | None = None, limits: EngineLimits = EngineLimits(),
-             packing: bool = True, activation_checkpointing: bool = False) -> Engine:
+             packing: bool = True, activation_checkpointing: bool = False,
+             parallel: Parallel | None = None) -> Engine:
         """An engine on `model` (a local dir, a hub name in the cache, or `tiny`);
         `packing` False pads merged passes instead of packing them (`--packing off`);
         `activation_checkpointing` recomputes decoder layers in backward
-        (`--activation-checkpointing on`)."""
+        (`--activation-checkpointing on`); `parallel` shards it over ranks (on the
+        rank's own device, whatever `device` says)."""
+        if parallel is not None:
+            device = str(parallel.placement.device)
         return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),
-                   limits, packing, activation_checkpointing)
+                   limits, packing, activation_checkpointing, parallel)
+
+    def _on_base(self, fn, *args):
+        """`fn(*args)` with the base model's weights at hand (gathered, on several ranks)."""
+        return fn(*args) if self.parallel is None else self.parallel.run(fn, *args)
 
     # ------------------------------------------------------------------ adapters
 
@@ -168,6 +184,8 @@ class Engine:
         need = self.estimate_adapter_bytes(spec)
         headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
         free = available_memory_bytes(self.base.device)
+        if self.parallel is not None:
+            free = self.parallel.min_int(free)  # every rank holds the adapter
         if free is not None and need + headroom > free:
             raise ResourceExhausted(
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
@@ -282,7 +300,8 @@ class Engine:
                 results[i] = exc
         if valid:
             outputs = forward.run_forward(self.base, self.router, self.adapters,
-                                          [requests[i] for i in valid], self.packing)
+                                          [requests[i] for i in valid], self.packing,
+                                          self.parallel)
             for i, output in zip(valid, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]
@@ -357,6 +376,14 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
 
+    def has_sampler(self, weights_path: str | os.PathLike) -> bool:
+        """Whether the sampler checkpoint at `weights_path` is loaded (cached) now."""
+        return self._sampler_key(weights_path) in self._samplers
+
+    @staticmethod
+    def _sampler_key(weights_path: str | os.PathLike) -> str:
+        return f"sampler:{os.path.realpath(weights_path)}"
+
     def _sampling_adapter(self, adapter_id: str | None, weights_path: str | None) -> str | None:
         """The adapter id to route for a request, loading a sampler checkpoint if needed."""
         if adapter_id is not None:
@@ -364,7 +391,7 @@ class Engine:
             return adapter_id
         if weights_path is None:
             return None
-        key = f"sampler:{os.path.realpath(weights_path)}"
+        key = self._sampler_key(weights_path)
         if key in self._samplers:
             self._samplers.move_to_end(key)
             return key
@@ -403,10 +430,9 @@ class Engine:
             except EngineError as exc:
                 results[i] = exc
         if batch:
-            outputs = sampler.generate(self.base.model, self.router.route, batch,
-                                       eos_token_ids=self.base.eos_token_ids,
-                                       pad_token_id=self.base.pad_token_id,
-                                       decode=self.base.decode)
+            outputs = self._on_base(lambda: sampler.generate(
+                self.base.model, self.router.route, batch, eos_token_ids=self.base.eos_token_ids,
+                pad_token_id=self.base.pad_token_id, decode=self.base.decode))
             for slot, out in zip(slots, outputs, strict=True):
                 results[slot] = out
         return results
@@ -448,8 +474,8 @@ class Engine:
 
         self._check_prompt(np.asarray(tokens))
         route_id = self._sampling_adapter(adapter_id, weights_path)
-        return sampler.prompt_logprobs(self.base.model, self.router.route, route_id,
-                                       np.asarray(tokens), topk)
+        return self._on_base(sampler.prompt_logprobs, self.base.model, self.router.route,
+                             route_id, np.asarray(tokens), topk)
 
 
 def available_memory_bytes(device: torch.device) -> int | None:

@@ -9,6 +9,10 @@ the output layer a chunk of tokens at a time (`engine.logprobs`: no `[tokens x v
 logits for the whole pass); each request's loss is then computed on its own rows, and the
 kept losses are backpropagated together. Requests reach `run_forward` already validated
 (`Engine.validate_forward`).
+
+On several ranks (`parallel` given) each rank runs only its share of the datums through
+the base and receives the others' logprobs; losses are then computed the same way on
+every rank, and the pass's gradients summed over the ranks (`engine.parallel`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.lora import Router
 from twinkle_server.engine.packing import PassLayout
+from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.types import Datum, ForwardOutput, ForwardRequest
 
 Row = tuple[ForwardRequest, Datum]
@@ -38,7 +43,7 @@ def adapter_order(requests: Sequence[ForwardRequest]) -> list[int]:
     return sorted(range(len(requests)), key=lambda i: first_seen[requests[i].adapter_id])
 
 
-def _hidden(base: BaseModel, router: Router, rows: list[Row], packed: bool = True
+def _hidden(base: BaseModel, router: Router, rows: list[Row], packed: bool, grad: bool
             ) -> torch.Tensor:
     """Last hidden states `[positions, hidden]` of every real position of one pass,
     rows one after another (`datum.num_tokens` each): `PassLayout.row_tokens`' layout.
@@ -49,15 +54,14 @@ def _hidden(base: BaseModel, router: Router, rows: list[Row], packed: bool = Tru
     """
     layout = PassLayout(tuple(d.num_tokens for _, d in rows), packed)
     inputs = layout.model_inputs(base, [d.input_ids for _, d in rows])
-    backward = any(r.backward for r, _ in rows)
     route = layout.route(router, [r.adapter_id for r, _ in rows], [r.backward for r, _ in rows])
-    with torch.set_grad_enabled(backward), route, packing.attention(base.model, layout):
+    with torch.set_grad_enabled(grad), route, packing.attention(base.model, layout):
         hidden = base.hidden_states(**inputs, use_cache=False)
     return layout.row_tokens(hidden)
 
 
-def _row_logprobs(base: BaseModel, router: Router, rows: list[Row], hidden: torch.Tensor
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+def _row_logprobs(base: BaseModel, router: Router, rows: list[Row], hidden: torch.Tensor,
+                  grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """Each row's target logprobs (the shape of its `target_tokens`) and, for rows with
     `[T]` targets, its top-1 hits (1.0 where the target is the argmax of the logits).
 
@@ -74,8 +78,7 @@ def _row_logprobs(base: BaseModel, router: Router, rows: list[Row], hidden: torc
     spans = [(r.adapter_id, r.backward, n) for (r, _), n in zip(rows, lengths, strict=True)]
     row_lps: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
     row_hits: list[torch.Tensor | None] = [None] * len(rows)
-    backward = any(r.backward for r, _ in rows)
-    with torch.set_grad_enabled(backward):
+    with torch.set_grad_enabled(grad):
         picked = [i for i, ok in enumerate(simple) if ok]
         if picked:
             flat = hidden if len(picked) == len(rows) else torch.cat(
@@ -93,11 +96,56 @@ def _row_logprobs(base: BaseModel, router: Router, rows: list[Row], hidden: torc
     return row_lps, row_hits
 
 
+def _pass_logprobs(base: BaseModel, router: Router, rows: list[Row], packed: bool,
+                   parallel: Parallel | None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor | None]:
+    """`_row_logprobs` of every row of the pass, and on several ranks an anchor: a zero
+    that depends on this rank's own graph, for its backward to reach every layer even when
+    none of the losses it backpropagates depends on its rows (None on one rank)."""
+    grad = any(r.backward for r, _ in rows)
+    if parallel is None:
+        return (*_row_logprobs(base, router, rows, _hidden(base, router, rows, packed, grad),
+                               grad), None)
+    mine = parallel.share([d.num_tokens for _, d in rows])
+    # A rank with no datum still takes part in every layer's collectives: one token under
+    # the adapter of a backpropagated request (so its graph reaches that adapter), no
+    # dropout, its loss never used.
+    own = [rows[i] for i in mine] or [_filler(rows)]
+
+    def compute() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        lps, hits = _row_logprobs(base, router, own, _hidden(base, router, own, packed, grad),
+                                  grad)
+        # Not views: FSDP hooks the root's outputs for backward, and warns on views.
+        return [lp.clone() for lp in lps], hits
+
+    local_lps, local_hits = parallel.run(compute)
+    anchor = torch.stack([lp.sum() for lp in local_lps]).sum() * 0.0
+    if not mine:
+        local_lps, local_hits = [], []
+    targets = [d.loss_inputs["target_tokens"] for _, d in rows]
+    lps = parallel.gather_rows(local_lps, [torch.Size(t.shape) for t in targets], mine)
+    hits = parallel.gather_rows(
+        [h if h is not None else torch.zeros(lp.shape[0], device=lp.device)
+         for h, lp in zip(local_hits, local_lps, strict=True)],
+        [torch.Size(t.shape[:1]) for t in targets], mine)
+    return lps, [h if t.ndim == 1 else None for h, t in zip(hits, targets, strict=True)], anchor
+
+
+def _filler(rows: list[Row]) -> Row:
+    """One token of id 0 under the first backpropagated request's adapter (else the
+    first request's), forward only."""
+    request = next((r for r, _ in rows if r.backward), rows[0][0])
+    zero = np.zeros(1, dtype=np.int64)
+    return (ForwardRequest(request.adapter_id, [Datum(zero, {"target_tokens": zero})], None,
+                           False), Datum(zero, {"target_tokens": zero}))
+
+
 def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter],
-                requests: Sequence[ForwardRequest], packed: bool = True
-                ) -> list[ForwardOutput | EngineError]:
+                requests: Sequence[ForwardRequest], packed: bool = True,
+                parallel: Parallel | None = None) -> list[ForwardOutput | EngineError]:
     """Run validated requests in ONE base-model pass; results in the order of `requests`.
-    `packed` False pads every datum to the longest instead (`--packing off`).
+    `packed` False pads every datum to the longest instead (`--packing off`); `parallel`
+    runs the pass on several ranks (see the module docstring).
 
     A request whose loss is not finite gets an `InvalidArgument` value and its gradient
     is discarded; the others' losses are backpropagated together and their adapters'
@@ -108,7 +156,7 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     grouped = [requests[i] for i in slots]
     rows = [(r, d) for r in grouped for d in r.datums]
     device = base.device
-    row_lps, row_hits = _row_logprobs(base, router, rows, _hidden(base, router, rows, packed))
+    row_lps, row_hits, anchor = _pass_logprobs(base, router, rows, packed, parallel)
     row = 0
     to_backward: list[torch.Tensor] = []
     for request, slot in zip(grouped, slots, strict=True):
@@ -150,24 +198,43 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
             logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
             loss=reported, metrics=metrics)
     if to_backward:
-        _backward(adapters, to_backward, requests, results)
+        _backward(adapters, to_backward if anchor is None else [*to_backward, anchor],
+                  requests, results, parallel)
+    elif parallel is not None and any(r.backward for r in requests):
+        parallel.end_pass()
     return results  # type: ignore[return-value]
 
 
 def _backward(adapters: Mapping[str, Adapter], to_backward: list[torch.Tensor],
-              requests: Sequence[ForwardRequest], results: list) -> None:
+              requests: Sequence[ForwardRequest], results: list,
+              parallel: Parallel | None = None) -> None:
     """Backpropagate the kept losses; adapters not trained by them keep their grads.
 
     Autograd also reaches adapters in the batch whose loss is not backpropagated
     (forward-only, or discarded as non-finite): their rows add zeros, or NaN when
     their own logits are NaN (0 * NaN in the fused cross-entropy backward). Their
     gradients are saved before and put back after, bit for bit.
+
+    On several ranks the trained adapters' gradients from this pass alone are summed over
+    the ranks, then added to what they held before.
     """
     trained = {r.adapter_id for r, result in zip(requests, results, strict=True)
                if r.backward and isinstance(result, ForwardOutput)}
     kept = [(p, None if p.grad is None else p.grad.clone())
             for a in {r.adapter_id for r in requests} - trained
             for p in adapters[a].parameters()]
-    torch.stack(to_backward).sum().backward()
+    if parallel is None:
+        torch.stack(to_backward).sum().backward()
+    else:
+        params = [p for a in sorted(trained) for p in adapters[a].parameters()]
+        before = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        torch.stack(to_backward).sum().backward()
+        parallel.end_pass()
+        parallel.all_reduce_grads(params)
+        for param, grad in zip(params, before, strict=True):
+            if grad is not None:
+                param.grad = grad + param.grad
     for param, grad in kept:
         param.grad = grad

@@ -1,0 +1,263 @@
+"""The engine on several ranks: FSDP2 shards the frozen base, adapters are replicated.
+
+Every rank holds one `Engine` with the same adapters. The frozen base is sharded with
+FSDP2 (`fully_shard` per decoder layer, then a root unit holding the embeddings, the final
+norm and the output layer), so each rank keeps about 1/N of its bytes at rest and
+all-gathers one layer at a time during a pass. LoRA weights live outside the modules
+FSDP manages (`MultiLoraLinear.adapters` is a plain dict), so they are ordinary tensors,
+replicated on every rank, and adapters come and go at run time as on one rank.
+
+A merged pass (`engine.forward`) runs as follows on each rank:
+
+1. `share`: the rank takes a contiguous, token-balanced run of the pass's datums (a datum
+   is never split: its attention needs all of it). A rank with no datum runs one token
+   of padding instead, because every rank must take part in every layer's all-gather.
+2. `run`: hidden states and target logprobs of its datums, inside one forward of the
+   FSDP root (`_Root`), so the root's parameters are gathered for the whole pass,
+   output layer and chunked logprobs included.
+3. `gather_rows`: every rank receives every datum's logprobs; the rank's own stay
+   attached to its graph. Each rank then computes every request's loss, metrics and
+   counters exactly as one rank would, on the same numbers, so losses of any kind
+   (sums, token means, sequence means) need no rule for combining partial results.
+4. backward: gradients reach only the rank's own datums' share of each loss, so
+   `all_reduce_grads` sums the pass's new gradients over the ranks (one all-reduce per
+   bucket), and every rank ends the pass with the same gradients, hence the same
+   optimizer steps.
+
+The rank-0 process drives the others through `twinkle_server.replication`; this module
+is torch only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinkle_server.engine.errors import InvalidArgument
+
+GRAD_BUCKET_BYTES = 64 * 2**20
+"""Largest all-reduce of adapter gradients: big enough to amortise each collective's
+latency, small enough that the flat copy is a fraction of the adapters' state."""
+
+
+def share_of(lengths: Sequence[int], rank: int, world: int) -> range:
+    """Rank `rank`'s datums of a pass of datums with these token `lengths`: a contiguous,
+    token-balanced run. Datum i goes to the rank whose equal slice of the pass's tokens
+    holds its midpoint, so shares differ by about one datum's tokens at most; a rank gets
+    none when the pass has fewer datums than ranks."""
+    total = sum(lengths)
+    start, mine = 0, []
+    for index, n in enumerate(lengths):
+        if min(world - 1, (2 * start + n) * world // (2 * total)) == rank:
+            mine.append(index)
+        start += n
+    return range(mine[0], mine[-1] + 1) if mine else range(0)
+
+
+class _Root(nn.Module):
+    """The FSDP root: owns the base model so `fully_shard` manages its top-level weights,
+    and runs any function as its forward so those weights are gathered around it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits: `rank` of `world` ranks, and its device."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+
+def placement_from_env(device: str = "auto") -> Placement:
+    """This process's rank and device from torchrun's environment (`RANK`, `WORLD_SIZE`,
+    `LOCAL_RANK`); `device` 'auto' picks `cuda:LOCAL_RANK` when CUDA is present."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type
+    return Placement(rank, world, local, torch.device(kind, local) if kind == "cuda"
+                     else torch.device(kind))
+
+
+class Parallel:
+    """One rank's share of a sharded engine: the process group, the device mesh, the
+    FSDP root, and the collectives a pass needs. Build with `Parallel.init`."""
+
+    def __init__(self, placement: Placement, mesh: Any, timeout_s: float) -> None:
+        self.placement = placement
+        self.mesh = mesh
+        self.timeout_s = timeout_s
+        self.root: _Root | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def world(self) -> int:
+        return self.placement.world
+
+    @classmethod
+    def init(cls, placement: Placement, timeout_s: float,
+             shard_group_size: int = 0) -> Parallel:
+        """Join the process group (nccl on CUDA, gloo on CPU; every collective bounded by
+        `timeout_s`) and build the mesh: one shard group of all ranks, or with
+        `shard_group_size` G, ranks sharded in groups of G and replicated across groups
+        (hybrid sharding: shard within a node, replicate across nodes)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = placement.world
+        size = shard_group_size or world
+        if size < 1 or world % size:
+            raise InvalidArgument(f"--shard-group-size: {shard_group_size} does not divide "
+                                  f"the {world} ranks")
+        kind = placement.device.type
+        if kind == "cuda":
+            torch.cuda.set_device(placement.device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if kind == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=placement.device if kind == "cuda" else None)
+        if size == world:
+            mesh = init_device_mesh(kind, (world,), mesh_dim_names=("shard",))
+        else:
+            mesh = init_device_mesh(kind, (world // size, size),
+                                    mesh_dim_names=("replicate", "shard"))
+        return cls(placement, mesh, timeout_s)
+
+    def close(self) -> None:
+        """Leave the process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ sharding
+
+    def shard(self, model: nn.Module) -> None:
+        """Shard `model` (frozen, on this rank's device, LoRA layers injected): one FSDP
+        unit per decoder layer, and the root unit for the rest."""
+        from torch.distributed.fsdp import fully_shard
+
+        layers = getattr(model.get_decoder(), "layers", None)
+        if not layers:
+            raise InvalidArgument("model: its decoder has no `layers` list to shard")
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh)
+        self.root = _Root(model)
+        fully_shard(self.root, mesh=self.mesh)
+        self.root.reshard()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` with the base's weights available to it: one forward of the root.
+
+        Without grad the root's weights are released at once; with grad they stay until
+        `end_pass` (the backward pass needs the output layer again)."""
+        if self.root is None:
+            raise RuntimeError("Parallel.run before shard")
+        try:
+            out = self.root(fn, *args)
+        except BaseException:
+            self.root.reset_iter_state()
+            raise
+        if not torch.is_grad_enabled():
+            self.root.reshard()
+        return out
+
+    def end_pass(self) -> None:
+        """After a training pass's backward (or instead of it, when every loss of the pass
+        was dropped): release the root's weights and FSDP's per-pass state."""
+        if self.root is not None:
+            self.root.reset_iter_state()
+
+    def local_param_bytes(self) -> int:
+        """Bytes of the base's parameters this rank holds at rest (its shards)."""
+        if self.root is None:
+            return 0
+        total = 0
+        for param in self.root.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            total += local.numel() * local.element_size()
+        return total
+
+    # ------------------------------------------------------------------ a pass's rows
+
+    def share(self, lengths: Sequence[int]) -> range:
+        """This rank's datums of a pass (`share_of`)."""
+        return share_of(lengths, self.rank, self.world)
+
+    def gather_rows(self, local: Sequence[torch.Tensor], shapes: Sequence[torch.Size],
+                    mine: range) -> list[torch.Tensor]:
+        """Every datum's tensor (shape `shapes[i]`) from the rank that computed it.
+
+        `local` holds this rank's datums' tensors (`mine`), which are returned as they are
+        (still attached to the graph); the others arrive detached, as float32."""
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        lengths = [int(s[0]) for s in shapes]
+        per_rank = [sum(sizes[i] for i in share_of(lengths, r, self.world)) for r in range(self.world)]
+        width = max(per_rank)
+        device = self.placement.device
+        flat = torch.zeros(width, dtype=torch.float32, device=device)
+        if local:
+            mine_flat = torch.cat([t.detach().reshape(-1).float() for t in local])
+            flat[:mine_flat.numel()] = mine_flat
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(gathered, flat)
+        rows: list[torch.Tensor] = []
+        for rank in range(self.world):
+            owned = share_of(lengths, rank, self.world)
+            pieces = gathered[rank][:per_rank[rank]].split([sizes[i] for i in owned])
+            for i, piece in zip(owned, pieces, strict=True):
+                rows.append(local[i - mine.start] if rank == self.rank
+                            else piece.reshape(shapes[i]))
+        return rows
+
+    # ------------------------------------------------------------------ adapter state
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum `params`' gradients over the ranks in buckets (a missing gradient counts as
+        zeros and is created); every rank ends with the same sums."""
+        grads = []
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in grads:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+            if size >= GRAD_BUCKET_BYTES:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+
+    @staticmethod
+    def _reduce_bucket(bucket: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for grad, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            grad.copy_(piece.view_as(grad))
+
+    def min_int(self, value: int | None) -> int | None:
+        """The smallest `value` over the ranks (None on any rank: None), so a decision
+        that depends on each rank's free memory comes out the same everywhere."""
+        box = torch.tensor([-1 if value is None else value], dtype=torch.int64,
+                           device=self.placement.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        return None if int(box) < 0 else int(box)

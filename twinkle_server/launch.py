@@ -1,0 +1,93 @@
+"""Serving from several ranks: launching them, and what each rank does.
+
+`twinkle-server serve --nproc-per-node N` hands itself to torch's elastic launcher
+(`torch.distributed.run`, what `torchrun` runs), which starts N copies of the same
+command with `RANK`, `WORLD_SIZE` and `LOCAL_RANK` set; `torchrun ... -m
+twinkle_server.cli serve` does the same by hand, on one node or many. Each copy joins the
+process group (`engine.parallel`); rank 0 serves (fronts, store, scheduler) and the
+others follow it (`replication.follow`). No restarts are configured: a lost rank ends the
+job with a non-zero exit, for the operator's supervisor to restart on the same data dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.parallel import Parallel, placement_from_env
+from twinkle_server.replication import Channel, follow
+
+log = logging.getLogger(__name__)
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a torchrun job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def wants_launch(config: ServerConfig) -> bool:
+    return config.nproc_per_node > 1 or config.nnodes != "1" or bool(config.rdzv_endpoint)
+
+
+def launch(config: ServerConfig, argv: list[str]) -> int:
+    """Run `twinkle-server <argv>` as `config.nproc_per_node` ranks on this node through
+    torch's elastic launcher; returns its exit status (non-zero when a rank failed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    launcher = ["--nproc-per-node", str(config.nproc_per_node), "--nnodes", config.nnodes,
+                "--node-rank", str(config.node_rank), "--max-restarts", "0"]
+    if config.rdzv_endpoint:
+        launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint,
+                     "--rdzv-id", "twinkle"]
+    elif config.nnodes != "1":
+        raise SystemExit("twinkle-server: --nnodes over 1 needs --rdzv-endpoint HOST:PORT")
+    else:
+        launcher += ["--standalone"]
+    args = get_args_parser().parse_args([*launcher, "-m", "twinkle_server.cli", *argv])
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        log.error("a rank failed: %s", exc.format_msg())
+        return 1
+    except SignalException as exc:
+        # SIGINT/SIGTERM: the launcher has passed it on and the ranks have stopped (rank
+        # 0 drains first, then stops the others), as one server would.
+        log.info("stopped by signal %s", exc.sigval)
+    return 0
+
+
+def join(config: ServerConfig) -> tuple[Parallel, Channel]:
+    """Join the job's process group and open rank 0's call channel (every rank)."""
+    parallel = Parallel.init(placement_from_env(config.device), config.collective_timeout,
+                             config.shard_group_size)
+    return parallel, Channel.open()
+
+
+def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engine:
+    """The engine `config` asks for, sharded over `parallel`'s ranks when given."""
+    return Engine.load(config.model, device=config.device, dtype=config.dtype, cache_dir=None,
+                       limits=config.limits(), packing=config.packing == "on",
+                       activation_checkpointing=config.activation_checkpointing == "on",
+                       parallel=parallel)
+
+
+def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> int:
+    """A rank other than 0: load the shard, follow rank 0 until it stops; 0 on a clean
+    stop, 1 when the group was lost. SIGINT and SIGTERM are left to rank 0, whose drain
+    ends with telling this rank to stop."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    engine = load_engine(config, parallel)
+    try:
+        follow(engine, channel)
+    except Exception as exc:
+        log.error("rank %d: lost the group: %s: %s", parallel.rank, type(exc).__name__, exc)
+        return 1
+    finally:
+        parallel.close()
+    return 0

@@ -1,0 +1,366 @@
+"""One engine on several ranks: rank 0 replays every engine call on the others.
+
+Rank 0 runs the whole server (fronts, runtime, scheduler, store) against a
+`ReplicatedEngine`: each call that changes adapter state or runs the base is first sent
+to every other rank, then run on rank 0, and the other ranks (`follow`) run the same call
+on their own `Engine` in the same order, so the collectives inside it (`engine.parallel`)
+meet and every rank keeps the same adapters. Reads (adapter info, limits, request checks)
+and saves (rank 0 writes checkpoints; adapter state is the same everywhere) stay on
+rank 0.
+
+What could differ between ranks is settled on rank 0 before a call is sent: random seeds
+(a new adapter's, an unseeded sample's) are drawn there, and checkpoint files are read
+there and sent along, so the data dir need not be shared between nodes.
+
+A call travels as a small pickled header whose numpy arrays (token ids, loss inputs) are
+taken out and sent as one byte tensor by collective. Every collective is bounded by the
+group's timeout; when idle, rank 0 sends a no-op often enough that a waiting rank never
+hits it. When a rank dies or hangs, the call on rank 0 fails: the engine refuses every
+later call with UNAVAILABLE naming the lost ranks, and the server shuts down and exits
+non-zero (`twinkle_server.server`), for the launcher or the operator to restart it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import pickle
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import EngineError, Unavailable
+from twinkle_server.engine.types import LoraSpec, SampleRequest
+
+log = logging.getLogger(__name__)
+
+_NOOP, _STOP = "__noop__", "__stop__"
+_BEAT_KEY = "twinkle/heartbeat/{}"
+BEAT_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class ShippedDir:
+    """A checkpoint directory on rank 0 (`source`), with its files (name -> contents), or
+    None when the other ranks already hold them."""
+
+    source: str
+    files: dict[str, bytes] | None
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a call, keeping numpy arrays out of the stream (sent as one tensor)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays: list[np.ndarray] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and obj.dtype != object:
+            self.arrays.append(np.ascontiguousarray(obj))
+            return ("array", len(self.arrays) - 1, obj.dtype.str, obj.shape)
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, blob: np.ndarray, offsets: list[int]) -> None:
+        super().__init__(file)
+        self.blob, self.offsets = blob, offsets
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, index, dtype, shape = pid
+        start, end = self.offsets[index], self.offsets[index + 1]
+        return self.blob[start:end].view(np.dtype(dtype)).reshape(shape).copy()
+
+
+class Channel:
+    """Rank 0 -> every rank: engine calls, over the control group (gloo, CPU tensors)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @classmethod
+    def open(cls) -> Channel:
+        """The channel over the default group (gloo), or a gloo group beside nccl; every
+        rank calls this at the same point."""
+        if dist.get_backend() == "gloo":
+            return cls(None)
+        return cls(dist.new_group(backend="gloo"))
+
+    def send(self, call: tuple) -> None:
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer)
+        pickler.dump(call)
+        offsets = np.cumsum([0] + [a.nbytes for a in pickler.arrays]).tolist()
+        header = [(buffer.getvalue(), offsets)]
+        dist.broadcast_object_list(header, src=0, group=self.group)
+        if offsets[-1]:
+            blob = torch.from_numpy(np.concatenate(
+                [a.reshape(-1).view(np.uint8) for a in pickler.arrays]))
+            dist.broadcast(blob, src=0, group=self.group)
+
+    def receive(self) -> tuple:
+        header: list[Any] = [None]
+        dist.broadcast_object_list(header, src=0, group=self.group)
+        stream, offsets = header[0]
+        blob = np.empty(0, np.uint8)
+        if offsets[-1]:
+            tensor = torch.empty(offsets[-1], dtype=torch.uint8)
+            dist.broadcast(tensor, src=0, group=self.group)
+            blob = tensor.numpy()
+        return _Unpickler(io.BytesIO(stream), blob, offsets).load()
+
+
+def _ship(path: str | os.PathLike | None, with_files: bool = True) -> ShippedDir | None:
+    if path is None:
+        return None
+    root = Path(path)
+    files = ({f.name: f.read_bytes() for f in sorted(root.iterdir()) if f.is_file()}
+             if with_files and root.is_dir() else None)
+    return ShippedDir(os.path.realpath(root), files)
+
+
+def _fill_seed(request: SampleRequest) -> SampleRequest:
+    if request.params.seed is not None:
+        return request
+    return replace(request, params=replace(request.params, seed=secrets.randbits(63)))
+
+
+class ReplicatedEngine:
+    """Rank 0's engine: the local `Engine` for reads, every state change sent to all ranks
+    first. `on_lost` is called once, from the calling thread, when the group fails."""
+
+    def __init__(self, engine: Engine, channel: Channel, timeout_s: float,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.timeout_s = timeout_s
+        self.on_lost = on_lost
+        self.lost: str | None = None
+        self._lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        self._keepalive = threading.Thread(target=self._keep_alive, daemon=True,
+                                           name="twinkle-keepalive")
+        self._keepalive.start()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    # ------------------------------------------------------------------ replicated calls
+
+    def _all(self, name: str, *args: Any, shipped: tuple = ()) -> Any:
+        """Send `name(*args)` to every rank, then run it here; `shipped` rides along for
+        the other ranks to turn into local paths (see `follow`)."""
+        with self._lock:
+            if self.lost is not None:
+                raise Unavailable(self.lost)
+            try:
+                self.channel.send((name, args, shipped))
+                self._last_send = time.monotonic()
+                return getattr(self.engine, name)(*args)
+            except EngineError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, dist.DistError) and "gloo" not in str(exc).lower() \
+                        and "nccl" not in str(exc).lower() and "timed out" not in str(exc):
+                    raise
+                self.lost = _lost_message(self.engine.parallel.world, exc, self.timeout_s)
+                log.error("%s", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+        raise Unavailable(self.lost)
+
+    def add_adapter(self, adapter_id: str, spec: LoraSpec,
+                    gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+        if spec.seed is None:
+            spec = replace(spec, seed=secrets.randbits(31))
+        return self._all("add_adapter", adapter_id, spec, gradient_accumulation_steps)
+
+    def load_state(self, adapter_id: str, path: str | os.PathLike, include_optimizer: bool,
+                   adopt_accumulation: bool = False) -> None:
+        return self._all("load_state", adapter_id, path, include_optimizer, adopt_accumulation,
+                         shipped=(1, _ship(path)))
+
+    def sample_batch(self, requests: Sequence[SampleRequest]) -> list:
+        requests = [_fill_seed(r) for r in requests]
+        return self._all("sample_batch", requests,
+                         shipped=tuple((i, self._ship_sampler(r.weights_path))
+                                       for i, r in enumerate(requests)
+                                       if r.weights_path is not None))
+
+    def prompt_logprobs(self, adapter_id: str | None, weights_path: str | None,
+                        tokens: np.ndarray, topk: int = 0) -> Any:
+        return self._all("prompt_logprobs", adapter_id, weights_path, tokens, topk,
+                         shipped=(1, self._ship_sampler(weights_path)))
+
+    def _ship_sampler(self, path: str | None) -> ShippedDir | None:
+        """Sampler weights go along only when this rank has them not loaded: every rank's
+        sampler cache sees the same calls, so the others then have them loaded too."""
+        return _ship(path, path is not None and not self.engine.has_sampler(path))
+
+    def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
+                         tokens: np.ndarray) -> np.ndarray:
+        return self.prompt_logprobs(adapter_id, weights_path, tokens).logprobs
+
+    def remove_adapter(self, *args: Any) -> Any:
+        return self._all("remove_adapter", *args)
+
+    def forward_batch(self, *args: Any) -> Any:
+        return self._all("forward_batch", *args)
+
+    def optim_step(self, *args: Any) -> Any:
+        return self._all("optim_step", *args)
+
+    def set_loss(self, *args: Any) -> Any:
+        return self._all("set_loss", *args)
+
+    def set_optimizer(self, *args: Any) -> Any:
+        return self._all("set_optimizer", *args)
+
+    def set_lr_scheduler(self, *args: Any) -> Any:
+        return self._all("set_lr_scheduler", *args)
+
+    def clip_grad_norm(self, *args: Any) -> Any:
+        return self._all("clip_grad_norm", *args)
+
+    def step(self, *args: Any) -> Any:
+        return self._all("step", *args)
+
+    def zero_grad(self, *args: Any) -> Any:
+        return self._all("zero_grad", *args)
+
+    def lr_step(self, *args: Any) -> Any:
+        return self._all("lr_step", *args)
+
+    def calculate_metric(self, *args: Any) -> Any:
+        return self._all("calculate_metric", *args)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _keep_alive(self) -> None:
+        """No-ops while idle, so a rank waiting for the next call never times out."""
+        interval = max(0.05, self.timeout_s / 4)
+        while not self._closed.wait(interval / 2):
+            if time.monotonic() - self._last_send < interval or self.lost is not None:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue
+            try:
+                self.channel.send((_NOOP, (), ()))
+                self._last_send = time.monotonic()
+            except Exception as exc:
+                self.lost = _lost_message(self.engine.parallel.world, exc, self.timeout_s)
+                log.error("%s", self.lost)
+            finally:
+                self._lock.release()
+            if self.lost is not None and self.on_lost is not None:
+                self.on_lost(self.lost)
+
+    def close(self) -> None:
+        """Tell the other ranks to exit (when the group is still whole)."""
+        self._closed.set()
+        self._keepalive.join()
+        with self._lock:
+            if self.lost is None:
+                try:
+                    self.channel.send((_STOP, (), ()))
+                except Exception as exc:
+                    log.warning("could not stop the other ranks: %s", exc)
+
+
+def _lost_message(world: int, exc: BaseException, timeout_s: float) -> str:
+    """Which ranks stopped beating (their heartbeat did not move for three beats)."""
+    lost: list[int] = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        first = {r: store.get(_BEAT_KEY.format(r)) for r in range(1, world)}
+        time.sleep(3 * BEAT_SECONDS)
+        lost = [r for r in range(1, world) if store.get(_BEAT_KEY.format(r)) == first[r]]
+    except Exception as store_exc:  # the store itself may be gone with the rank
+        log.warning("could not read the ranks' heartbeats: %s", store_exc)
+    who = (f"rank {', '.join(map(str, lost))} stopped" if lost
+           else "a rank did not answer")
+    return (f"distributed group lost: {who} (collective timeout {timeout_s:g} s, "
+            f"--collective-timeout): {type(exc).__name__}: {str(exc)[:300]}; the server is "
+            "shutting down, restart it to resume from the saved checkpoints")
+
+
+def _beat(rank: int, stop: threading.Event) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    count = 0
+    while not stop.wait(BEAT_SECONDS if count else 0):
+        count += 1
+        try:
+            store.set(_BEAT_KEY.format(rank), str(count))
+        except Exception:
+            return
+
+
+def follow(engine: Engine, channel: Channel) -> None:
+    """A rank other than 0: run rank 0's engine calls until it says stop.
+
+    Returns normally on stop; raises when the group fails (the process must then exit
+    non-zero). Errors the engine raises on purpose are rank 0's to report."""
+    rank = engine.parallel.rank
+    stop = threading.Event()
+    threading.Thread(target=_beat, args=(rank, stop), daemon=True,
+                     name="twinkle-heartbeat").start()
+    scratch = Path(tempfile.mkdtemp(prefix=f"twinkle-rank{rank}-"))
+    try:
+        while True:
+            name, args, shipped = channel.receive()
+            if name == _STOP:
+                return
+            if name == _NOOP:
+                continue
+            args = _place(list(args), shipped, scratch)
+            try:
+                getattr(engine, name)(*args)
+            except EngineError:
+                pass
+    finally:
+        stop.set()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _place(args: list[Any], shipped: tuple, scratch: Path) -> list[Any]:
+    """Write shipped checkpoint files under `scratch` and point the call at them:
+    `(index, dir)` replaces argument `index`; `((i, dir), ...)` replaces
+    `args[0][i].weights_path` (a batch of sample requests)."""
+    def write(found: ShippedDir | None) -> str | None:
+        if found is None:
+            return None
+        # One directory per rank-0 path, so the engine's sampler cache (by path) works
+        # here as there.
+        target = scratch / hashlib.sha256(found.source.encode()).hexdigest()[:24]
+        if found.files is not None:
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            for file_name, data in found.files.items():
+                (target / file_name).write_bytes(data)
+        return str(target)
+
+    if not shipped:
+        return args
+    if isinstance(shipped[0], int):
+        args[shipped[0]] = write(shipped[1])
+        return args
+    requests = list(args[0])
+    for index, found in shipped:
+        requests[index] = replace(requests[index], weights_path=write(found))
+    args[0] = requests
+    return args
