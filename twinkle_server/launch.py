@@ -69,11 +69,17 @@ def join(config: ServerConfig) -> tuple[Parallel, Channel]:
 
 
 def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engine:
-    """The engine `config` asks for, sharded over `parallel`'s ranks when given."""
-    return Engine.load(config.model, device=config.device, dtype=config.dtype, cache_dir=None,
-                       limits=config.limits(), packing=config.packing == "on",
-                       activation_checkpointing=config.activation_checkpointing == "on",
-                       parallel=parallel)
+    """The engine `config` asks for, sharded over `parallel`'s ranks when given (each
+    rank then logs the share of the base it holds)."""
+    engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
+                         cache_dir=None, limits=config.limits(),
+                         packing=config.packing == "on",
+                         activation_checkpointing=config.activation_checkpointing == "on",
+                         parallel=parallel)
+    if parallel is not None:
+        log.info("rank %d of %d holds %d of the base's %d parameter bytes", parallel.rank,
+                 parallel.world, parallel.local_param_bytes(), parallel.base_param_bytes())
+    return engine
 
 
 def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> int:

@@ -194,6 +194,12 @@ class Parallel:
             total += local.numel() * local.element_size()
         return total
 
+    def base_param_bytes(self) -> int:
+        """Bytes of the whole base's parameters (every rank's shards together)."""
+        if self.root is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.root.parameters())
+
     # ------------------------------------------------------------------ a pass's rows
 
     def share(self, lengths: Sequence[int]) -> range:
