@@ -3,7 +3,9 @@ fails fast and loudly when a rank dies, and restarts from its data dir."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -88,3 +90,76 @@ def test_a_killed_rank_fails_ops_unavailable_and_a_restart_resumes(tmp_path, tin
     finally:
         service.close()
         restarted.stop()
+
+
+def _shares(log: str) -> dict[tuple[str, int], tuple[int, int]]:
+    """(when, rank) -> (bytes held, base bytes), from the ranks' log lines."""
+    return {(when, int(rank)): (int(mine), int(total)) for when, rank, mine, total in
+            re.findall(r"(loaded|stopping): rank (\d+) of \d+ holds (\d+) of the base's (\d+) "
+                       r"parameter bytes", log)}
+
+
+def _one_step(address: str) -> float:
+    service = ServiceClient(base_url=f"http://{address}")
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        out = training.forward_backward(sft_data(n=3, seed=2), "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1,
+                       types.SamplingParams(max_tokens=4, seed=1)).result()
+        return out.metrics["loss:sum"]
+    finally:
+        service.close()
+
+
+def test_each_rank_holds_half_of_the_base_before_and_after_training(tmp_path, tiny_cache):
+    server = start_server(tmp_path / "data", "--nproc-per-node", "2")
+    _one_step(server.address)
+    assert server.stop() == 0, server.log()[-3000:]
+    shares = _shares(server.log())
+    assert sorted(shares) == [(w, r) for w in ("loaded", "stopping") for r in (0, 1)]
+    # FSDP2 splits every tensor along dim 0; an odd row count gives one shard a row more.
+    for mine, total in shares.values():
+        assert abs(mine - total / 2) <= 0.01 * total, shares
+
+
+def test_shard_group_size_one_replicates_the_whole_base_on_each_rank(tmp_path, tiny_cache):
+    server = start_server(tmp_path / "data", "--nproc-per-node", "2",
+                          "--shard-group-size", "1")
+    loss = _one_step(server.address)
+    assert server.stop() == 0, server.log()[-3000:]
+    assert np.isfinite(loss)
+    shares = _shares(server.log())
+    assert len(shares) == 4 and all(mine == total for mine, total in shares.values()), shares
+
+
+def test_a_shard_group_size_that_does_not_divide_the_ranks_is_refused(tmp_path, tiny_cache):
+    with pytest.raises(RuntimeError, match="--shard-group-size: 3 does not divide the 2 ranks"):
+        start_server(tmp_path / "data", "--nproc-per-node", "2", "--shard-group-size", "3")
+
+
+def test_a_hung_rank_is_given_up_within_the_collective_timeout(tmp_path, tiny_cache):
+    server = start_server(tmp_path / "data", "--nproc-per-node", "2",
+                          "--collective-timeout", str(TIMEOUT_S))
+    service = ServiceClient(base_url=f"http://{server.address}")
+    hung = None
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
+        hung = _rank_pid(server.proc.pid, 1)
+        os.kill(hung, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(tinker.APIConnectionError, match="rank 1 stopped"):
+            training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
+        # The collective's timeout, then three heartbeats to see which rank stopped.
+        assert time.monotonic() - started < TIMEOUT_S + 3 + 5
+        os.kill(hung, signal.SIGCONT)
+        assert server.proc.wait(60) != 0
+    finally:
+        service.close()
+        if hung is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
+        if server.proc.poll() is None:
+            server.proc.kill()

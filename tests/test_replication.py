@@ -8,8 +8,6 @@ shapes (each rank runs half of a pass's datums), so they agree to float32 roundi
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -127,7 +125,8 @@ def _sample(address: str) -> tuple[list[int], list[float], list[float]]:
     service = ServiceClient(base_url=f"http://{address}")
     try:
         training = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
-        training.forward_backward(sft_data(n=2, seed=8), "cross_entropy").result()
+        # One datum: one rank has none and runs a token of padding through the layers.
+        training.forward_backward(sft_data(n=1, seed=8), "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         sampler = training.save_weights_and_get_sampling_client().result()
         prompt = types.ModelInput.from_ints([5, 17, 29, 3, 88])
@@ -168,14 +167,3 @@ def test_a_checkpoint_saved_on_two_ranks_gives_the_same_logits_in_peft(servers, 
         logits = peft(input_ids=torch.tensor([tokens])).logits[0].float()
     want = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])
     np.testing.assert_allclose(served, want[:, 0].numpy(), atol=LOGPROB_ATOL, rtol=0)
-
-
-def test_each_rank_holds_half_of_the_base(servers):
-    held = {int(rank): (int(mine), int(total)) for rank, world, mine, total in re.findall(
-        r"rank (\d+) of (\d+) holds (\d+) of the base's (\d+) parameter bytes", servers[1].log())}
-    assert sorted(held) == [0, 1]
-    (mine0, total), (mine1, total1) = held[0], held[1]
-    assert total == total1
-    # FSDP2 splits every tensor along dim 0; an odd row count pads one shard by a row.
-    for mine in (mine0, mine1):
-        assert abs(mine - total / 2) <= 0.01 * total, (mine, total)

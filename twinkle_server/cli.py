@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from twinkle_server import config as config_mod
+from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
 
 
@@ -40,12 +41,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parallel = channel = None
-    if launch.under_launcher():
-        parallel, channel = launch.join(cfg)
-        if parallel.rank != 0:
-            return launch.run_follower(cfg, parallel, channel)
-    elif launch.wants_launch(cfg):
-        return launch.launch(cfg, args.argv)
+    try:
+        if launch.under_launcher():
+            parallel, channel = launch.join(cfg)
+            if parallel.rank != 0:
+                return launch.run_follower(cfg, parallel, channel)
+        elif launch.wants_launch(cfg):
+            return launch.launch(cfg, args.argv)
+    except EngineError as exc:
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve(cfg, parallel=parallel, channel=channel))
     except ConfigError as exc:

@@ -17,6 +17,7 @@ import signal
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.replication import Channel, follow
 
@@ -39,13 +40,12 @@ def launch(config: ServerConfig, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    check_world(config)
     launcher = ["--nproc-per-node", str(config.nproc_per_node), "--nnodes", config.nnodes,
                 "--node-rank", str(config.node_rank), "--max-restarts", "0"]
     if config.rdzv_endpoint:
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint,
                      "--rdzv-id", "twinkle"]
-    elif config.nnodes != "1":
-        raise SystemExit("twinkle-server: --nnodes over 1 needs --rdzv-endpoint HOST:PORT")
     else:
         launcher += ["--standalone"]
     args = get_args_parser().parse_args([*launcher, "-m", "twinkle_server.cli", *argv])
@@ -59,6 +59,20 @@ def launch(config: ServerConfig, argv: list[str]) -> int:
         # 0 drains first, then stops the others), as one server would.
         log.info("stopped by signal %s", exc.sigval)
     return 0
+
+
+def check_world(config: ServerConfig) -> None:
+    """Refuse, before any rank starts, a layout that cannot work."""
+    if config.nproc_per_node < 1:
+        raise InvalidArgument(f"--nproc-per-node: {config.nproc_per_node} is not >= 1")
+    if config.nnodes != "1" and not config.rdzv_endpoint:
+        raise InvalidArgument(f"--nnodes {config.nnodes}: several nodes need "
+                              "--rdzv-endpoint HOST:PORT, where they meet")
+    nodes = config.nnodes.split(":")[-1]
+    world = config.nproc_per_node * int(nodes) if nodes.isdigit() else None
+    size = config.shard_group_size
+    if size < 0 or (world is not None and size and world % size):
+        raise InvalidArgument(f"--shard-group-size: {size} does not divide the {world} ranks")
 
 
 def join(config: ServerConfig) -> tuple[Parallel, Channel]:
@@ -77,8 +91,7 @@ def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engin
                          activation_checkpointing=config.activation_checkpointing == "on",
                          parallel=parallel)
     if parallel is not None:
-        log.info("rank %d of %d holds %d of the base's %d parameter bytes", parallel.rank,
-                 parallel.world, parallel.local_param_bytes(), parallel.base_param_bytes())
+        log.info("loaded: %s", parallel.describe_share())
     return engine
 
 
@@ -91,6 +104,7 @@ def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> 
     engine = load_engine(config, parallel)
     try:
         follow(engine, channel)
+        log.info("stopping: %s", parallel.describe_share())
     except Exception as exc:
         log.error("rank %d: lost the group: %s: %s", parallel.rank, type(exc).__name__, exc)
         return 1

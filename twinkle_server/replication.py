@@ -274,6 +274,7 @@ class ReplicatedEngine:
         """Tell the other ranks to exit (when the group is still whole)."""
         self._closed.set()
         self._keepalive.join()
+        log.info("stopping: %s", self.engine.parallel.describe_share())
         with self._lock:
             if self.lost is None:
                 try:

@@ -118,7 +118,7 @@ def _pass_logprobs(base: BaseModel, router: Router, rows: list[Row], packed: boo
         # Not views: FSDP hooks the root's outputs for backward, and warns on views.
         return [lp.clone() for lp in lps], hits
 
-    local_lps, local_hits = parallel.run(compute)
+    local_lps, local_hits = parallel.run(compute, backward=grad)
     anchor = torch.stack([lp.sum() for lp in local_lps]).sum() * 0.0
     if not mine:
         local_lps, local_hits = [], []

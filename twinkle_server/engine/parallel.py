@@ -162,11 +162,11 @@ class Parallel:
         fully_shard(self.root, mesh=self.mesh)
         self.root.reshard()
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, backward: bool = False) -> Any:
         """`fn(*args)` with the base's weights available to it: one forward of the root.
 
-        Without grad the root's weights are released at once; with grad they stay until
-        `end_pass` (the backward pass needs the output layer again)."""
+        The root's weights are released after it, unless a `backward` pass will follow:
+        then they stay until `end_pass` (the backward needs the output layer again)."""
         if self.root is None:
             raise RuntimeError("Parallel.run before shard")
         try:
@@ -174,7 +174,7 @@ class Parallel:
         except BaseException:
             self.root.reset_iter_state()
             raise
-        if not torch.is_grad_enabled():
+        if not backward:
             self.root.reshard()
         return out
 
@@ -193,6 +193,11 @@ class Parallel:
             local = param.to_local() if hasattr(param, "to_local") else param
             total += local.numel() * local.element_size()
         return total
+
+    def describe_share(self) -> str:
+        """One log line: the base bytes this rank holds, of the whole."""
+        return (f"rank {self.rank} of {self.world} holds {self.local_param_bytes()} of the "
+                f"base's {self.base_param_bytes()} parameter bytes")
 
     def base_param_bytes(self) -> int:
         """Bytes of the whole base's parameters (every rank's shards together)."""
