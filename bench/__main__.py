@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench import codec, engine, server, tinker_compat, tinker_http
+from bench import codec, distributed, engine, server, tinker_compat, tinker_http
 
-for module in (codec, engine, server, tinker_compat, tinker_http):
+for module in (codec, engine, distributed, server, tinker_compat, tinker_http):
     print(f"== {module.__name__}")
     module.main()
     print()

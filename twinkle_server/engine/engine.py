@@ -50,7 +50,7 @@ import torch
 
 from twinkle_server.engine import activations, checkpoint, forward, losses, memory
 from twinkle_server.engine.adapter import Adapter
-from twinkle_server.engine.base_model import BaseModel, load_base_model
+from twinkle_server.engine.base_model import BaseModel, load_base_model, resolve_dtype
 from twinkle_server.engine.errors import (
     EngineError,
     FailedPrecondition,
@@ -131,10 +131,16 @@ class Engine:
         `activation_checkpointing` recomputes decoder layers in backward
         (`--activation-checkpointing on`); `parallel` shards it over ranks (on the
         rank's own device, whatever `device` says)."""
-        if parallel is not None:
-            device = str(parallel.placement.device)
-        return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),
-                   limits, packing, activation_checkpointing, parallel)
+        if parallel is None:
+            return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),
+                       limits, packing, activation_checkpointing)
+        # Loaded into host memory, then each decoder layer moves to the device as it is
+        # sharded: the device never holds more than its shards and one layer.
+        target = parallel.placement.device
+        base = load_base_model(model, device="cpu", dtype=str(resolve_dtype(dtype, target))
+                               .removeprefix("torch."), cache_dir=cache_dir)
+        base.device = target
+        return cls(base, limits, packing, activation_checkpointing, parallel)
 
     def _on_base(self, fn, *args):
         """`fn(*args)` with the base model's weights at hand (gathered, on several ranks)."""
