@@ -7,6 +7,9 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -163,3 +166,36 @@ def test_a_hung_rank_is_given_up_within_the_collective_timeout(tmp_path, tiny_ca
                 os.kill(hung, signal.SIGCONT)
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_two_nodes_meet_at_the_rendezvous_and_serve_as_one(tmp_path, tiny_cache):
+    # Two launchers on this machine play two nodes of one rank each.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    nodes, logs = [], []
+    try:
+        for node in (0, 1):
+            logs.append(tmp_path / f"node{node}.log")
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "twinkle_server.cli", "serve", "--port", "0",
+                 "--data-dir", str(tmp_path / f"data{node}"), "--nproc-per-node", "1",
+                 "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint],
+                stdout=logs[-1].open("w"), stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        address = None
+        deadline = time.monotonic() + 120
+        while address is None and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in nodes), [f.read_text() for f in logs]
+            found = [re.search(r"^listening on (\S+)$", f.read_text(), re.M) for f in logs]
+            address = next((m.group(1) for m in found if m), None)
+            time.sleep(0.2)
+        assert address is not None, [f.read_text() for f in logs]
+        assert np.isfinite(_one_step(address))
+        text = "".join(f.read_text() for f in logs)
+        assert sorted(_shares(text)) == [("loaded", 0), ("loaded", 1)]
+    finally:
+        for proc in nodes:
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(60) for proc in nodes]
+    assert codes == [0, 0], [f.read_text()[-2000:] for f in logs]
