@@ -175,9 +175,9 @@ class ReplicatedEngine:
             except EngineError:
                 raise
             except Exception as exc:
-                if not isinstance(exc, dist.DistError) and "gloo" not in str(exc).lower() \
-                        and "nccl" not in str(exc).lower() and "timed out" not in str(exc):
-                    raise
+                # A collective failed, or rank 0 failed where the others did not (they
+                # may now wait in a collective it will never join): the ranks are no
+                # longer in step, and no later call could be trusted.
                 self.lost = _lost_message(self.engine.parallel.world, exc, self.timeout_s)
                 log.error("%s", self.lost)
         if self.on_lost is not None:
@@ -294,7 +294,7 @@ def _lost_message(world: int, exc: BaseException, timeout_s: float) -> str:
     except Exception as store_exc:  # the store itself may be gone with the rank
         log.warning("could not read the ranks' heartbeats: %s", store_exc)
     who = (f"rank {', '.join(map(str, lost))} stopped" if lost
-           else "a rank did not answer")
+           else "the ranks are out of step")
     return (f"distributed group lost: {who} (collective timeout {timeout_s:g} s, "
             f"--collective-timeout): {type(exc).__name__}: {str(exc)[:300]}; the server is "
             "shutting down, restart it to resume from the saved checkpoints")
