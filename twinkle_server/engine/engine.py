@@ -40,10 +40,10 @@ import math
 import os
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -70,6 +70,8 @@ from twinkle_server.engine.types import (
     SampledSequence,
     SampleRequest,
 )
+
+T = TypeVar("T")
 
 __all__ = ["Engine", "ForwardRequest", "SampleRequest", "available_memory_bytes"]
 
@@ -142,7 +144,7 @@ class Engine:
         base.device = target
         return cls(base, limits, packing, activation_checkpointing, parallel)
 
-    def _on_base(self, fn, *args):
+    def _on_base(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` with the base model's weights at hand (gathered, on several ranks)."""
         return fn(*args) if self.parallel is None else self.parallel.run(fn, *args)
 

@@ -136,8 +136,8 @@ def _filler(rows: list[Row]) -> Row:
     first request's), forward only."""
     request = next((r for r, _ in rows if r.backward), rows[0][0])
     zero = np.zeros(1, dtype=np.int64)
-    return (ForwardRequest(request.adapter_id, [Datum(zero, {"target_tokens": zero})], None,
-                           False), Datum(zero, {"target_tokens": zero}))
+    datum = Datum(zero, {"target_tokens": zero})
+    return ForwardRequest(request.adapter_id, [datum], None, False), datum
 
 
 def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter],

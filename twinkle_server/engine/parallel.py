@@ -99,10 +99,9 @@ class Parallel:
     """One rank's share of a sharded engine: the process group, the device mesh, the
     FSDP root, and the collectives a pass needs. Build with `Parallel.init`."""
 
-    def __init__(self, placement: Placement, mesh: Any, timeout_s: float) -> None:
+    def __init__(self, placement: Placement, mesh: Any) -> None:
         self.placement = placement
         self.mesh = mesh
-        self.timeout_s = timeout_s
         self.root: _Root | None = None
 
     @property
@@ -139,7 +138,7 @@ class Parallel:
         else:
             mesh = init_device_mesh(kind, (world // size, size),
                                     mesh_dim_names=("replicate", "shard"))
-        return cls(placement, mesh, timeout_s)
+        return cls(placement, mesh)
 
     def close(self) -> None:
         """Leave the process group."""
@@ -219,7 +218,8 @@ class Parallel:
         (still attached to the graph); the others arrive detached, as float32."""
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         lengths = [int(s[0]) for s in shapes]
-        per_rank = [sum(sizes[i] for i in share_of(lengths, r, self.world)) for r in range(self.world)]
+        per_rank = [sum(sizes[i] for i in share_of(lengths, r, self.world))
+                    for r in range(self.world)]
         width = max(per_rank)
         device = self.placement.device
         flat = torch.zeros(width, dtype=torch.float32, device=device)
