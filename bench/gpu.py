@@ -9,7 +9,8 @@ is saved with the tiny model's tokenizer to a temp dir and loaded by `Engine.loa
 forward_backward + optim_step of 8 x 2048 tokens, rank 16 all-linear, through the engine
 and through a plain transformers + peft loop on the same model and data; then 8 tenants
 each sending 1 x 512, merged (one `Engine.forward_batch` of 8 requests) vs timeshare (8
-calls). Tokens/s, model FLOPs utilisation against this device's bf16 matmul peak measured
+calls); and the engine's step again under torch.distributed with one rank (nccl; issue
+16's FSDP2 path, `--nproc-per-node`). Tokens/s, model FLOPs utilisation against this device's bf16 matmul peak measured
 here (a large matmul timed with CUDA events), and peak memory
 (`torch.cuda.max_memory_allocated`) beside the engine's own pass headroom estimate
 (`engine.memory`). Exits 2 when no CUDA device is present.
@@ -23,6 +24,7 @@ the positions masked). LoRA's own FLOPs (rank 16) are under 1% and not counted.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -150,6 +152,8 @@ def bench_shape(name: str, path: Path, args, peak_flops: float, rows: list) -> N
         _free(device)
         peft_row(name, path, f"{tmp}/a", args, mfu, rows)
         _free(device)
+        distributed_row(name, path, args, mfu, rows)
+        _free(device)
 
 
 def engine_rows(name: str, path: Path, adapter_dir: str, args, peak_flops: float,
@@ -216,6 +220,46 @@ def engine_rows(name: str, path: Path, adapter_dir: str, args, peak_flops: float
                      mfu(seconds, small, tenant_tokens), _peak(device)))
     engine.save_weights("bench", adapter_dir)
     return mfu
+
+
+def distributed_row(name: str, path: Path, args, mfu: Callable[[float, int], float],
+                    rows: list) -> None:
+    """The engine's step under torch.distributed with one rank (nccl on CUDA, gloo on
+    CPU): the FSDP2 path of `--nproc-per-node`, against the plain engine row above."""
+    import socket
+
+    from twinkle_server.engine.engine import Engine, ForwardRequest
+    from twinkle_server.engine.parallel import Parallel, placement_from_env
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    parallel = Parallel.init(placement_from_env(args.device), timeout_s=600)
+    try:
+        n, length = args.rows, args.length
+        limits = EngineLimits(max_adapters=16, max_seq_len=length, max_batch_tokens=n * length)
+        engine = Engine.load(str(path), device=args.device, dtype=args.dtype, limits=limits,
+                             parallel=parallel)
+        engine.add_adapter("bench", SPEC)
+        batch = _datums(n, length, engine.base.vocab_size)
+
+        def step() -> None:
+            out = engine.forward_batch([ForwardRequest("bench", batch, CE, True)])[0]
+            if isinstance(out, Exception):
+                raise out
+            engine.optim_step("bench", ADAM)
+
+        device = torch.device(args.device)
+        _reset_peak(device)
+        seconds = _seconds(step, device, args.steps)
+        rows.append((name, f"engine {n} x {length}, FSDP2 1 rank", n * length / seconds,
+                     mfu(seconds, length), _peak(device)))
+    finally:
+        parallel.close()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key)
 
 
 def peft_row(name: str, path: Path, adapter_dir: str, args,
