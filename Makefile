@@ -4,8 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# tinker-cookbook and its dependencies live in their own venv: `make test` never sees them.
+COOKBOOK_VENV ?= .venv-cookbook
+COOKBOOK_PY := $(COOKBOOK_VENV)/bin/python
+COOKBOOK_SPEC ?= tinker-cookbook==0.6.1
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 
-.PHONY: setup proto test test-unit lint demo serve bench soak clean
+.PHONY: setup proto test test-unit lint demo serve bench soak cookbook-check clean
 
 setup: $(STAMP)
 
@@ -39,5 +44,24 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak
 
+# CPU torch first (plain `torch` would pull a CUDA build). If pip cannot resolve the cookbook
+# (0.6.1 pins tml-renderers>=0.4.1, which only Inkling models use and which an index may
+# lack), install it with --no-deps plus its other requirements.
+$(COOKBOOK_STAMP):
+	test -x $(COOKBOOK_PY) || $(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(COOKBOOK_PY) -m pip install --quiet '$(COOKBOOK_SPEC)' || { \
+	  echo "cookbook-check: installing $(COOKBOOK_SPEC) without tml-renderers"; \
+	  $(COOKBOOK_PY) -m pip install --quiet --no-deps '$(COOKBOOK_SPEC)' && \
+	  $(COOKBOOK_PY) -c "import importlib.metadata as m; print('\n'.join(r for r in \
+	    m.requires('tinker-cookbook') if 'extra ==' not in r and 'tml-renderers' not in r))" \
+	    > $(COOKBOOK_VENV)/cookbook-requirements.txt && \
+	  $(COOKBOOK_PY) -m pip install --quiet -r $(COOKBOOK_VENV)/cookbook-requirements.txt; }
+	touch $(COOKBOOK_STAMP)
+
+# Cookbook-style SFT and RL loops, stock tinker SDK, against a server run from $(VENV).
+cookbook-check: setup $(COOKBOOK_STAMP)
+	$(COOKBOOK_PY) examples/cookbook_check.py
+
 clean:
-	rm -rf $(VENV) twinkle-data .pytest_cache
+	rm -rf $(VENV) $(COOKBOOK_VENV) twinkle-data .pytest_cache
