@@ -33,8 +33,11 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_cache):
-    """One server on one rank and one on two, same flags otherwise."""
-    flags = ("--max-adapters-per-tenant", "16")
+    """One server on one rank and one on two, same flags otherwise. Passes run in pieces
+    of at most 32 tokens, so a merged pass runs in several pieces on each rank (and the
+    native loop's in one piece a rank on two ranks, several on one)."""
+    flags = ("--max-adapters-per-tenant", "16", "--max-pass-tokens", "32",
+             "--max-seq-len", "32")
     one = start_server(tmp_path_factory.mktemp("one-rank"), *flags)
     two = start_server(tmp_path_factory.mktemp("two-ranks"), *flags,
                        "--nproc-per-node", "2", "--collective-timeout", "60")

@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(serve(cfg, parallel=parallel, channel=channel))
-    except ConfigError as exc:
+    except (ConfigError, EngineError) as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
     except GroupLost as exc:

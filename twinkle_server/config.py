@@ -49,6 +49,11 @@ class ServerConfig:
     max_rank: int = _opt(128, "largest LoRA rank")
     max_seq_len: int = _opt(4096, "longest sequence in tokens")
     max_batch_tokens: int = _opt(262_144, "most tokens in one forward/forward_backward request")
+    max_pass_tokens: int = _opt(16_384, "most tokens the base runs at once: a larger pass (one "
+                                        "big request, or merged ones) runs in pieces of this "
+                                        "many, with the same results for one more forward; it "
+                                        "bounds a pass's memory, which adapter creation keeps "
+                                        "free. At least --max-seq-len; 0: no cap")
     merge_token_budget: int = _opt(0, "most tokens in one merged base-model pass; 0 picks "
                                       "by device: 1024 on CPU, 8192 on an accelerator")
     session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
@@ -73,7 +78,8 @@ class ServerConfig:
 
     def limits(self) -> EngineLimits:
         return EngineLimits(max_adapters=self.max_adapters, max_rank=self.max_rank,
-                            max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens)
+                            max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens,
+                            max_pass_tokens=self.max_pass_tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """The pass headroom `add_adapter` keeps free beside every adapter's state (`engine.memory`):
-counted once per engine from its limits, growing with `--max-batch-tokens`, and named in
-the refusal with a fix."""
+counted once per engine from its limits (the largest piece of a pass: `--max-pass-tokens`,
+or without it `--max-batch-tokens`), and named in the refusal with a fix."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from twinkle_server.engine import logprobs, memory
 from twinkle_server.engine.engine import Engine
-from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.errors import InvalidArgument, ResourceExhausted
 from twinkle_server.engine.types import EngineLimits, LoraSpec
 
 
@@ -69,7 +69,7 @@ def test_refusal_names_the_pass_headroom_and_the_fix(engine, fresh, monkeypatch)
     with pytest.raises(ResourceExhausted, match=(
             rf"plus {headroom_mib} MiB pass headroom \(activations and logits of a 4096-token "
             r"pass\) but only .* MiB are free; use a smaller rank or fewer target modules, "
-            r"or a lower --max-batch-tokens")):
+            r"or a lower --max-pass-tokens")):
         engine.add_adapter("tight", spec)
     assert "tight" not in engine.adapters
     # Exactly enough: state plus headroom fit.
@@ -78,7 +78,8 @@ def test_refusal_names_the_pass_headroom_and_the_fix(engine, fresh, monkeypatch)
     fresh.append("tight")
 
 
-def test_cpu_engines_report_the_headroom_without_reserving_it(engine, fresh, monkeypatch):
+def test_cpu_engines_without_a_pass_cap_report_the_headroom_without_reserving_it(
+        engine, fresh, monkeypatch):
     import twinkle_server.engine.engine as engine_module
 
     assert engine.base.device.type == "cpu" and not engine.reserve_pass_memory
@@ -87,3 +88,19 @@ def test_cpu_engines_report_the_headroom_without_reserving_it(engine, fresh, mon
                         lambda device: engine.estimate_adapter_bytes(spec))
     engine.add_adapter("host", spec)
     fresh.append("host")
+
+
+def test_a_pass_cap_bounds_the_headroom_and_is_reserved_even_on_cpu(engine, tiny_cache):
+    capped = Engine.load("tiny", cache_dir=str(tiny_cache),
+                         limits=EngineLimits(max_seq_len=2048, max_batch_tokens=262_144,
+                                             max_pass_tokens=2048))
+    assert capped.pass_headroom_bytes == memory.pass_headroom_bytes(
+        capped.base.config, capped.base.dtype, capped.base.vocab_size, 2048)
+    assert capped.base.device.type == "cpu" and capped.reserve_pass_memory
+
+
+def test_a_pass_cap_under_the_longest_datum_is_refused(tiny_cache):
+    with pytest.raises(InvalidArgument, match="max_pass_tokens: 100 is under the 256-token "
+                                              "--max-seq-len"):
+        Engine.load("tiny", cache_dir=str(tiny_cache),
+                    limits=EngineLimits(max_seq_len=256, max_pass_tokens=100))

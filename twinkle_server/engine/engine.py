@@ -111,17 +111,24 @@ class Engine:
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
         self._samplers: OrderedDict[str, Adapter] = OrderedDict()
-        # Activations + one logits chunk of the largest pass the limits allow, computed
-        # once: shared by every adapter, kept free beside their state (`engine.memory`).
+        pass_tokens = limits.max_pass_tokens or limits.max_batch_tokens
+        if limits.max_pass_tokens and limits.max_pass_tokens < limits.max_seq_len:
+            raise InvalidArgument(
+                f"max_pass_tokens: {limits.max_pass_tokens} is under the {limits.max_seq_len}-"
+                "token --max-seq-len; a datum is never split, so a piece of a pass must hold "
+                "the longest (--max-pass-tokens)")
+        # Activations + one logits chunk of the largest piece of a pass the limits allow,
+        # computed once: shared by every adapter, kept free beside their state
+        # (`engine.memory`).
         self.pass_headroom_bytes = memory.pass_headroom_bytes(
-            base.config, base.dtype, base.vocab_size, limits.max_batch_tokens,
-            activation_checkpointing)
+            base.config, base.dtype, base.vocab_size, pass_tokens, activation_checkpointing)
         # Reserved beside adapter state on accelerators, where running out is a hard
-        # failure mid-pass and the free figure is the device's own. On CPU the host's
-        # MemAvailable is shared with every other process and the default limits allow a
-        # 262,144-token request (17.9 GiB of headroom on the tiny model), so reserving it
-        # would refuse adapters on ordinary machines: there it is reported, not reserved.
-        self.reserve_pass_memory = base.device.type != "cpu"
+        # failure mid-pass, and wherever `max_pass_tokens` bounds a pass (1.6 GiB for the
+        # tiny model's 16,384 tokens). Without that bound, on CPU, where MemAvailable is
+        # shared with every other process, a 262,144-token request would need 17.9 GiB
+        # of headroom on the tiny model, refusing adapters on ordinary machines: there it
+        # is reported, not reserved.
+        self.reserve_pass_memory = base.device.type != "cpu" or limits.max_pass_tokens > 0
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
@@ -199,9 +206,9 @@ class Engine:
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
                 f"state for rank {spec.rank} on {len(targets)} layers) plus "
                 f"{headroom / 2**20:.1f} MiB pass headroom (activations and logits of a "
-                f"{self.limits.max_batch_tokens}-token pass) but only {free / 2**20:.1f} MiB "
-                "are free; use a smaller rank or fewer target modules, or a lower "
-                "--max-batch-tokens")
+                f"{self.limits.max_pass_tokens or self.limits.max_batch_tokens}-token pass) "
+                f"but only {free / 2**20:.1f} MiB are free; use a smaller rank or fewer target "
+                "modules, or a lower --max-pass-tokens")
         if spec.seed is None:
             spec = LoraSpec(**{**asdict(spec), "seed": secrets.randbits(31)})
         adapter = Adapter(adapter_id, spec, self._new_weights(spec, targets),
@@ -309,7 +316,7 @@ class Engine:
         if valid:
             outputs = forward.run_forward(self.base, self.router, self.adapters,
                                           [requests[i] for i in valid], self.packing,
-                                          self.parallel)
+                                          self.parallel, self.limits.max_pass_tokens)
             for i, output in zip(valid, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]

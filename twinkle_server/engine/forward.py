@@ -28,7 +28,7 @@ from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.lora import Router
 from twinkle_server.engine.packing import PassLayout
-from twinkle_server.engine.parallel import Parallel
+from twinkle_server.engine.parallel import Parallel, share_of
 from twinkle_server.engine.types import Datum, ForwardOutput, ForwardRequest
 
 Row = tuple[ForwardRequest, Datum]
@@ -96,39 +96,141 @@ def _row_logprobs(base: BaseModel, router: Router, rows: list[Row], hidden: torc
     return row_lps, row_hits
 
 
-def _pass_logprobs(base: BaseModel, router: Router, rows: list[Row], packed: bool,
-                   parallel: Parallel | None
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor | None]:
-    """`_row_logprobs` of every row of the pass, and on several ranks an anchor: a zero
-    that depends on this rank's own graph, for its backward to reach every layer even when
-    none of the losses it backpropagates depends on its rows (None on one rank)."""
-    grad = any(r.backward for r, _ in rows)
-    if parallel is None:
-        return (*_row_logprobs(base, router, rows, _hidden(base, router, rows, packed, grad),
-                               grad), None)
-    mine = parallel.share([d.num_tokens for _, d in rows])
-    # A rank with no datum still takes part in every layer's collectives: one token under
-    # the adapter of a backpropagated request (so its graph reaches that adapter), no
-    # dropout, its loss never used.
-    own = [rows[i] for i in mine] or [_filler(rows)]
+def pieces(lengths: Sequence[int], cap: int) -> list[range]:
+    """Consecutive runs of rows, each of at most `cap` tokens (a longer row alone); one
+    run of every row when `cap` is 0 (no cap)."""
+    runs: list[range] = []
+    start, total = 0, 0
+    for index, n in enumerate(lengths):
+        if cap and total and total + n > cap:
+            runs.append(range(start, index))
+            start, total = index, 0
+        total += n
+    return [*runs, range(start, len(lengths))] if lengths else []
 
-    def compute() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        lps, hits = _row_logprobs(base, router, own, _hidden(base, router, own, packed, grad),
-                                  grad)
-        # Not views: FSDP hooks the root's outputs for backward, and warns on views.
-        return [lp.clone() for lp in lps], hits
 
-    local_lps, local_hits = parallel.run(compute, backward=grad)
-    anchor = torch.stack([lp.sum() for lp in local_lps]).sum() * 0.0
-    if not mine:
-        local_lps, local_hits = [], []
-    targets = [d.loss_inputs["target_tokens"] for _, d in rows]
-    lps = parallel.gather_rows(local_lps, [torch.Size(t.shape) for t in targets], mine)
-    hits = parallel.gather_rows(
-        [h if h is not None else torch.zeros(lp.shape[0], device=lp.device)
-         for h, lp in zip(local_hits, local_lps, strict=True)],
-        [torch.Size(t.shape[:1]) for t in targets], mine)
-    return lps, [h if t.ndim == 1 else None for h, t in zip(hits, targets, strict=True)], anchor
+class PassLogprobs:
+    """Every row's target logprobs (and top-1 hits) of one pass, and the backward into
+    them: the part of a merged pass that touches the base.
+
+    Rows run through the base in pieces of at most `cap` tokens (`EngineLimits.
+    max_pass_tokens`), so a pass's activation memory is bounded whatever the requests'
+    size. One piece runs as it always has: its logprobs carry the graph, and `backward`
+    backpropagates the losses through it. Several run twice: first without grad, for
+    the values the losses need; then `backward` takes the losses' gradients with respect
+    to the logprobs (leaf tensors) and replays the pieces one at a time with grad, each
+    backpropagating its share (dropout replays the same masks). Every loss, metric and
+    gradient comes out as from one pass, to float rounding, for one more forward.
+
+    On several ranks (`parallel`) each rank runs only its share of the rows
+    (`Parallel.share`), in as many pieces as the rank that needs most (a rank out of
+    rows runs a filler token), and receives the others' logprobs; backward then sums
+    nothing itself: `_backward` all-reduces the adapters' gradients.
+    """
+
+    def __init__(self, base: BaseModel, router: Router, rows: list[Row], packed: bool,
+                 parallel: Parallel | None, cap: int) -> None:
+        self.base, self.router, self.rows, self.packed = base, router, rows, packed
+        self.parallel = parallel
+        self.grad = any(r.backward for r, _ in rows)
+        lengths = [d.num_tokens for _, d in rows]
+        world = parallel.world if parallel is not None else 1
+        self.mine = parallel.share(lengths) if parallel is not None else range(len(rows))
+        own = [rows[i] for i in self.mine]
+        self.pieces = [[own[i] for i in run]
+                       for run in pieces([d.num_tokens for _, d in own], cap)]
+        self.real = len(self.pieces)
+        count = max(len(pieces([lengths[i] for i in share_of(lengths, r, world)], cap))
+                    for r in range(world))
+        # A rank out of rows still takes part in every layer's collectives: one token
+        # under the adapter of a backpropagated request (so its graph reaches that
+        # adapter), no dropout, its loss never used.
+        self.pieces += [[_filler(rows)] for _ in range(count - self.real)]
+        self.rng: list[tuple[torch.Tensor, ...]] = []
+        local_lps: list[torch.Tensor] = []
+        local_hits: list[torch.Tensor | None] = []
+        self.anchor: torch.Tensor | None = None
+        for index, piece in enumerate(self.pieces):
+            if count > 1:
+                self.rng.append(_rng_state(base.device))
+                with torch.no_grad():
+                    lps, hits = self._run(piece, grad=False)
+            else:
+                lps, hits = self._run(piece, grad=self.grad)
+                if parallel is not None:
+                    self.anchor = torch.stack([lp.sum() for lp in lps]).sum() * 0.0
+            if index < self.real:
+                local_lps += lps
+                local_hits += hits
+        if count > 1:
+            local_lps = [lp.detach().requires_grad_(self.grad) for lp in local_lps]
+        self.leaves = local_lps if count > 1 else None
+        targets = [d.loss_inputs["target_tokens"] for _, d in rows]
+        if parallel is None:
+            self.lps, self.hits = local_lps, local_hits
+            return
+        self.lps = parallel.gather_rows(local_lps, [torch.Size(t.shape) for t in targets],
+                                        self.mine)
+        hits = parallel.gather_rows(
+            [h if h is not None else torch.zeros(lp.shape[0], device=lp.device)
+             for h, lp in zip(local_hits, local_lps, strict=True)],
+            [torch.Size(t.shape[:1]) for t in targets], self.mine)
+        self.hits = [h if t.ndim == 1 else None for h, t in zip(hits, targets, strict=True)]
+
+    def _run(self, rows: list[Row], grad: bool
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        def compute() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+            return _row_logprobs(self.base, self.router, rows,
+                                 _hidden(self.base, self.router, rows, self.packed, grad), grad)
+
+        if self.parallel is None:
+            return compute()
+
+        def own_tensors() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+            lps, hits = compute()
+            # Not views: FSDP hooks the root's outputs for backward, and warns on views.
+            return [lp.clone() for lp in lps], hits
+
+        return self.parallel.run(own_tensors, backward=grad)
+
+    def backward(self, kept: list[torch.Tensor]) -> None:
+        """Backpropagate the sum of `kept` (losses of `self.lps`) into the adapters."""
+        total = torch.stack(kept).sum()
+        if self.leaves is None:
+            (total if self.anchor is None else total + self.anchor).backward()
+            if self.parallel is not None:
+                self.parallel.end_pass()
+            return
+        total.backward()
+        grads = iter(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                     for leaf in self.leaves)
+        device = self.base.device
+        for index, (piece, state) in enumerate(zip(self.pieces, self.rng, strict=True)):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                _set_rng_state(device, state)
+                lps, _ = self._run(piece, grad=True)
+            outs = [(lp * (next(grads) if index < self.real else 0.0)).sum() for lp in lps]
+            torch.stack(outs).sum().backward()
+            if self.parallel is not None:
+                self.parallel.end_pass()
+
+    def drop(self) -> None:
+        """No loss of the pass is backpropagated: release what a backward would have."""
+        if self.parallel is not None and self.grad and self.leaves is None:
+            self.parallel.end_pass()
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The generators LoRA dropout draws from: the CPU's, and the device's on CUDA."""
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(),)
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, ...]) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _filler(rows: list[Row]) -> Row:
@@ -142,10 +244,12 @@ def _filler(rows: list[Row]) -> Row:
 
 def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter],
                 requests: Sequence[ForwardRequest], packed: bool = True,
-                parallel: Parallel | None = None) -> list[ForwardOutput | EngineError]:
+                parallel: Parallel | None = None, max_pass_tokens: int = 0
+                ) -> list[ForwardOutput | EngineError]:
     """Run validated requests in ONE base-model pass; results in the order of `requests`.
     `packed` False pads every datum to the longest instead (`--packing off`); `parallel`
-    runs the pass on several ranks (see the module docstring).
+    runs the pass on several ranks (see the module docstring); `max_pass_tokens` (0: no
+    cap) splits it into pieces that each run through the base alone (`PassLogprobs`).
 
     A request whose loss is not finite gets an `InvalidArgument` value and its gradient
     is discarded; the others' losses are backpropagated together and their adapters'
@@ -156,7 +260,8 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     grouped = [requests[i] for i in slots]
     rows = [(r, d) for r in grouped for d in r.datums]
     device = base.device
-    row_lps, row_hits, anchor = _pass_logprobs(base, router, rows, packed, parallel)
+    computed = PassLogprobs(base, router, rows, packed, parallel, max_pass_tokens)
+    row_lps, row_hits = computed.lps, computed.hits
     row = 0
     to_backward: list[torch.Tensor] = []
     for request, slot in zip(grouped, slots, strict=True):
@@ -198,16 +303,15 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
             logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
             loss=reported, metrics=metrics)
     if to_backward:
-        _backward(adapters, to_backward if anchor is None else [*to_backward, anchor],
-                  requests, results, parallel)
-    elif parallel is not None and any(r.backward for r in requests):
-        parallel.end_pass()
+        _backward(adapters, computed, to_backward, requests, results, parallel)
+    else:
+        computed.drop()
     return results  # type: ignore[return-value]
 
 
-def _backward(adapters: Mapping[str, Adapter], to_backward: list[torch.Tensor],
-              requests: Sequence[ForwardRequest], results: list,
-              parallel: Parallel | None = None) -> None:
+def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
+              to_backward: list[torch.Tensor], requests: Sequence[ForwardRequest],
+              results: list, parallel: Parallel | None) -> None:
     """Backpropagate the kept losses; adapters not trained by them keep their grads.
 
     Autograd also reaches adapters in the batch whose loss is not backpropagated
@@ -224,14 +328,13 @@ def _backward(adapters: Mapping[str, Adapter], to_backward: list[torch.Tensor],
             for a in {r.adapter_id for r in requests} - trained
             for p in adapters[a].parameters()]
     if parallel is None:
-        torch.stack(to_backward).sum().backward()
+        computed.backward(to_backward)
     else:
         params = [p for a in sorted(trained) for p in adapters[a].parameters()]
         before = [p.grad for p in params]
         for param in params:
             param.grad = None
-        torch.stack(to_backward).sum().backward()
-        parallel.end_pass()
+        computed.backward(to_backward)
         parallel.all_reduce_grads(params)
         for param, grad in zip(params, before, strict=True):
             if grad is not None:

@@ -2,8 +2,10 @@
 
 `Engine.add_adapter` refuses an adapter unless `adapter state + pass headroom <= free`,
 where the pass headroom is the activation and logits memory of the LARGEST pass the
-engine's limits allow (`EngineLimits.max_batch_tokens` tokens; each datum at most
-`max_seq_len`, which attention below keeps linear in). It is shared by every adapter (one
+engine's limits allow: `EngineLimits.max_pass_tokens` tokens, since a larger pass runs
+through the base in pieces of at most that many (`forward.PassLogprobs`), or with no such
+cap `max_batch_tokens`; each datum at most `max_seq_len`, which attention below keeps
+linear in. It is shared by every adapter (one
 pass runs at a time, on the scheduler's one worker), so it is computed once per engine
 and counted once, not per adapter: a request that fits the limits then cannot run the
 device out of memory in its forward_backward.

@@ -192,3 +192,5 @@ class EngineLimits:
     max_rank: int = 128
     max_seq_len: int = 4096
     max_batch_tokens: int = 262_144
+    max_pass_tokens: int = 0
+    """Most tokens the base runs in one piece of a pass; 0: no cap (`PassLogprobs`)."""
