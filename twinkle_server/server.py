@@ -133,7 +133,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     async def expire() -> None:
         while not stop.is_set():
             await asyncio.sleep(EXPIRY_CHECK_SECONDS)
-            await rt.expire_sessions()
+            await rt.expire()
 
     expiry = asyncio.create_task(expire())
     await stop.wait()

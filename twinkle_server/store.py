@@ -4,7 +4,12 @@ checkpoint records. Checkpoint files live under `checkpoints/<tenant>/<run_id>/`
 Keys are stored only as SHA-256 hashes; the plain key exists once, when it is created.
 Lookups go by hash, and the final comparison is `hmac.compare_digest`, so timing says
 nothing about a key. Every query is scoped by tenant: another tenant's run or
-checkpoint is simply not found.
+checkpoint is simply not found, unless its owner published the checkpoint.
+
+The schema has a version (`PRAGMA user_version`): `_SCHEMA` is version 0, and each entry
+of `_MIGRATIONS` moves a database one version on, in its own transaction, so a database
+made by an older server opens and is brought up to date, and a new one takes the same
+path.
 """
 
 from __future__ import annotations
@@ -43,6 +48,18 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant, created_at);
 CREATE INDEX IF NOT EXISTS checkpoints_by_tenant ON checkpoints (tenant, created_at);
 """
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: published checkpoints, checkpoint expiry, the per-tenant session listing.
+    ("ALTER TABLE checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0",
+     "ALTER TABLE checkpoints ADD COLUMN expires_at REAL",
+     "CREATE INDEX checkpoints_by_expiry ON checkpoints (expires_at) "
+     "WHERE expires_at IS NOT NULL",
+     "CREATE INDEX sessions_by_tenant ON sessions (tenant, created_at)"),
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+_CHECKPOINT_COLUMNS = ("run_id, kind, name, tenant, rel_path, size_bytes, has_optimizer, "
+                       "created_at, user_metadata, public, expires_at")
+_SESSION_COLUMNS = "session_id, tenant, created_at, last_heartbeat, closed_at, tags"
 
 
 def hash_key(key: str) -> str:
@@ -55,6 +72,16 @@ class KeyRow:
     tenant: str
     created_at: float
     revoked_at: float | None
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    session_id: str
+    tenant: str
+    created_at: float
+    last_heartbeat: float
+    closed_at: float | None
+    tags: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -80,6 +107,8 @@ class CheckpointRow:
     has_optimizer: bool
     created_at: float
     user_metadata: dict[str, str]
+    public: bool = False                # readable by every tenant; only the owner changes it
+    expires_at: float | None = None     # unix time the expiry sweep deletes it; None: never
 
     @property
     def segment(self) -> str:
@@ -108,9 +137,32 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self._read_lock = threading.Lock()
         self._reader = sqlite3.connect(self.data_dir / "twinkle.db", check_same_thread=False,
                                        isolation_level=None)
+
+    def _migrate(self) -> None:
+        """Bring the database to `SCHEMA_VERSION`, one version per transaction. `BEGIN
+        IMMEDIATE` and the version read inside it keep two processes opening one old
+        database (the server and `twinkle-server keys`) from both migrating it."""
+        for version, statements in enumerate(_MIGRATIONS, start=1):
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                current = self._db.execute("PRAGMA user_version").fetchone()[0]
+                if current < version:
+                    for statement in statements:
+                        self._db.execute(statement)
+                    self._db.execute(f"PRAGMA user_version = {version}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        current = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if current > SCHEMA_VERSION:
+            self._db.close()
+            raise RuntimeError(f"{self.data_dir / 'twinkle.db'}: schema version {current} is "
+                               f"newer than this server's {SCHEMA_VERSION}; run a newer server")
 
     def close(self) -> None:
         with self._read_lock:
@@ -152,14 +204,14 @@ class Store:
     def has_keys(self) -> bool:
         return bool(self._query("SELECT 1 FROM api_keys LIMIT 1"))
 
-    def tenant_for_key(self, key: str) -> str | None:
-        """The tenant of an active key, or None."""
+    def active_key(self, key: str) -> KeyRow | None:
+        """The record of an active key, or None."""
         digest = hash_key(key)
-        rows = self._query("SELECT key_hash, tenant FROM api_keys WHERE key_hash = ? "
-                           "AND revoked_at IS NULL", (digest,))
-        for stored, tenant in rows:
+        rows = self._query("SELECT key_hash, key_id, tenant, created_at, revoked_at FROM "
+                           "api_keys WHERE key_hash = ? AND revoked_at IS NULL", (digest,))
+        for stored, *row in rows:
             if hmac.compare_digest(stored, digest):
-                return tenant
+                return KeyRow(*row)
         return None
 
     # ------------------------------------------------------------------ sessions
@@ -170,6 +222,21 @@ class Store:
         self._write("INSERT INTO sessions VALUES (?, ?, ?, ?, NULL, ?)",
                     (session_id, tenant, now, now, json.dumps(tags)))
         return session_id
+
+    def get_session(self, tenant: str, session_id: str) -> SessionRow | None:
+        """A tenant's session, open or closed."""
+        rows = self._query(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ? "
+                           "AND tenant = ?", (session_id, tenant))
+        return _session(rows[0]) if rows else None
+
+    def list_sessions(self, tenant: str, limit: int, offset: int
+                      ) -> tuple[list[SessionRow], int]:
+        """Every session the tenant created, open or closed, newest first."""
+        total = self._query("SELECT COUNT(*) FROM sessions WHERE tenant = ?", (tenant,))[0][0]
+        rows = self._query(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE tenant = ? "
+                           "ORDER BY created_at DESC, session_id LIMIT ? OFFSET ?",
+                           (tenant, limit, offset))
+        return [_session(r) for r in rows], total
 
     def session_tenant(self, session_id: str) -> str | None:
         rows = self._query("SELECT tenant FROM sessions WHERE session_id = ? "
@@ -203,6 +270,12 @@ class Store:
                      session_id, now, now))
         return self.get_run(tenant, run_id)  # type: ignore[return-value]
 
+    def session_runs(self, tenant: str, session_id: str) -> list[str]:
+        """The ids of the tenant's runs made in a session, oldest first."""
+        rows = self._query("SELECT run_id FROM runs WHERE tenant = ? AND session_id = ? "
+                           "ORDER BY created_at, run_id", (tenant, session_id))
+        return [r[0] for r in rows]
+
     def touch_run(self, run_id: str) -> None:
         self._write("UPDATE runs SET last_request_time = ? WHERE run_id = ?",
                     (time.time(), run_id))
@@ -226,15 +299,35 @@ class Store:
         return self.checkpoint_root / tenant / run_id / segment / name
 
     def add_checkpoint(self, row: CheckpointRow) -> None:
-        self._write("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        """Record a checkpoint; a save over an existing name replaces its record, so the
+        new weights start private and with no expiry, whatever the old ones had."""
+        self._write(f"INSERT OR REPLACE INTO checkpoints ({_CHECKPOINT_COLUMNS}) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (row.run_id, row.kind, row.name, row.tenant, row.rel_path, row.size_bytes,
-                     int(row.has_optimizer), row.created_at, json.dumps(row.user_metadata)))
+                     int(row.has_optimizer), row.created_at, json.dumps(row.user_metadata),
+                     int(row.public), row.expires_at))
 
-    def get_checkpoint(self, tenant: str, run_id: str, kind: str, name: str
-                       ) -> CheckpointRow | None:
-        rows = self._query("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ? "
-                           "AND tenant = ?", (run_id, kind, name, tenant))
+    def get_checkpoint(self, tenant: str, run_id: str, kind: str, name: str, *,
+                       include_public: bool = False) -> CheckpointRow | None:
+        """The tenant's checkpoint, or (`include_public`) any tenant's published one."""
+        owner = "(tenant = ? OR public = 1)" if include_public else "tenant = ?"
+        rows = self._query(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE run_id = ? "
+                           f"AND kind = ? AND name = ? AND {owner}", (run_id, kind, name, tenant))
         return _checkpoint(rows[0]) if rows else None
+
+    def set_checkpoint_public(self, row: CheckpointRow, public: bool) -> None:
+        self._write("UPDATE checkpoints SET public = ? WHERE run_id = ? AND kind = ? AND "
+                    "name = ?", (int(public), row.run_id, row.kind, row.name))
+
+    def set_checkpoint_expiry(self, row: CheckpointRow, expires_at: float | None) -> None:
+        self._write("UPDATE checkpoints SET expires_at = ? WHERE run_id = ? AND kind = ? AND "
+                    "name = ?", (expires_at, row.run_id, row.kind, row.name))
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
+        """Every tenant's checkpoints whose expiry is at or before `now`."""
+        rows = self._query(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE expires_at "
+                           "IS NOT NULL AND expires_at <= ?", (now,))
+        return [_checkpoint(r) for r in rows]
 
     def list_checkpoints(self, tenant: str | None, run_id: str | None, limit: int = 1000,
                          offset: int = 0) -> tuple[list[CheckpointRow], int]:
@@ -247,18 +340,29 @@ class Store:
             args.append(run_id)
         where = ("WHERE " + " AND ".join(clauses)) if clauses else ""
         total = self._query(f"SELECT COUNT(*) FROM checkpoints {where}", tuple(args))[0][0]
-        rows = self._query(f"SELECT * FROM checkpoints {where} ORDER BY created_at DESC, name "
-                           "LIMIT ? OFFSET ?", (*args, limit, offset))
+        rows = self._query(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints {where} "
+                           "ORDER BY created_at DESC, name LIMIT ? OFFSET ?",
+                           (*args, limit, offset))
         return [_checkpoint(r) for r in rows], total
 
-    def delete_checkpoint(self, row: CheckpointRow) -> None:
-        self._write("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
-                    (row.run_id, row.kind, row.name))
+    def delete_checkpoint(self, row: CheckpointRow, expired_by: float | None = None) -> bool:
+        """Delete a checkpoint's record (with `expired_by`: only if it expires by then);
+        returns whether there was one to delete."""
+        sql, args = ("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                     (row.run_id, row.kind, row.name))
+        if expired_by is not None:
+            sql, args = sql + " AND expires_at <= ?", (*args, expired_by)
+        return self._write(sql, args) > 0
 
 
 def _run(r: tuple) -> RunRow:
     return RunRow(r[0], r[1], r[2], json.loads(r[3]), json.loads(r[4]), r[5], r[6], r[7])
 
 
+def _session(r: tuple) -> SessionRow:
+    return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]))
+
+
 def _checkpoint(r: tuple) -> CheckpointRow:
-    return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], json.loads(r[8]))
+    return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], json.loads(r[8]),
+                         bool(r[9]), r[10])

@@ -17,6 +17,7 @@ import tinker
 from tinker import types
 from tinker.proto import tinker_public_pb2 as tpb
 
+from twinkle_server.http import unserved
 from twinkle_server.http.app import Front
 from twinkle_server.http.rest import Rest
 from twinkle_server.store import hash_key
@@ -96,8 +97,11 @@ def _forward_body(model_id: str) -> bytes:
 PUBLIC = {("GET", "/api/v1/healthz"), ("POST", "/api/v1/client/config"),
           ("POST", "/api/v1/client/dynamic_config"), ("GET", "/api/v1/get_server_capabilities"),
           ("POST", "/api/v1/telemetry"), ("POST", "/api/v1/create_session")}
-"""Routes that name no tenant object (they answer the caller about the server or create
-the caller's own session)."""
+"""Routes that name no tenant object (they answer the caller about the server or itself,
+or create the caller's own session)."""
+UNSERVED = {(method, "/api/v1" + path) for method, path, *_ in unserved.UNSERVED}
+"""Routes that answer everyone that the server does not provide them (`test_rest_client`)."""
+CHECKPOINT = "/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}"
 
 
 def _cases(o: dict) -> dict[tuple[str, str], dict]:
@@ -131,8 +135,14 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
         ("GET", "/api/v1/training_runs/{run_id}"): {"url": f"/api/v1/training_runs/{run}"},
         ("GET", "/api/v1/training_runs/{run_id}/checkpoints"):
             {"url": f"/api/v1/training_runs/{run}/checkpoints"},
-        ("DELETE", "/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}"):
-            {"url": f"/api/v1/training_runs/{run}/checkpoints/{ckpt}"},
+        ("DELETE", CHECKPOINT): {"url": f"/api/v1/training_runs/{run}/checkpoints/{ckpt}"},
+        ("POST", f"{CHECKPOINT}/publish"):
+            {"url": f"/api/v1/training_runs/{run}/checkpoints/{ckpt}/publish"},
+        ("DELETE", f"{CHECKPOINT}/publish"):
+            {"url": f"/api/v1/training_runs/{run}/checkpoints/{ckpt}/publish"},
+        ("PUT", f"{CHECKPOINT}/ttl"):
+            {"url": f"/api/v1/training_runs/{run}/checkpoints/{ckpt}/ttl",
+             "json": {"ttl_seconds": 3600}},
         ("POST", "/api/v1/weights_info"): {"json": {"tinker_path": o["saved"]}},
         ("GET", "/api/v1/sessions/{session_id}"): {"url": f"/api/v1/sessions/{o['session']}"},
         ("GET", "/api/v1/training_runs"): {"listing": "training_runs"},
@@ -143,10 +153,10 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
 
 def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
     front = Front(None)
-    routes = {(m, r.path) for r in (*front.routes(), *Rest(front).routes())
+    routes = {(m, r.path) for r in (*front.routes(), *Rest(front).routes(), *unserved.routes())
               for m in r.methods if m != "HEAD"}
     cases = _cases(alice_objects)
-    assert routes == set(cases) | PUBLIC, "a route without an isolation case"
+    assert routes == set(cases) | PUBLIC | UNSERVED, "a route without an isolation case"
     secret = {v for k, v in alice_objects.items() if k != "future"}
     with httpx.Client(base_url=base_url, headers={"X-API-Key": server.keys["bob"]},
                       timeout=60) as http:

@@ -10,29 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from twinkle_server.config import ServerConfig
-from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
 from twinkle_server.runtime import OpRef, Runtime
-from twinkle_server.store import Store
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_cache) -> Engine:
-    return Engine.load("tiny", cache_dir=str(tiny_cache))
-
-
-@pytest.fixture
-def runtime(engine, tmp_path):
-    rt = Runtime(ServerConfig(data_dir=tmp_path), engine, Store(tmp_path))
-    rt.scheduler.start()
-    yield rt
-    rt.scheduler.stop(drain=True, timeout=60)
-    for model_id in list(rt.models):
-        engine.remove_adapter(model_id)
-    rt.close()
-    rt.store.close()
 
 
 def _datums(n: int = 2, length: int = 8) -> list[Datum]:

@@ -4,7 +4,8 @@
 A thin adapter, like the gRPC front: routes (`app`, `rest`) read the SDK's bodies
 (`convert`), call the same runtime verbs with the tenant from the same
 `Runtime.authenticate`, and answer in the SDK's shapes; ops become futures (`futures`)
-that `retrieve_future` resolves; failures map to statuses in one place (`errors`).
+that `retrieve_future` resolves; failures map to statuses in one place (`errors`); the
+SDK's routes this server does not provide say so by name (`unserved`).
 
 Stack: Starlette on uvicorn. `uvicorn.Server.serve()` is a coroutine, so the HTTP server
 runs as one more task on the loop that runs `grpc.aio` and the runtime: no second
@@ -28,6 +29,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from twinkle_server.config import ServerConfig
+from twinkle_server.http import unserved
 from twinkle_server.http.app import Front
 from twinkle_server.http.metrics import Metrics
 from twinkle_server.http.rest import Rest
@@ -41,7 +43,7 @@ HTTP_OFF = -1
 def build_app(rt: Runtime) -> tuple[Starlette, Front, Metrics]:
     front = Front(rt)
     metrics = Metrics(rt, front.futures.pending)
-    routes = [*front.routes(), *Rest(front).routes(),
+    routes = [*front.routes(), *Rest(front).routes(), *unserved.routes(),
               Route("/metrics", metrics.endpoint, methods=["GET"])]
     return Starlette(routes=routes), front, metrics
 

@@ -29,6 +29,8 @@ from twinkle_server.http import convert
 from twinkle_server.http.errors import BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
 from twinkle_server.runtime import CheckpointRef, OpRef, Runtime
+from twinkle_server.runtime.runs import check_ttl
+from twinkle_server.store import CheckpointRow
 
 log = logging.getLogger("twinkle_server.http")
 LEGACY_KEY_PREFIX = "tml-tw-"
@@ -84,6 +86,8 @@ class Front:
     # ------------------------------------------------------------------ helpers
 
     def tenant(self, request: Request) -> str:
+        """The tenant of the request's API key; a legacy key the SDK sent as `tml-tw-...`
+        is tried again as `tw-...`."""
         token = request.headers.get("x-api-key")
         auth = request.headers.get("authorization", "")
         if token is None and auth.startswith("Bearer "):
@@ -291,12 +295,16 @@ class Front:
                                       "sampler of the current weights")
             # Twinkle has no unlisted checkpoints: a sampler snapshot is a named save.
             name = paths.check_name(name or f"ephemeral-{ref.seq_id}-{rid[-6:]}", "path")
+            ttl = convert.integer(body, "ttl_seconds")
+            check_ttl(ttl)
         except (EngineError, paths.PathError) as exc:
             raise self.refused(tenant, ref, f"save_{kind}", exc) from None
         work = self.rt.training.save(tenant, ref, kind, name,
                                      include_optimizer=kind == "training",
                                      overwrite=bool(body.get("overwrite", False)),
                                      user_metadata=convert.mapping(body, "user_metadata"))
+        if ttl is not None:
+            work = self._expiring(tenant, work, ttl)
         if not ephemeral:
             return self.promise(tenant, rid, work, lambda row: {
                 "type": f"save_{'weights' if kind == 'training' else 'weights_for_sampler'}",
@@ -312,6 +320,14 @@ class Front:
             return sampler
         return self.promise(tenant, rid, snapshot(), lambda sampler: {
             "type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler})
+
+    async def _expiring(self, tenant: str, saved: Awaitable[CheckpointRow], ttl: int
+                        ) -> CheckpointRow:
+        """A save, then the expiry the SDK asked for with it (`ttl_seconds`)."""
+        row = await saved
+        await self.rt.runs.set_checkpoint_ttl(
+            tenant, checkpoint_ref(convert.tinker_path(row)), ttl)
+        return row
 
     @route
     async def load_weights(self, request: Request) -> Any:

@@ -265,8 +265,9 @@ def tinker_path(row: CheckpointRow) -> str:
 def checkpoint(row: CheckpointRow) -> dict[str, Any]:
     return {"checkpoint_id": row.checkpoint_id, "checkpoint_type": row.kind,
             "time": _time(row.created_at), "tinker_path": tinker_path(row),
-            "size_bytes": row.size_bytes, "public": False,
-            "user_metadata": dict(row.user_metadata) or None}
+            "size_bytes": row.size_bytes, "public": row.public,
+            "user_metadata": dict(row.user_metadata) or None,
+            "expires_at": None if row.expires_at is None else _time(row.expires_at)}
 
 
 def run(view: RunView) -> dict[str, Any]:

@@ -1,5 +1,10 @@
-"""The routes of the SDK's `RestClient`: the tenant's training runs, checkpoints and
-sessions, through `runtime.runs` (everything scoped to the calling tenant)."""
+"""The routes of the SDK's `RestClient`: the tenant's training runs, checkpoints
+(listing, deleting, publishing, expiry) and sessions, through `runtime.runs` (everything
+scoped to the calling tenant; a checkpoint another tenant published is readable too).
+
+The SDK puts a checkpoint id (`weights/<name>`, `sampler_weights/<name>`) into its URLs
+as two path segments; routes name them `{segment}/{name}` (names never hold a '/'), so a
+checkpoint named `publish` or `ttl` cannot be mistaken for the routes that end so."""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import InvalidArgument, NotFound
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.http import convert
 from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.http.errors import BadBody
+from twinkle_server.runtime import CheckpointRef
 from twinkle_server.runtime.runs import MAX_PAGE
 
 
@@ -62,16 +69,32 @@ class Rest:
                 "cursor": {"offset": offset, "limit": limit or len(page.items),
                            "total_count": page.total}}
 
-    def _ref(self, request: Request):
+    def _ref(self, request: Request) -> tuple[str, CheckpointRef]:
         tenant = self.front.tenant(request)
-        run_id = self._run_id(tenant, request.path_params["run_id"])
-        text = f"tinker://{run_id}/{request.path_params['checkpoint_id']}"
+        params = request.path_params
+        run_id = self._run_id(tenant, params["run_id"])
+        text = f"tinker://{run_id}/{params['segment']}/{params['name']}"
         return tenant, checkpoint_ref(text, "checkpoint_id")
 
     @route
     async def delete_checkpoint(self, request: Request) -> Any:
         tenant, ref = self._ref(request)
         await self.rt.runs.delete_checkpoint(tenant, ref)
+        return JSONResponse(None)
+
+    @route
+    async def publish_checkpoint(self, request: Request) -> Any:
+        tenant, ref = self._ref(request)
+        await self.rt.runs.publish_checkpoint(tenant, ref, public=request.method == "POST")
+        return JSONResponse(None)
+
+    @route
+    async def set_checkpoint_ttl(self, request: Request) -> Any:
+        tenant, ref = self._ref(request)
+        body = await json_body(request)
+        if "ttl_seconds" not in body:
+            raise BadBody("ttl_seconds: required (null removes the expiry)")
+        await self.rt.runs.set_checkpoint_ttl(tenant, ref, convert.integer(body, "ttl_seconds"))
         return JSONResponse(None)
 
     @route
@@ -86,48 +109,30 @@ class Rest:
 
     # ------------------------------------------------------------------ sessions
 
-    def _session_runs(self, tenant: str) -> dict[str, list[str]]:
-        runs: dict[str, list[str]] = {}
-        offset = 0
-        while offset >= 0:
-            page = self.rt.runs.list_runs(tenant, MAX_PAGE, offset)
-            for view in page.items:
-                if view.run.session_id:
-                    runs.setdefault(view.run.session_id, []).append(view.run.run_id)
-            offset = page.next_offset
-        return runs
-
     @route
     async def get_session(self, request: Request) -> Any:
         tenant = self.front.tenant(request)
-        session_id = request.path_params["session_id"]
-        if self.rt.store.session_tenant(session_id) != tenant:
-            raise NotFound(f"session_id: no session {session_id!r}")
-        samplers = [s for s, e in self.rt.samplers.items()
-                    if e.tenant == tenant and e.session_id == session_id]
-        return {"training_run_ids": self._session_runs(tenant).get(session_id, []),
-                "sampler_ids": samplers}
+        view = self.rt.runs.get_session(tenant, request.path_params["session_id"])
+        return {"training_run_ids": view.run_ids, "sampler_ids": view.sampler_ids}
 
     @route
     async def list_sessions(self, request: Request) -> Any:
-        """Sessions that own a run or a sampler: the store keeps no per-tenant session
-        listing, so a session with neither is not listed."""
         tenant = self.front.tenant(request)
         limit, offset = _page_args(request)
-        sessions = set(self._session_runs(tenant))
-        sessions.update(e.session_id for e in self.rt.samplers.values()
-                        if e.tenant == tenant and e.session_id)
-        ordered = sorted(sessions)
-        return {"sessions": ordered[offset:offset + (limit or len(ordered))]}
+        page = self.rt.runs.list_sessions(tenant, limit, offset)
+        return {"sessions": [row.session_id for row in page.items]}
 
     def routes(self) -> list[Route]:
         v1 = "/api/v1"
+        checkpoint = "/training_runs/{run_id}/checkpoints/{segment}/{name}"
         table = [
             ("GET", "/training_runs", self.list_runs),
             ("GET", "/training_runs/{run_id}", self.get_run),
             ("GET", "/training_runs/{run_id}/checkpoints", self.run_checkpoints),
-            ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}",
-             self.delete_checkpoint),
+            ("DELETE", checkpoint, self.delete_checkpoint),
+            ("POST", f"{checkpoint}/publish", self.publish_checkpoint),
+            ("DELETE", f"{checkpoint}/publish", self.publish_checkpoint),
+            ("PUT", f"{checkpoint}/ttl", self.set_checkpoint_ttl),
             ("GET", "/checkpoints", self.list_checkpoints),
             ("POST", "/weights_info", self.weights_info),
             ("GET", "/sessions", self.list_sessions),

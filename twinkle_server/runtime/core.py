@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -149,11 +150,11 @@ class Core:
             raise Unavailable("the server is shutting down")
         if self.open_mode:
             return OPEN_TENANT
-        tenant = self.store.tenant_for_key(token) if token else None
-        if tenant is None:
+        row = self.store.active_key(token) if token else None
+        if row is None:
             raise Unauthenticated("authorization: missing or invalid API key "
                                   "(send 'Bearer <key>')")
-        return tenant
+        return row.tenant
 
     def model_of(self, tenant: str, model_id: str) -> ModelEntry:
         entry = self.models.get(model_id)
@@ -168,11 +169,34 @@ class Core:
         return entry
 
     def checkpoint(self, tenant: str, ref: CheckpointRef) -> tuple[CheckpointRow, Path]:
-        """A tenant's checkpoint record and directory; others' look like nothing."""
-        row = self.store.get_checkpoint(tenant, ref.run_id, ref.kind, ref.name)
+        """A checkpoint the tenant may read (its own, or one another tenant published)
+        and its directory; any other looks like nothing."""
+        return self._checkpoint(tenant, ref, include_public=True)
+
+    def own_checkpoint(self, tenant: str, ref: CheckpointRef) -> tuple[CheckpointRow, Path]:
+        """A checkpoint the tenant owns, to change or delete; another tenant's, even a
+        published one, looks like nothing."""
+        return self._checkpoint(tenant, ref, include_public=False)
+
+    def _checkpoint(self, tenant: str, ref: CheckpointRef, include_public: bool
+                    ) -> tuple[CheckpointRow, Path]:
+        row = self.store.get_checkpoint(tenant, ref.run_id, ref.kind, ref.name,
+                                        include_public=include_public)
         if row is None:
             raise NotFound(f"{ref.field}: no checkpoint {ref.text!r}")
         return row, self.store.checkpoint_root / row.rel_path
+
+    async def drop_checkpoint(self, row: CheckpointRow, expired_by: float | None = None
+                              ) -> bool:
+        """Delete a checkpoint's record, then its files, on the writer thread. With
+        `expired_by`, only if it still expires by then: its owner may have changed the
+        expiry or saved over it since the sweep read it. Returns whether it was deleted."""
+        def drop() -> bool:
+            if not self.store.delete_checkpoint(row, expired_by):
+                return False
+            shutil.rmtree(self.store.checkpoint_root / row.rel_path, ignore_errors=True)
+            return True
+        return await self.write(drop)
 
     # ------------------------------------------------------------------ ops
 
@@ -224,6 +248,24 @@ class Core:
             f"model_id: {model_id!r} was unloaded ({reason})"))
         await self.admin("unload", lambda: self.engine.remove_adapter(model_id))
         log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
+
+    async def expire(self) -> None:
+        """The periodic sweep (`server.serve`): idle sessions, then checkpoints past their
+        expiry. A failure is logged, not raised: the next sweep tries again."""
+        for sweep in (self.expire_sessions, self.expire_checkpoints):
+            try:
+                await sweep()
+            except Exception:
+                log.exception("expiry sweep %s failed", sweep.__name__)
+
+    async def expire_checkpoints(self, now: float | None = None) -> None:
+        """Delete every tenant's checkpoints whose expiry (`Runs.set_checkpoint_ttl`) is
+        at or before `now` (default: the current time)."""
+        now = time.time() if now is None else now
+        for row in self.store.expired_checkpoints(now):
+            if await self.drop_checkpoint(row, expired_by=now):
+                log.info("expired checkpoint tinker://%s/%s tenant=%s", row.run_id,
+                         row.checkpoint_id, row.tenant)
 
     async def expire_sessions(self) -> None:
         for session_id in self.store.expired_sessions(self.config.session_timeout):

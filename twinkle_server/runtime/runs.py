@@ -1,24 +1,35 @@
 """Session, run and checkpoint verbs, and what the server offers (capabilities, tokenizer
-files). Everything a tenant lists or reads is scoped to that tenant."""
+files). Everything a tenant lists or reads is scoped to that tenant, except checkpoints
+their owners published: every tenant may read those (load, sample, weights info,
+download), and only the owner may change or delete them."""
 
 from __future__ import annotations
 
-import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from twinkle_server.engine import losses, optim
 from twinkle_server.engine.engine import available_memory_bytes
-from twinkle_server.engine.errors import InvalidArgument, NotFound, ResourceExhausted
+from twinkle_server.engine.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
-from twinkle_server.store import CheckpointRow, RunRow
+from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
 DEFAULT_PAGE = 20
 MAX_PAGE = 1000
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
                    "added_tokens.json", "generation_config.json", "config.json")
+MIN_CHECKPOINT_TTL_SECONDS = 3600
+MAX_CHECKPOINT_TTL_SECONDS = 10 * 365 * 24 * 3600
+"""The range of a checkpoint's time to live: 1 hour to 10 years, as the Tinker SDK
+documents for `set_checkpoint_ttl_from_tinker_path`."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +43,28 @@ class RunView:
 
 
 @dataclass(frozen=True)
+class SessionView:
+    """A session with its runs (from the store) and live sampling sessions."""
+
+    session: SessionRow
+    run_ids: list[str]
+    sampler_ids: list[str]
+
+
+@dataclass(frozen=True)
 class Page:
     items: list[Any]
     total: int
     next_offset: int     # -1 when this page is the last
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    """Refuse a checkpoint time to live outside the allowed range (`None`: no expiry)."""
+    if ttl_seconds is not None and not (
+            MIN_CHECKPOINT_TTL_SECONDS <= ttl_seconds <= MAX_CHECKPOINT_TTL_SECONDS):
+        raise InvalidArgument(
+            f"ttl_seconds: {ttl_seconds} is out of range; give {MIN_CHECKPOINT_TTL_SECONDS} "
+            f"(1 hour) to {MAX_CHECKPOINT_TTL_SECONDS} (10 years), or null for no expiry")
 
 
 def _page(limit: int, offset: int) -> tuple[int, int]:
@@ -70,6 +99,24 @@ class Runs:
         self._own_session(tenant, session_id)
         await self.core.write(self.core.store.close_session, session_id)
         await self.core.close_session_models(session_id, "session closed")
+
+    def list_sessions(self, tenant: str, limit: int = 0, offset: int = 0) -> Page:
+        """Every session the tenant created, open or closed, newest first:
+        `Page.items` holds `SessionRow`s."""
+        limit, offset = _page(limit, offset)
+        rows, total = self.core.store.list_sessions(tenant, limit, offset)
+        following = offset + len(rows)
+        return Page(rows, total, following if following < total else -1)
+
+    def get_session(self, tenant: str, session_id: str) -> SessionView:
+        """One of the tenant's sessions, open or closed, with its runs and samplers."""
+        store = self.core.store
+        session = store.get_session(tenant, session_id)
+        if session is None:
+            raise NotFound(f"session_id: no session {session_id!r}")
+        samplers = [s for s, e in self.core.samplers.items()
+                    if e.tenant == tenant and e.session_id == session_id]
+        return SessionView(session, store.session_runs(tenant, session_id), samplers)
 
     # ------------------------------------------------------------------ runs
 
@@ -110,13 +157,34 @@ class Runs:
 
     def get_checkpoint(self, tenant: str, ref: CheckpointRef
                        ) -> tuple[CheckpointRow, RunRow | None]:
+        """A checkpoint the tenant may read, with its run (the owner's, for a published
+        one: its base model and LoRA rank say how to load it)."""
         row, _ = self.core.checkpoint(tenant, ref)
-        return row, self.core.store.get_run(tenant, row.run_id)
+        return row, self.core.store.get_run(row.tenant, row.run_id)
 
     async def delete_checkpoint(self, tenant: str, ref: CheckpointRef) -> None:
-        row, directory = self.core.checkpoint(tenant, ref)
-        await self.core.write(self.core.store.delete_checkpoint, row)
-        shutil.rmtree(directory, ignore_errors=True)
+        row, _ = self.core.own_checkpoint(tenant, ref)
+        await self.core.drop_checkpoint(row)
+
+    async def publish_checkpoint(self, tenant: str, ref: CheckpointRef, public: bool) -> None:
+        """Make the tenant's checkpoint readable by every tenant (`public`), or by its
+        owner only again. Refused when it already is."""
+        row, _ = self.core.own_checkpoint(tenant, ref)
+        if row.public == public:
+            raise FailedPrecondition(f"{ref.field}: {ref.text!r} is already "
+                                     f"{'public' if public else 'private'}")
+        await self.core.write(self.core.store.set_checkpoint_public, row, public)
+
+    async def set_checkpoint_ttl(self, tenant: str, ref: CheckpointRef,
+                                 ttl_seconds: int | None) -> float | None:
+        """Make the tenant's checkpoint expire `ttl_seconds` from now (the expiry sweep,
+        `Core.expire_checkpoints`, then deletes it), or never (`None`). Returns the
+        expiry time."""
+        check_ttl(ttl_seconds)
+        row, _ = self.core.own_checkpoint(tenant, ref)
+        expires_at = None if ttl_seconds is None else time.time() + ttl_seconds
+        await self.core.write(self.core.store.set_checkpoint_expiry, row, expires_at)
+        return expires_at
 
     def checkpoint_files(self, tenant: str, ref: CheckpointRef) -> tuple[Path, list[str]]:
         """A checkpoint's directory and the names of its files, for a download."""
