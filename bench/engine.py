@@ -238,8 +238,12 @@ import torch
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
 path, checkpointing, n, length = sys.argv[1], sys.argv[2] == 'on', *map(int, sys.argv[3:5])
-# An engine from before issue 17 takes no activation_checkpointing argument.
-engine = Engine.load(path, **({'activation_checkpointing': True} if checkpointing else {}))
+# An engine from before issue 17 takes no activation_checkpointing argument, nor a pass cap.
+kwargs = {'activation_checkpointing': True} if checkpointing else {}
+if len(sys.argv) > 5:
+    from twinkle_server.engine.types import EngineLimits
+    kwargs['limits'] = EngineLimits(max_pass_tokens=int(sys.argv[5]))
+engine = Engine.load(path, **kwargs)
 engine.add_adapter('a', LoraSpec(rank=16, alpha=32, seed=0))
 vocab = engine.base.vocab_size
 rng = np.random.default_rng(0)
@@ -319,6 +323,26 @@ def training_memory(before: str | None = None, n: int = 4, length: int = 1024) -
                       f"{rise / 2**30:>7.2f} GiB{got['seconds']:>8.2f}")
 
 
+def pass_pieces(n: int = 16, length: int = 1024, cap: int = 4096) -> None:
+    """One forward_backward of `n` x `length` tokens on the wider random Qwen3 (vocab 4096,
+    hidden 512, 8 layers), in one pass and in pieces of `cap` tokens (`--max-pass-tokens`):
+    peak RSS rise and seconds, each in a fresh process, the two alternated twice."""
+    print(f"pass pieces: one forward_backward, {n} x {length} tokens, rank 16 all-linear, "
+          "wider random Qwen3, peak RSS rise in a fresh process")
+    print(f"  {'run':<28}{'RSS before':>11}{'rise':>11}{'s/pass':>8}{'loss':>12}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _random_qwen3(f"{tmp}/wide", 4096, 512, 8, 1536, 8)
+        for _ in range(2):
+            for name, pieces in (("one pass", 0), (f"pieces of {cap}", cap)):
+                out = subprocess.run([sys.executable, "-c", _TRAINING_MEMORY_CHILD, path, "off",
+                                      str(n), str(length), str(pieces)], check=True,
+                                     capture_output=True, text=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                rise = got["peak"] - got["before"]
+                print(f"  {name:<28}{got['before'] / 2**30:>8.2f} GiB{rise / 2**30:>7.2f} GiB"
+                      f"{got['seconds']:>8.2f}{got['loss']:>12.4f}")
+
+
 def _wider_base(out: str) -> str:
     """The tiny model's tokenizer on a wider random Qwen3 (hidden 512, 8 layers, ~40M
     parameters): closer to where base compute, not Python, dominates a pass."""
@@ -348,7 +372,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="engine benchmarks")
     on_engine = {"overhead": overhead, "pass_sizes": pass_sizes, "merging": merging,
                  "packing": packing}
-    sections = ("memory", "training_memory", *on_engine)
+    sections = ("memory", "training_memory", "pass_pieces", *on_engine)
     parser.add_argument("--base", choices=("tiny", "wide"), default="tiny",
                         help="tiny: the embedded model; wide: a ~40M-parameter random Qwen3")
     parser.add_argument("--only", choices=sections, action="append",
@@ -374,6 +398,8 @@ def main() -> None:
         memory()
     if "training_memory" in chosen:
         training_memory(args.before)
+    if "pass_pieces" in chosen:
+        pass_pieces()
     for name, section in on_engine.items():
         if name in chosen:
             section(engine)
