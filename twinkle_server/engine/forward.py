@@ -201,7 +201,10 @@ class PassLogprobs:
             if self.parallel is not None:
                 self.parallel.end_pass()
             return
-        total.backward()
+        # On several ranks, a rank whose own rows no kept loss uses has nothing to
+        # backpropagate here, but still replays its pieces: their collectives are everyone's.
+        if total.requires_grad:
+            total.backward()
         grads = iter(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                      for leaf in self.leaves)
         device = self.base.device

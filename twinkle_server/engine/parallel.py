@@ -159,7 +159,16 @@ class Parallel:
             fully_shard(layer, mesh=self.mesh)
         self.root = _Root(model)
         fully_shard(self.root, mesh=self.mesh)
-        self.root.reshard()
+        # FSDP allocates each unit's all-gather buffers at its first gather and keeps them;
+        # made under the sampler's inference mode they could never be written again
+        # outside it. Gather every unit once now, in normal mode.
+        for unit in (*layers, self.root):
+            unit.unshard()
+            unit.reshard()
+        # Every rank's backward must reach every layer (each re-gathers its weights), even a
+        # rank whose rows' adapters sit only in upper layers or the output layer: the
+        # embeddings' output then requires grad in training passes.
+        model.enable_input_require_grads()
 
     def run(self, fn: Callable[..., Any], *args: Any, backward: bool = False) -> Any:
         """`fn(*args)` with the base's weights available to it: one forward of the root.

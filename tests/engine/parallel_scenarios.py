@@ -1,0 +1,79 @@
+"""Engine scenarios on several ranks, run by tests/engine/test_parallel.py under torch's
+launcher (`python -m torch.distributed.run --nproc-per-node 2 -m
+tests.engine.parallel_scenarios NAME`). Every rank runs the same calls; rank 0 also runs
+them on an engine of its own on one process and prints one JSON line comparing the two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.parallel import Parallel, placement_from_env
+from twinkle_server.engine.types import (
+    Datum,
+    EngineLimits,
+    ForwardRequest,
+    LoraSpec,
+    LossSpec,
+    SampleRequest,
+    SamplingParams,
+)
+
+CE = LossSpec("cross_entropy")
+LIMITS = EngineLimits(max_seq_len=32, max_pass_tokens=32)
+
+
+def _datum(seed: int, n: int = 20) -> Datum:
+    rng = np.random.default_rng(seed)
+    return Datum(rng.integers(3, 4000, n), {"target_tokens": rng.integers(3, 4000, n)})
+
+
+def sample_first(engine: Engine) -> list[float]:
+    """Sampling before any training pass, then training."""
+    engine.add_adapter("a", LoraSpec(rank=4, alpha=8, seed=1))
+    engine.sample_batch([SampleRequest("a", None, np.array([1, 2, 3]), 1,
+                                       SamplingParams(max_tokens=4, seed=3))])
+    out = engine.forward_batch([ForwardRequest("a", [_datum(0)], CE, True)])
+    return [o.loss for o in out]
+
+
+def upper_layer_adapter(engine: Engine) -> list[float]:
+    """One rank's rows under an adapter on the output layer only, the other's on every
+    layer: a merged pass whose two halves reach different depths of the base."""
+    engine.add_adapter("x", LoraSpec(rank=4, alpha=8, seed=2, target_modules=("lm_head",)))
+    engine.add_adapter("a", LoraSpec(rank=4, alpha=8, seed=1))
+    out = engine.forward_batch([ForwardRequest("x", [_datum(1)], CE, True),
+                                ForwardRequest("a", [_datum(2)], CE, True)])
+    return [o.loss for o in out]
+
+
+def forward_only_rank_in_pieces(engine: Engine) -> list[float]:
+    """A pass in pieces where one rank holds only a forward-only request's rows."""
+    engine.add_adapter("f", LoraSpec(rank=4, alpha=8, seed=3))
+    engine.add_adapter("b", LoraSpec(rank=4, alpha=8, seed=4))
+    out = engine.forward_batch([ForwardRequest("f", [_datum(3, 30)], CE, False),
+                                ForwardRequest("b", [_datum(4, 30), _datum(5, 30)], CE, True)])
+    grads = [float(p.grad.abs().sum()) for p in engine.adapters["b"].parameters()]
+    return [o.loss for o in out] + [sum(grads)]
+
+
+SCENARIOS = {f.__name__: f for f in (sample_first, upper_layer_adapter,
+                                     forward_only_rank_in_pieces)}
+
+
+def main(name: str) -> None:
+    parallel = Parallel.init(placement_from_env("cpu"), timeout_s=60)
+    got = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, parallel=parallel))
+    if parallel.rank == 0:
+        want = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS))
+        os.write(1, (json.dumps({"got": got, "want": want}) + "\n").encode())
+    parallel.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
