@@ -22,6 +22,10 @@ from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.replication import Channel, follow
 
 log = logging.getLogger(__name__)
+SHUTDOWN_TIMEOUT_S = 90
+"""How long the launcher waits for the ranks after passing on SIGINT/SIGTERM before it
+kills them: rank 0's drain takes up to 60 s for in-flight ops (`server.serve`) and 5 s
+for the fronts, then stops the others."""
 
 
 def under_launcher() -> bool:
@@ -42,7 +46,8 @@ def launch(config: ServerConfig, argv: list[str]) -> int:
 
     check_world(config)
     launcher = ["--nproc-per-node", str(config.nproc_per_node), "--nnodes", config.nnodes,
-                "--node-rank", str(config.node_rank), "--max-restarts", "0"]
+                "--node-rank", str(config.node_rank), "--max-restarts", "0",
+                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if config.rdzv_endpoint:
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint,
                      "--rdzv-id", "twinkle"]
@@ -79,7 +84,7 @@ def join(config: ServerConfig) -> tuple[Parallel, Channel]:
     """Join the job's process group and open rank 0's call channel (every rank)."""
     parallel = Parallel.init(placement_from_env(config.device), config.collective_timeout,
                              config.shard_group_size)
-    return parallel, Channel.open()
+    return parallel, Channel.open(config.collective_timeout)
 
 
 def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engine:

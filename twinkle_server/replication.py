@@ -22,6 +22,7 @@ non-zero (`twinkle_server.server`), for the launcher or the operator to restart 
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import logging
@@ -69,7 +70,7 @@ class _Pickler(pickle.Pickler):
         self.arrays: list[np.ndarray] = []
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) is np.ndarray and obj.dtype != object:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject and obj.dtype.names is None:
             self.arrays.append(np.ascontiguousarray(obj))
             return ("array", len(self.arrays) - 1, obj.dtype.str, obj.shape)
         return None
@@ -93,12 +94,13 @@ class Channel:
         self.group = group
 
     @classmethod
-    def open(cls) -> Channel:
-        """The channel over the default group (gloo), or a gloo group beside nccl; every
-        rank calls this at the same point."""
+    def open(cls, timeout_s: float) -> Channel:
+        """The channel over the default group (gloo), or a gloo group beside nccl with the
+        same bound on each collective; every rank calls this at the same point."""
         if dist.get_backend() == "gloo":
             return cls(None)
-        return cls(dist.new_group(backend="gloo"))
+        return cls(dist.new_group(backend="gloo",
+                                  timeout=datetime.timedelta(seconds=timeout_s)))
 
     def send(self, call: tuple) -> None:
         buffer = io.BytesIO()
@@ -259,6 +261,9 @@ class ReplicatedEngine:
                 continue
             if not self._lock.acquire(blocking=False):
                 continue
+            if self.lost is not None:  # the worker lost the group while we waited
+                self._lock.release()
+                return
             try:
                 self.channel.send((_NOOP, (), ()))
                 self._last_send = time.monotonic()

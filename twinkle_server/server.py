@@ -91,6 +91,21 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     engine: Engine | ReplicatedEngine = await asyncio.to_thread(load_engine, config, parallel)
     if parallel is not None and channel is not None:
         engine = ReplicatedEngine(engine, channel, config.collective_timeout, on_lost)
+    try:
+        await _serve_engine(config, engine, store, stop, ready, parallel)
+    finally:
+        if isinstance(engine, ReplicatedEngine):
+            await asyncio.to_thread(engine.close)
+    if lost:
+        raise GroupLost(lost[0])
+    log.info("stopped")
+
+
+async def _serve_engine(config: ServerConfig, engine: Engine | ReplicatedEngine, store: Store,
+                        stop: asyncio.Event, ready: asyncio.Event | None,
+                        parallel: Parallel | None) -> None:
+    """The fronts, scheduler and sweeps over a loaded engine, until `stop`; then drain."""
+    loop = asyncio.get_running_loop()
     rt = Runtime(config, engine, store)
     rt.scheduler.start()
     server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -147,8 +162,4 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     await server.stop(grace=5.0)
     rt.close()
     store.close()
-    if isinstance(engine, ReplicatedEngine):
-        await asyncio.to_thread(engine.close)
-    if lost:
-        raise GroupLost(lost[0])
-    log.info("stopped")
+

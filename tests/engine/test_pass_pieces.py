@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.forward import pieces
@@ -88,3 +89,32 @@ def test_a_datum_longer_than_the_cap_runs_as_its_own_piece(engine, datums, add):
     (split,), split_grads = _run(engine, "pieces", request, 4)
     assert split.loss == pytest.approx(whole.loss, rel=LOSS_RTOL)
     assert_grads_close(split_grads["long"], whole_grads["long"])
+
+
+def test_a_backward_failing_part_way_leaves_every_gradient_as_it_was(engine, datums, add,
+                                                                     monkeypatch):
+    from twinkle_server.engine import forward
+
+    add("kept", SPEC)
+    request = [ForwardRequest("kept", datums, LossSpec("cross_entropy"), True)]
+    engine.forward_batch(request)  # some gradient to keep
+    before = [p.grad.clone() for p in engine.adapters["kept"].parameters()]
+    real, replays = forward.PassLogprobs._run, []
+
+    def failing(self, rows, grad):
+        if grad:
+            replays.append(1)
+            if len(replays) == 2:
+                raise MemoryError("the second piece's replay ran out of memory")
+        return real(self, rows, grad)
+
+    monkeypatch.setattr(forward.PassLogprobs, "_run", failing)
+    saved = engine.limits
+    engine.limits = replace(saved, max_pass_tokens=CAP)
+    try:
+        with pytest.raises(MemoryError):
+            engine.forward_batch(request)
+    finally:
+        engine.limits = saved
+    for param, grad in zip(engine.adapters["kept"].parameters(), before, strict=True):
+        assert torch.equal(param.grad, grad)

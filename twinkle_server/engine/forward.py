@@ -322,25 +322,33 @@ def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
     their own logits are NaN (0 * NaN in the fused cross-entropy backward). Their
     gradients are saved before and put back after, bit for bit.
 
-    On several ranks the trained adapters' gradients from this pass alone are summed over
-    the ranks, then added to what they held before.
+    The trained adapters' gradients of this pass are computed apart, then added to what
+    they held before (on several ranks, after summing them over the ranks), so a backward
+    that fails part-way (out of memory in its third piece, say) leaves every adapter's
+    gradients as they were.
     """
     trained = {r.adapter_id for r, result in zip(requests, results, strict=True)
                if r.backward and isinstance(result, ForwardOutput)}
     kept = [(p, None if p.grad is None else p.grad.clone())
             for a in {r.adapter_id for r in requests} - trained
             for p in adapters[a].parameters()]
-    if parallel is None:
+    params = [p for a in sorted(trained) for p in adapters[a].parameters()]
+    before = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
         computed.backward(to_backward)
-    else:
-        params = [p for a in sorted(trained) for p in adapters[a].parameters()]
-        before = [p.grad for p in params]
-        for param in params:
-            param.grad = None
-        computed.backward(to_backward)
-        parallel.all_reduce_grads(params)
+        if parallel is not None:
+            parallel.all_reduce_grads(params)
+    except BaseException:
         for param, grad in zip(params, before, strict=True):
-            if grad is not None:
-                param.grad = grad + param.grad
-    for param, grad in kept:
-        param.grad = grad
+            param.grad = grad
+        raise
+    finally:
+        for param, grad in kept:
+            param.grad = grad
+    for param, grad in zip(params, before, strict=True):
+        if grad is not None and param.grad is not None:
+            param.grad = grad + param.grad
+        elif grad is not None:
+            param.grad = grad
