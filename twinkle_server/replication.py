@@ -56,10 +56,12 @@ BEAT_SECONDS = 1.0
 @dataclass(frozen=True)
 class ShippedDir:
     """A checkpoint directory on rank 0 (`source`), with its files (name -> contents), or
-    None when the other ranks already hold them."""
+    None when the other ranks already hold them; `missing` when rank 0 has no such
+    directory (every rank then fails the call alike)."""
 
     source: str
     files: dict[str, bytes] | None
+    missing: bool = False
 
 
 class _Pickler(pickle.Pickler):
@@ -130,8 +132,10 @@ def _ship(path: str | os.PathLike | None, with_files: bool = True) -> ShippedDir
     if path is None:
         return None
     root = Path(path)
+    if not root.is_dir():
+        return ShippedDir(os.path.realpath(root), None, missing=True)
     files = ({f.name: f.read_bytes() for f in sorted(root.iterdir()) if f.is_file()}
-             if with_files and root.is_dir() else None)
+             if with_files else None)
     return ShippedDir(os.path.realpath(root), files)
 
 
@@ -338,6 +342,12 @@ def follow(engine: Engine, channel: Channel) -> None:
                 getattr(engine, name)(*args)
             except EngineError:
                 pass
+            # Shipped files are read by the call that brings them; keep only the loaded
+            # sampler checkpoints' (their cache keys stat them), so scratch stays bounded.
+            loaded = engine.sampler_dirs()
+            for entry in scratch.iterdir():
+                if os.path.realpath(entry) not in loaded:
+                    shutil.rmtree(entry, ignore_errors=True)
     finally:
         stop.set()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -350,10 +360,13 @@ def _place(args: list[Any], shipped: tuple, scratch: Path) -> list[Any]:
     def write(found: ShippedDir | None) -> str | None:
         if found is None:
             return None
-        # One directory per rank-0 path, so the engine's sampler cache (by path) works
-        # here as there.
+        # One directory per rank-0 path, so the engine's sampler cache (by path and the
+        # weights' stat) hits here exactly when it hits there: files are rewritten only
+        # when rank 0 missed.
         target = scratch / hashlib.sha256(found.source.encode()).hexdigest()[:24]
-        if found.files is not None:
+        if found.missing:
+            shutil.rmtree(target, ignore_errors=True)
+        elif found.files is not None:
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir()
             for file_name, data in found.files.items():

@@ -207,3 +207,19 @@ def test_loading_a_state_saved_without_an_optimizer_clears_the_optimizer_and_its
     assert configs["optimizer"]["name"] == "" and configs["lr_scheduler"]["name"] == ""
     with pytest.raises(FailedPrecondition, match="no optimizer"):
         engine.step("configured")
+
+
+def test_sampling_from_weights_saved_over_a_loaded_checkpoint_uses_the_new_weights(
+        engine, datums, add, tmp_path):
+    add("over", LoraSpec(rank=4, alpha=8, seed=5))
+    path = tmp_path / "sampler"
+    tokens = np.asarray(datums[0].input_ids)
+    engine.save_weights("over", path)
+    first = engine.compute_logprobs(None, str(path), tokens)
+    engine.forward_batch([ForwardRequest("over", datums[:4], CE, True)])
+    engine.optim_step("over", AdamParams(learning_rate=1e-2))
+    engine.save_weights("over", path, overwrite=True)
+    second = engine.compute_logprobs(None, str(path), tokens)
+    live = engine.compute_logprobs("over", None, tokens)
+    assert not np.allclose(first[1:], second[1:])
+    np.testing.assert_array_equal(second, live)

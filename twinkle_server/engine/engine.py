@@ -392,12 +392,24 @@ class Engine:
     # ------------------------------------------------------------------ sampling
 
     def has_sampler(self, weights_path: str | os.PathLike) -> bool:
-        """Whether the sampler checkpoint at `weights_path` is loaded (cached) now."""
+        """Whether the sampler checkpoint at `weights_path`, as its files are now, is
+        loaded (cached)."""
         return self._sampler_key(weights_path) in self._samplers
+
+    def sampler_dirs(self) -> set[str]:
+        """The directories (real paths) of the sampler checkpoints loaded now."""
+        return {key.removeprefix("sampler:").rsplit("@", 1)[0] for key in self._samplers}
 
     @staticmethod
     def _sampler_key(weights_path: str | os.PathLike) -> str:
-        return f"sampler:{os.path.realpath(weights_path)}"
+        """The cache key of a sampler checkpoint: its real path and its weights file's
+        modification time and size, so weights saved over it are loaded afresh."""
+        path = os.path.realpath(weights_path)
+        try:
+            found = os.stat(os.path.join(path, checkpoint.WEIGHTS_FILE))
+        except OSError:
+            return f"sampler:{path}@missing"
+        return f"sampler:{path}@{found.st_mtime_ns}:{found.st_size}"
 
     def _sampling_adapter(self, adapter_id: str | None, weights_path: str | None) -> str | None:
         """The adapter id to route for a request, loading a sampler checkpoint if needed."""
