@@ -122,6 +122,8 @@ class Engine:
         # (`engine.memory`).
         self.pass_headroom_bytes = memory.pass_headroom_bytes(
             base.config, base.dtype, base.vocab_size, pass_tokens, activation_checkpointing)
+        if parallel is not None:
+            self.pass_headroom_bytes += parallel.gathered_bytes()
         # Reserved beside adapter state on accelerators, where running out is a hard
         # failure mid-pass, and wherever `max_pass_tokens` bounds a pass (1.6 GiB for the
         # tiny model's 16,384 tokens). Without that bound, on CPU, where MemAvailable is

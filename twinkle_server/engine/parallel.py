@@ -103,6 +103,7 @@ class Parallel:
         self.placement = placement
         self.mesh = mesh
         self.root: _Root | None = None
+        self.layers: list[nn.Module] = []
 
     @property
     def rank(self) -> int:
@@ -157,6 +158,7 @@ class Parallel:
             raise InvalidArgument("model: its decoder has no `layers` list to shard")
         for layer in layers:
             fully_shard(layer, mesh=self.mesh)
+        self.layers = list(layers)
         self.root = _Root(model)
         fully_shard(self.root, mesh=self.mesh)
         # FSDP allocates each unit's all-gather buffers at its first gather and keeps them;
@@ -206,6 +208,17 @@ class Parallel:
         """One log line: the base bytes this rank holds, of the whole."""
         return (f"rank {self.rank} of {self.world} holds {self.local_param_bytes()} of the "
                 f"base's {self.base_param_bytes()} parameter bytes")
+
+    def gathered_bytes(self) -> int:
+        """Memory a training pass gathers beyond this rank's shards, at most at once: the
+        root unit (embeddings, final norm, output layer), held for the whole pass, and two
+        decoder layers (the one running and the one FSDP prefetches)."""
+        def size(module: nn.Module) -> int:
+            return sum(p.numel() * p.element_size() for p in module.parameters())
+
+        layer_bytes = [size(layer) for layer in self.layers]
+        root_bytes = self.base_param_bytes() - sum(layer_bytes)
+        return root_bytes + 2 * max(layer_bytes, default=0)
 
     def base_param_bytes(self) -> int:
         """Bytes of the whole base's parameters (every rank's shards together)."""
