@@ -18,6 +18,13 @@ group's timeout; when idle, rank 0 sends a no-op often enough that a waiting ran
 hits it. When a rank dies or hangs, the call on rank 0 fails: the engine refuses every
 later call with UNAVAILABLE naming the lost ranks, and the server shuts down and exits
 non-zero (`twinkle_server.server`), for the launcher or the operator to restart it.
+
+Two limits. On CUDA the engine's collectives run on nccl, whose watchdog ends a process
+whose collective timed out: the job then ends non-zero as well, but clients see their
+connection drop rather than the UNAVAILABLE naming the rank (tested here on gloo only).
+And a decode step's stop decisions are each rank's own: ranks must compute the same
+tokens, which holds for the same kernels on the same device type (every rank of a job,
+as torchrun starts it), not across mixed accelerators.
 """
 
 from __future__ import annotations
