@@ -8,6 +8,8 @@ shapes (each rank runs half of a pass's datums), so they agree to float32 roundi
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -124,14 +126,19 @@ def test_native_loop_with_accumulation_trains_on_two_ranks_as_on_one(servers, tm
     assert_trained_alike(w_two, w_one, LR, 2)
 
 
+def _sampler_after_one_step(service: ServiceClient, seed: int, n: int) -> Any:
+    """A sampling client of a new model trained one step on `n` datums."""
+    training = service.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
+    training.forward_backward(sft_data(n=n, seed=seed + 1), "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return training.save_weights_and_get_sampling_client().result()
+
+
 def _sample(address: str) -> tuple[list[int], list[float], list[float]]:
     service = ServiceClient(base_url=f"http://{address}")
     try:
-        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
         # One datum: one rank has none and runs a token of padding through the layers.
-        training.forward_backward(sft_data(n=1, seed=8), "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        sampler = training.save_weights_and_get_sampling_client().result()
+        sampler = _sampler_after_one_step(service, seed=7, n=1)
         prompt = types.ModelInput.from_ints([5, 17, 29, 3, 88])
         out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=11,
                                                              temperature=1.0)).result()
@@ -153,10 +160,7 @@ def test_a_checkpoint_saved_on_two_ranks_gives_the_same_logits_in_peft(servers, 
                                                                        tmp_path):
     service = ServiceClient(base_url=f"http://{servers[1].address}")
     try:
-        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
-        training.forward_backward(sft_data(n=4, seed=10), "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        sampler = training.save_weights_and_get_sampling_client().result()
+        sampler = _sampler_after_one_step(service, seed=9, n=4)
         tokens = [5, 17, 29, 3, 88, 41, 7]
         served = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
         path = sampler.model_path

@@ -30,6 +30,7 @@ as torchrun starts it), not across mixed accelerators.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import io
 import logging
@@ -56,6 +57,11 @@ from twinkle_server.engine.types import LoraSpec, SampleRequest
 log = logging.getLogger(__name__)
 
 _NOOP, _STOP = "__noop__", "__stop__"
+REPLICATED = frozenset({
+    "remove_adapter", "forward_batch", "optim_step", "set_loss", "set_optimizer",
+    "set_lr_scheduler", "clip_grad_norm", "step", "zero_grad", "lr_step", "calculate_metric"})
+"""Engine methods sent to every rank as they are; `ReplicatedEngine` defines the ones that
+need a seed drawn or files read on rank 0 first (add_adapter, load_state, sampling)."""
 _BEAT_KEY = "twinkle/heartbeat/{}"
 BEAT_SECONDS = 1.0
 
@@ -171,6 +177,10 @@ class ReplicatedEngine:
         self._keepalive.start()
 
     def __getattr__(self, name: str) -> Any:
+        """`Engine` calls that change state or run the base go to every rank (`_all`);
+        everything else (reads, checks, saves) is the local engine's."""
+        if name in REPLICATED:
+            return functools.partial(self._all, name)
         return getattr(self.engine, name)
 
     # ------------------------------------------------------------------ replicated calls
@@ -228,39 +238,6 @@ class ReplicatedEngine:
     def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
                          tokens: np.ndarray) -> np.ndarray:
         return self.prompt_logprobs(adapter_id, weights_path, tokens).logprobs
-
-    def remove_adapter(self, *args: Any) -> Any:
-        return self._all("remove_adapter", *args)
-
-    def forward_batch(self, *args: Any) -> Any:
-        return self._all("forward_batch", *args)
-
-    def optim_step(self, *args: Any) -> Any:
-        return self._all("optim_step", *args)
-
-    def set_loss(self, *args: Any) -> Any:
-        return self._all("set_loss", *args)
-
-    def set_optimizer(self, *args: Any) -> Any:
-        return self._all("set_optimizer", *args)
-
-    def set_lr_scheduler(self, *args: Any) -> Any:
-        return self._all("set_lr_scheduler", *args)
-
-    def clip_grad_norm(self, *args: Any) -> Any:
-        return self._all("clip_grad_norm", *args)
-
-    def step(self, *args: Any) -> Any:
-        return self._all("step", *args)
-
-    def zero_grad(self, *args: Any) -> Any:
-        return self._all("zero_grad", *args)
-
-    def lr_step(self, *args: Any) -> Any:
-        return self._all("lr_step", *args)
-
-    def calculate_metric(self, *args: Any) -> Any:
-        return self._all("calculate_metric", *args)
 
     # ------------------------------------------------------------------ lifetime
 
