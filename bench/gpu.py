@@ -160,8 +160,9 @@ def engine_rows(name: str, path: Path, adapter_dir: str, args, peak_flops: float
                 rows: list) -> Callable[[float, int], float]:
     """Engine rows; saves the trained adapter to `adapter_dir`; returns the MFU function."""
     import twinkle_server.engine.engine as engine_module
+    from twinkle_server.engine import memory
     from twinkle_server.engine.engine import Engine, ForwardRequest
-    from twinkle_server.engine.errors import ResourceExhausted
+    from twinkle_server.engine.errors import EngineError, ResourceExhausted
 
     device, n, length = torch.device(args.device), args.rows, args.length
     limits = EngineLimits(max_adapters=16, max_seq_len=length, max_batch_tokens=n * length)
@@ -183,6 +184,14 @@ def engine_rows(name: str, path: Path, adapter_dir: str, args, peak_flops: float
             engine_module.available_memory_bytes = real
     print(f"{name}: engine pass headroom estimate for {n} x {length} tokens "
           f"{headroom:.2f} GiB, {note}", flush=True)
+    try:
+        auto = memory.auto_pass_tokens(config, engine.base.dtype, config.vocab_size,
+                                       device.type, engine_module.available_memory_bytes(
+                                           device), length)
+        print(f"{name}: a server here would run passes in pieces of at most {auto} tokens "
+              "(--max-pass-tokens 0)", flush=True)
+    except EngineError as exc:
+        print(f"{name}: a server here would refuse to start: {exc}", flush=True)
     batch = _datums(n, length, vocab)
     tokens = n * length
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from twinkle_server.engine.types import EngineLimits
+from twinkle_server.engine.types import AUTO_PASS_TOKENS, EngineLimits
 
 
 def _opt(default, help: str, **extra):
@@ -49,11 +49,13 @@ class ServerConfig:
     max_rank: int = _opt(128, "largest LoRA rank")
     max_seq_len: int = _opt(4096, "longest sequence in tokens")
     max_batch_tokens: int = _opt(262_144, "most tokens in one forward/forward_backward request")
-    max_pass_tokens: int = _opt(16_384, "most tokens the base runs at once: a larger pass (one "
-                                        "big request, or merged ones) runs in pieces of this "
-                                        "many, with the same results for one more forward; it "
-                                        "bounds a pass's memory, which adapter creation keeps "
-                                        "free. At least --max-seq-len; 0: no cap")
+    max_pass_tokens: int = _opt(0, "most tokens the base runs at once: a larger pass (one big "
+                                   "request, or merged ones) runs in pieces of this many, "
+                                   "same results for one more forward; it bounds a pass's "
+                                   "memory, which adapter creation keeps free. At least "
+                                   "--max-seq-len; 0 picks by device: 16,384 on CPU, on an "
+                                   "accelerator the most whose activations fit in half the "
+                                   "memory free after the base loads")
     merge_token_budget: int = _opt(0, "most tokens in one merged base-model pass; 0 picks "
                                       "by device: 1024 on CPU, 8192 on an accelerator")
     session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
@@ -79,7 +81,7 @@ class ServerConfig:
     def limits(self) -> EngineLimits:
         return EngineLimits(max_adapters=self.max_adapters, max_rank=self.max_rank,
                             max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens,
-                            max_pass_tokens=self.max_pass_tokens)
+                            max_pass_tokens=self.max_pass_tokens or AUTO_PASS_TOKENS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -104,3 +104,34 @@ def test_a_pass_cap_under_the_longest_datum_is_refused(tiny_cache):
                                               "--max-seq-len"):
         Engine.load("tiny", cache_dir=str(tiny_cache),
                     limits=EngineLimits(max_seq_len=256, max_pass_tokens=100))
+
+
+def test_the_fitted_pass_is_the_largest_whose_headroom_fits_the_budget(engine):
+    config, vocab = engine.base.config, engine.base.vocab_size
+    for budget in (2**26, 2**30, 5 * 2**30):
+        tokens = memory.fit_pass_tokens(config, torch.bfloat16, vocab, budget)
+        assert memory.pass_headroom_bytes(config, torch.bfloat16, vocab, tokens) <= budget
+        assert memory.pass_headroom_bytes(config, torch.bfloat16, vocab, tokens + 1) > budget
+
+
+def test_auto_pass_tokens_is_fixed_on_cpu_and_fits_half_the_free_memory_elsewhere(engine):
+    config, vocab = engine.base.config, engine.base.vocab_size
+    assert memory.auto_pass_tokens(config, torch.float32, vocab, "cpu", 10**12, 256) == 16_384
+    assert memory.auto_pass_tokens(config, torch.float32, vocab, "cpu", None, 32_768) == 32_768
+    free, gathered = 8 * 2**30, 2**30
+    tokens = memory.auto_pass_tokens(config, torch.bfloat16, vocab, "cuda", free, 256,
+                                     gathered=gathered)
+    assert tokens == memory.fit_pass_tokens(config, torch.bfloat16, vocab,
+                                            free // 2 - gathered)
+    with pytest.raises(InvalidArgument, match=r"--max-seq-len 4096 tokens, whose activations "
+                                              r"need .* GiB, but 50% of the 0.1 GiB free"):
+        memory.auto_pass_tokens(config, torch.bfloat16, vocab, "cuda", 2**27, 4096)
+
+
+def test_an_engine_left_to_pick_caps_its_passes_and_reserves_the_headroom(tiny_cache):
+    from twinkle_server.engine.types import AUTO_PASS_TOKENS
+
+    picked = Engine.load("tiny", cache_dir=str(tiny_cache),
+                         limits=EngineLimits(max_pass_tokens=AUTO_PASS_TOKENS))
+    assert picked.limits.max_pass_tokens == memory.CPU_PASS_TOKENS
+    assert picked.reserve_pass_memory

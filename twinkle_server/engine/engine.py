@@ -36,6 +36,7 @@ Isolation contract: what an adapter gets in a merged pass, against its pass alon
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -61,6 +62,7 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.lora import LoraWeights, Router, inject, resolve_targets
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.types import (
+    AUTO_PASS_TOKENS,
     AdamParams,
     EngineLimits,
     ForwardOutput,
@@ -71,6 +73,7 @@ from twinkle_server.engine.types import (
     SampleRequest,
 )
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["Engine", "ForwardRequest", "SampleRequest", "available_memory_bytes"]
@@ -111,6 +114,17 @@ class Engine:
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
         self._samplers: OrderedDict[str, Adapter] = OrderedDict()
+        if limits.max_pass_tokens == AUTO_PASS_TOKENS:
+            free = available_memory_bytes(base.device)
+            if parallel is not None:
+                free = parallel.min_int(free)
+            limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
+                base.config, base.dtype, base.vocab_size, base.device.type, free,
+                limits.max_seq_len, activation_checkpointing,
+                parallel.gathered_bytes() if parallel is not None else 0))
+            log.info("passes run through the base in pieces of at most %d tokens "
+                     "(--max-pass-tokens)", limits.max_pass_tokens)
+            self.limits = limits
         pass_tokens = limits.max_pass_tokens or limits.max_batch_tokens
         if limits.max_pass_tokens and limits.max_pass_tokens < limits.max_seq_len:
             raise InvalidArgument(

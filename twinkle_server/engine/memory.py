@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from twinkle_server.engine import logprobs
+from twinkle_server.engine.errors import InvalidArgument
 
 ACTIVATION_MARGIN = 1.5
 """Measured / counted activation bytes per token, rounded up (module docstring: 1.41 on
@@ -128,3 +129,51 @@ def pass_headroom_bytes(config: Any, dtype: torch.dtype, vocab_size: int, tokens
     the adapters' state: its activations plus one logits chunk's backward."""
     return (tokens * activation_bytes_per_token(config, dtype, checkpointing)
             + logits_bytes(tokens, vocab_size))
+
+
+CPU_PASS_TOKENS = 16_384
+"""The pass cap on CPU, where `MemAvailable` is shared with every other process and so is
+no measure of what a pass may take: 1.6 GiB of headroom on the tiny model, and a request
+of 8 x 2048 tokens still one piece."""
+PASS_SHARE = 0.5
+"""On an accelerator, the share of the memory free after the base is loaded that a pass
+may take; the rest holds the adapters' state (16 bytes a parameter each), sampling's KV
+caches and the allocator's slack."""
+
+
+def fit_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, budget: int,
+                    checkpointing: bool = False) -> int:
+    """The most tokens a pass may have for `pass_headroom_bytes` to stay within `budget`
+    (0 when not even one token fits)."""
+    def fits(tokens: int) -> bool:
+        return pass_headroom_bytes(config, dtype, vocab_size, tokens, checkpointing) <= budget
+
+    low, high = 0, 1
+    while fits(high) and high < 2**26:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
+                     free: int | None, max_seq_len: int, checkpointing: bool = False,
+                     gathered: int = 0) -> int:
+    """`--max-pass-tokens 0`: `CPU_PASS_TOKENS` on CPU (at least `max_seq_len`); on an
+    accelerator the largest pass whose headroom, plus the weights a pass gathers on
+    several ranks (`gathered`), fits in `PASS_SHARE` of the `free` bytes. Raises
+    InvalidArgument, with the numbers, when one datum of `max_seq_len` would not fit."""
+    if device_type == "cpu" or free is None:
+        return max(CPU_PASS_TOKENS, max_seq_len)
+    budget = int(free * PASS_SHARE) - gathered
+    tokens = fit_pass_tokens(config, dtype, vocab_size, budget, checkpointing)
+    if tokens < max_seq_len:
+        need = pass_headroom_bytes(config, dtype, vocab_size, max_seq_len, checkpointing)
+        raise InvalidArgument(
+            f"memory: a pass must hold one datum of --max-seq-len {max_seq_len} tokens, "
+            f"whose activations need {need / 2**30:.1f} GiB, but {PASS_SHARE:.0%} of the "
+            f"{free / 2**30:.1f} GiB free after loading the base is "
+            f"{max(budget, 0) / 2**30:.1f} GiB; turn on --activation-checkpointing, lower "
+            "--max-seq-len, or shard the base over more devices")
+    return tokens

@@ -183,6 +183,10 @@ class SampleRequest:
         return self.num_samples * (self.prompt.size + self.params.max_tokens)
 
 
+AUTO_PASS_TOKENS = -1
+"""`EngineLimits.max_pass_tokens` for "pick by device and free memory" (`--max-pass-tokens 0`)."""
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """Caps enforced before any compute; each violation is an `InvalidArgument` or
@@ -193,4 +197,5 @@ class EngineLimits:
     max_seq_len: int = 4096
     max_batch_tokens: int = 262_144
     max_pass_tokens: int = 0
-    """Most tokens the base runs in one piece of a pass; 0: no cap (`PassLogprobs`)."""
+    """Most tokens the base runs in one piece of a pass (`forward.PassLogprobs`); 0: no
+    cap; `AUTO_PASS_TOKENS`: picked by the engine (`memory.auto_pass_tokens`)."""
