@@ -62,6 +62,17 @@ def forward_only_rank_in_pieces(engine: Engine) -> list[float]:
     return [o.loss for o in out] + [sum(grads)]
 
 
+def sampling_split(engine: Engine) -> list[float]:
+    """A batch of seeded sample requests of different lengths: on several ranks each
+    samples its share (the rest idle in step); every token as on one process."""
+    engine.add_adapter("s", LoraSpec(rank=4, alpha=8, seed=6))
+    requests = [SampleRequest("s" if i % 2 else None, None, np.arange(3, 3 + 2 + i), 1 + i % 2,
+                              SamplingParams(max_tokens=3 + 4 * i, seed=10 + i))
+                for i in range(5)]
+    out = engine.sample_batch(requests)
+    return [float(t) for sequences in out for seq in sequences for t in seq.tokens]
+
+
 def pass_headroom(engine: Engine) -> list[float]:
     """On several ranks the headroom adapter creation keeps free also counts what a pass
     gathers: the root unit (embeddings, norm, output layer) and two decoder layers."""
@@ -75,7 +86,8 @@ def pass_headroom(engine: Engine) -> list[float]:
 
 
 SCENARIOS = {f.__name__: f for f in (sample_first, upper_layer_adapter,
-                                     forward_only_rank_in_pieces, pass_headroom)}
+                                     forward_only_rank_in_pieces, sampling_split,
+                                     pass_headroom)}
 
 
 def main(name: str) -> None:

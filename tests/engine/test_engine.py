@@ -172,6 +172,21 @@ def test_sampling_two_adapters_in_one_batch_matches_sampling_each_alone(engine, 
             np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=LOGPROB_ATOL)
 
 
+def test_one_adapters_requests_with_anothers_between_sample_as_each_alone(engine, datums,
+                                                                          fresh):
+    # Two sampling sessions of one adapter with another tenant's request between them:
+    # the batch groups each adapter's rows for the router, and answers in request order.
+    _add(engine, fresh, "i1", LoraSpec.from_tinker(rank=4, seed=3))
+    _add(engine, fresh, "i2", LoraSpec.from_tinker(rank=4, seed=4))
+    requests = [SampleRequest(name, None, datums[i].input_ids[:4], 1,
+                              SamplingParams(max_tokens=6, seed=i))
+                for i, name in enumerate(("i1", "i2", "i1"))]
+    together = engine.sample_batch(requests)
+    for request, got in zip(requests, together, strict=True):
+        alone = engine.sample_batch([request])[0]
+        np.testing.assert_array_equal(got[0].tokens, alone[0].tokens)
+
+
 def test_sampled_logprobs_equal_a_teacher_forced_forward(engine, datums, fresh):
     _add(engine, fresh, "tf", LoraSpec.from_tinker(rank=4, seed=8))
     prompt = datums[2].input_ids[:5]

@@ -472,12 +472,28 @@ class Engine:
                 slots.append(i)
             except EngineError as exc:
                 results[i] = exc
-        if batch:
-            outputs = self._on_base(lambda: sampler.generate(
-                self.base.model, self.router.route, batch, eos_token_ids=self.base.eos_token_ids,
-                pad_token_id=self.base.pad_token_id, decode=self.base.decode))
-            for slot, out in zip(slots, outputs, strict=True):
-                results[slot] = out
+        if not batch:
+            return results
+        # The router needs each adapter's rows contiguous: requests of one adapter (two
+        # sampling sessions of one checkpoint, say) may arrive with another's between.
+        first_seen: dict[str | None, int] = {}
+        for generation in batch:
+            first_seen.setdefault(generation.adapter_id, len(first_seen))
+        order = sorted(range(len(batch)), key=lambda i: first_seen[batch[i].adapter_id])
+        batch, slots = [batch[i] for i in order], [slots[i] for i in order]
+        parallel = self.parallel
+        # On several ranks each samples a token-balanced share of the batch (every rank
+        # computed the same `batch`: the same checks on the same state).
+        mine = (range(len(batch)) if parallel is None else parallel.share(
+            [(r.prompt.size + r.params.max_tokens) * r.num_samples for r in batch]))
+        outputs = self._on_base(lambda: sampler.generate(
+            self.base.model, self.router.route, [batch[i] for i in mine],
+            eos_token_ids=self.base.eos_token_ids, pad_token_id=self.base.pad_token_id,
+            decode=self.base.decode, together=parallel.any_rank if parallel else None))
+        if parallel is not None:
+            outputs = parallel.gather_objects(outputs)
+        for slot, out in zip(slots, outputs, strict=True):
+            results[slot] = out
         return results
 
     def _check_sample_size(self, request: SampleRequest) -> None:

@@ -287,6 +287,19 @@ class Parallel:
         for grad, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
             grad.copy_(piece.view_as(grad))
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank (every rank gets the same answer)."""
+        box = torch.tensor([int(flag)], dtype=torch.int64, device=self.placement.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box)
+
+    def gather_objects(self, local: list[Any]) -> list[Any]:
+        """Every rank's `local` list (small results: sampled tokens), concatenated in rank
+        order, on every rank."""
+        found: list[Any] = [None] * self.world
+        dist.all_gather_object(found, local)
+        return [item for part in found for item in part]
+
     def min_int(self, value: int | None) -> int | None:
         """The smallest `value` over the ranks (None on any rank: None), so a decision
         that depends on each rank's free memory comes out the same everywhere."""

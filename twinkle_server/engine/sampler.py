@@ -100,7 +100,8 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
 @torch.inference_mode()
 def generate(model: torch.nn.Module, route: Route, requests: Sequence[GenerationRequest], *,
              eos_token_ids: Sequence[int], pad_token_id: int,
-             decode: Callable[[Sequence[int]], str]) -> list[list[SampledSequence]]:
+             decode: Callable[[Sequence[int]], str],
+             together: Callable[[bool], bool] | None = None) -> list[list[SampledSequence]]:
     """Sample every request's completions in one left-padded, KV-cached batch.
 
     Args:
@@ -120,10 +121,19 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
 
     Rows that finish leave the batch (and the KV cache), so later steps only pay for the
     rows still decoding.
+
+    `together` (several ranks, each sampling its own share of a batch): called before
+    every step with whether this rank still has rows, it answers whether any rank has;
+    a rank out of rows (or with none) runs a one-token forward each step until every
+    rank is done, since each forward gathers the sharded base's layers with the others.
     """
     for request in requests:
         validate(request)
     device = next(model.parameters()).device
+    if not requests:
+        while together is not None and together(False):
+            _idle_step(model, route, pad_token_id, device)
+        return []
     owners = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
     prompts = [np.asarray(requests[i].prompt, dtype=np.int64) for i in owners]
     width = max(p.size for p in prompts)
@@ -143,7 +153,10 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
     cache_kw = _cache_keyword(model)
     cache = None
     step_input, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
-    while active:
+    while active if together is None else together(bool(active)):
+        if not active:
+            _idle_step(model, route, pad_token_id, device)
+            continue
         with route([requests[owners[row]].adapter_id for row in active]):
             out = model(input_ids=step_input, attention_mask=mask, position_ids=positions,
                         use_cache=True, logits_to_keep=1, **{cache_kw: cache})
@@ -191,6 +204,15 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
             logprobs=np.asarray(out_logprobs[row], dtype=np.float32),
             stop_reason=reasons[row]))
     return results
+
+
+def _idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
+               device: torch.device) -> None:
+    """One forward of one padding token on the bare base: a decode step's collectives
+    for a rank with nothing left to decode."""
+    with route([None]):
+        model(input_ids=torch.full((1, 1), pad_token_id, device=device), use_cache=False,
+              logits_to_keep=1)
 
 
 MAX_TOPK = 20
