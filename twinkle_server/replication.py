@@ -22,9 +22,9 @@ non-zero (`twinkle_server.server`), for the launcher or the operator to restart 
 Two limits. On CUDA the engine's collectives run on nccl, whose watchdog ends a process
 whose collective timed out: the job then ends non-zero as well, but clients see their
 connection drop rather than the UNAVAILABLE naming the rank (tested here on gloo only).
-And a decode step's stop decisions are each rank's own: ranks must compute the same
-tokens, which holds for the same kernels on the same device type (every rank of a job,
-as torchrun starts it), not across mixed accelerators.
+And every rank computes a pass's losses from the same gathered logprobs, so they drop a
+non-finite loss alike; that holds for the same kernels on the same device type (every
+rank of a job, as torchrun starts it), not across mixed accelerators.
 """
 
 from __future__ import annotations
