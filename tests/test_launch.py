@@ -199,3 +199,12 @@ def test_two_nodes_meet_at_the_rendezvous_and_serve_as_one(tmp_path, tiny_cache)
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(60) for proc in nodes]
     assert codes == [0, 0], [f.read_text()[-2000:] for f in logs]
+
+
+def test_a_configuration_that_cannot_serve_ends_every_rank_at_once(tmp_path, tiny_cache):
+    # Rank 0 finds it (no API keys, a non-loopback host) and tells the others, which
+    # would otherwise wait for it in a collective until the timeout.
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no API keys exist"):
+        start_server(tmp_path / "data", "--nproc-per-node", "2", "--host", "0.0.0.0")
+    assert time.monotonic() - started < 60

@@ -35,33 +35,48 @@ def _when(ts: float | None) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from twinkle_server import launch
-    from twinkle_server.server import ConfigError, GroupLost, serve
+    from twinkle_server.server import ConfigError, GroupLost, config_problem, serve
 
     cfg = config_mod.from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parallel = channel = None
+    if not launch.under_launcher():
+        try:
+            if launch.wants_launch(cfg):
+                return launch.launch(cfg, args.argv)
+            asyncio.run(serve(cfg))
+        except (ConfigError, EngineError) as exc:
+            print(f"twinkle-server: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    # One rank of several: rank 0 checks the configuration for all, so a bad one ends
+    # every rank at once instead of leaving the others waiting in a collective.
     try:
-        if launch.under_launcher():
-            parallel, channel = launch.join(cfg)
-            if parallel.rank != 0:
-                return launch.run_follower(cfg, parallel, channel)
-        elif launch.wants_launch(cfg):
-            return launch.launch(cfg, args.argv)
+        parallel, channel = launch.join(cfg)
     except EngineError as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
+    clean = True
     try:
+        problem = channel.agree(config_problem(cfg) if parallel.rank == 0 else None)
+        if problem is not None:
+            if parallel.rank == 0:
+                print(f"twinkle-server: {problem}", file=sys.stderr)
+            return 2
+        if parallel.rank != 0:
+            code = launch.run_follower(cfg, parallel, channel)
+            clean = code != 1
+            return code
         asyncio.run(serve(cfg, parallel=parallel, channel=channel))
     except (ConfigError, EngineError) as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
     except GroupLost as exc:
+        clean = False
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 1
     finally:
-        if parallel is not None:
-            parallel.close()
+        parallel.close(clean)
     return 0
 
 

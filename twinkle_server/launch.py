@@ -17,7 +17,7 @@ import signal
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
-from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.replication import Channel, follow
 
@@ -102,17 +102,20 @@ def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engin
 
 def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> int:
     """A rank other than 0: load the shard, follow rank 0 until it stops; 0 on a clean
-    stop, 1 when the group was lost. SIGINT and SIGTERM are left to rank 0, whose drain
-    ends with telling this rank to stop."""
+    stop, 2 when the engine cannot load (every rank fails alike), 1 when the group was
+    lost. SIGINT and SIGTERM are left to rank 0, whose drain ends with telling this rank
+    to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    engine = load_engine(config, parallel)
+    try:
+        engine = load_engine(config, parallel)
+    except EngineError as exc:
+        log.error("rank %d: %s", parallel.rank, exc)
+        return 2
     try:
         follow(engine, channel)
         log.info("stopping: %s", parallel.describe_share())
     except Exception as exc:
         log.error("rank %d: lost the group: %s: %s", parallel.rank, type(exc).__name__, exc)
         return 1
-    finally:
-        parallel.close()
     return 0

@@ -117,6 +117,12 @@ class Channel:
         return cls(dist.new_group(backend="gloo",
                                   timeout=datetime.timedelta(seconds=timeout_s)))
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's `value` (small and picklable), on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
     def send(self, call: tuple) -> None:
         buffer = io.BytesIO()
         pickler = _Pickler(buffer)

@@ -64,6 +64,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def config_problem(config: ServerConfig) -> str | None:
+    """Why `config` cannot serve (the message says how to fix it), or None; checked before
+    anything loads, and on several ranks by rank 0 for all of them."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        return "--tls-cert and --tls-key: give both or neither"
+    if is_loopback(config.host):
+        return None
+    store = Store(config.data_dir)
+    try:
+        if not store.has_keys():
+            return (f"--host {config.host}: no API keys exist, so the server would be open to "
+                    "anyone; it binds only to a loopback address (127.0.0.1) without keys. "
+                    "Create one with 'twinkle-server keys create --tenant NAME' first.")
+    finally:
+        store.close()
+    return None
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
                 parallel: Parallel | None = None, channel: Channel | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, then drain and flush the store.
@@ -71,15 +89,10 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     With `parallel` (rank 0 of several, `twinkle_server.launch`) the engine is sharded
     and every call replayed on the other ranks through `channel`; when a rank is lost
     the server drains (ops fail UNAVAILABLE), stops, and raises GroupLost."""
+    problem = config_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
     store = Store(config.data_dir)
-    if not store.has_keys() and not is_loopback(config.host):
-        store.close()
-        raise ConfigError(
-            f"--host {config.host}: no API keys exist, so the server would be open to anyone; "
-            "it binds only to a loopback address (127.0.0.1) without keys. Create one with "
-            "'twinkle-server keys create --tenant NAME' first.")
-    if bool(config.tls_cert) != bool(config.tls_key):
-        raise ConfigError("--tls-cert and --tls-key: give both or neither")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     lost: list[str] = []

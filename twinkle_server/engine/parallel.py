@@ -141,9 +141,12 @@ class Parallel:
                                     mesh_dim_names=("replicate", "shard"))
         return cls(placement, mesh)
 
-    def close(self) -> None:
-        """Leave the process group."""
+    def close(self, clean: bool = True) -> None:
+        """Leave the process group; `clean` (every rank is leaving too) first waits for
+        the others, so no rank tears down its connections while another still uses them."""
         if dist.is_initialized():
+            if clean:
+                dist.barrier()
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ sharding
