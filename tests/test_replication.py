@@ -174,3 +174,26 @@ def test_a_checkpoint_saved_on_two_ranks_gives_the_same_logits_in_peft(servers, 
         logits = peft(input_ids=torch.tensor([tokens])).logits[0].float()
     want = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])
     np.testing.assert_allclose(served, want[:, 0].numpy(), atol=LOGPROB_ATOL, rtol=0)
+
+
+def _resumed_logprobs(address: str) -> list[np.ndarray]:
+    """Train a step, save with the optimizer, resume into a new model, train a step."""
+    service = ServiceClient(base_url=f"http://{address}")
+    try:
+        first = service.create_lora_training_client(base_model="tiny", rank=4, seed=12).result()
+        first.forward_backward(sft_data(n=3, seed=13), "cross_entropy").result()
+        first.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = first.save_state("resume").result().path
+        resumed = service.create_training_client_from_state_with_optimizer(state).result()
+        resumed.forward_backward(sft_data(n=3, seed=14), "cross_entropy").result()
+        resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        out = resumed.forward(sft_data(n=2, seed=15), "cross_entropy").result()
+        return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+    finally:
+        service.close()
+
+
+def test_a_state_saved_and_resumed_on_two_ranks_trains_on_as_on_one(servers):
+    one, two = (_resumed_logprobs(s.address) for s in servers)
+    for a, b in zip(two, one, strict=True):
+        np.testing.assert_allclose(a, b, atol=LOGPROB_ATOL, rtol=0)

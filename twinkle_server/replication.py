@@ -221,8 +221,14 @@ class ReplicatedEngine:
 
     def load_state(self, adapter_id: str, path: str | os.PathLike, include_optimizer: bool,
                    adopt_accumulation: bool = False) -> None:
-        return self._all("load_state", adapter_id, path, include_optimizer, adopt_accumulation,
-                         shipped=(1, _ship(path)))
+        """Every rank, this one too, loads the same bytes, read once here: a checkpoint
+        deleted or saved over while the call is on its way cannot load on some ranks
+        only, or differently."""
+        shipped = (1, _ship(path))
+        with tempfile.TemporaryDirectory(prefix="twinkle-rank0-") as scratch:
+            local = _place([adapter_id, path], shipped, Path(scratch))[1]
+            return self._all("load_state", adapter_id, local, include_optimizer,
+                             adopt_accumulation, shipped=shipped)
 
     def sample_batch(self, requests: Sequence[SampleRequest]) -> list:
         requests = [_fill_seed(r) for r in requests]
@@ -353,7 +359,9 @@ def _place(args: list[Any], shipped: tuple, scratch: Path) -> list[Any]:
         # One directory per rank-0 path, so the engine's sampler cache (by path and the
         # weights' stat) hits here exactly when it hits there: files are rewritten only
         # when rank 0 missed.
-        target = scratch / hashlib.sha256(found.source.encode()).hexdigest()[:24]
+        # (Named after the checkpoint, so the engine's messages still name it.)
+        digest = hashlib.sha256(found.source.encode()).hexdigest()[:16]
+        target = scratch / f"{Path(found.source).name}.{digest}"
         if found.missing:
             shutil.rmtree(target, ignore_errors=True)
         elif found.files is not None:
