@@ -128,7 +128,9 @@ def checkpoint_to_tinker(ckpt: api.Checkpoint) -> types.Checkpoint:
     return types.Checkpoint(checkpoint_id=ckpt.checkpoint_id,
                             checkpoint_type=ckpt.checkpoint_type, time=_time(ckpt.created_at),
                             tinker_path=tinker_path(ckpt.path), size_bytes=ckpt.size_bytes,
-                            user_metadata=dict(ckpt.user_metadata) or None)
+                            user_metadata=dict(ckpt.user_metadata) or None,
+                            public=ckpt.public,
+                            expires_at=_time(ckpt.expires_at) if ckpt.expires_at else None)
 
 
 def run_to_tinker(run: api.TrainingRun) -> types.TrainingRun:

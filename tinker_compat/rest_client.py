@@ -279,6 +279,27 @@ class RestClient:
         """Deprecated: use `await rest_client.delete_checkpoint_from_tinker_path(...)`."""
         return await self.delete_checkpoint_from_tinker_path(tinker_path)
 
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Make an own checkpoint readable by every tenant of the server (load, sample,
+        download); only its owner may still change or delete it."""
+        paths.parse(tinker_path, "tinker_path")
+        return self._conn.submit(api.publish_checkpoint(tinker_path, True).send, self._conn,
+                                 future_class=APIFuture)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Make a published checkpoint private to its owner again."""
+        paths.parse(tinker_path, "tinker_path")
+        return self._conn.submit(api.publish_checkpoint(tinker_path, False).send, self._conn,
+                                 future_class=APIFuture)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None
+                                            ) -> APIFuture[None]:
+        """Delete an own checkpoint `ttl_seconds` from now (3600 to 10 years), or never
+        (None)."""
+        paths.parse(tinker_path, "tinker_path")
+        return self._conn.submit(api.set_checkpoint_ttl(tinker_path, ttl_seconds).send,
+                                 self._conn, future_class=APIFuture)
+
     def download_checkpoint(self, tinker_path: str, dest: str | os.PathLike
                             ) -> APIFuture[Path]:
         """Download every file of a checkpoint into directory `dest` (a Twinkle addition:

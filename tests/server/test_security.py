@@ -115,6 +115,10 @@ def _isolation_cases(bob: Connection, o: dict[str, str], tmp: Path
         "DeleteCheckpoint": lambda: bob.call(r.DeleteCheckpoint,
                                              runs_pb2.CheckpointRef(path=o["saved"])),
         "DownloadCheckpoint": lambda: bob.download_checkpoint(o["saved"], tmp / "stolen"),
+        "PublishCheckpoint": lambda: bob.call(r.PublishCheckpoint, runs_pb2.PublishCheckpointRequest(
+            path=o["saved"], public=True)),
+        "SetCheckpointTtl": lambda: bob.call(r.SetCheckpointTtl, runs_pb2.SetCheckpointTtlRequest(
+            path=o["saved"], ttl_seconds=3600)),
     }
 
 

@@ -126,3 +126,30 @@ def test_another_tenants_checkpoints_and_runs_look_like_none_and_a_bad_key_is_re
         with RestClient(base_url=base_url, api_key=keys["alice"]) as mine:
             assert mine.get_training_run_by_tinker_path(saved).result().training_run_id == \
                 trainer.model_id
+
+
+def test_a_published_checkpoint_is_readable_by_another_tenant_until_unpublished(
+        keyed_server, tmp_path):
+    base_url, keys = keyed_server
+    with ServiceClient(base_url=base_url, api_key=keys["alice"]) as alice, \
+            RestClient(base_url=base_url, api_key=keys["alice"]) as mine, \
+            ServiceClient(base_url=base_url, api_key=keys["bob"]) as bob, \
+            RestClient(base_url=base_url, api_key=keys["bob"]) as theirs:
+        trainer = alice.create_lora_training_client("tiny", rank=4).result()
+        sampler = trainer.save_weights_for_sampler("shared").result().path
+        mine.publish_checkpoint_from_tinker_path(sampler).result()
+        mine.set_checkpoint_ttl_from_tinker_path(sampler, 7200).result()
+        listed = mine.list_checkpoints(trainer.model_id).result().checkpoints
+        assert listed[0].public and listed[0].expires_at is not None
+        client = bob.create_sampling_client(model_path=sampler).result()
+        assert client.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()
+        theirs.download_checkpoint(sampler, tmp_path / "shared").result()
+        for attempt in (theirs.delete_checkpoint_from_tinker_path(sampler),
+                        theirs.unpublish_checkpoint_from_tinker_path(sampler),
+                        theirs.set_checkpoint_ttl_from_tinker_path(sampler, None)):
+            assert isinstance(attempt.exception(timeout=60), tinker.NotFoundError)
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+            mine.set_checkpoint_ttl_from_tinker_path(sampler, 60).result()
+        mine.unpublish_checkpoint_from_tinker_path(sampler).result()
+        error = theirs.download_checkpoint(sampler, tmp_path / "again").exception(timeout=60)
+        assert isinstance(error, tinker.NotFoundError)

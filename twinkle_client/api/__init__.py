@@ -38,6 +38,8 @@ from twinkle_client.api.runs import (
     get_run,
     list_checkpoints,
     list_runs,
+    publish_checkpoint,
+    set_checkpoint_ttl,
     write_files,
 )
 from twinkle_client.api.sampling import (
@@ -92,7 +94,8 @@ __all__ = [
     "create_sampling_session", "delete_checkpoint", "download_checkpoint",
     "download_tokenizer", "forward", "get_checkpoint", "get_run", "get_train_configs",
     "health_check", "list_checkpoints", "list_runs", "load_state", "lr_step", "optim_step",
-    "release", "sample", "sample_op", "save_state", "save_weights_for_sampler", "set_loss",
+    "publish_checkpoint", "release", "sample", "sample_op", "save_state",
+    "save_weights_for_sampler", "set_checkpoint_ttl", "set_loss",
     "set_lr_scheduler", "set_optimizer", "step", "submit", "unload_model", "write_files",
     "zero_grad",
 ]

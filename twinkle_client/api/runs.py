@@ -19,7 +19,7 @@ from twinkle_client.connection import Connection
 def _checkpoint(c: common_pb2.Checkpoint) -> Checkpoint:
     return Checkpoint(c.checkpoint_id, c.checkpoint_type, c.path, c.run_id, c.name,
                       c.created_at, c.size_bytes, c.has_optimizer, c.base_model, c.lora_rank,
-                      dict(c.user_metadata))
+                      dict(c.user_metadata), c.public, c.expires_at or None)
 
 
 def _run(r: common_pb2.TrainingRun) -> TrainingRun:
@@ -58,6 +58,20 @@ def get_checkpoint(path: str) -> Call[Checkpoint]:
 def delete_checkpoint(path: str) -> Call[None]:
     return Call("runs", "DeleteCheckpoint", runs_pb2.CheckpointRef(path=path), no_reply,
                 retry=False)
+
+
+def publish_checkpoint(path: str, public: bool) -> Call[None]:
+    """Make an own checkpoint readable by every tenant (`public`), or private again."""
+    return Call("runs", "PublishCheckpoint",
+                runs_pb2.PublishCheckpointRequest(path=path, public=public), no_reply)
+
+
+def set_checkpoint_ttl(path: str, ttl_seconds: int | None) -> Call[None]:
+    """Delete an own checkpoint `ttl_seconds` from now; None: never."""
+    request = runs_pb2.SetCheckpointTtlRequest(path=path)
+    if ttl_seconds is not None:
+        request.ttl_seconds = ttl_seconds
+    return Call("runs", "SetCheckpointTtl", request, no_reply)
 
 
 def download_checkpoint(conn: Connection, path: str, dest: str | os.PathLike) -> Path:

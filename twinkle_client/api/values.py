@@ -139,6 +139,8 @@ class Checkpoint:
     base_model: str
     lora_rank: int
     user_metadata: dict[str, str]
+    public: bool = False                # readable by every tenant of the server
+    expires_at: float | None = None     # unix seconds it is deleted at; None: never
 
 
 @dataclass(frozen=True)

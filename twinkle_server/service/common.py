@@ -109,7 +109,7 @@ def checkpoint_to_proto(row: CheckpointRow, run: RunRow | None) -> pb.Checkpoint
         path=f"twinkle://{row.run_id}/{row.checkpoint_id}", run_id=row.run_id, name=row.name,
         created_at=row.created_at, size_bytes=row.size_bytes, has_optimizer=row.has_optimizer,
         base_model=run.base_model if run else "", lora_rank=int(run.lora["rank"]) if run else 0,
-        user_metadata=row.user_metadata)
+        user_metadata=row.user_metadata, public=row.public, expires_at=row.expires_at or 0.0)
 
 
 def run_to_proto(view: RunView) -> pb.TrainingRun:

@@ -58,3 +58,16 @@ class RunsServicer(runs_pb2_grpc.RunsServiceServicer):
                                                        checkpoint_ref(request.path))
         for chunk in file_chunks(directory, names):
             yield chunk
+
+    @unary
+    async def PublishCheckpoint(self, request, context):
+        await self.verbs.publish_checkpoint(tenant_of(self.rt, context),
+                                            checkpoint_ref(request.path), request.public)
+        return pb.Empty()
+
+    @unary
+    async def SetCheckpointTtl(self, request, context):
+        ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
+        await self.verbs.set_checkpoint_ttl(tenant_of(self.rt, context),
+                                            checkpoint_ref(request.path), ttl)
+        return pb.Empty()

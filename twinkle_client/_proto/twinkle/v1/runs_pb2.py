@@ -25,25 +25,29 @@ _sym_db = _symbol_database.Default()
 from twinkle_client._proto.twinkle.v1 import common_pb2 as twinkle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15twinkle/v1/runs.proto\x12\ntwinkle.v1\x1a\x17twinkle/v1/common.proto\"0\n\x0fListRunsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x05\"]\n\x10ListRunsResponse\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.twinkle.v1.TrainingRun\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x13\n\x0bnext_offset\x18\x03 \x01(\x05\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"G\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x05\"j\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.twinkle.v1.Checkpoint\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x13\n\x0bnext_offset\x18\x03 \x01(\x05\"\x1d\n\rCheckpointRef\x12\x0c\n\x04path\x18\x01 \x01(\t2\xbe\x03\n\x0bRunsService\x12\x45\n\x08ListRuns\x12\x1b.twinkle.v1.ListRunsRequest\x1a\x1c.twinkle.v1.ListRunsResponse\x12<\n\x06GetRun\x12\x19.twinkle.v1.GetRunRequest\x1a\x17.twinkle.v1.TrainingRun\x12Z\n\x0fListCheckpoints\x12\".twinkle.v1.ListCheckpointsRequest\x1a#.twinkle.v1.ListCheckpointsResponse\x12\x42\n\rGetCheckpoint\x12\x19.twinkle.v1.CheckpointRef\x1a\x16.twinkle.v1.Checkpoint\x12@\n\x10\x44\x65leteCheckpoint\x12\x19.twinkle.v1.CheckpointRef\x1a\x11.twinkle.v1.Empty\x12H\n\x12\x44ownloadCheckpoint\x12\x19.twinkle.v1.CheckpointRef\x1a\x15.twinkle.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15twinkle/v1/runs.proto\x12\ntwinkle.v1\x1a\x17twinkle/v1/common.proto\"8\n\x18PublishCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06public\x18\x02 \x01(\x08\"Q\n\x17SetCheckpointTtlRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x18\n\x0bttl_seconds\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x0e\n\x0c_ttl_seconds\"0\n\x0fListRunsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x05\"]\n\x10ListRunsResponse\x12%\n\x04runs\x18\x01 \x03(\x0b\x32\x17.twinkle.v1.TrainingRun\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x13\n\x0bnext_offset\x18\x03 \x01(\x05\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"G\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x05\"j\n\x17ListCheckpointsResponse\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.twinkle.v1.Checkpoint\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x13\n\x0bnext_offset\x18\x03 \x01(\x05\"\x1d\n\rCheckpointRef\x12\x0c\n\x04path\x18\x01 \x01(\t2\xd8\x04\n\x0bRunsService\x12\x45\n\x08ListRuns\x12\x1b.twinkle.v1.ListRunsRequest\x1a\x1c.twinkle.v1.ListRunsResponse\x12<\n\x06GetRun\x12\x19.twinkle.v1.GetRunRequest\x1a\x17.twinkle.v1.TrainingRun\x12Z\n\x0fListCheckpoints\x12\".twinkle.v1.ListCheckpointsRequest\x1a#.twinkle.v1.ListCheckpointsResponse\x12\x42\n\rGetCheckpoint\x12\x19.twinkle.v1.CheckpointRef\x1a\x16.twinkle.v1.Checkpoint\x12@\n\x10\x44\x65leteCheckpoint\x12\x19.twinkle.v1.CheckpointRef\x1a\x11.twinkle.v1.Empty\x12H\n\x12\x44ownloadCheckpoint\x12\x19.twinkle.v1.CheckpointRef\x1a\x15.twinkle.v1.FileChunk0\x01\x12L\n\x11PublishCheckpoint\x12$.twinkle.v1.PublishCheckpointRequest\x1a\x11.twinkle.v1.Empty\x12J\n\x10SetCheckpointTtl\x12#.twinkle.v1.SetCheckpointTtlRequest\x1a\x11.twinkle.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'twinkle.v1.runs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LISTRUNSREQUEST']._serialized_start=62
-  _globals['_LISTRUNSREQUEST']._serialized_end=110
-  _globals['_LISTRUNSRESPONSE']._serialized_start=112
-  _globals['_LISTRUNSRESPONSE']._serialized_end=205
-  _globals['_GETRUNREQUEST']._serialized_start=207
-  _globals['_GETRUNREQUEST']._serialized_end=238
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=240
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=311
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=313
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=419
-  _globals['_CHECKPOINTREF']._serialized_start=421
-  _globals['_CHECKPOINTREF']._serialized_end=450
-  _globals['_RUNSSERVICE']._serialized_start=453
-  _globals['_RUNSSERVICE']._serialized_end=899
+  _globals['_PUBLISHCHECKPOINTREQUEST']._serialized_start=62
+  _globals['_PUBLISHCHECKPOINTREQUEST']._serialized_end=118
+  _globals['_SETCHECKPOINTTTLREQUEST']._serialized_start=120
+  _globals['_SETCHECKPOINTTTLREQUEST']._serialized_end=201
+  _globals['_LISTRUNSREQUEST']._serialized_start=203
+  _globals['_LISTRUNSREQUEST']._serialized_end=251
+  _globals['_LISTRUNSRESPONSE']._serialized_start=253
+  _globals['_LISTRUNSRESPONSE']._serialized_end=346
+  _globals['_GETRUNREQUEST']._serialized_start=348
+  _globals['_GETRUNREQUEST']._serialized_end=379
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=381
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=452
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=454
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=560
+  _globals['_CHECKPOINTREF']._serialized_start=562
+  _globals['_CHECKPOINTREF']._serialized_end=591
+  _globals['_RUNSSERVICE']._serialized_start=594
+  _globals['_RUNSSERVICE']._serialized_end=1194
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PublishCheckpointRequest(_message.Message):
+    __slots__ = ("path", "public")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    public: bool
+    def __init__(self, path: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
+
+class SetCheckpointTtlRequest(_message.Message):
+    __slots__ = ("path", "ttl_seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    ttl_seconds: int
+    def __init__(self, path: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
 class ListRunsRequest(_message.Message):
     __slots__ = ("limit", "offset")
     LIMIT_FIELD_NUMBER: _ClassVar[int]

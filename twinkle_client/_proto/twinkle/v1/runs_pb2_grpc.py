@@ -65,6 +65,16 @@ class RunsServiceStub:
                 request_serializer=twinkle_dot_v1_dot_runs__pb2.CheckpointRef.SerializeToString,
                 response_deserializer=twinkle_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.PublishCheckpoint = channel.unary_unary(
+                '/twinkle.v1.RunsService/PublishCheckpoint',
+                request_serializer=twinkle_dot_v1_dot_runs__pb2.PublishCheckpointRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.SetCheckpointTtl = channel.unary_unary(
+                '/twinkle.v1.RunsService/SetCheckpointTtl',
+                request_serializer=twinkle_dot_v1_dot_runs__pb2.SetCheckpointTtlRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class RunsServiceServicer:
@@ -108,6 +118,20 @@ class RunsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishCheckpoint(self, request, context):
+        """Make an own checkpoint readable by every tenant, or private again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetCheckpointTtl(self, request, context):
+        """Delete an own checkpoint ttl_seconds from now (3600 to 10 years); unset: never.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +164,16 @@ def add_RunsServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=twinkle_dot_v1_dot_runs__pb2.CheckpointRef.FromString,
                     response_serializer=twinkle_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'PublishCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishCheckpoint,
+                    request_deserializer=twinkle_dot_v1_dot_runs__pb2.PublishCheckpointRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'SetCheckpointTtl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCheckpointTtl,
+                    request_deserializer=twinkle_dot_v1_dot_runs__pb2.SetCheckpointTtlRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +338,60 @@ class RunsService:
             '/twinkle.v1.RunsService/DownloadCheckpoint',
             twinkle_dot_v1_dot_runs__pb2.CheckpointRef.SerializeToString,
             twinkle_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.RunsService/PublishCheckpoint',
+            twinkle_dot_v1_dot_runs__pb2.PublishCheckpointRequest.SerializeToString,
+            twinkle_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCheckpointTtl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.RunsService/SetCheckpointTtl',
+            twinkle_dot_v1_dot_runs__pb2.SetCheckpointTtlRequest.SerializeToString,
+            twinkle_dot_v1_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
