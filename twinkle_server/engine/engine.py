@@ -59,7 +59,13 @@ from twinkle_server.engine.errors import (
     NotFound,
     ResourceExhausted,
 )
-from twinkle_server.engine.lora import LoraWeights, Router, inject, resolve_targets
+from twinkle_server.engine.lora import (
+    LoraWeights,
+    Router,
+    adapter_order,
+    inject,
+    resolve_targets,
+)
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
@@ -114,18 +120,15 @@ class Engine:
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
         self._samplers: OrderedDict[str, Adapter] = OrderedDict()
+        # On several ranks a pass also gathers the base's weights, beside its activations.
+        gathered = parallel.gathered_bytes() if parallel is not None else 0
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
-            free = available_memory_bytes(base.device)
-            if parallel is not None:
-                free = parallel.min_int(free)
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
-                base.config, base.dtype, base.vocab_size, base.device.type, free,
-                limits.max_seq_len, activation_checkpointing,
-                parallel.gathered_bytes() if parallel is not None else 0))
+                base.config, base.dtype, base.vocab_size, base.device.type,
+                self._free_bytes(), limits.max_seq_len, activation_checkpointing, gathered))
             log.info("passes run through the base in pieces of at most %d tokens "
                      "(--max-pass-tokens)", limits.max_pass_tokens)
             self.limits = limits
-        pass_tokens = limits.max_pass_tokens or limits.max_batch_tokens
         if limits.max_pass_tokens and limits.max_pass_tokens < limits.max_seq_len:
             raise InvalidArgument(
                 f"max_pass_tokens: {limits.max_pass_tokens} is under the {limits.max_seq_len}-"
@@ -134,10 +137,8 @@ class Engine:
         # Activations + one logits chunk of the largest piece of a pass the limits allow,
         # computed once: shared by every adapter, kept free beside their state
         # (`engine.memory`).
-        self.pass_headroom_bytes = memory.pass_headroom_bytes(
-            base.config, base.dtype, base.vocab_size, pass_tokens, activation_checkpointing)
-        if parallel is not None:
-            self.pass_headroom_bytes += parallel.gathered_bytes()
+        self.pass_headroom_bytes = gathered + memory.pass_headroom_bytes(
+            base.config, base.dtype, base.vocab_size, self.pass_tokens, activation_checkpointing)
         # Reserved beside adapter state on accelerators, where running out is a hard
         # failure mid-pass, and wherever `max_pass_tokens` bounds a pass (1.6 GiB for the
         # tiny model's 16,384 tokens). Without that bound, on CPU, where MemAvailable is
@@ -166,6 +167,17 @@ class Engine:
                                .removeprefix("torch."), cache_dir=cache_dir)
         base.device = target
         return cls(base, limits, packing, activation_checkpointing, parallel)
+
+    @property
+    def pass_tokens(self) -> int:
+        """The most tokens one piece of a pass runs through the base."""
+        return self.limits.max_pass_tokens or self.limits.max_batch_tokens
+
+    def _free_bytes(self) -> int | None:
+        """Free memory for new state, the least over the ranks (every rank holds the
+        adapters, and runs its share of each pass)."""
+        free = available_memory_bytes(self.base.device)
+        return free if self.parallel is None else self.parallel.min_int(free)
 
     def _on_base(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` with the base model's weights at hand (gathered, on several ranks)."""
@@ -214,15 +226,13 @@ class Engine:
         targets = self._targets(spec)
         need = self.estimate_adapter_bytes(spec)
         headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
-        free = available_memory_bytes(self.base.device)
-        if self.parallel is not None:
-            free = self.parallel.min_int(free)  # every rank holds the adapter
+        free = self._free_bytes()
         if free is not None and need + headroom > free:
             raise ResourceExhausted(
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
                 f"state for rank {spec.rank} on {len(targets)} layers) plus "
                 f"{headroom / 2**20:.1f} MiB pass headroom (activations and logits of a "
-                f"{self.limits.max_pass_tokens or self.limits.max_batch_tokens}-token pass) "
+                f"{self.pass_tokens}-token pass) "
                 f"but only {free / 2**20:.1f} MiB are free; use a smaller rank or fewer target "
                 "modules, or a lower --max-pass-tokens")
         if spec.seed is None:
@@ -474,12 +484,9 @@ class Engine:
                 results[i] = exc
         if not batch:
             return results
-        # The router needs each adapter's rows contiguous: requests of one adapter (two
-        # sampling sessions of one checkpoint, say) may arrive with another's between.
-        first_seen: dict[str | None, int] = {}
-        for generation in batch:
-            first_seen.setdefault(generation.adapter_id, len(first_seen))
-        order = sorted(range(len(batch)), key=lambda i: first_seen[batch[i].adapter_id])
+        # Requests of one adapter (two sampling sessions of one checkpoint, say) may
+        # arrive with another's between.
+        order = adapter_order([generation.adapter_id for generation in batch])
         batch, slots = [batch[i] for i in order], [slots[i] for i in order]
         parallel = self.parallel
         # On several ranks each samples a token-balanced share of the batch (every rank

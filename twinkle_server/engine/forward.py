@@ -26,21 +26,12 @@ from twinkle_server.engine import logprobs, losses, packing
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import EngineError, InvalidArgument
-from twinkle_server.engine.lora import Router
+from twinkle_server.engine.lora import Router, adapter_order
 from twinkle_server.engine.packing import PassLayout
 from twinkle_server.engine.parallel import Parallel, share_of
 from twinkle_server.engine.types import Datum, ForwardOutput, ForwardRequest
 
 Row = tuple[ForwardRequest, Datum]
-
-
-def adapter_order(requests: Sequence[ForwardRequest]) -> list[int]:
-    """Request indices grouped by adapter (stable, by first appearance): the router needs
-    each adapter's rows contiguous, and a single-adapter batch becomes one fast segment."""
-    first_seen: dict[str, int] = {}
-    for request in requests:
-        first_seen.setdefault(request.adapter_id, len(first_seen))
-    return sorted(range(len(requests)), key=lambda i: first_seen[requests[i].adapter_id])
 
 
 def _hidden(base: BaseModel, router: Router, rows: list[Row], packed: bool, grad: bool
@@ -259,7 +250,7 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     counters and running metrics updated.
     """
     results: list[ForwardOutput | EngineError | None] = [None] * len(requests)
-    slots = adapter_order(requests)
+    slots = adapter_order([r.adapter_id for r in requests])
     grouped = [requests[i] for i in slots]
     rows = [(r, d) for r in grouped for d in r.datums]
     device = base.device

@@ -132,6 +132,16 @@ class Router:
             self.segments, self.axis = previous
 
 
+def adapter_order(adapter_ids: Sequence[str | None]) -> list[int]:
+    """Indices of a batch's requests grouped by adapter (stable, by first appearance): the
+    router needs each adapter's rows contiguous, and a single-adapter batch becomes one
+    fast segment."""
+    first_seen: dict[str | None, int] = {}
+    for adapter_id in adapter_ids:
+        first_seen.setdefault(adapter_id, len(first_seen))
+    return sorted(range(len(adapter_ids)), key=lambda i: first_seen[adapter_ids[i]])
+
+
 class LoraWeights(nn.Module):
     """One adapter's low-rank pair on one linear layer: `delta(x) = s * B A dropout(x)`.
 
