@@ -37,7 +37,6 @@ Isolation contract: what an adapter gets in a merged pass, against its pass alon
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 from collections import OrderedDict
@@ -49,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checkpoint, forward, losses, memory
+from twinkle_server.engine import activations, checkpoint, checks, forward, losses, memory
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel, load_base_model, resolve_dtype
 from twinkle_server.engine.errors import (
@@ -195,16 +194,6 @@ class Engine:
                      for n in self._targets(spec))
         return params * 4 * _STATE_COPIES
 
-    def _check_spec(self, spec: LoraSpec) -> None:
-        if not 1 <= spec.rank <= self.limits.max_rank:
-            raise InvalidArgument(
-                f"lora.rank: {spec.rank} is outside [1, {self.limits.max_rank}] (--max-rank)")
-        for name in ("alpha", "dropout"):
-            if not math.isfinite(getattr(spec, name)):
-                raise InvalidArgument(f"lora.{name}: must be finite")
-        if not 0.0 <= spec.dropout < 1.0:
-            raise InvalidArgument(f"lora.dropout: {spec.dropout} is outside [0, 1)")
-
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
                     gradient_accumulation_steps: int = 1) -> dict[str, Any]:
         """Create an adapter; refuses with the numbers when slots or memory run out.
@@ -222,7 +211,7 @@ class Engine:
         if gradient_accumulation_steps < 1:
             raise InvalidArgument("gradient_accumulation_steps: must be >= 1, "
                                   f"got {gradient_accumulation_steps}")
-        self._check_spec(spec)
+        checks.lora_spec(spec, self.limits)
         targets = self._targets(spec)
         need = self.estimate_adapter_bytes(spec)
         headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
@@ -277,40 +266,12 @@ class Engine:
     # ------------------------------------------------------------------ forward
 
     def check_forward(self, request: ForwardRequest) -> None:
-        """The checks that depend only on the request, the limits and the vocabulary.
-
-        They read no adapter state, so a front may run them as soon as a request arrives
-        (a bad batch then fails before it queues); `forward_batch` runs them again with
-        the checks against the adapter, in the adapter's op order.
-        """
-        if not request.datums:
-            raise InvalidArgument("data: the batch is empty")
-        vocab, total = self.base.vocab_size, 0
-        for index, datum in enumerate(request.datums):
-            n = datum.num_tokens
-            if n == 0:
-                raise InvalidArgument(f"datum[{index}].input_ids: the sequence is empty")
-            if n > self.limits.max_seq_len:
-                raise InvalidArgument(f"datum[{index}].input_ids: {n} tokens is over the "
-                                      f"{self.limits.max_seq_len}-token limit (--max-seq-len)")
-            total += n
-            for key in ("input_ids", "target_tokens"):
-                ids = datum.input_ids if key == "input_ids" else datum.loss_inputs.get(key)
-                if ids is not None and ids.size and (ids.max() >= vocab or ids.min() < 0):
-                    bad = ids.max() if ids.max() >= vocab else ids.min()
-                    raise InvalidArgument(f"datum[{index}].{key}: token id {int(bad)} is "
-                                          f"outside the vocabulary [0, {vocab})")
-            for key, value in datum.loss_inputs.items():
-                if value.ndim == 0 or value.shape[0] != n:
-                    raise InvalidArgument(
-                        f"datum[{index}].loss_fn_inputs[{key!r}]: length "
-                        f"{value.shape[0] if value.ndim else 0} differs from the {n} input tokens")
-        if total > self.limits.max_batch_tokens:
-            raise InvalidArgument(f"data: {total} tokens is over the "
-                                  f"{self.limits.max_batch_tokens}-token batch limit "
-                                  "(--max-batch-tokens)")
-        if request.loss is not None:
-            losses.validate_loss(request.loss, request.datums)
+        """The checks that depend only on the request, the limits and the vocabulary
+        (`checks.forward_request`). They read no adapter state, so a front may run them
+        as soon as a request arrives (a bad batch then fails before it queues);
+        `forward_batch` runs them again with the checks against the adapter, in the
+        adapter's op order."""
+        checks.forward_request(request, self.limits, self.base.vocab_size)
 
     def validate_forward(self, request: ForwardRequest) -> LossSpec:
         """Every check before compute, each naming the field and the limit; returns the
@@ -472,11 +433,11 @@ class Engine:
         batch, slots = [], []
         for i, request in enumerate(requests):
             try:
-                self._check_prompt(request.prompt)
+                checks.prompt(request.prompt, self.limits, self.base.vocab_size)
                 generation = sampler.GenerationRequest(None, np.asarray(request.prompt),
                                                        request.num_samples, request.params)
                 sampler.validate(generation)
-                self._check_sample_size(request)
+                checks.sample_size(request, self.limits)
                 route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
                 batch.append(replace(generation, adapter_id=route_id))
                 slots.append(i)
@@ -503,30 +464,6 @@ class Engine:
             results[slot] = out
         return results
 
-    def _check_sample_size(self, request: SampleRequest) -> None:
-        """Bound a sample's compute before it starts: one runaway request would hold the
-        only worker, and so every tenant, for as long as it decodes."""
-        n, limits = request.prompt.size + request.params.max_tokens, self.limits
-        if n > limits.max_seq_len:
-            raise InvalidArgument(
-                f"sampling_params.max_tokens: prompt ({request.prompt.size} tokens) + "
-                f"max_tokens ({request.params.max_tokens}) is over the {limits.max_seq_len}-"
-                "token limit (--max-seq-len)")
-        if request.num_tokens > limits.max_batch_tokens:
-            raise InvalidArgument(
-                f"num_samples: {request.num_samples} x (prompt + max_tokens) = "
-                f"{request.num_tokens} tokens is over the {limits.max_batch_tokens}-token "
-                "limit (--max-batch-tokens); use fewer samples or a shorter max_tokens")
-
-    def _check_prompt(self, prompt: np.ndarray) -> None:
-        if prompt.size == 0:
-            raise InvalidArgument("prompt: is empty")
-        if prompt.size > self.limits.max_seq_len:
-            raise InvalidArgument(f"prompt: {prompt.size} tokens is over the "
-                                  f"{self.limits.max_seq_len}-token limit (--max-seq-len)")
-        if prompt.max() >= self.base.vocab_size or prompt.min() < 0:
-            raise InvalidArgument(f"prompt: token ids must lie in [0, {self.base.vocab_size})")
-
     def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
                          tokens: np.ndarray) -> np.ndarray:
         """Logprob of each token given the ones before it; NaN at position 0."""
@@ -538,7 +475,7 @@ class Engine:
         (a `sampler.PromptLogprobs`)."""
         from twinkle_server.engine import sampler
 
-        self._check_prompt(np.asarray(tokens))
+        checks.prompt(np.asarray(tokens), self.limits, self.base.vocab_size)
         route_id = self._sampling_adapter(adapter_id, weights_path)
         return self._on_base(sampler.prompt_logprobs, self.base.model, self.router.route,
                              route_id, np.asarray(tokens), topk)
