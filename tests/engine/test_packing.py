@@ -10,6 +10,8 @@ shape stays the same, other datums' numbers must not move at all: exact.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -188,6 +190,19 @@ def _packed_row(engine, lengths):
     return [rng.integers(3, engine.base.vocab_size, n) for n in lengths]
 
 
+def _transformers_causal_mask(config, embeds, attention_mask, positions):
+    """transformers' `create_causal_mask` with no cache, under each 5.x spelling of its
+    arguments (`input_embeds`/`inputs_embeds`, `past_key_values`/`cache`, and the
+    `cache_position` that 5.0 requires)."""
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs = {"config": config, "attention_mask": attention_mask, "position_ids": positions,
+              "inputs_embeds" if "inputs_embeds" in params else "input_embeds": embeds,
+              "cache" if "cache" in params else "past_key_values": None}
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(embeds.shape[1])
+    return create_causal_mask(**kwargs)
+
+
 def test_transformers_builds_a_block_diagonal_mask_from_restarting_position_ids(engine):
     # What transformers does on its own (masking_utils.find_packed_sequence_indices):
     # with no 2D mask and no cache, restarting position ids give "causal AND same datum".
@@ -199,13 +214,11 @@ def test_transformers_builds_a_block_diagonal_mask_from_restarting_position_ids(
     datum = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     embeds = torch.zeros(1, 8, config.hidden_size)
-    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None,
-                              cache=None, position_ids=positions)
+    mask = _transformers_causal_mask(config, embeds, None, positions)
     assert torch.equal(mask[0, 0], causal & (datum[:, None] == datum[None]))
     # A 2D attention mask turns the detection off: causal across the whole row.
-    mask = create_causal_mask(config=config, inputs_embeds=embeds,
-                              attention_mask=torch.ones(1, 8, dtype=torch.long), cache=None,
-                              position_ids=positions)
+    mask = _transformers_causal_mask(config, embeds, torch.ones(1, 8, dtype=torch.long),
+                                     positions)
     assert mask is None or torch.equal(mask[0, 0], causal)
 
 
