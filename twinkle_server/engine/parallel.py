@@ -185,7 +185,7 @@ class Parallel:
         try:
             out = self.root(fn, *args)
         except BaseException:
-            self.root.reset_iter_state()
+            self._reset_units()
             raise
         if not backward:
             self.root.reshard()
@@ -195,7 +195,22 @@ class Parallel:
         """After a training pass's backward (or instead of it, when every loss of the pass
         was dropped): release the root's weights and FSDP's per-pass state."""
         if self.root is not None:
+            self._reset_units()
+
+    def _reset_units(self) -> None:
+        """Every FSDP unit resharded and idle, whatever the pass left behind (a backward
+        that never ran because no loss was kept, or an exception mid-pass).
+
+        torch >= 2.12 does it all in the root's `reset_iter_state`. Before it (torch 2.11,
+        say) resharding is what is left to do: FSDP's own end-of-backward callback resets
+        its per-pass state after a backward, and a forward that raised leaves only state
+        the next forward overwrites. The base is frozen, so no gradient reduction of FSDP's
+        is ever pending."""
+        if hasattr(self.root, "reset_iter_state"):
             self.root.reset_iter_state()
+            return
+        for unit in (*self.layers, self.root):
+            unit.reshard()
 
     def local_param_bytes(self) -> int:
         """Bytes of the base's parameters this rank holds at rest (its shards)."""
