@@ -62,6 +62,32 @@ def forward_only_rank_in_pieces(engine: Engine) -> list[float]:
     return [o.loss for o in out] + [sum(grads)]
 
 
+def pass_failing_in_backward(engine: Engine) -> list[float]:
+    """A pass in pieces whose second piece's replay runs out of memory on every rank,
+    then the same pass again: the failed one changes nothing, FSDP's units recover."""
+    from twinkle_server.engine import forward
+
+    engine.add_adapter("b", LoraSpec(rank=4, alpha=8, seed=4))
+    request = [ForwardRequest("b", [_datum(i, 30) for i in range(3)], CE, True)]
+    real, replays = forward.PassLogprobs._run, []
+
+    def failing(self, rows, grad):
+        if grad:
+            replays.append(1)
+            if len(replays) == 2:
+                raise MemoryError("the second piece's replay ran out of memory")
+        return real(self, rows, grad)
+
+    forward.PassLogprobs._run = failing
+    try:
+        failed = engine.forward_batch(request)[0]
+    finally:
+        forward.PassLogprobs._run = real
+    out = engine.forward_batch(request)[0]
+    grads = [float(p.grad.abs().sum()) for p in engine.adapters["b"].parameters()]
+    return [float(type(failed).__name__ == "ResourceExhausted"), out.loss, sum(grads)]
+
+
 def sampling_split(engine: Engine) -> list[float]:
     """A batch of seeded sample requests of different lengths: on several ranks each
     samples its share (the rest idle in step); every token as on one process."""
@@ -86,7 +112,8 @@ def pass_headroom(engine: Engine) -> list[float]:
 
 
 SCENARIOS = {f.__name__: f for f in (sample_first, upper_layer_adapter,
-                                     forward_only_rank_in_pieces, sampling_split,
+                                     forward_only_rank_in_pieces, pass_failing_in_backward,
+                                     sampling_split,
                                      pass_headroom)}
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from twinkle_server.engine.engine import ForwardRequest
+from twinkle_server.engine.errors import ResourceExhausted
 from twinkle_server.engine.forward import pieces
 from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
 
@@ -91,8 +92,9 @@ def test_a_datum_longer_than_the_cap_runs_as_its_own_piece(engine, datums, add):
     assert_grads_close(split_grads["long"], whole_grads["long"])
 
 
-def test_a_backward_failing_part_way_leaves_every_gradient_as_it_was(engine, datums, add,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("error", [MemoryError, torch.OutOfMemoryError])
+def test_running_out_of_memory_part_way_fails_the_pass_and_leaves_every_gradient(
+        engine, datums, add, monkeypatch, error):
     from twinkle_server.engine import forward
 
     add("kept", SPEC)
@@ -105,16 +107,17 @@ def test_a_backward_failing_part_way_leaves_every_gradient_as_it_was(engine, dat
         if grad:
             replays.append(1)
             if len(replays) == 2:
-                raise MemoryError("the second piece's replay ran out of memory")
+                raise error("the second piece's replay ran out of memory")
         return real(self, rows, grad)
 
     monkeypatch.setattr(forward.PassLogprobs, "_run", failing)
     saved = engine.limits
     engine.limits = replace(saved, max_pass_tokens=CAP)
     try:
-        with pytest.raises(MemoryError):
-            engine.forward_batch(request)
+        (out,) = engine.forward_batch(request)
     finally:
         engine.limits = saved
+    assert isinstance(out, ResourceExhausted)
+    assert "ran out of memory" in str(out) and "--max-pass-tokens" in str(out)
     for param, grad in zip(engine.adapters["kept"].parameters(), before, strict=True):
         assert torch.equal(param.grad, grad)

@@ -81,6 +81,9 @@ from twinkle_server.engine.types import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)
+"""What running out of host or device memory raises (torch's CUDA error is a RuntimeError)."""
+
 __all__ = ["Engine", "ForwardRequest", "SampleRequest", "available_memory_bytes"]
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
@@ -301,12 +304,30 @@ class Engine:
             except EngineError as exc:
                 results[i] = exc
         if valid:
-            outputs = forward.run_forward(self.base, self.router, self.adapters,
-                                          [requests[i] for i in valid], self.packing,
-                                          self.parallel, self.limits.max_pass_tokens)
+            run = [requests[i] for i in valid]
+            try:
+                outputs: Sequence[ForwardOutput | EngineError] = forward.run_forward(
+                    self.base, self.router, self.adapters, run, self.packing, self.parallel,
+                    self.limits.max_pass_tokens)
+            except OUT_OF_MEMORY as exc:
+                tokens = sum(d.num_tokens for request in run for d in request.datums)
+                error = self._out_of_memory(f"a pass of {len(run)} requests, {tokens} tokens",
+                                            "--max-pass-tokens", exc)
+                outputs = [error] * len(run)
             for i, output in zip(valid, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]
+
+    def _out_of_memory(self, what: str, remedy: str, exc: BaseException) -> ResourceExhausted:
+        """The error a pass or decode batch that ran the device (or host) out of memory
+        fails its requests with. Nothing was applied: a failed backward leaves every
+        gradient as it was (`forward`)."""
+        log.warning("out of memory in %s: %s", what, exc)
+        return ResourceExhausted(
+            f"memory: the {self.base.device.type} device ran out of memory in {what}; "
+            f"nothing was applied. Retry with fewer tokens, or restart the server with a "
+            f"lower {remedy} (the pass headroom kept free is "
+            f"{self.pass_headroom_bytes / 2**30:.1f} GiB)")
 
     # ------------------------------------------------------------------ optimizer verbs
 
@@ -454,10 +475,18 @@ class Engine:
         # computed the same `batch`: the same checks on the same state).
         mine = (range(len(batch)) if parallel is None else parallel.share(
             [(r.prompt.size + r.params.max_tokens) * r.num_samples for r in batch]))
-        outputs = self._on_base(lambda: sampler.generate(
-            self.base.model, self.router.route, [batch[i] for i in mine],
-            eos_token_ids=self.base.eos_token_ids, pad_token_id=self.base.pad_token_id,
-            decode=self.base.decode, together=parallel.any_rank if parallel else None))
+        try:
+            outputs = self._on_base(lambda: sampler.generate(
+                self.base.model, self.router.route, [batch[i] for i in mine],
+                eos_token_ids=self.base.eos_token_ids, pad_token_id=self.base.pad_token_id,
+                decode=self.base.decode, together=parallel.any_rank if parallel else None))
+        except OUT_OF_MEMORY as exc:
+            sequences = sum(r.num_samples for r in batch)
+            error = self._out_of_memory(f"a decode batch of {sequences} sequences",
+                                        "--merge-token-budget (or --max-batch-tokens)", exc)
+            for slot in slots:
+                results[slot] = error
+            return results
         if parallel is not None:
             outputs = parallel.gather_objects(outputs)
         for slot, out in zip(slots, outputs, strict=True):
