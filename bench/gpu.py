@@ -1,35 +1,54 @@
 """GPU benchmark (issue 17): the engine on Qwen3-0.6B- and Qwen3-4B-shaped bases, bf16.
 
-Run: `.venv/bin/python -m bench.gpu` on a machine with one CUDA device (unattended, under
-8 minutes); `.venv/bin/python -m bench.gpu --device cpu --small` is a smoke check of the
-same code path on tiny shapes (seconds). Not part of `make bench` (which runs on CPU).
+Run: `python3 -m bench.gpu 2>&1 | tee gpu.txt` on a machine with one CUDA device
+(sized to run unattended in under 8 minutes; `.venv/bin/python` where the venv is there);
+`--device cpu --small` is a smoke check of the same code path on tiny shapes (seconds).
+Not part of `make bench` (which runs on CPU). Exits 2 when no CUDA device is present, 1
+when a check below fails, else 0.
 
-For each shape: a random-initialised model with the published Qwen3 sizes (no download)
-is saved with the tiny model's tokenizer to a temp dir and loaded by `Engine.load`. Rows:
-forward_backward + optim_step of 8 x 2048 tokens, rank 16 all-linear, through the engine
-and through a plain transformers + peft loop on the same model and data; then 8 tenants
-each sending 1 x 512, merged (one `Engine.forward_batch` of 8 requests) vs timeshare (8
-calls); and the engine's step again under torch.distributed with one rank (nccl; issue
-16's FSDP2 path, `--nproc-per-node`). Tokens/s, model FLOPs utilisation against this device's bf16 matmul peak measured
-here (a large matmul timed with CUDA events), and peak memory
-(`torch.cuda.max_memory_allocated`) beside the engine's own pass headroom estimate
-(`engine.memory`). Exits 2 when no CUDA device is present.
+For each shape, a random-initialised model with the published Qwen3 sizes (no download)
+is saved with the tiny model's tokenizer to a temp dir, then each row loads it afresh:
+
+- `engine`: forward_backward + optim_step of 8 x 2048 tokens, rank 16 all-linear;
+- the same with `--activation-checkpointing on` (what sets that flag's default);
+- 8 tenants each sending 1 x 512, merged (one `Engine.forward_batch` of 8 requests)
+  vs timeshare (8 calls);
+- 8 tenants x 2 datums of lengths uniform in 64..2048 in one merged pass, packed vs
+  padded (`--packing off`);
+- a plain transformers + peft loop on the same model, data and adapter;
+- the engine step under torch.distributed with one rank (nccl; the FSDP2 path of
+  `--nproc-per-node`).
+
+Each row: tokens/s (the median step), model FLOPs utilisation against this device's bf16
+matmul peak measured here (an 8192^3 matmul timed with CUDA events), and peak memory
+(`torch.cuda.max_memory_allocated`). The engine's own pass headroom estimate
+(`engine.memory`) and the pass cap a server would pick are printed beside it. A row that
+runs out of memory says so and the run goes on.
+
+Checks (after the table), on the first shape: packed == padded logprobs, in bf16 (flash
+sdpa) and float32 (memory-efficient sdpa); in a packed pass, changing one datum's tokens
+leaves another's logprobs unchanged (float32); checkpointing on and off train alike.
 
 Model FLOPs per token, frozen base + LoRA: forward 2N and backward 2N (input gradients
 only; no weight gradients for the base), N the linear layers' weights (lm_head included),
 plus causal attention 6 x layers x Q x seq (QK^T and AV forward, twice that backward, half
-the positions masked). LoRA's own FLOPs (rank 16) are under 1% and not counted.
+the positions masked). LoRA's own FLOPs (rank 16) are under 1% and not counted; neither
+is the recomputation of activation checkpointing, so its MFU is the useful share.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
+import socket
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +73,77 @@ SMALL_SHAPES: dict[str, dict] = {
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=1e-4)
 SPEC = LoraSpec(rank=16, alpha=32, seed=0)
+TENANTS = 8
+CHECK_DATUMS = 6
 NO_CUDA_EXIT = 2
+CHECK_FAILED_EXIT = 1
+
+# Check tolerances. float32: a 28-layer pass summed in other orders (other GEMM shapes,
+# another attention kernel) drifts ~1e-6 a layer; the CPU tests hold the 4-layer tiny
+# model to 1e-5. bf16 (unit roundoff 2^-8 = 3.9e-3 on every activation, accumulations in
+# float32) only catches gross errors: a datum attending to another moves its logprobs by
+# far more. Isolation compares the same shapes, so only kernel non-determinism remains.
+FLOAT32_LOGPROB_ATOL = 1e-4
+BF16_LOGPROB_ATOL = 0.1
+ISOLATION_ATOL = 1e-5
+BF16_LOSS_RTOL = 1e-2
+
+
+@dataclass
+class Table:
+    """The rows and checks of one run, printed as they come and again at the end."""
+
+    device: torch.device
+    peak_flops: float
+    rows: list[tuple[str, str, float, float, float | None]] = field(default_factory=list)
+    checks: list[tuple[str, str, float, float]] = field(default_factory=list)
+
+    def time(self, model: str, run: str, step: Callable[[], object], tokens: int,
+             flops_per_step: float, steps: int) -> None:
+        """One row: `step` timed (median of `steps` after one warmup), or out of memory."""
+        from twinkle_server.engine.errors import ResourceExhausted
+
+        _reset_peak(self.device)
+        try:
+            seconds = _median_seconds(step, self.device, steps)
+            row = (model, run, tokens / seconds, flops_per_step / seconds / self.peak_flops,
+                   _peak(self.device))
+        except (torch.OutOfMemoryError, ResourceExhausted) as exc:
+            print(f"{model}: {run}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            row = (model, f"{run} (out of memory)", float("nan"), float("nan"),
+                   _peak(self.device))
+        self.rows.append(row)
+        print(f"{_clock()} {_format_row(row)}", flush=True)
+
+    def check(self, model: str, what: str, value: float, tolerance: float) -> None:
+        self.checks.append((model, what, value, tolerance))
+        print(f"{_clock()} check {model}: {what}: {value:.3g} (tolerance {tolerance:.0e})",
+              flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(not value <= tolerance for _, _, value, tolerance in self.checks)
+
+    def print(self, args: argparse.Namespace) -> None:
+        print(f"rank 16 all-linear, forward_backward (+ optim_step for the {args.rows} x "
+              f"{args.length} rows), median of {args.steps} timed steps after one warmup")
+        print(f"  {'model':<12}{'run':<44}{'tokens/s':>11}{'MFU':>8}{'peak GiB':>10}")
+        for row in self.rows:
+            print(f"  {_format_row(row)}")
+        print("checks")
+        for model, what, value, tolerance in self.checks:
+            verdict = "ok" if value <= tolerance else "FAILED"
+            print(f"  {model:<12}{what:<60}{value:>10.3g}  <= {tolerance:.0e}  {verdict}")
+
+
+def _format_row(row: tuple[str, str, float, float, float | None]) -> str:
+    model, run, speed, util, peak_gib = row
+    mem = f"{peak_gib:>10.2f}" if peak_gib is not None else f"{'n/a':>10}"
+    return f"{model:<12}{run:<44}{speed:>11.0f}{util:>8.1%}{mem}"
+
+
+def _clock() -> str:
+    return time.strftime("%H:%M:%S")
 
 
 def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
@@ -67,28 +156,38 @@ def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
     return out
 
 
+def _mixed_datums(n: int, low: int, high: int, vocab: int, seed: int) -> list[Datum]:
+    """`n` datums whose lengths are drawn uniformly from `[low, high]`."""
+    lengths = np.random.default_rng(seed).integers(low, high + 1, n)
+    return [_datums(1, int(length), vocab, seed=seed * 1000 + i)[0]
+            for i, length in enumerate(lengths)]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, steps: int) -> float:
-    """Seconds per call: one unmeasured call, then the mean of `steps`."""
+def _median_seconds(fn: Callable[[], object], device: torch.device, steps: int) -> float:
+    """Median seconds per call of `steps` calls, after one unmeasured call."""
     fn()
     _sync(device)
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         fn()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """FLOP/s of an `n x n` matmul in `dtype` (CUDA events on a GPU), best of 3 rounds."""
+    """FLOP/s of an `n x n` matmul in `dtype` (CUDA events on a GPU), best of 3 rounds
+    after a warmup round, on random data (zeros run faster than real data)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     iters, best = 10, 0.0
-    for _ in range(4):
+    for round_ in range(4):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -102,17 +201,23 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int) -> float
             for _ in range(iters):
                 a @ b
             seconds = time.perf_counter() - began
-        best = max(best, 2 * n**3 * iters / seconds)  # the first round is the warmup
+        if round_:
+            best = max(best, 2 * n**3 * iters / seconds)
     return best
 
 
 def flops_per_token(config, seq: int) -> float:
-    """Model FLOPs of one trained token (module docstring)."""
+    """Model FLOPs of one trained token of a `seq`-token datum (module docstring)."""
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * config.vocab_size
     return 4 * linear + 6 * layers * q * seq
+
+
+def step_flops(config, datums: list[Datum]) -> float:
+    """Model FLOPs of one forward_backward over `datums` (attention by each one's length)."""
+    return sum(flops_per_token(config, d.num_tokens) * d.num_tokens for d in datums)
 
 
 def build_model(out: Path, shape: dict, dtype: torch.dtype, device: torch.device) -> None:
@@ -144,143 +249,200 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def bench_shape(name: str, path: Path, args, peak_flops: float, rows: list) -> None:
-    """The engine rows, then (the engine freed) the transformers + peft row."""
-    device = torch.device(args.device)
-    with tempfile.TemporaryDirectory() as tmp:
-        mfu = engine_rows(name, path, f"{tmp}/a", args, peak_flops, rows)
-        _free(device)
-        peft_row(name, path, f"{tmp}/a", args, mfu, rows)
-        _free(device)
-        distributed_row(name, path, args, mfu, rows)
-        _free(device)
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def engine_rows(name: str, path: Path, adapter_dir: str, args, peak_flops: float,
-                rows: list) -> Callable[[float, int], float]:
-    """Engine rows; saves the trained adapter to `adapter_dir`; returns the MFU function."""
+def load_engine(path: Path, args: argparse.Namespace, dtype: str | None = None, **options):
+    """An `Engine` on `path` with the bench's limits (`bench_shape` frees it after)."""
+    from twinkle_server.engine.engine import Engine
+
+    limits = EngineLimits(max_adapters=TENANTS + 2, max_seq_len=args.length,
+                          max_batch_tokens=max(args.rows * args.length,
+                                               CHECK_DATUMS * args.mixed_lengths[1]))
+    return Engine.load(str(path), device=args.device, dtype=dtype or args.dtype,
+                       limits=limits, **options)
+
+
+def add_measured_adapter(engine, name: str, adapter_id: str) -> None:
+    """Add `adapter_id`; when the engine's estimate refuses it, add it anyway and say so:
+    the measured peak is what calibrates the estimate."""
     import twinkle_server.engine.engine as engine_module
-    from twinkle_server.engine import memory
-    from twinkle_server.engine.engine import Engine, ForwardRequest
-    from twinkle_server.engine.errors import EngineError, ResourceExhausted
+    from twinkle_server.engine.errors import ResourceExhausted
 
-    device, n, length = torch.device(args.device), args.rows, args.length
-    limits = EngineLimits(max_adapters=16, max_seq_len=length, max_batch_tokens=n * length)
-    engine = Engine.load(str(path), device=args.device, dtype=args.dtype, limits=limits)
-    config = engine.base.config
-    vocab = config.vocab_size
-    headroom = engine.pass_headroom_bytes / 2**30
     try:
-        engine.add_adapter("bench", SPEC)
-        note = "admitted"
+        engine.add_adapter(adapter_id, SPEC)
     except ResourceExhausted as exc:
-        # Run anyway: the measured peak below is what calibrates the estimate.
-        note = f"REFUSED ({exc})"
+        print(f"{name}: the engine refuses the adapter ({exc}); measuring anyway", flush=True)
         real = engine_module.available_memory_bytes
         engine_module.available_memory_bytes = lambda device: None
         try:
-            engine.add_adapter("bench", SPEC)
+            engine.add_adapter(adapter_id, SPEC)
         finally:
             engine_module.available_memory_bytes = real
-    print(f"{name}: engine pass headroom estimate for {n} x {length} tokens "
-          f"{headroom:.2f} GiB, {note}", flush=True)
+
+
+def describe_memory(name: str, engine, args: argparse.Namespace, label: str) -> None:
+    """Print the engine's pass headroom estimate and the pass cap a server would pick."""
+    import twinkle_server.engine.engine as engine_module
+    from twinkle_server.engine import memory
+    from twinkle_server.engine.errors import EngineError
+
+    config, device = engine.base.config, torch.device(args.device)
+    print(f"{name} ({label}): pass headroom estimate for {args.rows} x {args.length} "
+          f"tokens {engine.pass_headroom_bytes / 2**30:.2f} GiB", flush=True)
     try:
         auto = memory.auto_pass_tokens(config, engine.base.dtype, config.vocab_size,
                                        device.type, engine_module.available_memory_bytes(
-                                           device), length)
-        print(f"{name}: a server here would run passes in pieces of at most {auto} tokens "
-              "(--max-pass-tokens 0)", flush=True)
+                                           device), args.length,
+                                       engine.activation_checkpointing)
+        print(f"{name} ({label}): a server here would run passes in pieces of at most "
+              f"{auto} tokens (--max-pass-tokens 0)", flush=True)
     except EngineError as exc:
-        print(f"{name}: a server here would refuse to start: {exc}", flush=True)
-    batch = _datums(n, length, vocab)
-    tokens = n * length
+        print(f"{name} ({label}): a server here would refuse to start: {exc}", flush=True)
 
-    def mfu(seconds: float, seq: int, tokens: int = tokens) -> float:
-        return flops_per_token(config, seq) * tokens / seconds / peak_flops
 
-    def engine_step() -> None:
-        out = engine.forward_batch([ForwardRequest("bench", batch, CE, True)])[0]
+def train_steps(engine, adapter_id: str, batch: list[Datum], losses: list[float]
+                ) -> Callable[[], None]:
+    """One forward_backward + optim_step of `batch`; each step's loss goes to `losses`."""
+    from twinkle_server.engine.engine import ForwardRequest
+
+    def step() -> None:
+        out = engine.forward_batch([ForwardRequest(adapter_id, batch, CE, True)])[0]
         if isinstance(out, Exception):
             raise out
-        engine.optim_step("bench", ADAM)
+        losses.append(out.loss)
+        engine.optim_step(adapter_id, ADAM)
 
-    _reset_peak(device)
-    base_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    seconds = _seconds(engine_step, device, args.steps)
-    rows.append((name, f"engine {n} x {length}", tokens / seconds, mfu(seconds, length),
-                 _peak(device)))
-    if base_gib is not None:
-        print(f"{name}: engine peak above weights + adapter {_peak(device) - base_gib:.2f} GiB "
-              f"(estimate {headroom:.2f} GiB)", flush=True)
+    return step
 
-    # 8 tenants x 1 x 512: one merged pass of 8 requests vs 8 passes.
-    tenants = [f"t{i}" for i in range(8)]
+
+def engine_rows(name: str, path: Path, adapter_dir: str, args: argparse.Namespace,
+                table: Table, checks: bool) -> list[float]:
+    """The plain engine's rows; saves the trained adapter to `adapter_dir`; with `checks`,
+    the packing checks on this engine. Returns the training steps' losses."""
+    from twinkle_server.engine.engine import ForwardRequest
+
+    engine = load_engine(path, args)
+    config, vocab = engine.base.config, engine.base.vocab_size
+    add_measured_adapter(engine, name, "bench")
+    describe_memory(name, engine, args, "activation checkpointing off")
+    batch = _datums(args.rows, args.length, vocab)
+    losses: list[float] = []
+    table.time(name, f"engine {args.rows} x {args.length}",
+               train_steps(engine, "bench", batch, losses), args.rows * args.length,
+               step_flops(config, batch), args.steps)
+
+    tenants = [f"t{i}" for i in range(TENANTS)]
     for tenant in tenants:
         engine.add_adapter(tenant, SPEC)
-    small = args.tenant_length
-    requests = [ForwardRequest(t, _datums(1, small, vocab, seed=i), CE, True)
-                for i, t in enumerate(tenants)]
-    tenant_tokens = 8 * small
-    for mode, step in (("merged", lambda: engine.forward_batch(requests)),
-                       ("timeshare", lambda: [engine.forward_batch([r]) for r in requests])):
-        _reset_peak(device)
-        seconds = _seconds(step, device, args.steps)
-        rows.append((name, f"8 tenants x 1 x {small} {mode}", tenant_tokens / seconds,
-                     mfu(seconds, small, tenant_tokens), _peak(device)))
+    small = [_datums(1, args.tenant_length, vocab, seed=i) for i in range(TENANTS)]
+    requests = [ForwardRequest(t, d, CE, True) for t, d in zip(tenants, small, strict=True)]
+    flops = sum(step_flops(config, d) for d in small)
+    tokens = TENANTS * args.tenant_length
+    table.time(name, f"{TENANTS} tenants x 1 x {args.tenant_length} merged",
+               lambda: engine.forward_batch(requests), tokens, flops, args.steps)
+    table.time(name, f"{TENANTS} tenants x 1 x {args.tenant_length} timeshare",
+               lambda: [engine.forward_batch([r]) for r in requests], tokens, flops,
+               args.steps)
+
+    low, high = args.mixed_lengths
+    mixed = [_mixed_datums(2, low, high, vocab, seed=i) for i in range(TENANTS)]
+    requests = [ForwardRequest(t, d, CE, True) for t, d in zip(tenants, mixed, strict=True)]
+    tokens = sum(d.num_tokens for batch_ in mixed for d in batch_)
+    flops = sum(step_flops(config, d) for d in mixed)
+    for packed in (True, False):
+        def merged(packed: bool = packed) -> None:
+            engine.packing = packed
+            engine.forward_batch(requests)
+
+        table.time(name, f"{TENANTS} x 2 of {low}..{high} tokens, "
+                   f"{'packed' if packed else 'padded'}", merged, tokens, flops,
+                   args.steps)
+    engine.packing = True
+    if checks:
+        packing_checks(name, engine, mixed, table, "bf16" if args.dtype == "bfloat16"
+                       else args.dtype, BF16_LOGPROB_ATOL if args.dtype == "bfloat16"
+                       else FLOAT32_LOGPROB_ATOL)
     engine.save_weights("bench", adapter_dir)
-    return mfu
+    return losses
 
 
-def distributed_row(name: str, path: Path, args, mfu: Callable[[float, int], float],
-                    rows: list) -> None:
-    """The engine's step under torch.distributed with one rank (nccl on CUDA, gloo on
-    CPU): the FSDP2 path of `--nproc-per-node`, against the plain engine row above."""
-    import socket
+def _forward_logprobs(engine, adapter_id: str, datums: list[Datum]) -> list[np.ndarray]:
+    from twinkle_server.engine.engine import ForwardRequest
 
-    from twinkle_server.engine.engine import Engine, ForwardRequest
-    from twinkle_server.engine.parallel import Parallel, placement_from_env
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    parallel = Parallel.init(placement_from_env(args.device), timeout_s=600)
-    try:
-        n, length = args.rows, args.length
-        limits = EngineLimits(max_adapters=16, max_seq_len=length, max_batch_tokens=n * length)
-        engine = Engine.load(str(path), device=args.device, dtype=args.dtype, limits=limits,
-                             parallel=parallel)
-        engine.add_adapter("bench", SPEC)
-        batch = _datums(n, length, engine.base.vocab_size)
-
-        def step() -> None:
-            out = engine.forward_batch([ForwardRequest("bench", batch, CE, True)])[0]
-            if isinstance(out, Exception):
-                raise out
-            engine.optim_step("bench", ADAM)
-
-        device = torch.device(args.device)
-        _reset_peak(device)
-        seconds = _seconds(step, device, args.steps)
-        rows.append((name, f"engine {n} x {length}, FSDP2 1 rank", n * length / seconds,
-                     mfu(seconds, length), _peak(device)))
-    finally:
-        parallel.close()
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(key)
+    out = engine.forward_batch([ForwardRequest(adapter_id, datums, CE, False)])[0]
+    if isinstance(out, Exception):
+        raise out
+    return out.logprobs
 
 
-def peft_row(name: str, path: Path, adapter_dir: str, args,
-             mfu: Callable[[float, int], float], rows: list) -> None:
+def packing_checks(name: str, engine, mixed: list[list[Datum]], table: Table, dtype: str,
+                   atol: float) -> None:
+    """Packed == padded logprobs (forward only) on datums of mixed lengths."""
+    datums = [d for batch in mixed for d in batch][:CHECK_DATUMS]
+    engine.packing = False
+    padded = _forward_logprobs(engine, "bench", datums)
+    engine.packing = True
+    packed = _forward_logprobs(engine, "bench", datums)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(packed, padded, strict=True))
+    table.check(name, f"{dtype} packed vs padded, max |logprob diff|", diff, atol)
+
+
+def isolation_check(name: str, engine, lengths: tuple[int, int], table: Table) -> None:
+    """In one packed pass, datum 1's logprobs whatever datum 0's tokens are."""
+    vocab = engine.base.vocab_size
+    first, second = _mixed_datums(2, *lengths, vocab, seed=7)
+    changed = _datums(1, first.num_tokens, vocab, seed=99)[0]
+    before = _forward_logprobs(engine, "bench", [first, second])[1]
+    after = _forward_logprobs(engine, "bench", [changed, second])[1]
+    table.check(name, "float32 packed: other datum's tokens changed, max |logprob diff|",
+                float(np.abs(before - after).max()), ISOLATION_ATOL)
+
+
+def float32_checks(name: str, path: Path, adapter_dir: str, args: argparse.Namespace,
+                   table: Table) -> None:
+    """The packing and isolation checks on a float32 load (memory-efficient sdpa on CUDA,
+    where bf16 runs flash), with the adapter the bf16 engine trained."""
+    engine = load_engine(path, args, dtype="float32")
+    engine.add_adapter("bench", SPEC)
+    engine.load_state("bench", adapter_dir, include_optimizer=False)
+    vocab = engine.base.vocab_size
+    low, high = args.mixed_lengths
+    mixed = [_mixed_datums(2, low, high, vocab, seed=i) for i in range(3)]
+    packing_checks(name, engine, mixed, table, "float32", FLOAT32_LOGPROB_ATOL)
+    isolation_check(name, engine, args.mixed_lengths, table)
+
+
+def checkpointing_rows(name: str, path: Path, args: argparse.Namespace, table: Table,
+                       plain_losses: list[float]) -> None:
+    """The engine row with `--activation-checkpointing on`, and its losses against the
+    plain engine's (the same seeded adapter, data and steps)."""
+    engine = load_engine(path, args, activation_checkpointing=True)
+    add_measured_adapter(engine, name, "bench")
+    describe_memory(name, engine, args, "activation checkpointing on")
+    batch = _datums(args.rows, args.length, engine.base.vocab_size)
+    losses: list[float] = []
+    table.time(name, f"engine {args.rows} x {args.length}, activation ckpt",
+               train_steps(engine, "bench", batch, losses), args.rows * args.length,
+               step_flops(engine.base.config, batch), args.steps)
+    if losses and len(losses) == len(plain_losses):
+        table.check(name, "activation ckpt on vs off, last step's loss, relative diff",
+                    abs(losses[-1] - plain_losses[-1]) / abs(plain_losses[-1]), BF16_LOSS_RTOL)
+
+
+def peft_row(name: str, path: Path, adapter_dir: str, args: argparse.Namespace,
+             table: Table) -> None:
     """The same step as a plain transformers + peft loop (full logits, no packing)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    batch = _datums(args.rows, args.length, int(base_vocab(path)))
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)
+                                                ).to(device)
+    batch = _datums(args.rows, args.length, int(base.config.vocab_size))
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
@@ -297,29 +459,52 @@ def peft_row(name: str, path: Path, adapter_dir: str, args,
         opt.step()
         opt.zero_grad()
 
-    _reset_peak(device)
-    label = f"transformers + peft {args.rows} x {args.length}"
+    table.time(name, f"transformers + peft {args.rows} x {args.length}", step,
+               args.rows * args.length, step_flops(base.config, batch), args.steps)
+
+
+def distributed_row(name: str, path: Path, args: argparse.Namespace, table: Table) -> None:
+    """The engine's step under torch.distributed with one rank (nccl on CUDA, gloo on
+    CPU): the FSDP2 path of `--nproc-per-node`, against the plain engine row."""
+    from twinkle_server.engine.parallel import Parallel, placement_from_env
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    parallel = Parallel.init(placement_from_env(args.device), timeout_s=600)
     try:
-        seconds = _seconds(step, device, args.steps)
-        rows.append((name, label, args.rows * args.length / seconds, mfu(seconds, args.length),
-                     _peak(device)))
-    except torch.cuda.OutOfMemoryError:
-        rows.append((name, f"{label} (out of memory)", float("nan"), float("nan"),
-                     _peak(device)))
+        engine = load_engine(path, args, parallel=parallel)
+        engine.add_adapter("bench", SPEC)
+        batch = _datums(args.rows, args.length, engine.base.vocab_size)
+        table.time(name, f"engine {args.rows} x {args.length}, FSDP2 1 rank",
+                   train_steps(engine, "bench", batch, []), args.rows * args.length,
+                   step_flops(engine.base.config, batch), args.steps)
+    finally:
+        parallel.close()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key)
 
 
-def base_vocab(path: Path) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(path).vocab_size)
-
-
-def _free(device: torch.device) -> None:
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def bench_shape(name: str, path: Path, args: argparse.Namespace, table: Table,
+                checks: bool) -> None:
+    """Every row of one shape, each function on a fresh load, freed before the next
+    (engines hold reference cycles: `_free` collects them)."""
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter_dir = f"{tmp}/adapter"
+        losses = engine_rows(name, path, adapter_dir, args, table, checks)
+        _free(device)
+        checkpointing_rows(name, path, args, table, losses)
+        _free(device)
+        if checks:
+            float32_checks(name, path, adapter_dir, args, table)
+            _free(device)
+        peft_row(name, path, adapter_dir, args, table)
+        _free(device)
+    distributed_row(name, path, args, table)
+    _free(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,24 +522,30 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SMALL_SHAPES if args.small else SHAPES
     args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     args.rows, args.length, args.tenant_length = (2, 64, 32) if args.small else (8, 2048, 512)
+    args.mixed_lengths = (8, 64) if args.small else (64, 2048)
     args.steps = 2 if args.small else 3
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(device, dtype, 512 if args.small else 8192)
-    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"{args.dtype}, measured matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
-    rows: list[tuple] = []
-    for name, shape in shapes.items():
+    versions = f"torch {torch.__version__}, transformers {_version('transformers')}, " \
+               f"peft {_version('peft')}"
+    print(f"{time.strftime('%Y-%m-%d')} device "
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+          f"{args.dtype}, measured matmul peak {peak / 1e12:.1f} TFLOP/s; {versions}",
+          flush=True)
+    table = Table(device, peak)
+    for index, (name, shape) in enumerate(shapes.items()):
         with tempfile.TemporaryDirectory() as tmp:
             build_model(Path(tmp), shape, dtype, device)
             _free(device)
-            bench_shape(name, Path(tmp), args, peak, rows)
-    print(f"rank 16 all-linear, forward_backward (+ optim_step for the {args.rows} x "
-          f"{args.length} rows), {args.steps} timed steps after one warmup")
-    print(f"  {'model':<12}{'run':<36}{'tokens/s':>11}{'MFU':>8}{'peak GiB':>10}")
-    for name, run, speed, util, peak_gib in rows:
-        mem = f"{peak_gib:>10.2f}" if peak_gib is not None else f"{'n/a':>10}"
-        print(f"  {name:<12}{run:<36}{speed:>11.0f}{util:>8.1%}{mem}")
-    return 0
+            bench_shape(name, Path(tmp), args, table, checks=index == 0)
+    table.print(args)
+    return CHECK_FAILED_EXIT if table.failed else 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 if __name__ == "__main__":
