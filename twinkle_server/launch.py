@@ -15,6 +15,8 @@ import logging
 import os
 import signal
 
+import torch
+
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, InvalidArgument
@@ -45,15 +47,21 @@ def launch(config: ServerConfig, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser, run
 
     check_world(config)
+    parser = get_args_parser()
     launcher = ["--nproc-per-node", str(config.nproc_per_node), "--nnodes", config.nnodes,
-                "--node-rank", str(config.node_rank), "--max-restarts", "0",
-                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+                "--node-rank", str(config.node_rank), "--max-restarts", "0"]
+    if "--shutdown-timeout" in parser._option_string_actions:
+        launcher += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    else:
+        log.warning("this torch's launcher (%s) has no --shutdown-timeout: after SIGTERM it "
+                    "gives the ranks its fixed 30 s, so ops still running then are cut off "
+                    "(torch >= 2.12 waits %d s)", torch.__version__, SHUTDOWN_TIMEOUT_S)
     if config.rdzv_endpoint:
         launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint,
                      "--rdzv-id", "twinkle"]
     else:
         launcher += ["--standalone"]
-    args = get_args_parser().parse_args([*launcher, "-m", "twinkle_server.cli", *argv])
+    args = parser.parse_args([*launcher, "-m", "twinkle_server.cli", *argv])
     try:
         run(args)
     except ChildFailedError as exc:
