@@ -10,7 +10,13 @@ COOKBOOK_PY := $(COOKBOOK_VENV)/bin/python
 COOKBOOK_SPEC ?= tinker-cookbook==0.6.1
 COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 
-.PHONY: setup proto test test-unit lint demo serve bench soak cookbook-check clean
+# The oldest transformers and peft pyproject.toml accepts: `make test-oldest` runs the
+# engine's tests (everything that touches either) against them.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_SPEC ?= transformers==5.0.0 peft==0.18.0
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+
+.PHONY: setup proto test test-unit test-oldest lint demo serve bench soak cookbook-check clean
 
 setup: $(STAMP)
 
@@ -28,6 +34,15 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration"
+
+$(OLDEST_STAMP): pyproject.toml Makefile
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet '$(TORCH_SPEC)'
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -e '.[dev]' $(OLDEST_SPEC)
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -m pytest -q tests/engine
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -64,4 +79,4 @@ cookbook-check: setup $(COOKBOOK_STAMP)
 	$(COOKBOOK_PY) examples/cookbook_check.py
 
 clean:
-	rm -rf $(VENV) $(COOKBOOK_VENV) twinkle-data .pytest_cache
+	rm -rf $(VENV) $(COOKBOOK_VENV) $(OLDEST_VENV) twinkle-data .pytest_cache
