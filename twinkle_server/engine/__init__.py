@@ -21,9 +21,10 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   row routing, `forward` the merged pass (`packing`: datums packed into one
   sequence, attention confined to each; `logprobs`: target logprobs from hidden states in
   chunks through the output layer; `activations`: optional activation checkpointing),
-  `memory` the pass headroom estimate, `adapter` one object per adapter with its
-  optimizer verbs, `losses`, `optim`, `sampler`, `checkpoint` (PEFT format, atomic,
-  save and load), and `engine.Engine`, the only entry point. It imports only torch,
+  `memory` the pass headroom estimate and the memory free, `adapter` one object per
+  adapter with its optimizer verbs, `losses`, `optim`, `sampler` (`sampler_cache`: saved
+  sampler checkpoints kept loaded), `checkpoint` (PEFT format, atomic, save and load),
+  and `engine.Engine`, the only entry point. It imports only torch,
   transformers, peft, numpy, safetensors and itself.
 - `twinkle_server.store` owns durable records (keys, sessions, runs, checkpoint paths)
   beside the runtime, which passes the engine plain file paths from it.

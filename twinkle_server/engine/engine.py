@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -65,7 +64,9 @@ from twinkle_server.engine.lora import (
     inject,
     resolve_targets,
 )
+from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.engine.parallel import Parallel
+from twinkle_server.engine.sampler_cache import SamplerCache
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
     AdamParams,
@@ -84,12 +85,10 @@ T = TypeVar("T")
 OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)
 """What running out of host or device memory raises (torch's CUDA error is a RuntimeError)."""
 
-__all__ = ["Engine", "ForwardRequest", "SampleRequest", "available_memory_bytes"]
+__all__ = ["Engine", "ForwardRequest", "SampleRequest"]
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
 _STATE_COPIES = 4
-# Sampler checkpoints kept loaded for sampling, least recently used evicted first.
-_SAMPLER_CACHE_SIZE = 8
 
 
 class Engine:
@@ -121,7 +120,8 @@ class Engine:
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
-        self._samplers: OrderedDict[str, Adapter] = OrderedDict()
+        self.samplers = SamplerCache(self._load_sampler,
+                                     lambda key, adapter: self._detach(key, adapter.weights))
         # On several ranks a pass also gathers the base's weights, beside its activations.
         gathered = parallel.gathered_bytes() if parallel is not None else 0
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
@@ -402,34 +402,22 @@ class Engine:
     def has_sampler(self, weights_path: str | os.PathLike) -> bool:
         """Whether the sampler checkpoint at `weights_path`, as its files are now, is
         loaded (cached)."""
-        return self._sampler_key(weights_path) in self._samplers
+        return weights_path in self.samplers
 
     def sampler_dirs(self) -> set[str]:
         """The directories (real paths) of the sampler checkpoints loaded now."""
-        return {key.removeprefix("sampler:").rsplit("@", 1)[0] for key in self._samplers}
-
-    @staticmethod
-    def _sampler_key(weights_path: str | os.PathLike) -> str:
-        """The cache key of a sampler checkpoint: its real path and its weights file's
-        modification time and size, so weights saved over it are loaded afresh."""
-        path = os.path.realpath(weights_path)
-        try:
-            found = os.stat(os.path.join(path, checkpoint.WEIGHTS_FILE))
-        except OSError:
-            return f"sampler:{path}@missing"
-        return f"sampler:{path}@{found.st_mtime_ns}:{found.st_size}"
+        return self.samplers.dirs()
 
     def _sampling_adapter(self, adapter_id: str | None, weights_path: str | None) -> str | None:
         """The adapter id to route for a request, loading a sampler checkpoint if needed."""
         if adapter_id is not None:
             self._adapter(adapter_id)
             return adapter_id
-        if weights_path is None:
-            return None
-        key = self._sampler_key(weights_path)
-        if key in self._samplers:
-            self._samplers.move_to_end(key)
-            return key
+        return None if weights_path is None else self.samplers.route(weights_path)
+
+    def _load_sampler(self, key: str, weights_path: str) -> Adapter:
+        """The sampler checkpoint at `weights_path` as a frozen adapter routed as `key`,
+        attached to the base once its weights are checked."""
         spec, _ = checkpoint.read_spec(weights_path)
         found = checkpoint.read_weights(weights_path)
         adapter = Adapter(key, spec, self._new_weights(LoraSpec(**{**asdict(spec), "seed": 0}),
@@ -439,11 +427,7 @@ class Engine:
         for param in adapter.parameters():
             param.requires_grad_(False)
         self._attach(adapter)
-        self._samplers[key] = adapter
-        while len(self._samplers) > _SAMPLER_CACHE_SIZE:
-            old_key, old = self._samplers.popitem(last=False)
-            self._detach(old_key, old.weights)
-        return key
+        return adapter
 
     def sample_batch(self, requests: Sequence[SampleRequest]
                      ) -> list[list[SampledSequence] | EngineError]:
@@ -508,17 +492,3 @@ class Engine:
         route_id = self._sampling_adapter(adapter_id, weights_path)
         return self._on_base(sampler.prompt_logprobs, self.base.model, self.router.route,
                              route_id, np.asarray(tokens), topk)
-
-
-def available_memory_bytes(device: torch.device) -> int | None:
-    """Free memory for new adapter state on `device` (None when it cannot be read)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

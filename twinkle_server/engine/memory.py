@@ -1,4 +1,5 @@
-"""Memory a training pass needs beyond the adapters' own state: the pass headroom.
+"""Memory a training pass needs beyond the adapters' own state (the pass headroom), and
+the memory free on a device (`available_memory_bytes`).
 
 `Engine.add_adapter` refuses an adapter unless `adapter state + pass headroom <= free`,
 where the pass headroom is the activation and logits memory of the LARGEST pass the
@@ -177,3 +178,17 @@ def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_ty
             f"{max(budget, 0) / 2**30:.1f} GiB; turn on --activation-checkpointing, lower "
             "--max-seq-len, or shard the base over more devices")
     return tokens
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Free memory for new adapter state on `device` (None when it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -18,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from twinkle_server.engine.engine import available_memory_bytes
+from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.scheduler import Op
 
 OP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)

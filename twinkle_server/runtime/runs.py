@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_server.engine import losses, optim
-from twinkle_server.engine.engine import available_memory_bytes
 from twinkle_server.engine.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
+from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
