@@ -135,3 +135,13 @@ def test_an_engine_left_to_pick_caps_its_passes_and_reserves_the_headroom(tiny_c
                          limits=EngineLimits(max_pass_tokens=AUTO_PASS_TOKENS))
     assert picked.limits.max_pass_tokens == memory.CPU_PASS_TOKENS
     assert picked.reserve_pass_memory
+
+
+def test_cuda_free_memory_counts_the_allocators_unused_cache_as_free(monkeypatch):
+    # No GPU here: torch.cuda's three probes stand in for a device after a large pass,
+    # whose 6 GiB of blocks the allocator keeps cached though only 1 GiB is in use.
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
+    assert memory.available_memory_bytes(torch.device("cuda", 0)) == 15 * gib

@@ -181,9 +181,14 @@ def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_ty
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
-    """Free memory for new adapter state on `device` (None when it cannot be read)."""
+    """Free memory for new adapter state on `device` (None when it cannot be read).
+
+    On CUDA, what the driver reports free plus what torch's caching allocator holds
+    unused: after a large pass the allocator keeps its blocks, which the driver counts
+    as used, though any new tensor of this process can have them."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
