@@ -4,13 +4,17 @@ Run: `python3 -m bench.gpu 2>&1 | tee gpu.txt` on a machine with one CUDA device
 (sized to run unattended in under 8 minutes; `.venv/bin/python` where the venv is there);
 `--device cpu --small` is a smoke check of the same code path on tiny shapes (seconds).
 Not part of `make bench` (which runs on CPU). Exits 2 when no CUDA device is present, 1
-when a check below fails, else 0.
+when a check below fails or a row could not run, else 0.
 
 For each shape, a random-initialised model with the published Qwen3 sizes (no download)
 is saved with the tiny model's tokenizer to a temp dir, then each row loads it afresh:
 
-- `engine`: forward_backward + optim_step of 8 x 2048 tokens, rank 16 all-linear;
-- the same with `--activation-checkpointing on` (what sets that flag's default);
+- `engine`: forward_backward + optim_step of 8 x 2048 tokens, rank 16 all-linear, in
+  pieces of the pass cap a server picks by default (`--max-pass-tokens 0`: the most
+  tokens whose estimated activations fit half the memory free), then in one piece (what
+  calibrates the estimate; the 4B shape is expected to run out of memory there);
+- the same with `--activation-checkpointing on` (what sets that flag's default: its
+  larger cap against the extra forward that pieces cost without it);
 - 8 tenants each sending 1 x 512, merged (one `Engine.forward_batch` of 8 requests)
   vs timeshare (8 calls);
 - 8 tenants x 2 datums of lengths uniform in 64..2048 in one merged pass, packed vs
@@ -21,9 +25,10 @@ is saved with the tiny model's tokenizer to a temp dir, then each row loads it a
 
 Each row: tokens/s (the median step), model FLOPs utilisation against this device's bf16
 matmul peak measured here (an 8192^3 matmul timed with CUDA events), and peak memory
-(`torch.cuda.max_memory_allocated`). The engine's own pass headroom estimate
-(`engine.memory`) and the pass cap a server would pick are printed beside it. A row that
-runs out of memory says so and the run goes on.
+(`torch.cuda.max_memory_allocated`). The engine's own pass headroom estimates
+(`engine.memory`) and the pass cap are printed beside it. A row that runs out of memory
+says so, an adapter the memory estimate refuses is measured anyway (and said so), and a
+row function that fails is reported: the run goes on to the table.
 
 Checks (after the table), on the first shape: packed == padded logprobs, in bf16 (flash
 sdpa) and float32 (memory-efficient sdpa); in a packed pass, changing one datum's tokens
@@ -33,7 +38,8 @@ Model FLOPs per token, frozen base + LoRA: forward 2N and backward 2N (input gra
 only; no weight gradients for the base), N the linear layers' weights (lm_head included),
 plus causal attention 6 x layers x Q x seq (QK^T and AV forward, twice that backward, half
 the positions masked). LoRA's own FLOPs (rank 16) are under 1% and not counted; neither
-is the recomputation of activation checkpointing, so its MFU is the useful share.
+is the forward that activation checkpointing, or a pass in pieces, runs again, so MFU is
+the useful share.
 """
 
 from __future__ import annotations
@@ -47,14 +53,24 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpec, LossSpec
+from twinkle_server.engine.types import (
+    AUTO_PASS_TOKENS,
+    AdamParams,
+    Datum,
+    EngineLimits,
+    LoraSpec,
+    LossSpec,
+)
 
 # Published sizes (the models' config.json on the Hugging Face hub).
 SHAPES: dict[str, dict] = {
@@ -68,13 +84,15 @@ SHAPES: dict[str, dict] = {
 SMALL_SHAPES: dict[str, dict] = {
     "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=4096,
-                  tie_word_embeddings=False),
+                  tie_word_embeddings=True),
 }
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=1e-4)
 SPEC = LoraSpec(rank=16, alpha=32, seed=0)
 TENANTS = 8
 CHECK_DATUMS = 6
+COLLECTIVE_TIMEOUT_S = 120
+"""Short of the device call's 10 minutes: a hung nccl collective fails the FSDP2 row."""
 NO_CUDA_EXIT = 2
 CHECK_FAILED_EXIT = 1
 
@@ -97,6 +115,17 @@ class Table:
     peak_flops: float
     rows: list[tuple[str, str, float, float, float | None]] = field(default_factory=list)
     checks: list[tuple[str, str, float, float]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def guard(self, model: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, or None after printing and recording its exception: one broken
+        row function must not cost the rest of the table."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            traceback.print_exc()
+            self.failures.append(f"{model}: {what}: {type(exc).__name__}: {str(exc)[:300]}")
+            return None
 
     def time(self, model: str, run: str, step: Callable[[], object], tokens: int,
              flops_per_step: float, steps: int) -> None:
@@ -122,7 +151,8 @@ class Table:
 
     @property
     def failed(self) -> bool:
-        return any(not value <= tolerance for _, _, value, tolerance in self.checks)
+        return bool(self.failures) or any(not value <= tolerance
+                                          for _, _, value, tolerance in self.checks)
 
     def print(self, args: argparse.Namespace) -> None:
         print(f"rank 16 all-linear, forward_backward (+ optim_step for the {args.rows} x "
@@ -134,6 +164,8 @@ class Table:
         for model, what, value, tolerance in self.checks:
             verdict = "ok" if value <= tolerance else "FAILED"
             print(f"  {model:<12}{what:<60}{value:>10.3g}  <= {tolerance:.0e}  {verdict}")
+        for failure in self.failures:
+            print(f"  FAILED to run: {failure}")
 
 
 def _format_row(row: tuple[str, str, float, float, float | None]) -> str:
@@ -245,6 +277,7 @@ def _peak(device: torch.device) -> float | None:
 
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -256,12 +289,14 @@ def _free(device: torch.device) -> None:
 
 
 def load_engine(path: Path, args: argparse.Namespace, dtype: str | None = None, **options):
-    """An `Engine` on `path` with the bench's limits (`bench_shape` frees it after)."""
+    """An `Engine` on `path` with the bench's limits and pass cap (`args.pass_tokens`: a
+    server's default, picked from the memory free); `bench_shape` frees it after."""
     from twinkle_server.engine.engine import Engine
 
     limits = EngineLimits(max_adapters=TENANTS + 2, max_seq_len=args.length,
                           max_batch_tokens=max(args.rows * args.length,
-                                               CHECK_DATUMS * args.mixed_lengths[1]))
+                                               CHECK_DATUMS * args.mixed_lengths[1]),
+                          max_pass_tokens=args.pass_tokens)
     return Engine.load(str(path), device=args.device, dtype=dtype or args.dtype,
                        limits=limits, **options)
 
@@ -285,23 +320,30 @@ def add_measured_adapter(engine, name: str, adapter_id: str) -> None:
 
 
 def describe_memory(name: str, engine, args: argparse.Namespace, label: str) -> None:
-    """Print the engine's pass headroom estimate and the pass cap a server would pick."""
-    import twinkle_server.engine.engine as engine_module
+    """Print the pass cap a server would pick here and the engine's headroom estimates:
+    for a piece of that cap, and for the bench's whole pass as one piece."""
     from twinkle_server.engine import memory
-    from twinkle_server.engine.errors import EngineError
 
-    config, device = engine.base.config, torch.device(args.device)
-    print(f"{name} ({label}): pass headroom estimate for {args.rows} x {args.length} "
-          f"tokens {engine.pass_headroom_bytes / 2**30:.2f} GiB", flush=True)
-    try:
-        auto = memory.auto_pass_tokens(config, engine.base.dtype, config.vocab_size,
-                                       device.type, engine_module.available_memory_bytes(
-                                           device), args.length,
+    base, tokens = engine.base, args.rows * args.length
+    whole = memory.pass_headroom_bytes(base.config, base.dtype, base.vocab_size, tokens,
                                        engine.activation_checkpointing)
-        print(f"{name} ({label}): a server here would run passes in pieces of at most "
-              f"{auto} tokens (--max-pass-tokens 0)", flush=True)
-    except EngineError as exc:
-        print(f"{name} ({label}): a server here would refuse to start: {exc}", flush=True)
+    picked = ("what --max-pass-tokens 0 picks here" if args.pass_tokens == AUTO_PASS_TOKENS
+              else "the smoke run's")
+    print(f"{name} ({label}): passes run in pieces of at most "
+          f"{engine.limits.max_pass_tokens} tokens ({picked}), "
+          f"pass headroom estimate {engine.pass_headroom_bytes / 2**30:.2f} GiB; "
+          f"{whole / 2**30:.2f} GiB for {args.rows} x {args.length} tokens in one piece",
+          flush=True)
+
+
+def run_batch(engine, requests: list) -> list:
+    """`engine.forward_batch(requests)`, raising the first request's failure (the engine
+    returns failures, running out of memory included, as values)."""
+    outputs = engine.forward_batch(requests)
+    for out in outputs:
+        if isinstance(out, Exception):
+            raise out
+    return outputs
 
 
 def train_steps(engine, adapter_id: str, batch: list[Datum], losses: list[float]
@@ -310,42 +352,70 @@ def train_steps(engine, adapter_id: str, batch: list[Datum], losses: list[float]
     from twinkle_server.engine.engine import ForwardRequest
 
     def step() -> None:
-        out = engine.forward_batch([ForwardRequest(adapter_id, batch, CE, True)])[0]
-        if isinstance(out, Exception):
-            raise out
+        (out,) = run_batch(engine, [ForwardRequest(adapter_id, batch, CE, True)])
         losses.append(out.loss)
         engine.optim_step(adapter_id, ADAM)
 
     return step
 
 
+@contextmanager
+def one_piece(engine) -> Iterator[None]:
+    """Passes in one piece, whatever the engine's pass cap (`--max-pass-tokens`)."""
+    capped = engine.limits
+    engine.limits = replace(capped, max_pass_tokens=0)
+    try:
+        yield
+    finally:
+        engine.limits = capped
+
+
+def engine_label(engine, args: argparse.Namespace, extra: str = "") -> str:
+    """`engine R x L`, the pass cap when the pass runs in pieces, and `extra`."""
+    cap = engine.limits.max_pass_tokens
+    pieces = f", pieces <= {cap}" if cap < args.rows * args.length else ""
+    return f"engine {args.rows} x {args.length}{pieces}{extra}"
+
+
 def engine_rows(name: str, path: Path, adapter_dir: str, args: argparse.Namespace,
                 table: Table, checks: bool) -> list[float]:
     """The plain engine's rows; saves the trained adapter to `adapter_dir`; with `checks`,
     the packing checks on this engine. Returns the training steps' losses."""
-    from twinkle_server.engine.engine import ForwardRequest
-
     engine = load_engine(path, args)
-    config, vocab = engine.base.config, engine.base.vocab_size
     add_measured_adapter(engine, name, "bench")
     describe_memory(name, engine, args, "activation checkpointing off")
+    try:
+        return _engine_rows(name, engine, args, table, checks)
+    finally:
+        engine.save_weights("bench", adapter_dir)
+
+
+def _engine_rows(name: str, engine, args: argparse.Namespace, table: Table, checks: bool
+                 ) -> list[float]:
+    from twinkle_server.engine.engine import ForwardRequest
+
+    config, vocab = engine.base.config, engine.base.vocab_size
     batch = _datums(args.rows, args.length, vocab)
     losses: list[float] = []
-    table.time(name, f"engine {args.rows} x {args.length}",
-               train_steps(engine, "bench", batch, losses), args.rows * args.length,
-               step_flops(config, batch), args.steps)
+    table.time(name, engine_label(engine, args), train_steps(engine, "bench", batch, losses),
+               args.rows * args.length, step_flops(config, batch), args.steps)
+    # The same pass in one piece: what the headroom estimate for it is calibrated by.
+    with one_piece(engine):
+        table.time(name, f"engine {args.rows} x {args.length}, one piece",
+                   train_steps(engine, "bench", batch, []), args.rows * args.length,
+                   step_flops(config, batch), args.steps)
 
     tenants = [f"t{i}" for i in range(TENANTS)]
     for tenant in tenants:
-        engine.add_adapter(tenant, SPEC)
+        add_measured_adapter(engine, name, tenant)
     small = [_datums(1, args.tenant_length, vocab, seed=i) for i in range(TENANTS)]
     requests = [ForwardRequest(t, d, CE, True) for t, d in zip(tenants, small, strict=True)]
     flops = sum(step_flops(config, d) for d in small)
     tokens = TENANTS * args.tenant_length
     table.time(name, f"{TENANTS} tenants x 1 x {args.tenant_length} merged",
-               lambda: engine.forward_batch(requests), tokens, flops, args.steps)
+               lambda: run_batch(engine, requests), tokens, flops, args.steps)
     table.time(name, f"{TENANTS} tenants x 1 x {args.tenant_length} timeshare",
-               lambda: [engine.forward_batch([r]) for r in requests], tokens, flops,
+               lambda: [run_batch(engine, [r]) for r in requests], tokens, flops,
                args.steps)
 
     low, high = args.mixed_lengths
@@ -356,7 +426,7 @@ def engine_rows(name: str, path: Path, adapter_dir: str, args: argparse.Namespac
     for packed in (True, False):
         def merged(packed: bool = packed) -> None:
             engine.packing = packed
-            engine.forward_batch(requests)
+            run_batch(engine, requests)
 
         table.time(name, f"{TENANTS} x 2 of {low}..{high} tokens, "
                    f"{'packed' if packed else 'padded'}", merged, tokens, flops,
@@ -366,27 +436,24 @@ def engine_rows(name: str, path: Path, adapter_dir: str, args: argparse.Namespac
         packing_checks(name, engine, mixed, table, "bf16" if args.dtype == "bfloat16"
                        else args.dtype, BF16_LOGPROB_ATOL if args.dtype == "bfloat16"
                        else FLOAT32_LOGPROB_ATOL)
-    engine.save_weights("bench", adapter_dir)
     return losses
 
 
 def _forward_logprobs(engine, adapter_id: str, datums: list[Datum]) -> list[np.ndarray]:
     from twinkle_server.engine.engine import ForwardRequest
 
-    out = engine.forward_batch([ForwardRequest(adapter_id, datums, CE, False)])[0]
-    if isinstance(out, Exception):
-        raise out
-    return out.logprobs
+    return run_batch(engine, [ForwardRequest(adapter_id, datums, CE, False)])[0].logprobs
 
 
 def packing_checks(name: str, engine, mixed: list[list[Datum]], table: Table, dtype: str,
                    atol: float) -> None:
     """Packed == padded logprobs (forward only) on datums of mixed lengths."""
     datums = [d for batch in mixed for d in batch][:CHECK_DATUMS]
-    engine.packing = False
-    padded = _forward_logprobs(engine, "bench", datums)
-    engine.packing = True
-    packed = _forward_logprobs(engine, "bench", datums)
+    with one_piece(engine):
+        engine.packing = False
+        padded = _forward_logprobs(engine, "bench", datums)
+        engine.packing = True
+        packed = _forward_logprobs(engine, "bench", datums)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(packed, padded, strict=True))
     table.check(name, f"{dtype} packed vs padded, max |logprob diff|", diff, atol)
 
@@ -396,8 +463,9 @@ def isolation_check(name: str, engine, lengths: tuple[int, int], table: Table) -
     vocab = engine.base.vocab_size
     first, second = _mixed_datums(2, *lengths, vocab, seed=7)
     changed = _datums(1, first.num_tokens, vocab, seed=99)[0]
-    before = _forward_logprobs(engine, "bench", [first, second])[1]
-    after = _forward_logprobs(engine, "bench", [changed, second])[1]
+    with one_piece(engine):
+        before = _forward_logprobs(engine, "bench", [first, second])[1]
+        after = _forward_logprobs(engine, "bench", [changed, second])[1]
     table.check(name, "float32 packed: other datum's tokens changed, max |logprob diff|",
                 float(np.abs(before - after).max()), ISOLATION_ATOL)
 
@@ -407,7 +475,7 @@ def float32_checks(name: str, path: Path, adapter_dir: str, args: argparse.Names
     """The packing and isolation checks on a float32 load (memory-efficient sdpa on CUDA,
     where bf16 runs flash), with the adapter the bf16 engine trained."""
     engine = load_engine(path, args, dtype="float32")
-    engine.add_adapter("bench", SPEC)
+    add_measured_adapter(engine, name, "bench")
     engine.load_state("bench", adapter_dir, include_optimizer=False)
     vocab = engine.base.vocab_size
     low, high = args.mixed_lengths
@@ -425,7 +493,7 @@ def checkpointing_rows(name: str, path: Path, args: argparse.Namespace, table: T
     describe_memory(name, engine, args, "activation checkpointing on")
     batch = _datums(args.rows, args.length, engine.base.vocab_size)
     losses: list[float] = []
-    table.time(name, f"engine {args.rows} x {args.length}, activation ckpt",
+    table.time(name, engine_label(engine, args, ", activation ckpt"),
                train_steps(engine, "bench", batch, losses), args.rows * args.length,
                step_flops(engine.base.config, batch), args.steps)
     if losses and len(losses) == len(plain_losses):
@@ -473,16 +541,19 @@ def distributed_row(name: str, path: Path, args: argparse.Namespace, table: Tabl
         port = probe.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    parallel = Parallel.init(placement_from_env(args.device), timeout_s=600)
+    parallel = None
     try:
+        parallel = Parallel.init(placement_from_env(args.device),
+                                 timeout_s=COLLECTIVE_TIMEOUT_S)
         engine = load_engine(path, args, parallel=parallel)
-        engine.add_adapter("bench", SPEC)
+        add_measured_adapter(engine, name, "bench")
         batch = _datums(args.rows, args.length, engine.base.vocab_size)
-        table.time(name, f"engine {args.rows} x {args.length}, FSDP2 1 rank",
+        table.time(name, engine_label(engine, args, ", FSDP2 1 rank"),
                    train_steps(engine, "bench", batch, []), args.rows * args.length,
                    step_flops(engine.base.config, batch), args.steps)
     finally:
-        parallel.close()
+        if parallel is not None:
+            parallel.close()
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key)
 
@@ -490,20 +561,25 @@ def distributed_row(name: str, path: Path, args: argparse.Namespace, table: Tabl
 def bench_shape(name: str, path: Path, args: argparse.Namespace, table: Table,
                 checks: bool) -> None:
     """Every row of one shape, each function on a fresh load, freed before the next
-    (engines hold reference cycles: `_free` collects them)."""
+    (engines hold reference cycles: `_free` collects them). A function that fails is
+    reported and the next one runs."""
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         adapter_dir = f"{tmp}/adapter"
-        losses = engine_rows(name, path, adapter_dir, args, table, checks)
+        losses = table.guard(name, "engine rows", engine_rows, name, path, adapter_dir, args,
+                             table, checks) or []
         _free(device)
-        checkpointing_rows(name, path, args, table, losses)
+        table.guard(name, "activation checkpointing", checkpointing_rows, name, path, args,
+                    table, losses)
         _free(device)
         if checks:
-            float32_checks(name, path, adapter_dir, args, table)
+            table.guard(name, "float32 checks", float32_checks, name, path, adapter_dir, args,
+                        table)
             _free(device)
-        peft_row(name, path, adapter_dir, args, table)
+        table.guard(name, "transformers + peft", peft_row, name, path, adapter_dir, args,
+                    table)
         _free(device)
-    distributed_row(name, path, args, table)
+    table.guard(name, "FSDP2", distributed_row, name, path, args, table)
     _free(device)
 
 
@@ -523,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = "bfloat16" if device.type == "cuda" else "float32"
     args.rows, args.length, args.tenant_length = (2, 64, 32) if args.small else (8, 2048, 512)
     args.mixed_lengths = (8, 64) if args.small else (64, 2048)
+    # The smoke run's 2 x 64 passes go in pieces, as the 4B shape's are expected to on a GPU.
+    args.pass_tokens = 3 * args.length // 2 if args.small else AUTO_PASS_TOKENS
     args.steps = 2 if args.small else 3
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(device, dtype, 512 if args.small else 8192)
