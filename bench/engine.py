@@ -22,7 +22,8 @@ from bench.timing import best_per_call
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
 from twinkle_server.executor import FORWARD, EngineExecutor
-from twinkle_server.scheduler import Op, Scheduler, default_token_budget
+from twinkle_server.planning import default_token_budget
+from twinkle_server.scheduler import Op, Scheduler
 
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=1e-4)

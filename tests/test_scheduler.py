@@ -16,7 +16,6 @@ from twinkle_server.scheduler import (
     Scheduler,
     SchedulerClosed,
     UnknownQueue,
-    plan_batch,
 )
 
 WAIT_SECONDS = 5
@@ -493,34 +492,7 @@ def test_stats_report_queue_depths(make):
     assert (stats["queued"], stats["queues"], stats["ops_run"], stats["running"]) == (3, 2, 0, 0)
 
 
-# ---------------------------------------------------------------- plan_batch and config
-
-def test_plan_batch_decisions():
-    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 30),
-             sample("e", 0, 5), fwd("f", 0, 5)]
-    assert plan_batch(heads, "merged", 25) == heads[:2] + [heads[5]]  # d skipped, f fits
-    assert plan_batch(heads, "merged", 20) == heads[:2]
-    assert plan_batch(heads, "timeshare", 1000) == heads[:1]
-    assert plan_batch(heads[2:], "merged", 1000) == [heads[2]]  # a lone op leads: alone
-    assert plan_batch(heads[4:], "merged", 1000) == [heads[4]]  # sample never joins forward
-    assert plan_batch([fwd("a", 0, 100)], "merged", 10) == [fwd("a", 0, 100)]
-    assert plan_batch([fwd("a", 0), fwd("a", 1)], "merged", 1000) == [fwd("a", 0)]
-    assert plan_batch([], "merged", 10) == []
-    with pytest.raises(InvalidArgument, match="scheduling: 'fifo'"):
-        plan_batch(heads, "fifo", 10)
-
-
-def test_plan_batch_starts_at_start_index_and_wraps_around():
-    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 10)]
-    # d leads, then the pass wraps to a; b no longer fits in 20 tokens.
-    assert plan_batch(heads, "merged", 20, start_index=3) == [heads[3], heads[0]]
-    assert plan_batch(heads, "merged", 1000, start_index=1) == [heads[1], heads[3], heads[0]]
-    assert plan_batch(heads, "merged", 1000, start_index=2) == [heads[2]]
-    assert plan_batch(heads, "timeshare", 1000, start_index=3) == [heads[3]]
-    for bad in (-1, 4):
-        with pytest.raises(InvalidArgument, match=f"start_index: {bad} is outside the 4 heads"):
-            plan_batch(heads, "merged", 10, start_index=bad)
-
+# ---------------------------------------------------------------- errors and config
 
 def test_refusals_belong_to_the_one_error_family_the_fronts_map():
     from twinkle_server.engine.errors import FailedPrecondition, NotFound, Unavailable

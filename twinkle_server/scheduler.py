@@ -14,8 +14,8 @@ Ops with `merge_group=None` (optimizer steps, saves, loads) always run alone, so
 between passes. A queue has at most one op in flight, so two ops of one queue never share
 a batch and an `optim_step` never overtakes its model's `forward_backward`.
 
-The decisions are the pure function `plan_batch`; the class adds one lock, one condition
-variable and one thread. Futures are resolved outside the lock, because resolving runs
+The decision which ready ops run together is the pure function `planning.plan_batch`;
+this class adds one lock, one condition variable and one thread. Futures are resolved outside the lock, because resolving runs
 the callers' callbacks (asyncio's `wrap_future` among them). This module imports neither
 torch nor grpc.
 """
@@ -27,30 +27,15 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from twinkle_server.planning import DEFAULT_TOKEN_BUDGET, MODES, Mode, plan_batch
 
-Mode = Literal["merged", "timeshare"]
-MODES: tuple[str, ...] = ("merged", "timeshare")
 # How far ahead of the next expected seq an op may arrive: bounds what one client can park
 # in server memory while an earlier seq_id is missing.
 MAX_SEQ_AHEAD = 1024
-# Most tokens in one merged pass. Merging pays while one op's pass leaves the device
-# underused. On a CPU that ends near 1k tokens: `python -m bench.engine`'s pass table
-# measured a merged pass against the same ops one by one at 1.47x for 8 x 128 tokens and
-# 1.19x for 4 x 256, but 0.90x for 2 x 1024 and 0.91x for 4 x 1024 (bigger passes fall
-# out of cache). An accelerator's crossover is higher; 8192 is a starting point until
-# one is measured.
-CPU_TOKEN_BUDGET = 1024
-ACCELERATOR_TOKEN_BUDGET = 8192
-DEFAULT_TOKEN_BUDGET = CPU_TOKEN_BUDGET
 DEFAULT_RESULT_CACHE_SIZE = 256
-
-
-def default_token_budget(device_type: str) -> int:
-    """The merged-pass token budget for a device type ('cpu', 'cuda', ...)."""
-    return CPU_TOKEN_BUDGET if device_type == "cpu" else ACCELERATOR_TOKEN_BUDGET
 
 
 class SchedulerClosed(Unavailable):
@@ -100,46 +85,6 @@ class Executor(Protocol):
 
         Raising fails every op of the batch with that exception.
         """
-
-
-def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
-               start_index: int = 0) -> list[Op]:
-    """Which of the ready heads (at most one per queue, in rotation order) run together now.
-
-    The pass starts at `heads[start_index]` and wraps around, so moving `start_index`
-    round-robin lets every queue lead in turn. The leading head always runs, even when it
-    alone exceeds `token_budget`, so no op can be starved by its size. In `merged` mode,
-    later heads of other queues join it when they share its (non-None) merge group and
-    the batch stays within `token_budget`; a head that does not fit is skipped, and a
-    smaller one after it may still join. In `timeshare` mode every batch is one op.
-
-    Raises:
-        InvalidArgument: `mode` is not 'merged' or 'timeshare', or `start_index` is
-            outside `heads`.
-    """
-    if mode not in MODES:
-        raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
-    if not heads:
-        return []
-    if not 0 <= start_index < len(heads):
-        raise InvalidArgument(f"start_index: {start_index} is outside the {len(heads)} heads "
-                              f"(0..{len(heads) - 1})")
-    rotated = list(heads[start_index:]) + list(heads[:start_index])
-    first = rotated[0]
-    batch = [first]
-    if mode == "timeshare" or first.merge_group is None:
-        return batch
-    tokens = first.tokens
-    seen = {first.queue_id}
-    for op in rotated[1:]:
-        if op.merge_group != first.merge_group or op.queue_id in seen:
-            continue
-        if tokens + op.tokens > token_budget:
-            continue
-        batch.append(op)
-        tokens += op.tokens
-        seen.add(op.queue_id)
-    return batch
 
 
 class _OpFuture(Future):

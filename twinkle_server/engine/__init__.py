@@ -13,7 +13,7 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   token costs), the store and the typed verbs (`runtime.training`, `.sampling`, `.runs`)
   over plain values, raising the one error family (`engine.errors`).
 - `twinkle_server.scheduler` owns order: per-model queues ordered by `seq_id`, idempotent
-  retries, and the decision which ready ops run together. It calls the engine only
+  retries, and (`twinkle_server.planning`) the decision which ready ops run together. It calls the engine only
   through `twinkle_server.executor` (`forward_batch`, `sample_batch`, and one callable
   per optimizer/save/load op), from its one worker thread.
 - `twinkle_server.engine` (this package) owns the model and every adapter's state:

@@ -30,7 +30,8 @@ from twinkle_server.engine.errors import (
     Unavailable,
 )
 from twinkle_server.executor import EngineExecutor
-from twinkle_server.scheduler import Op, Scheduler, default_token_budget
+from twinkle_server.planning import default_token_budget
+from twinkle_server.scheduler import Op, Scheduler
 from twinkle_server.store import CheckpointRow, Store
 
 log = logging.getLogger("twinkle_server")

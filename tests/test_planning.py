@@ -1,0 +1,53 @@
+"""The scheduler's one decision, which ready ops run together, with no scheduler at all."""
+
+from __future__ import annotations
+
+import pytest
+
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.planning import default_token_budget, plan_batch
+from twinkle_server.scheduler import Op
+
+
+def fwd(queue, seq, tokens=10):
+    return Op(queue, seq, "forward_backward", "forward", tokens, None)
+
+
+def optim(queue, seq):
+    return Op(queue, seq, "optim_step", None, 0, None)
+
+
+def sample(queue, seq, tokens=10):
+    return Op(queue, seq, "sample", "sample", tokens, None)
+
+
+def test_plan_batch_decisions():
+    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 30),
+             sample("e", 0, 5), fwd("f", 0, 5)]
+    assert plan_batch(heads, "merged", 25) == heads[:2] + [heads[5]]  # d skipped, f fits
+    assert plan_batch(heads, "merged", 20) == heads[:2]
+    assert plan_batch(heads, "timeshare", 1000) == heads[:1]
+    assert plan_batch(heads[2:], "merged", 1000) == [heads[2]]  # a lone op leads: alone
+    assert plan_batch(heads[4:], "merged", 1000) == [heads[4]]  # sample never joins forward
+    assert plan_batch([fwd("a", 0, 100)], "merged", 10) == [fwd("a", 0, 100)]
+    assert plan_batch([fwd("a", 0), fwd("a", 1)], "merged", 1000) == [fwd("a", 0)]
+    assert plan_batch([], "merged", 10) == []
+    with pytest.raises(InvalidArgument, match="scheduling: 'fifo'"):
+        plan_batch(heads, "fifo", 10)
+
+
+def test_plan_batch_starts_at_start_index_and_wraps_around():
+    heads = [fwd("a", 0, 10), fwd("b", 0, 10), optim("c", 0), fwd("d", 0, 10)]
+    # d leads, then the pass wraps to a; b no longer fits in 20 tokens.
+    assert plan_batch(heads, "merged", 20, start_index=3) == [heads[3], heads[0]]
+    assert plan_batch(heads, "merged", 1000, start_index=1) == [heads[1], heads[3], heads[0]]
+    assert plan_batch(heads, "merged", 1000, start_index=2) == [heads[2]]
+    assert plan_batch(heads, "timeshare", 1000, start_index=3) == [heads[3]]
+    for bad in (-1, 4):
+        with pytest.raises(InvalidArgument, match=f"start_index: {bad} is outside the 4 heads"):
+            plan_batch(heads, "merged", 10, start_index=bad)
+
+
+def test_an_accelerator_merges_more_tokens_per_pass_than_a_cpu():
+    assert default_token_budget("cpu") == 1024
+    assert default_token_budget("cuda") == default_token_budget("xpu") == 8192
