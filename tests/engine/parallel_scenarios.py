@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 
+from tests.engine.faults import failing_replay
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.engine.types import (
@@ -65,24 +66,10 @@ def forward_only_rank_in_pieces(engine: Engine) -> list[float]:
 def pass_failing_in_backward(engine: Engine) -> list[float]:
     """A pass in pieces whose second piece's replay runs out of memory on every rank,
     then the same pass again: the failed one changes nothing, FSDP's units recover."""
-    from twinkle_server.engine import forward
-
     engine.add_adapter("b", LoraSpec(rank=4, alpha=8, seed=4))
     request = [ForwardRequest("b", [_datum(i, 30) for i in range(3)], CE, True)]
-    real, replays = forward.PassLogprobs._run, []
-
-    def failing(self, rows, grad):
-        if grad:
-            replays.append(1)
-            if len(replays) == 2:
-                raise MemoryError("the second piece's replay ran out of memory")
-        return real(self, rows, grad)
-
-    forward.PassLogprobs._run = failing
-    try:
+    with failing_replay(MemoryError):
         failed = engine.forward_batch(request)[0]
-    finally:
-        forward.PassLogprobs._run = real
     out = engine.forward_batch(request)[0]
     grads = [float(p.grad.abs().sum()) for p in engine.adapters["b"].parameters()]
     return [float(type(failed).__name__ == "ResourceExhausted"), out.loss, sum(grads)]

@@ -20,6 +20,7 @@ from twinkle_server.engine.forward import pieces
 from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
 
 from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close
+from .faults import failing_replay
 
 SPEC = LoraSpec(rank=4, alpha=8, target_modules="all-linear", seed=3)
 CAP = 24
@@ -94,27 +95,16 @@ def test_a_datum_longer_than_the_cap_runs_as_its_own_piece(engine, datums, add):
 
 @pytest.mark.parametrize("error", [MemoryError, torch.OutOfMemoryError])
 def test_running_out_of_memory_part_way_fails_the_pass_and_leaves_every_gradient(
-        engine, datums, add, monkeypatch, error):
-    from twinkle_server.engine import forward
-
+        engine, datums, add, error):
     add("kept", SPEC)
     request = [ForwardRequest("kept", datums, LossSpec("cross_entropy"), True)]
     engine.forward_batch(request)  # some gradient to keep
     before = [p.grad.clone() for p in engine.adapters["kept"].parameters()]
-    real, replays = forward.PassLogprobs._run, []
-
-    def failing(self, rows, grad):
-        if grad:
-            replays.append(1)
-            if len(replays) == 2:
-                raise error("the second piece's replay ran out of memory")
-        return real(self, rows, grad)
-
-    monkeypatch.setattr(forward.PassLogprobs, "_run", failing)
     saved = engine.limits
     engine.limits = replace(saved, max_pass_tokens=CAP)
     try:
-        (out,) = engine.forward_batch(request)
+        with failing_replay(error):
+            (out,) = engine.forward_batch(request)
     finally:
         engine.limits = saved
     assert isinstance(out, ResourceExhausted)
