@@ -13,8 +13,8 @@ is saved with the tiny model's tokenizer to a temp dir, then each row loads it a
   pieces of the pass cap a server picks by default (`--max-pass-tokens 0`: the most
   tokens whose estimated activations fit half the memory free), then in one piece (what
   calibrates the estimate; the 4B shape is expected to run out of memory there);
-- the same with `--activation-checkpointing on` (what sets that flag's default: its
-  larger cap against the extra forward that pieces cost without it);
+- the same with `--activation-checkpointing on` (what checks that flag's `auto` default:
+  its larger cap against the extra forward that pieces cost without it);
 - 8 tenants each sending 1 x 512, merged (one `Engine.forward_batch` of 8 requests)
   vs timeshare (8 calls);
 - 8 tenants x 2 datums of lengths uniform in 64..2048 in one merged pass, packed vs
@@ -327,12 +327,16 @@ def describe_memory(name: str, engine, args: argparse.Namespace, label: str) -> 
     base, tokens = engine.base, args.rows * args.length
     whole = memory.pass_headroom_bytes(base.config, base.dtype, base.vocab_size, tokens,
                                        engine.activation_checkpointing)
+    auto = memory.auto_checkpointing(base.config, base.dtype, base.vocab_size,
+                                     base.device.type, memory.available_memory_bytes(
+                                         base.device), args.length)
     picked = ("what --max-pass-tokens 0 picks here" if args.pass_tokens == AUTO_PASS_TOKENS
               else "the smoke run's")
     print(f"{name} ({label}): passes run in pieces of at most "
           f"{engine.limits.max_pass_tokens} tokens ({picked}), "
           f"pass headroom estimate {engine.pass_headroom_bytes / 2**30:.2f} GiB; "
-          f"{whole / 2**30:.2f} GiB for {args.rows} x {args.length} tokens in one piece",
+          f"{whole / 2**30:.2f} GiB for {args.rows} x {args.length} tokens in one piece; "
+          f"--activation-checkpointing auto would turn it {'on' if auto else 'off'}",
           flush=True)
 
 

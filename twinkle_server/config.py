@@ -36,10 +36,12 @@ class ServerConfig:
                               "confined to each (no padding); off: pads every datum to the "
                               "longest (the baseline)", choices=("on", "off"))
     activation_checkpointing: str = _opt(
-        "off", "on: training passes recompute each decoder layer in backward instead of "
-               "keeping its activations (less memory, about one more forward of compute); "
-               "off on every device until measured on an accelerator",
-        choices=("on", "off"))
+        "auto", "on: training passes recompute each decoder layer in backward instead of "
+                "keeping its activations (less memory, about one more forward of "
+                "compute); auto: on an accelerator when, without it, a pass could not "
+                "hold two datums of --max-seq-len in the memory free (a 4B model or "
+                "larger on one 141 GB device), off on CPU",
+        choices=("auto", "on", "off"))
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto (on several ranks: each rank's "
                                "own cuda:LOCAL_RANK, or cpu)")
     dtype: str = _opt("auto", "float32, bfloat16 or auto (float32 on CPU, bf16 on CUDA)")

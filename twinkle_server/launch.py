@@ -101,7 +101,8 @@ def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engin
     engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
                          cache_dir=None, limits=config.limits(),
                          packing=config.packing == "on",
-                         activation_checkpointing=config.activation_checkpointing == "on",
+                         activation_checkpointing={"on": True, "off": False, "auto": None}[
+                             config.activation_checkpointing],
                          parallel=parallel)
     if parallel is not None:
         log.info("loaded: %s", parallel.describe_share())

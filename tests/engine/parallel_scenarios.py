@@ -16,6 +16,7 @@ from tests.engine.faults import failing_replay
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.engine.types import (
+    AdamParams,
     Datum,
     EngineLimits,
     ForwardRequest,
@@ -75,6 +76,22 @@ def pass_failing_in_backward(engine: Engine) -> list[float]:
     return [float(type(failed).__name__ == "ResourceExhausted"), out.loss, sum(grads)]
 
 
+def checkpointed_pass(engine: Engine) -> list[float]:
+    """Training with activation checkpointing (enabled after FSDP shards the base), one
+    rank's rows under an adapter on the output layer only (as `upper_layer_adapter`), two
+    passes with a step between."""
+    engine.add_adapter("x", LoraSpec(rank=4, alpha=8, seed=2, target_modules=("lm_head",)))
+    engine.add_adapter("a", LoraSpec(rank=4, alpha=8, seed=1))
+    losses = []
+    for _ in range(2):
+        out = engine.forward_batch([ForwardRequest("x", [_datum(6)], CE, True),
+                                    ForwardRequest("a", [_datum(7)], CE, True)])
+        losses += [o.loss for o in out]
+        for name in ("x", "a"):
+            engine.optim_step(name, AdamParams(learning_rate=1e-2))
+    return losses
+
+
 def sampling_split(engine: Engine) -> list[float]:
     """A batch of seeded sample requests of different lengths: on several ranks each
     samples its share (the rest idle in step); every token as on one process."""
@@ -100,15 +117,22 @@ def pass_headroom(engine: Engine) -> list[float]:
 
 SCENARIOS = {f.__name__: f for f in (sample_first, upper_layer_adapter,
                                      forward_only_rank_in_pieces, pass_failing_in_backward,
+                                     checkpointed_pass,
                                      sampling_split,
                                      pass_headroom)}
 
 
+OPTIONS = {"checkpointed_pass": {"activation_checkpointing": True}}
+"""Engine options of a scenario, on every rank and in the one-process reference."""
+
+
 def main(name: str) -> None:
     parallel = Parallel.init(placement_from_env("cpu"), timeout_s=60)
-    got = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, parallel=parallel))
+    options = OPTIONS.get(name, {})
+    got = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, parallel=parallel,
+                                      **options))
     if parallel.rank == 0:
-        want = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS))
+        want = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, **options))
         os.write(1, (json.dumps({"got": got, "want": want}) + "\n").encode())
     parallel.close()
 

@@ -145,3 +145,32 @@ def test_cuda_free_memory_counts_the_allocators_unused_cache_as_free(monkeypatch
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
     assert memory.available_memory_bytes(torch.device("cuda", 0)) == 15 * gib
+
+
+def _qwen3(hidden: int, inter: int, layers: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151_936)
+
+
+def test_auto_checkpointing_turns_on_where_a_pass_cannot_hold_two_long_datums():
+    gib, vocab = 2**30, 151_936
+    small, large = _qwen3(1024, 3072, 28), _qwen3(2560, 9728, 36)  # Qwen3-0.6B and -4B
+    free = 132 * gib  # one 141 GB device less a 4B base
+    assert not memory.auto_checkpointing(small, torch.bfloat16, vocab, "cuda", free, 4096)
+    assert memory.auto_checkpointing(large, torch.bfloat16, vocab, "cuda", free, 4096)
+    # The rule, not just two cases: on exactly when the uncheckpointed cap is short.
+    for config in (small, large):
+        for seq in (1024, 4096, 16_384):
+            cap = memory.fit_pass_tokens(config, torch.bfloat16, vocab, free // 2)
+            assert memory.auto_checkpointing(config, torch.bfloat16, vocab, "cuda", free,
+                                             seq) == (cap < 2 * seq)
+    assert not memory.auto_checkpointing(large, torch.float32, vocab, "cpu", gib, 4096)
+    assert not memory.auto_checkpointing(large, torch.bfloat16, vocab, "cuda", None, 4096)
+
+
+def test_an_engine_left_to_pick_checkpointing_leaves_it_off_on_cpu(tiny_cache):
+    picked = Engine.load("tiny", cache_dir=str(tiny_cache), activation_checkpointing=None)
+    assert picked.activation_checkpointing is False

@@ -47,7 +47,8 @@ def test_with_fewer_datums_than_ranks_some_ranks_get_none():
 @pytest.mark.integration
 @pytest.mark.parametrize("scenario", ["sample_first", "upper_layer_adapter",
                                       "forward_only_rank_in_pieces",
-                                      "pass_failing_in_backward", "sampling_split",
+                                      "pass_failing_in_backward", "checkpointed_pass",
+                                      "sampling_split",
                                       "pass_headroom"])
 def test_two_ranks_agree_with_one_process(scenario, tiny_cache):
     """Scenarios where the ranks' halves of the work differ (tests/engine/

@@ -35,10 +35,11 @@ from twinkle_server.engine.logprobs import pinned
 from twinkle_server.engine.lora import Router
 
 
-def enable(model: torch.nn.Module, router: Router) -> int:
+def enable(model: torch.nn.Module, router: Router, keep_input_grads: bool = False) -> int:
     """Checkpoint every decoder layer of `model` (a transformers `PreTrainedModel`) whose
-    forward reads `router`; returns how many layers. Raises InvalidArgument for a model
-    transformers cannot checkpoint."""
+    forward reads `router`; returns how many layers. `keep_input_grads` leaves the input
+    embeddings' output requiring grad (several ranks need it: `Parallel.shard`). Raises
+    InvalidArgument for a model transformers cannot checkpoint."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -63,7 +64,8 @@ def enable(model: torch.nn.Module, router: Router) -> int:
     # transformers also hooks the input embeddings to require grad (for the reentrant
     # variant); non-reentrant needs no such thing, and it would add a backward through
     # every layer's input to the embeddings, which nothing trains.
-    model.disable_input_require_grads()
+    if not keep_input_grads:
+        model.disable_input_require_grads()
     for layer in layers:
         layer.training = True  # this module only: model.train() would turn on base dropout
     return len(layers)

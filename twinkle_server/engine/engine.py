@@ -99,7 +99,7 @@ class Engine:
     """
 
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
-                 packing: bool = True, activation_checkpointing: bool = False,
+                 packing: bool = True, activation_checkpointing: bool | None = False,
                  parallel: Parallel | None = None) -> None:
         self.base = base
         self.limits = limits
@@ -107,23 +107,30 @@ class Engine:
         self.packing = packing
         self.router = Router()
         self.layers = inject(base.model, self.router)
-        # Decoder layers recomputed in backward (`engine.activations`); off by default.
-        self.activation_checkpointing = activation_checkpointing
-        if activation_checkpointing:
-            activations.enable(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split
         # by datum. Every rank must then make the same calls in the same order
         # (`twinkle_server.replication` sees to it).
         self.parallel = parallel
         if parallel is not None:
             parallel.shard(base.model)
+        # On several ranks a pass also gathers the base's weights, beside its activations.
+        gathered = parallel.gathered_bytes() if parallel is not None else 0
+        # Decoder layers recomputed in backward (`engine.activations`); None picks by
+        # the memory free once the base is in place (`memory.auto_checkpointing`).
+        if activation_checkpointing is None:
+            activation_checkpointing = memory.auto_checkpointing(
+                base.config, base.dtype, base.vocab_size, base.device.type,
+                self._free_bytes(), limits.max_seq_len, gathered)
+            log.info("activation checkpointing %s (--activation-checkpointing auto)",
+                     "on" if activation_checkpointing else "off")
+        self.activation_checkpointing = activation_checkpointing
+        if activation_checkpointing:
+            activations.enable(base.model, self.router, keep_input_grads=parallel is not None)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
         self.samplers = SamplerCache(self._load_sampler,
                                      lambda key, adapter: self._detach(key, adapter.weights))
-        # On several ranks a pass also gathers the base's weights, beside its activations.
-        gathered = parallel.gathered_bytes() if parallel is not None else 0
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
                 base.config, base.dtype, base.vocab_size, base.device.type,
@@ -152,12 +159,12 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
              cache_dir: str | None = None, limits: EngineLimits = EngineLimits(),
-             packing: bool = True, activation_checkpointing: bool = False,
+             packing: bool = True, activation_checkpointing: bool | None = False,
              parallel: Parallel | None = None) -> Engine:
         """An engine on `model` (a local dir, a hub name in the cache, or `tiny`);
         `packing` False pads merged passes instead of packing them (`--packing off`);
         `activation_checkpointing` recomputes decoder layers in backward
-        (`--activation-checkpointing on`); `parallel` shards it over ranks (on the
+        (`--activation-checkpointing on`; None: `auto`); `parallel` shards it over ranks (on the
         rank's own device, whatever `device` says)."""
         if parallel is None:
             return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),

@@ -158,6 +158,26 @@ def fit_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, budget: in
     return low
 
 
+CHECKPOINTING_DATUMS = 2
+"""`--activation-checkpointing auto` turns it on when, without it, one piece of a pass
+could not hold this many datums of `--max-seq-len`: most passes of long datums would
+then run in pieces, each costing the extra forward that checkpointing costs, in smaller
+pieces than checkpointing allows."""
+
+
+def auto_checkpointing(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
+                       free: int | None, max_seq_len: int, gathered: int = 0) -> bool:
+    """`--activation-checkpointing auto`: on an accelerator, on when an uncheckpointed pass
+    fitting `PASS_SHARE` of the `free` bytes (less `gathered`, as `auto_pass_tokens`) holds
+    fewer than `CHECKPOINTING_DATUMS` datums of `max_seq_len`: by the counts above, a 4B
+    model or larger on a 141 GB device at the default 4,096. Off on CPU, whose pass cap
+    is fixed (`CPU_PASS_TOKENS`)."""
+    if device_type == "cpu" or free is None:
+        return False
+    budget = int(free * PASS_SHARE) - gathered
+    return fit_pass_tokens(config, dtype, vocab_size, budget) < CHECKPOINTING_DATUMS * max_seq_len
+
+
 def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
                      free: int | None, max_seq_len: int, checkpointing: bool = False,
                      gathered: int = 0) -> int:
