@@ -318,9 +318,8 @@ class Engine:
                     self.limits.max_pass_tokens)
             except OUT_OF_MEMORY as exc:
                 tokens = sum(d.num_tokens for request in run for d in request.datums)
-                error = self._out_of_memory(f"a pass of {len(run)} requests, {tokens} tokens",
-                                            "--max-pass-tokens", exc)
-                outputs = [error] * len(run)
+                outputs = [self._out_of_memory(f"a pass of {len(run)} requests, {tokens} "
+                                               "tokens", "--max-pass-tokens", exc)] * len(run)
             for i, output in zip(valid, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]
@@ -473,11 +472,9 @@ class Engine:
                 decode=self.base.decode, together=parallel.any_rank if parallel else None))
         except OUT_OF_MEMORY as exc:
             sequences = sum(r.num_samples for r in batch)
-            error = self._out_of_memory(f"a decode batch of {sequences} sequences",
-                                        "--merge-token-budget (or --max-batch-tokens)", exc)
-            for slot in slots:
-                results[slot] = error
-            return results
+            outputs = [self._out_of_memory(f"a decode batch of {sequences} sequences",
+                                           "--merge-token-budget (or --max-batch-tokens)",
+                                           exc)] * len(mine)
         if parallel is not None:
             outputs = parallel.gather_objects(outputs)
         for slot, out in zip(slots, outputs, strict=True):
