@@ -223,3 +223,24 @@ def test_sampling_from_weights_saved_over_a_loaded_checkpoint_uses_the_new_weigh
     live = engine.compute_logprobs("over", None, tokens)
     assert not np.allclose(first[1:], second[1:])
     np.testing.assert_array_equal(second, live)
+
+
+def test_a_decode_batch_routing_more_checkpoints_than_the_cache_holds_samples_each_own(
+        engine, datums, add, tmp_path, monkeypatch):
+    # Three sampler checkpoints in one batch with room for two cached: evicting the first
+    # while loading the third would leave its rows on the bare base model.
+    monkeypatch.setattr(engine.samplers, "size", 2)
+    params = SamplingParams(max_tokens=6, seed=5, stop_on_eos=False)
+    prompt = datums[0].input_ids[:4]
+    paths = []
+    for i in range(3):
+        add(f"many{i}", LoraSpec(rank=4, alpha=8, seed=20 + i))
+        _train(engine, f"many{i}", datums, 1)
+        paths.append(str(tmp_path / f"sampler{i}"))
+        engine.save_weights(f"many{i}", paths[-1])
+    together = engine.sample_batch([SampleRequest(None, p, prompt, 1, params) for p in paths])
+    for i, got in enumerate(together):
+        live = engine.sample_batch([SampleRequest(f"many{i}", None, prompt, 1, params)])[0]
+        np.testing.assert_array_equal(got[0].tokens, live[0].tokens)
+        np.testing.assert_allclose(got[0].logprobs, live[0].logprobs, atol=1e-5)
+    assert len(engine.sampler_dirs()) == 2  # trimmed to the cache's size by the next call

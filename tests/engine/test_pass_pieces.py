@@ -100,6 +100,8 @@ def test_running_out_of_memory_part_way_fails_the_pass_and_leaves_every_gradient
     request = [ForwardRequest("kept", datums, LossSpec("cross_entropy"), True)]
     engine.forward_batch(request)  # some gradient to keep
     before = [p.grad.clone() for p in engine.adapters["kept"].parameters()]
+    adapter = engine.adapters["kept"]
+    counters = replace(adapter.train_metrics), adapter.tokens_seen
     saved = engine.limits
     engine.limits = replace(saved, max_pass_tokens=CAP)
     try:
@@ -111,3 +113,4 @@ def test_running_out_of_memory_part_way_fails_the_pass_and_leaves_every_gradient
     assert "ran out of memory" in str(out) and "--max-pass-tokens" in str(out)
     for param, grad in zip(engine.adapters["kept"].parameters(), before, strict=True):
         assert torch.equal(param.grad, grad)
+    assert (adapter.train_metrics, adapter.tokens_seen) == counters

@@ -35,15 +35,24 @@ from twinkle_server.engine.logprobs import pinned
 from twinkle_server.engine.lora import Router
 
 
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def supported(model: torch.nn.Module) -> bool:
+    """Whether transformers can checkpoint `model`'s decoder layers."""
+    return bool(_layers(model)) and getattr(model, "supports_gradient_checkpointing", False)
+
+
 def enable(model: torch.nn.Module, router: Router, keep_input_grads: bool = False) -> int:
     """Checkpoint every decoder layer of `model` (a transformers `PreTrainedModel`) whose
     forward reads `router`; returns how many layers. `keep_input_grads` leaves the input
     embeddings' output requiring grad (several ranks need it: `Parallel.shard`). Raises
     InvalidArgument for a model transformers cannot checkpoint."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers or not getattr(model, "supports_gradient_checkpointing", False):
+    layers = _layers(model)
+    if not supported(model):
         arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
         raise InvalidArgument(f"--activation-checkpointing: {arch} does not support "
                               "transformers' activation checkpointing; run with it off")

@@ -121,6 +121,10 @@ class Engine:
             activation_checkpointing = memory.auto_checkpointing(
                 base.config, base.dtype, base.vocab_size, base.device.type,
                 self._free_bytes(), limits.max_seq_len, gathered)
+            if activation_checkpointing and not activations.supported(base.model):
+                log.warning("--activation-checkpointing auto: this model does not support "
+                            "it, so it stays off")
+                activation_checkpointing = False
             log.info("activation checkpointing %s (--activation-checkpointing auto)",
                      "on" if activation_checkpointing else "off")
         self.activation_checkpointing = activation_checkpointing
@@ -318,22 +322,27 @@ class Engine:
                     self.limits.max_pass_tokens)
             except OUT_OF_MEMORY as exc:
                 tokens = sum(d.num_tokens for request in run for d in request.datums)
-                outputs = [self._out_of_memory(f"a pass of {len(run)} requests, {tokens} "
-                                               "tokens", "--max-pass-tokens", exc)] * len(run)
+                cap = self.limits.max_pass_tokens
+                outputs = [self._out_of_memory(
+                    f"a pass of {len(run)} requests, {tokens} tokens",
+                    f"--max-pass-tokens (now {cap or 'none'})", exc)] * len(run)
             for i, output in zip(valid, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]
 
     def _out_of_memory(self, what: str, remedy: str, exc: BaseException) -> ResourceExhausted:
         """The error a pass or decode batch that ran the device (or host) out of memory
-        fails its requests with. Nothing was applied: a failed backward leaves every
-        gradient as it was (`forward`)."""
+        fails its requests with, in one process. Nothing was applied: a failed pass leaves
+        every gradient and counter as it was (`forward`). On several ranks the error is
+        raised instead: one rank's failure leaves the others waiting in a collective, so
+        the group is lost (`twinkle_server.replication`)."""
+        if self.parallel is not None:
+            raise exc
         log.warning("out of memory in %s: %s", what, exc)
         return ResourceExhausted(
             f"memory: the {self.base.device.type} device ran out of memory in {what}; "
             f"nothing was applied. Retry with fewer tokens, or restart the server with a "
-            f"lower {remedy} (the pass headroom kept free is "
-            f"{self.pass_headroom_bytes / 2**30:.1f} GiB)")
+            f"lower {remedy}")
 
     # ------------------------------------------------------------------ optimizer verbs
 
@@ -440,6 +449,7 @@ class Engine:
         """Sample every request in one decode batch; failures are per-request values."""
         from twinkle_server.engine import sampler
 
+        self.samplers.trim()  # what the last batch routed beyond the cache's size
         results: list[Any] = [None] * len(requests)
         batch, slots = [], []
         for i, request in enumerate(requests):
@@ -493,6 +503,7 @@ class Engine:
         from twinkle_server.engine import sampler
 
         checks.prompt(np.asarray(tokens), self.limits, self.base.vocab_size)
+        self.samplers.trim()
         route_id = self._sampling_adapter(adapter_id, weights_path)
         return self._on_base(sampler.prompt_logprobs, self.base.model, self.router.route,
                              route_id, np.asarray(tokens), topk)

@@ -258,6 +258,7 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     row_lps, row_hits = computed.lps, computed.hits
     row = 0
     to_backward: list[torch.Tensor] = []
+    counters: list[tuple[Adapter, ForwardRequest, float, float, float]] = []
     for request, slot in zip(grouped, slots, strict=True):
         adapter = adapters[request.adapter_id]
         loss_spec = request.loss or adapter.loss
@@ -289,10 +290,8 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
             continue
         if request.backward:
             to_backward.append(loss)
-            adapter.tokens_seen += sum(d.num_tokens for d in request.datums)
-        book = adapter.train_metrics if request.backward else adapter.eval_metrics
         reported = float(loss.detach()) * divisor
-        book.add(reported, correct, metrics["tokens:sum"])
+        counters.append((adapter, request, reported, correct, metrics["tokens:sum"]))
         results[slot] = ForwardOutput(
             logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
             loss=reported, metrics=metrics)
@@ -300,6 +299,12 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
         _backward(adapters, computed, to_backward, requests, results, parallel)
     else:
         computed.drop()
+    # Counted once the pass has gone through: a backward that fails leaves them as well.
+    for adapter, request, reported, correct, tokens in counters:
+        if request.backward:
+            adapter.tokens_seen += sum(d.num_tokens for d in request.datums)
+        book = adapter.train_metrics if request.backward else adapter.eval_metrics
+        book.add(reported, correct, tokens)
     return results  # type: ignore[return-value]
 
 
@@ -340,6 +345,6 @@ def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
             param.grad = grad
     for param, grad in zip(params, before, strict=True):
         if grad is not None and param.grad is not None:
-            param.grad = grad + param.grad
+            param.grad.add_(grad)  # this pass's fresh tensor: nothing to allocate
         elif grad is not None:
             param.grad = grad

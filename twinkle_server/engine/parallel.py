@@ -204,8 +204,10 @@ class Parallel:
         torch >= 2.12 does it all in the root's `reset_iter_state`. Before it (torch 2.11,
         say) resharding is what is left to do: FSDP's own end-of-backward callback resets
         its per-pass state after a backward, and a forward that raised leaves only state
-        the next forward overwrites. The base is frozen, so no gradient reduction of FSDP's
-        is ever pending."""
+        the next forward overwrites. A backward that raised can leave that callback
+        unqueued for good there, which costs nothing while serving: any failure on
+        several ranks ends the group (`twinkle_server.replication`). The base is frozen,
+        so no gradient reduction of FSDP's is ever pending."""
         if hasattr(self.root, "reset_iter_state"):
             self.root.reset_iter_state()
             return

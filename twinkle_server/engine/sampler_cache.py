@@ -2,7 +2,8 @@
 
 A sampling session on a saved sampler checkpoint routes its rows to an adapter built
 from that checkpoint's files. Loading one reads and checks its weights, so the engine
-keeps the last `size` of them attached to the base. The key is the checkpoint's real
+keeps the last `size` of them attached to the base, and more while one batch routes
+more: a checkpoint evicted before its rows ran would leave them on the bare base. The key is the checkpoint's real
 path plus its weights file's modification time and size: weights saved over a cached
 checkpoint are loaded afresh, never served stale.
 """
@@ -54,14 +55,17 @@ class SamplerCache:
         return {key.removeprefix(_PREFIX).rsplit("@", 1)[0] for key in self._adapters}
 
     def route(self, weights_path: str) -> str:
-        """The routing id of the checkpoint at `weights_path`, loading it on a miss and
-        evicting the least recently used beyond `size`."""
+        """The routing id of the checkpoint at `weights_path`, loading it on a miss. Nothing
+        is evicted until `trim`: a decode batch may route more checkpoints than `size`."""
         key = sampler_key(weights_path)
         if key in self._adapters:
             self._adapters.move_to_end(key)
             return key
         self._adapters[key] = self._load(key, weights_path)
+        return key
+
+    def trim(self) -> None:
+        """Evict the least recently used checkpoints beyond `size` (after a batch)."""
         while len(self._adapters) > self.size:
             old_key, old = self._adapters.popitem(last=False)
             self._detach(old_key, old)
-        return key
