@@ -326,18 +326,22 @@ def training_memory(before: str | None = None, n: int = 4, length: int = 1024) -
 
 def pass_pieces(n: int = 16, length: int = 1024, cap: int = 4096) -> None:
     """One forward_backward of `n` x `length` tokens on the wider random Qwen3 (vocab 4096,
-    hidden 512, 8 layers), in one pass and in pieces of `cap` tokens (`--max-pass-tokens`):
-    peak RSS rise and seconds, each in a fresh process, the two alternated twice."""
+    hidden 512, 8 layers): in one pass, in pieces of `cap` tokens (`--max-pass-tokens`),
+    and in one pass with activation checkpointing (the trade `--activation-checkpointing
+    auto` makes: pieces and checkpointing each run one more forward). Peak RSS rise and
+    seconds, each in a fresh process, the three alternated twice."""
     print(f"pass pieces: one forward_backward, {n} x {length} tokens, rank 16 all-linear, "
           "wider random Qwen3, peak RSS rise in a fresh process")
     print(f"  {'run':<28}{'RSS before':>11}{'rise':>11}{'s/pass':>8}{'loss':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         path = _random_qwen3(f"{tmp}/wide", 4096, 512, 8, 1536, 8)
         for _ in range(2):
-            for name, pieces in (("one pass", 0), (f"pieces of {cap}", cap)):
-                out = subprocess.run([sys.executable, "-c", _TRAINING_MEMORY_CHILD, path, "off",
-                                      str(n), str(length), str(pieces)], check=True,
-                                     capture_output=True, text=True)
+            for name, checkpointing, pieces in (("one pass", "off", 0),
+                                                (f"pieces of {cap}", "off", cap),
+                                                ("one pass, checkpointed", "on", 0)):
+                out = subprocess.run([sys.executable, "-c", _TRAINING_MEMORY_CHILD, path,
+                                      checkpointing, str(n), str(length), str(pieces)],
+                                     check=True, capture_output=True, text=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 rise = got["peak"] - got["before"]
                 print(f"  {name:<28}{got['before'] / 2**30:>8.2f} GiB{rise / 2**30:>7.2f} GiB"

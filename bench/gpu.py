@@ -13,8 +13,9 @@ is saved with the tiny model's tokenizer to a temp dir, then each row loads it a
   pieces of the pass cap a server picks by default (`--max-pass-tokens 0`: the most
   tokens whose estimated activations fit half the memory free), then in one piece (what
   calibrates the estimate; the 4B shape is expected to run out of memory there);
-- the same with `--activation-checkpointing on` (what checks that flag's `auto` default:
-  its larger cap against the extra forward that pieces cost without it);
+- the same with `--activation-checkpointing on` (what checks that flag's `auto` default,
+  on only where one datum would not fit otherwise: its larger cap against the extra
+  forward that pieces cost without it);
 - 8 tenants each sending 1 x 512, merged (one `Engine.forward_batch` of 8 requests)
   vs timeshare (8 calls);
 - 8 tenants x 2 datums of lengths uniform in 64..2048 in one merged pass, packed vs

@@ -38,9 +38,10 @@ class ServerConfig:
     activation_checkpointing: str = _opt(
         "auto", "on: training passes recompute each decoder layer in backward instead of "
                 "keeping its activations (less memory, about one more forward of "
-                "compute); auto: on an accelerator when, without it, a pass could not "
-                "hold two datums of --max-seq-len in the memory free (a 4B model or "
-                "larger on one 141 GB device), off on CPU",
+                "compute); auto: on an accelerator only when, without it, one datum of "
+                "--max-seq-len would not fit a pass in half the memory free once the "
+                "base is loaded (at 4096: Qwen3-8B and larger on one 141 GB device, 4B "
+                "and larger on 80 GB), off on CPU",
         choices=("auto", "on", "off"))
     device: str = _opt("auto", "cpu, cuda, cuda:N or auto (on several ranks: each rank's "
                                "own cuda:LOCAL_RANK, or cpu)")

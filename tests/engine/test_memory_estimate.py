@@ -147,28 +147,31 @@ def test_cuda_free_memory_counts_the_allocators_unused_cache_as_free(monkeypatch
     assert memory.available_memory_bytes(torch.device("cuda", 0)) == 15 * gib
 
 
-def _qwen3(hidden: int, inter: int, layers: int):
+def _qwen3(hidden: int, inter: int, layers: int, heads: int):
     from transformers import Qwen3Config
 
     return Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
                        vocab_size=151_936)
 
 
-def test_auto_checkpointing_turns_on_where_a_pass_cannot_hold_two_long_datums():
-    gib, vocab = 2**30, 151_936
-    small, large = _qwen3(1024, 3072, 28), _qwen3(2560, 9728, 36)  # Qwen3-0.6B and -4B
-    free = 132 * gib  # one 141 GB device less a 4B base
-    assert not memory.auto_checkpointing(small, torch.bfloat16, vocab, "cuda", free, 4096)
-    assert memory.auto_checkpointing(large, torch.bfloat16, vocab, "cuda", free, 4096)
-    # The rule, not just two cases: on exactly when the uncheckpointed cap is short.
-    for config in (small, large):
-        for seq in (1024, 4096, 16_384):
-            cap = memory.fit_pass_tokens(config, torch.bfloat16, vocab, free // 2)
-            assert memory.auto_checkpointing(config, torch.bfloat16, vocab, "cuda", free,
-                                             seq) == (cap < 2 * seq)
+def test_auto_checkpointing_turns_on_only_where_one_long_datum_would_not_fit():
+    gib, vocab, bf16 = 2**30, 151_936, torch.bfloat16
+    small, large = _qwen3(1024, 3072, 28, 16), _qwen3(2560, 9728, 36, 32)  # Qwen3-0.6B, -4B
+    # One 141 GB device less the base: without it, a pass of the 0.6B holds about 14,400
+    # tokens, the 4B's about 4,400.
+    free_small, free_large = 137 * gib, 132 * gib
+    assert not memory.auto_checkpointing(small, bf16, vocab, "cuda", free_small, 8192)
+    assert memory.auto_checkpointing(small, bf16, vocab, "cuda", free_small, 16_384)
+    assert not memory.auto_checkpointing(large, bf16, vocab, "cuda", free_large, 4096)
+    assert memory.auto_checkpointing(large, bf16, vocab, "cuda", free_large, 8192)
+    # An 80 GB device: the 4B holds about 2,400 tokens.
+    assert memory.auto_checkpointing(large, bf16, vocab, "cuda", 72 * gib, 4096)
+    # Gathered weights on several ranks come out of the same budget.
+    assert memory.auto_checkpointing(small, bf16, vocab, "cuda", free_small, 8192,
+                                     gathered=40 * gib)
     assert not memory.auto_checkpointing(large, torch.float32, vocab, "cpu", gib, 4096)
-    assert not memory.auto_checkpointing(large, torch.bfloat16, vocab, "cuda", None, 4096)
+    assert not memory.auto_checkpointing(large, bf16, vocab, "cuda", None, 4096)
 
 
 def test_an_engine_left_to_pick_checkpointing_leaves_it_off_on_cpu(tiny_cache):

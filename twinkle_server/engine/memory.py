@@ -158,24 +158,19 @@ def fit_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, budget: in
     return low
 
 
-CHECKPOINTING_DATUMS = 2
-"""`--activation-checkpointing auto` turns it on when, without it, one piece of a pass
-could not hold this many datums of `--max-seq-len`: most passes of long datums would
-then run in pieces, each costing the extra forward that checkpointing costs, in smaller
-pieces than checkpointing allows."""
-
-
 def auto_checkpointing(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
                        free: int | None, max_seq_len: int, gathered: int = 0) -> bool:
-    """`--activation-checkpointing auto`: on an accelerator, on when an uncheckpointed pass
-    fitting `PASS_SHARE` of the `free` bytes (less `gathered`, as `auto_pass_tokens`) holds
-    fewer than `CHECKPOINTING_DATUMS` datums of `max_seq_len`: by the counts above, a 4B
-    model or larger on a 141 GB device at the default 4,096. Off on CPU, whose pass cap
-    is fixed (`CPU_PASS_TOKENS`)."""
+    """`--activation-checkpointing auto`: on an accelerator, on exactly when an
+    uncheckpointed pass fitting `PASS_SHARE` of the `free` bytes (less `gathered`, as
+    `auto_pass_tokens`) could not hold one datum of `max_seq_len`, where the server could
+    not start without it: by the counts above, at the default 4,096, Qwen3-8B and larger
+    on one 141 GB device, 4B and larger on 80 GB. Otherwise a larger pass runs in pieces,
+    which bound memory too and cost less time than checkpointing (BENCHMARKS.md, "Passes
+    in pieces"). Off on CPU, whose pass cap is fixed (`CPU_PASS_TOKENS`)."""
     if device_type == "cpu" or free is None:
         return False
     budget = int(free * PASS_SHARE) - gathered
-    return fit_pass_tokens(config, dtype, vocab_size, budget) < CHECKPOINTING_DATUMS * max_seq_len
+    return fit_pass_tokens(config, dtype, vocab_size, budget) < max_seq_len
 
 
 def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
@@ -195,7 +190,8 @@ def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_ty
             f"memory: a pass must hold one datum of --max-seq-len {max_seq_len} tokens, "
             f"whose activations need {need / 2**30:.1f} GiB, but {PASS_SHARE:.0%} of the "
             f"{free / 2**30:.1f} GiB free after loading the base is "
-            f"{max(budget, 0) / 2**30:.1f} GiB; turn on --activation-checkpointing, lower "
+            f"{max(budget, 0) / 2**30:.1f} GiB; "
+            f"{'' if checkpointing else 'turn on --activation-checkpointing, '}lower "
             "--max-seq-len, or shard the base over more devices")
     return tokens
 
