@@ -322,3 +322,14 @@ def test_activation_checkpointing_leaves_the_base_in_eval_mode(engine):
     training = {type(m).__name__ for m in model.modules()
                 if m.training and not any(m is layer for layer in layers)}
     assert training <= {"MultiLoraLinear"}
+
+
+def test_auto_checkpointing_stays_off_for_a_model_transformers_cannot_checkpoint(engine):
+    from twinkle_server.engine import activations
+
+    assert activations.auto(engine.base.model, True) is True
+    assert activations.auto(engine.base.model, False) is False
+    # No decoder layer transformers knows how to checkpoint: `on` would refuse to start.
+    assert activations.auto(torch.nn.Linear(2, 2), True) is False
+    with pytest.raises(InvalidArgument, match="--activation-checkpointing: Linear"):
+        activations.enable(torch.nn.Linear(2, 2), engine.router)

@@ -26,6 +26,7 @@ and are never checkpointed.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +34,8 @@ import torch
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.logprobs import pinned
 from twinkle_server.engine.lora import Router
+
+log = logging.getLogger(__name__)
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -46,6 +49,18 @@ def supported(model: torch.nn.Module) -> bool:
     return bool(_layers(model)) and getattr(model, "supports_gradient_checkpointing", False)
 
 
+def auto(model: torch.nn.Module, wanted: bool) -> bool:
+    """`--activation-checkpointing auto` once the memory says `wanted`: off, with a
+    warning, for a model transformers cannot checkpoint (it starts as with `off`)."""
+    if wanted and not supported(model):
+        log.warning("--activation-checkpointing auto: %s does not support it, so it stays "
+                    "off", type(model).__name__)
+        wanted = False
+    log.info("activation checkpointing %s (--activation-checkpointing auto)",
+             "on" if wanted else "off")
+    return wanted
+
+
 def enable(model: torch.nn.Module, router: Router, keep_input_grads: bool = False) -> int:
     """Checkpoint every decoder layer of `model` (a transformers `PreTrainedModel`) whose
     forward reads `router`; returns how many layers. `keep_input_grads` leaves the input
@@ -53,7 +68,8 @@ def enable(model: torch.nn.Module, router: Router, keep_input_grads: bool = Fals
     InvalidArgument for a model transformers cannot checkpoint."""
     layers = _layers(model)
     if not supported(model):
-        arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+        config = getattr(model, "config", None)
+        arch = (getattr(config, "architectures", None) or [type(model).__name__])[0]
         raise InvalidArgument(f"--activation-checkpointing: {arch} does not support "
                               "transformers' activation checkpointing; run with it off")
 

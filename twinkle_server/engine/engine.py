@@ -107,9 +107,8 @@ class Engine:
         self.packing = packing
         self.router = Router()
         self.layers = inject(base.model, self.router)
-        # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split
-        # by datum. Every rank must then make the same calls in the same order
-        # (`twinkle_server.replication` sees to it).
+        # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
+        # datum; every rank makes the same calls in order (`twinkle_server.replication`).
         self.parallel = parallel
         if parallel is not None:
             parallel.shard(base.model)
@@ -118,15 +117,9 @@ class Engine:
         # Decoder layers recomputed in backward (`engine.activations`); None picks by
         # the memory free once the base is in place (`memory.auto_checkpointing`).
         if activation_checkpointing is None:
-            activation_checkpointing = memory.auto_checkpointing(
+            activation_checkpointing = activations.auto(base.model, memory.auto_checkpointing(
                 base.config, base.dtype, base.vocab_size, base.device.type,
-                self._free_bytes(), limits.max_seq_len, gathered)
-            if activation_checkpointing and not activations.supported(base.model):
-                log.warning("--activation-checkpointing auto: this model does not support "
-                            "it, so it stays off")
-                activation_checkpointing = False
-            log.info("activation checkpointing %s (--activation-checkpointing auto)",
-                     "on" if activation_checkpointing else "off")
+                self._free_bytes(), limits.max_seq_len, gathered))
         self.activation_checkpointing = activation_checkpointing
         if activation_checkpointing:
             activations.enable(base.model, self.router, keep_input_grads=parallel is not None)
@@ -147,17 +140,14 @@ class Engine:
                 f"max_pass_tokens: {limits.max_pass_tokens} is under the {limits.max_seq_len}-"
                 "token --max-seq-len; a datum is never split, so a piece of a pass must hold "
                 "the longest (--max-pass-tokens)")
-        # Activations + one logits chunk of the largest piece of a pass the limits allow,
-        # computed once: shared by every adapter, kept free beside their state
-        # (`engine.memory`).
+        # Activations + one logits chunk of the largest piece of a pass the limits allow:
+        # shared by every adapter, kept free beside their state (`engine.memory`).
         self.pass_headroom_bytes = gathered + memory.pass_headroom_bytes(
             base.config, base.dtype, base.vocab_size, self.pass_tokens, activation_checkpointing)
-        # Reserved beside adapter state on accelerators, where running out is a hard
-        # failure mid-pass, and wherever `max_pass_tokens` bounds a pass (1.6 GiB for the
-        # tiny model's 16,384 tokens). Without that bound, on CPU, where MemAvailable is
-        # shared with every other process, a 262,144-token request would need 17.9 GiB
-        # of headroom on the tiny model, refusing adapters on ordinary machines: there it
-        # is reported, not reserved.
+        # Reserved beside adapter state on accelerators, and wherever `max_pass_tokens`
+        # bounds a pass (1.6 GiB for the tiny model's 16,384 tokens); an unbounded pass on
+        # CPU (17.9 GiB at 262,144 tokens) would refuse adapters on ordinary machines, so
+        # there it is reported, not reserved.
         self.reserve_pass_memory = base.device.type != "cpu" or limits.max_pass_tokens > 0
 
     @classmethod
