@@ -36,7 +36,7 @@ def worker(steps: int) -> None:
     """One process's share: load, one warm-up step, `steps` timed steps, one JSON line."""
     import torch
 
-    from bench.engine import _datums
+    from bench.data import random_datums
     from twinkle_server.engine.engine import Engine, ForwardRequest
     from twinkle_server.engine.parallel import Parallel, placement_from_env
     from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
@@ -49,7 +49,7 @@ def worker(steps: int) -> None:
     else:
         at_rest = parallel.local_param_bytes()
     engine.add_adapter("a", LoraSpec(rank=16, alpha=32, seed=0))
-    request = ForwardRequest("a", _datums(BATCH, LENGTH, engine.base.vocab_size),
+    request = ForwardRequest("a", random_datums(BATCH, LENGTH, engine.base.vocab_size),
                              LossSpec("cross_entropy"), True)
     times = []
     for step in range(steps + 1):

@@ -18,9 +18,10 @@ import time
 import numpy as np
 import torch
 
+from bench.data import mixed_datums, random_datums
 from bench.timing import best_per_call
 from twinkle_server.engine.engine import Engine, ForwardRequest
-from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec
+from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
 from twinkle_server.executor import FORWARD, EngineExecutor
 from twinkle_server.planning import default_token_budget
 from twinkle_server.scheduler import Op, Scheduler
@@ -30,16 +31,6 @@ ADAM = AdamParams(learning_rate=1e-4)
 SPEC = LoraSpec(rank=16, alpha=32, seed=0)
 
 
-def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(3, vocab, length + 1)
-        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
-                                    "weights": np.ones(length, np.float32)}))
-    return out
-
-
 def overhead(engine: Engine, repeats: int = 5, rounds: int = 5) -> None:
     """forward_backward + optim_step, 8 x 256 tokens: engine vs transformers + peft, each
     path's best of `rounds` interleaved rounds of `repeats` steps (one path's rounds
@@ -47,7 +38,7 @@ def overhead(engine: Engine, repeats: int = 5, rounds: int = 5) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    batch = _datums(8, 256, engine.base.vocab_size)
+    batch = random_datums(8, 256, engine.base.vocab_size)
     engine.add_adapter("overhead", SPEC)
 
     def engine_step():
@@ -97,7 +88,7 @@ def merging(engine: Engine, adapters: int = 8) -> None:
     print(f"  {'batch per adapter':<20}{'ops each':>9}{'rounds':>7}{'timeshare tok/s':>16}"
           f"{'merged tok/s':>14}{'ratio':>8}")
     for n, length, steps, rounds in ((1, 128, 8, 7), (8, 512, 4, 3)):
-        batch = _datums(n, length, engine.base.vocab_size)
+        batch = random_datums(n, length, engine.base.vocab_size)
         speeds = {}
         for mode in ("timeshare", "merged") * rounds:
             sched = Scheduler(EngineExecutor(engine), mode=mode, token_budget=budget)
@@ -130,7 +121,7 @@ def pass_sizes(engine: Engine, rounds: int = 8) -> None:
         names = [f"p{i}" for i in range(ops)]
         for name in names:
             engine.add_adapter(name, SPEC)
-        batch = _datums(n, length, engine.base.vocab_size)
+        batch = random_datums(n, length, engine.base.vocab_size)
         requests = [ForwardRequest(name, batch, CE, True) for name in names]
         best = best_per_call({
             "separate": lambda ops=requests: [engine.forward_batch([op]) for op in ops],
@@ -139,13 +130,6 @@ def pass_sizes(engine: Engine, rounds: int = 8) -> None:
             engine.remove_adapter(name)
         print(f"  {f'{ops} x {n} x {length}':<16}{ops * n * length:>14}"
               f"{best['separate'] / best['merged']:>19.2f}x")
-
-
-def _mixed_datums(n: int, low: int, high: int, vocab: int, seed: int) -> list[Datum]:
-    """`n` datums whose lengths are drawn uniformly from `[low, high]`."""
-    rng = np.random.default_rng(seed)
-    return [_datums(1, int(length), vocab, seed=seed * 1000 + i)[0]
-            for i, length in enumerate(rng.integers(low, high + 1, n))]
 
 
 def packing(engine: Engine, tenants: int = 8, per_tenant: int = 2, rounds: int = 7) -> None:
@@ -157,8 +141,8 @@ def packing(engine: Engine, tenants: int = 8, per_tenant: int = 2, rounds: int =
     for adapter_id in ids:
         engine.add_adapter(adapter_id, SPEC)
     vocab = engine.base.vocab_size
-    mixed = [_mixed_datums(per_tenant, 32, 1024, vocab, seed=i) for i in range(tenants)]
-    uniform = [_datums(per_tenant, 528, vocab, seed=i) for i in range(tenants)]
+    mixed = [mixed_datums(per_tenant, 32, 1024, vocab, seed=i) for i in range(tenants)]
+    uniform = [random_datums(per_tenant, 528, vocab, seed=i) for i in range(tenants)]
     print(f"packing: {tenants} adapters x {per_tenant} datums, one merged forward_backward "
           f"pass, best of {rounds} interleaved rounds")
     print(f"  {'datum lengths':<20}{'real tokens':>12}{'padded positions':>18}"
@@ -187,10 +171,10 @@ _MEMORY_CHILD = """
 import json, sys
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
-from bench.engine import _datums
+from bench.data import random_datums
 engine = Engine.load('tiny')
 n = int(sys.argv[1])
-batch = _datums(1, 64, engine.base.vocab_size)
+batch = random_datums(1, 64, engine.base.vocab_size)
 state = 0
 for i in range(n):
     engine.add_adapter(f'a{i}', LoraSpec(rank=16, alpha=32, seed=i))

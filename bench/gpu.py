@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.data import mixed_datums, random_datums
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
     AdamParams,
@@ -178,22 +179,6 @@ def _format_row(row: tuple[str, str, float, float, float | None]) -> str:
 def _clock() -> str:
     return time.strftime("%H:%M:%S")
 
-
-def _datums(n: int, length: int, vocab: int, seed: int = 0) -> list[Datum]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(3, vocab, length + 1)
-        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
-                                    "weights": np.ones(length, np.float32)}))
-    return out
-
-
-def _mixed_datums(n: int, low: int, high: int, vocab: int, seed: int) -> list[Datum]:
-    """`n` datums whose lengths are drawn uniformly from `[low, high]`."""
-    lengths = np.random.default_rng(seed).integers(low, high + 1, n)
-    return [_datums(1, int(length), vocab, seed=seed * 1000 + i)[0]
-            for i, length in enumerate(lengths)]
 
 
 def _sync(device: torch.device) -> None:
@@ -400,7 +385,7 @@ def _engine_rows(name: str, engine, args: argparse.Namespace, table: Table, chec
     from twinkle_server.engine.engine import ForwardRequest
 
     config, vocab = engine.base.config, engine.base.vocab_size
-    batch = _datums(args.rows, args.length, vocab)
+    batch = random_datums(args.rows, args.length, vocab)
     losses: list[float] = []
     table.time(name, engine_label(engine, args), train_steps(engine, "bench", batch, losses),
                args.rows * args.length, step_flops(config, batch), args.steps)
@@ -413,7 +398,7 @@ def _engine_rows(name: str, engine, args: argparse.Namespace, table: Table, chec
     tenants = [f"t{i}" for i in range(TENANTS)]
     for tenant in tenants:
         add_measured_adapter(engine, name, tenant)
-    small = [_datums(1, args.tenant_length, vocab, seed=i) for i in range(TENANTS)]
+    small = [random_datums(1, args.tenant_length, vocab, seed=i) for i in range(TENANTS)]
     requests = [ForwardRequest(t, d, CE, True) for t, d in zip(tenants, small, strict=True)]
     flops = sum(step_flops(config, d) for d in small)
     tokens = TENANTS * args.tenant_length
@@ -424,7 +409,7 @@ def _engine_rows(name: str, engine, args: argparse.Namespace, table: Table, chec
                args.steps)
 
     low, high = args.mixed_lengths
-    mixed = [_mixed_datums(2, low, high, vocab, seed=i) for i in range(TENANTS)]
+    mixed = [mixed_datums(2, low, high, vocab, seed=i) for i in range(TENANTS)]
     requests = [ForwardRequest(t, d, CE, True) for t, d in zip(tenants, mixed, strict=True)]
     tokens = sum(d.num_tokens for batch_ in mixed for d in batch_)
     flops = sum(step_flops(config, d) for d in mixed)
@@ -466,8 +451,8 @@ def packing_checks(name: str, engine, mixed: list[list[Datum]], table: Table, dt
 def isolation_check(name: str, engine, lengths: tuple[int, int], table: Table) -> None:
     """In one packed pass, datum 1's logprobs whatever datum 0's tokens are."""
     vocab = engine.base.vocab_size
-    first, second = _mixed_datums(2, *lengths, vocab, seed=7)
-    changed = _datums(1, first.num_tokens, vocab, seed=99)[0]
+    first, second = mixed_datums(2, *lengths, vocab, seed=7)
+    changed = random_datums(1, first.num_tokens, vocab, seed=99)[0]
     with one_piece(engine):
         before = _forward_logprobs(engine, "bench", [first, second])[1]
         after = _forward_logprobs(engine, "bench", [changed, second])[1]
@@ -484,7 +469,7 @@ def float32_checks(name: str, path: Path, adapter_dir: str, args: argparse.Names
     engine.load_state("bench", adapter_dir, include_optimizer=False)
     vocab = engine.base.vocab_size
     low, high = args.mixed_lengths
-    mixed = [_mixed_datums(2, low, high, vocab, seed=i) for i in range(3)]
+    mixed = [mixed_datums(2, low, high, vocab, seed=i) for i in range(3)]
     packing_checks(name, engine, mixed, table, "float32", FLOAT32_LOGPROB_ATOL)
     isolation_check(name, engine, args.mixed_lengths, table)
 
@@ -496,7 +481,7 @@ def checkpointing_rows(name: str, path: Path, args: argparse.Namespace, table: T
     engine = load_engine(path, args, activation_checkpointing=True)
     add_measured_adapter(engine, name, "bench")
     describe_memory(name, engine, args, "activation checkpointing on")
-    batch = _datums(args.rows, args.length, engine.base.vocab_size)
+    batch = random_datums(args.rows, args.length, engine.base.vocab_size)
     losses: list[float] = []
     table.time(name, engine_label(engine, args, ", activation ckpt"),
                train_steps(engine, "bench", batch, losses), args.rows * args.length,
@@ -515,7 +500,7 @@ def peft_row(name: str, path: Path, adapter_dir: str, args: argparse.Namespace,
     device = torch.device(args.device)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)
                                                 ).to(device)
-    batch = _datums(args.rows, args.length, int(base.config.vocab_size))
+    batch = random_datums(args.rows, args.length, int(base.config.vocab_size))
     model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
@@ -552,7 +537,7 @@ def distributed_row(name: str, path: Path, args: argparse.Namespace, table: Tabl
                                  timeout_s=COLLECTIVE_TIMEOUT_S)
         engine = load_engine(path, args, parallel=parallel)
         add_measured_adapter(engine, name, "bench")
-        batch = _datums(args.rows, args.length, engine.base.vocab_size)
+        batch = random_datums(args.rows, args.length, engine.base.vocab_size)
         table.time(name, engine_label(engine, args, ", FSDP2 1 rank"),
                    train_steps(engine, "bench", batch, []), args.rows * args.length,
                    step_flops(engine.base.config, batch), args.steps)
