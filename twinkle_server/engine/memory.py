@@ -158,6 +158,12 @@ def fit_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, budget: in
     return low
 
 
+def _pass_budget(free: int, gathered: int) -> int:
+    """Bytes a pass's activations may take on an accelerator: `PASS_SHARE` of the `free`
+    bytes, less the weights a pass gathers on several ranks."""
+    return int(free * PASS_SHARE) - gathered
+
+
 def auto_checkpointing(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
                        free: int | None, max_seq_len: int, gathered: int = 0) -> bool:
     """`--activation-checkpointing auto`: on an accelerator, on exactly when an
@@ -169,7 +175,7 @@ def auto_checkpointing(config: Any, dtype: torch.dtype, vocab_size: int, device_
     in pieces"). Off on CPU, whose pass cap is fixed (`CPU_PASS_TOKENS`)."""
     if device_type == "cpu" or free is None:
         return False
-    budget = int(free * PASS_SHARE) - gathered
+    budget = _pass_budget(free, gathered)
     return fit_pass_tokens(config, dtype, vocab_size, budget) < max_seq_len
 
 
@@ -182,7 +188,7 @@ def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_ty
     InvalidArgument, with the numbers, when one datum of `max_seq_len` would not fit."""
     if device_type == "cpu" or free is None:
         return max(CPU_PASS_TOKENS, max_seq_len)
-    budget = int(free * PASS_SHARE) - gathered
+    budget = _pass_budget(free, gathered)
     tokens = fit_pass_tokens(config, dtype, vocab_size, budget, checkpointing)
     if tokens < max_seq_len:
         need = pass_headroom_bytes(config, dtype, vocab_size, max_seq_len, checkpointing)
