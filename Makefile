@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # tinker-cookbook and its dependencies live in their own venv: `make test` never sees them.
 COOKBOOK_VENV ?= .venv-cookbook
 COOKBOOK_PY := $(COOKBOOK_VENV)/bin/python
-COOKBOOK_SPEC ?= tinker-cookbook==0.6.1
+COOKBOOK_SPEC ?= tinker-cookbook[math-rl]==0.6.1
 COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 
 # The oldest transformers and peft pyproject.toml accepts: `make test-oldest` runs the
@@ -59,24 +59,27 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m bench.soak
 
-# CPU torch first (plain `torch` would pull a CUDA build). If pip cannot resolve the cookbook
-# (0.6.1 pins tml-renderers>=0.4.1, which only Inkling models use and which an index may
-# lack), install it with --no-deps plus its other requirements.
-$(COOKBOOK_STAMP):
+# CPU torch first (plain `torch` would pull a CUDA build). The `math-rl` extra is what
+# recipes/math_rl and rl_loop import (sympy, pylatexenc, math-verify). If pip cannot resolve
+# the cookbook (0.6.1 pins tml-renderers>=0.4.1, which only Inkling models use and which an
+# index may lack), install it with --no-deps plus its other requirements and the extra's.
+$(COOKBOOK_STAMP): Makefile
 	test -x $(COOKBOOK_PY) || $(PYTHON) -m venv $(COOKBOOK_VENV)
 	$(COOKBOOK_PY) -m pip install --quiet '$(TORCH_SPEC)'
 	$(COOKBOOK_PY) -m pip install --quiet '$(COOKBOOK_SPEC)' || { \
 	  echo "cookbook-check: installing $(COOKBOOK_SPEC) without tml-renderers"; \
 	  $(COOKBOOK_PY) -m pip install --quiet --no-deps '$(COOKBOOK_SPEC)' && \
-	  $(COOKBOOK_PY) -c "import importlib.metadata as m; print('\n'.join(r for r in \
-	    m.requires('tinker-cookbook') if 'extra ==' not in r and 'tml-renderers' not in r))" \
-	    > $(COOKBOOK_VENV)/cookbook-requirements.txt && \
+	  $(COOKBOOK_PY) -c "import importlib.metadata as m; print('\n'.join(r.split(';')[0] \
+	    for r in m.requires('tinker-cookbook') if ('extra ==' not in r or 'math-rl' in r) \
+	    and 'tml-renderers' not in r))" > $(COOKBOOK_VENV)/cookbook-requirements.txt && \
 	  $(COOKBOOK_PY) -m pip install --quiet -r $(COOKBOOK_VENV)/cookbook-requirements.txt; }
 	touch $(COOKBOOK_STAMP)
 
-# Cookbook-style SFT and RL loops, stock tinker SDK, against a server run from $(VENV).
+# tinker-cookbook's own recipes, unchanged (rl_loop, math_rl, weights.download, ...), with
+# the stock tinker SDK against a server run from $(VENV); `examples/cookbook_check.py
+# --list` names the parts, CHECK_ARGS='--only rl_loop_gspo' runs some.
 cookbook-check: setup $(COOKBOOK_STAMP)
-	$(COOKBOOK_PY) examples/cookbook_check.py
+	$(COOKBOOK_PY) examples/cookbook_check.py $(CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COOKBOOK_VENV) $(OLDEST_VENV) twinkle-data .pytest_cache

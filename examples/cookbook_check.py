@@ -1,77 +1,126 @@
-"""Check that loops written the tinker-cookbook way run against Twinkle's Tinker HTTP front.
+"""Check that tinker-cookbook's own recipes run, unchanged, against Twinkle's Tinker HTTP front.
 
 Run: `make cookbook-check` (it builds `.venv-cookbook` with tinker-cookbook and the stock
 `tinker` SDK, then runs this file with that venv's python). By hand, after `make setup`:
 
-    .venv-cookbook/bin/python examples/cookbook_check.py
+    .venv-cookbook/bin/python examples/cookbook_check.py                  # every part
+    .venv-cookbook/bin/python examples/cookbook_check.py --only rl_loop_gspo,step_column
+    .venv-cookbook/bin/python examples/cookbook_check.py --list
 
-It starts `.venv/bin/twinkle-server serve --model tiny --http-port 0` (the project's venv;
-nothing of twinkle is imported here) and, with `tinker.ServiceClient(base_url=...)`:
+It starts `.venv/bin/twinkle-server serve --model tiny --model-alias Qwen/Qwen3-4B-Instruct-2507
+--http-port 0` (the project's venv; nothing of twinkle is imported here), then runs each part
+in its own python process against it (a part that hangs is killed after its time limit and
+fails; the others still run). The cookbook's code is imported and called as it ships; only
+its inputs are made local, through the cookbook's own extension points:
 
-* supervised: conversations -> `tinker.Datum` with the cookbook's tokenizer, `qwen3_instruct`
-  renderer and `conversation_to_datum`; `forward_backward(cross_entropy)` + `optim_step`
-  per step, NLL by `compute_mean_nll`; asserts the NLL goes down.
-* RL: a `ProblemEnv` / `ProblemGroupBuilder` toy task sampled with `TinkerTokenCompleter`
-  via `do_group_rollout`, advantages by `compute_advantages`, datums by
-  `assemble_training_data`, trained with `rl.train.train_step(loss_fn="importance_sampling")`;
-  asserts rewards, loss and `compute_kl_sample_train` are finite and that the sampler's and
-  trainer's logprobs of the sampled tokens agree.
+* the model: the server's tiny model answers to `Qwen/Qwen3-4B-Instruct-2507`, whose
+  recommended renderer (`qwen3_instruct`, ChatML without <think>) is the tiny model's chat
+  template; the tokenizer the server names in `get_info` (a local directory) is registered
+  under that name with `tokenizer_utils.register_tokenizer`;
+* datasets: `openai/gsm8k` is read from `examples/cookbook_data/gsm8k-*.jsonl` (GSM8K's
+  columns, a few easy problems) through `datasets.load_dataset`, which is replaced, for the
+  check's process only, by a loader of those files that refuses any other name;
+* HF_HUB_OFFLINE=1 (and the datasets/transformers equivalents): any download fails loudly;
+* a warm start: a random tiny model never writes `\\boxed{...}`, so every group's rewards
+  would be equal and `rl_loop` would skip every training step. The check trains an adapter
+  with the cookbook's `conversation_to_datum` to answer `\\boxed{1}` or `\\boxed{2}` (half
+  right on the local GSM8K rows), saves its state, and hands it to the recipes the way they
+  resume: a `checkpoints.jsonl` record in `rl_loop`'s log dir, `load_checkpoint_path` for
+  `math_rl`.
 
-Exits non-zero on any failure; the server is stopped with SIGTERM either way.
+Parts (each prints one summary line; `--only` takes a comma-separated list):
+
+* supervised: conversations -> datums with the cookbook's renderer and
+  `conversation_to_datum`; `forward_backward(cross_entropy)` + `optim_step`; NLL goes down.
+* toy_rl: `ProblemEnv` rollouts with `do_group_rollout`, `compute_advantages`,
+  `assemble_training_data`, `rl.train.train_step(importance_sampling)`; sampler and trainer
+  logprobs agree.
+* rl_loop_is, rl_loop_stable_reinforce (its default loss), rl_loop_gspo:
+  `recipes/rl_loop.main(Config(...))`, 3 steps of 2 problems x 8 samples.
+* math_rl_sync, math_rl_async: `recipes/math_rl/train.cli_main(CLIConfig(...))` with its
+  defaults (env `arithmetic`, loss `stable_reinforce`), 2 steps of 2 groups; async is
+  `max_steps_off_policy=1` (its `AsyncConfig`).
+* math_rl_gsm8k: the same, sync, `env="gsm8k"` on the local rows, from the warm start.
+* weights_download: `save_weights_external` then `tinker_cookbook.weights.download` of its
+  `tinker://.../external_weights/...` path, and `weights.download` of a `save_state` path
+  (the cookbook exports it encrypted with age and decrypts); both directories hold a PEFT
+  adapter (`adapter_config.json`, LoRA tensors in `adapter_model.safetensors`), and the
+  first, loaded by `peft.PeftModel.from_pretrained` in the project's venv, gives the
+  server's logprobs.
+* step_column: `rl_loop` (importance_sampling) logs through the cookbook's `ml_log`; the
+  `step` column of its `metrics.jsonl` must be the integers 0, 1, 2 (the loop merges the
+  server's `optim_step` metrics into its own before logging), and so must that of every
+  sync recipe run earlier in the same invocation.
+
+Exits non-zero if any part fails; the server is stopped with SIGTERM either way.
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib.metadata
-import math
 import os
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-import tinker
-import torch
-from tinker_cookbook import renderers
-from tinker_cookbook.completers import TinkerTokenCompleter
-from tinker_cookbook.rl.data_processing import assemble_training_data, compute_advantages
-from tinker_cookbook.rl.metrics import compute_kl_sample_train
-from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
-from tinker_cookbook.rl.rollouts import do_group_rollout
-from tinker_cookbook.rl.train import train_step
-from tinker_cookbook.supervised.common import compute_mean_nll
-from tinker_cookbook.supervised.data import conversation_to_datum
-from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
+# Before anything imports huggingface_hub, datasets or transformers: nothing may download.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_var] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / ".venv" / "bin" / "twinkle-server"
-RENDERER = "qwen3_instruct"  # ChatML without <think>: the tiny model's own chat template
+DATA = ROOT / "examples" / "cookbook_data"
+# A name the cookbook knows whose recommended renderer is the tiny model's chat template.
+MODEL = "Qwen/Qwen3-4B-Instruct-2507"
+RENDERER = "qwen3_instruct"  # model_info's first choice for MODEL
 API_KEY = "tml-local"        # the server is open; the SDK only wants the `tml-` prefix
 
-CONVERSATIONS: list[list[renderers.Message]] = [
-    [{"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "Paris."}],
-    [{"role": "user", "content": "Name a primary colour."},
-     {"role": "assistant", "content": "Red."}],
-    [{"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "4."}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Say hello."},
-     {"role": "assistant", "content": "Hello."}],
-]
+# --------------------------------------------------------------------------------------
+# Parent: start the server, run each part in a child process, summarise.
+# --------------------------------------------------------------------------------------
+
+# name -> (time limit in seconds, what it runs). Each takes 5-40 s on 2 cores; a limit is
+# there for a hang (an SDK retrying a request the server never answers).
+PARTS: dict[str, tuple[int, str]] = {
+    "supervised": (120, "cookbook SFT step: conversation_to_datum, cross_entropy, NLL down"),
+    "toy_rl": (120, "cookbook RL pieces: do_group_rollout, compute_advantages, train_step(IS)"),
+    "rl_loop_is": (240, "recipes/rl_loop.py main(), loss_fn=importance_sampling (smoke)"),
+    "rl_loop_stable_reinforce": (240, "recipes/rl_loop.py main(), its default loss"),
+    "rl_loop_gspo": (240, "recipes/rl_loop.py main(), loss_fn=gspo"),
+    "math_rl_sync": (180, "recipes/math_rl/train.py cli_main(), defaults: arithmetic, "
+                     "stable_reinforce"),
+    "math_rl_async": (180, "recipes/math_rl/train.py cli_main(), defaults, "
+                      "max_steps_off_policy=1"),
+    "math_rl_gsm8k": (240, "recipes/math_rl/train.py cli_main(), env=gsm8k on local rows"),
+    "weights_download": (240, "save_weights_external + tinker_cookbook.weights.download"),
+    "step_column": (240, "the `step` column of the recipes' metrics.jsonl is 0, 1, 2, ..."),
+}
 
 
 def start_server(data_dir: Path, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
     """Start the server; return it and the `HOST:PORT` of its HTTP front."""
     log_path = data_dir / "server.log"
+    # COOKBOOK_CHECK_SERVER: another server command (e.g. another checkout's), shlex-split.
+    server = shlex.split(os.environ.get("COOKBOOK_CHECK_SERVER", "")) or [str(SERVER)]
     proc = subprocess.Popen(
-        [str(SERVER), "serve", "--model", "tiny", "--port", "0", "--http-port", "0",
-         "--data-dir", str(data_dir)],
-        stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+        [*server, "serve", "--model", "tiny", "--model-alias", MODEL,
+         "--port", "0", "--http-port", "0", "--data-dir", str(data_dir),
+         # Each part is its own process with its own sessions and adapters.
+         "--max-adapters", "64", "--max-adapters-per-tenant", "64"],
+        stdout=log_path.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -87,117 +136,564 @@ def start_server(data_dir: Path, timeout_s: float = 180) -> tuple[subprocess.Pop
     raise RuntimeError(f"server did not start in {timeout_s}s:\n{log_path.read_text()}")
 
 
-async def supervised(tc: tinker.TrainingClient, renderer: renderers.Renderer,
-                     steps: int = 8) -> list[float]:
-    """The cookbook's SFT step: a batch of rendered datums, fwd/bwd + optim, mean NLL."""
-    data = [conversation_to_datum(c, renderer, max_length=256) for c in CONVERSATIONS]
-    adam = tinker.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8)
-    nlls: list[float] = []
-    for step in range(steps):
-        fwd_bwd_future = tc.forward_backward(data, loss_fn="cross_entropy")
-        optim_future = tc.optim_step(adam)
-        fwd_bwd, _ = await fwd_bwd_future, await optim_future
-        nll = compute_mean_nll([o["logprobs"] for o in fwd_bwd.loss_fn_outputs],
-                               [d.loss_fn_inputs["weights"] for d in data])
-        print(f"sft step {step}: nll {nll:.4f}", flush=True)
-        nlls.append(nll)
-    assert all(math.isfinite(x) for x in nlls), nlls
-    assert nlls[-1] < nlls[0], f"SFT loss did not go down: {nlls}"
-    return nlls
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)  # drains, then exits
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
-class LetterEnv(ProblemEnv):
-    """Toy single-turn task: correct when the reply contains the letter 'e'."""
-
-    def __init__(self, renderer: renderers.Renderer, question: str):
-        super().__init__(renderer, format_coef=0.1)
-        self.question = question
-
-    def get_question(self) -> str:
-        return self.question
-
-    def check_answer(self, sample_str: str) -> bool:
-        return "e" in sample_str
-
-    def check_format(self, sample_str: str) -> bool:
-        return sample_str.strip() != ""
-
-    def get_reference_answer(self) -> str:
-        return "any reply with an 'e'"
-
-
-async def rl(tc: tinker.TrainingClient, renderer: renderers.Renderer, iterations: int = 3,
-             group_size: int = 4) -> None:
-    """The cookbook's RL step: group rollouts, centred advantages, importance sampling."""
-    questions = ["Say something.", "Name a fruit."]
-    for it in range(iterations):
-        sampling_client = await tc.save_weights_and_get_sampling_client()
-        policy = TinkerTokenCompleter(sampling_client, max_tokens=16, temperature=1.0)
-        builders = [ProblemGroupBuilder(lambda q=q: LetterEnv(renderer, q), group_size)
-                    for q in questions]
-        groups = await asyncio.gather(*(do_group_rollout(b, policy) for b in builders))
-        advantages = compute_advantages(groups)
-        data, _ = assemble_training_data(groups, advantages)
-        logprobs = await train_step(data, tc, learning_rate=1e-3, num_substeps=1,
-                                    loss_fn="importance_sampling")
-        kl = compute_kl_sample_train(data, logprobs)  # sampler vs trainer, action tokens
-        # The importance-sampling loss the server just took the gradient of (pre-step weights).
-        loss = -sum(float((torch.exp(lp - d.loss_fn_inputs["logprobs"].to_torch())
-                           * d.loss_fn_inputs["advantages"].to_torch()).sum())
-                    for d, lp in zip(data, logprobs, strict=True))
-        rewards = [r for g in groups for r in g.get_total_rewards()]
-        print(f"rl iter {it}: mean reward {sum(rewards) / len(rewards):.3f}, "
-              f"IS loss {loss:.4f}, kl(sample||train) v1 {kl['optim/kl_sample_train_v1']:.2e} "
-              f"v2 {kl['optim/kl_sample_train_v2']:.2e}, entropy {kl['optim/entropy']:.3f}, "
-              f"datums {len(data)}", flush=True)
-        assert len(logprobs) == len(data) == len(questions) * group_size
-        assert all(math.isfinite(x) for x in [*rewards, loss, *kl.values()]), (rewards, loss, kl)
-        # The sampler and the trainer score the sampled tokens alike.
-        assert kl["optim/kl_sample_train_v2"] < 1e-3, kl
+def run_part(name: str, base_url: str, work: Path, timeout_s: int) -> dict[str, Any]:
+    """Run one part in a child process; return its result record."""
+    log = work / f"part-{name}.log"
+    result_file = work / f"part-{name}.json"
+    t0 = time.monotonic()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name,
+           "--base-url", base_url, "--work", str(work)]
+    with log.open("w") as out:
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the child and anything it started
+            child.wait()
+            rc = None
+    elapsed = time.monotonic() - t0
+    if result_file.exists():
+        result = json.loads(result_file.read_text())
+    elif rc is None:
+        result = {"ok": False, "summary": f"timed out after {timeout_s}s (killed)"}
+    else:
+        result = {"ok": False, "summary": f"child exited {rc} without a result"}
+    if rc is None and result.get("ok"):
+        result = {"ok": False, "summary": f"timed out after {timeout_s}s after reporting"}
+    result["seconds"] = elapsed
+    result["log"] = str(log)
+    return result
 
 
-async def run(base_url: str) -> None:
-    caps = await tinker.RestClient(base_url=base_url, api_key=API_KEY).get_server_capabilities()
-    base_model = caps.supported_models[0].model_name
-    service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-    tc = await service.create_lora_training_client(base_model, rank=8, seed=0)
-    tokenizer_id = tc.get_info().model_data.tokenizer_id
-    assert tokenizer_id, "get_info returned no tokenizer_id"
-    tokenizer: Tokenizer = get_tokenizer(tokenizer_id)  # a local dir for `tiny`
+def parent(only: list[str], keep: bool) -> int:
+    for dist in ("tinker-cookbook", "tinker", "transformers", "torch", "datasets"):
+        print(f"{dist} {importlib.metadata.version(dist)}")
+    unknown = [p for p in only if p not in PARTS]
+    if unknown:
+        print(f"unknown part(s) {unknown}; known: {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    selected = [p for p in PARTS if not only or p in only]
+    tmp = Path(tempfile.mkdtemp(prefix="cookbook-check-"))
+    results: dict[str, dict[str, Any]] = {}
+    t_all = time.monotonic()
+    proc, http_address = start_server(tmp)
+    print(f"server pid {proc.pid}, http front {http_address}, data dir {tmp}", flush=True)
+    work = tmp / "work"
+    work.mkdir()
+    try:
+        for name in selected:
+            timeout_s = PARTS[name][0]
+            print(f"-- {name}: {PARTS[name][1]}", flush=True)
+            r = run_part(name, f"http://{http_address}", work, timeout_s)
+            results[name] = r
+            status = "PASS" if r["ok"] else "FAIL"
+            print(f"{status} {name} ({r['seconds']:.1f}s): {r['summary']}", flush=True)
+            if not r["ok"]:
+                tail = Path(r["log"]).read_text(errors="replace").splitlines()[-40:]
+                print("   | " + "\n   | ".join(tail), flush=True)
+    finally:
+        rc = stop_server(proc)
+        print(f"server stopped (SIGTERM), exit code {rc}", flush=True)
+        failed = [n for n, r in results.items() if not r["ok"]]
+        if failed or rc != 0:
+            server_log = (tmp / "server.log").read_text(errors="replace")
+            print(f"--- server log (tail) ---\n{server_log[-3000:]}", file=sys.stderr)
+        if keep or failed:
+            print(f"logs kept in {tmp}")
+        else:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n== cookbook-check summary ({time.monotonic() - t_all:.0f}s)")
+    for name, r in results.items():
+        print(f"  {'PASS' if r['ok'] else 'FAIL'}  {name:26s} {r['seconds']:6.1f}s  {r['summary']}")
+    if failed or rc != 0 or len(results) != len(selected):
+        print(f"cookbook-check: FAILED ({', '.join(failed) or 'server exit code'})")
+        return 1
+    print("cookbook-check: OK")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# Child: one part, in its own process.
+# --------------------------------------------------------------------------------------
+
+# rl_loop's few-shot prefix and question suffix (its main() builds them inline): the warm
+# start answers prompts shaped like the recipe's.
+QUESTION_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
+CONVO_PREFIX = [
+    {"role": "user", "content": "How many r's are in strawberry?" + QUESTION_SUFFIX},
+    {"role": "assistant", "content": "Let's spell the word out and number all the letters: "
+     "1) s 2) t 3) r 4) a 5) w 6) b 7) e 8) r 9) r 10) y. We have r's at positions 3, 8, "
+     "and 9. \\boxed{3}"},
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "Paris."}],
+    [{"role": "user", "content": "Name a primary colour."},
+     {"role": "assistant", "content": "Red."}],
+    [{"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "4."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Say hello."},
+     {"role": "assistant", "content": "Hello."}],
+]
+
+
+class Ctx:
+    """What a part gets: the server's URL, a scratch dir shared by the parts, the spy."""
+
+    def __init__(self, base_url: str, work: Path):
+        self.base_url = base_url
+        self.work = work
+        self.fwd_bwd_calls: list[tuple[str, int]] = []  # (loss_fn, datums) per request
+
+    def losses(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for loss, _ in self.fwd_bwd_calls:
+            out[loss] = out.get(loss, 0) + 1
+        return out
+
+
+def local_inputs(ctx: Ctx) -> None:
+    """Point the cookbook's tokenizer and dataset loading at local inputs."""
+    import datasets
+    import tinker
+    from tinker_cookbook.tokenizer_utils import get_tokenizer, register_tokenizer
+
+    # The tokenizer: the server names its own (a local directory for `tiny`) in get_info.
+    tokenizer_dir = ctx.work / "tokenizer_id.txt"
+    if not tokenizer_dir.exists():
+        service = tinker.ServiceClient(base_url=ctx.base_url)
+        tc = service.create_lora_training_client(base_model=MODEL, rank=8)
+        tokenizer_id = tc.get_info().model_data.tokenizer_id
+        assert tokenizer_id and Path(tokenizer_id).is_dir(), f"tokenizer_id {tokenizer_id!r}"
+        tokenizer_dir.write_text(tokenizer_id)
+    local_tokenizer = get_tokenizer(tokenizer_dir.read_text())  # a directory: no hub
+    register_tokenizer(MODEL, lambda: local_tokenizer)
+
+    # Datasets: the local GSM8K rows; any other name is refused (no silent download).
+    real_load = datasets.load_dataset
+    local = {"openai/gsm8k": {"train": DATA / "gsm8k-train.jsonl",
+                              "test": DATA / "gsm8k-test.jsonl"}}
+
+    def load_dataset(path: str, name: str | None = None, *, split: str | None = None,
+                     **kwargs: Any):
+        if path not in local:
+            raise RuntimeError(f"cookbook-check: dataset {path!r} has no local copy")
+        files = {k: str(v) for k, v in local[path].items()}
+        ds = real_load("json", data_files=files)
+        return ds[split] if split is not None else ds
+
+    datasets.load_dataset = load_dataset
+    from tinker_cookbook.recipes.math_rl import math_env
+    math_env.load_dataset = load_dataset  # imported by name there
+
+
+def install_spy(ctx: Ctx) -> None:
+    """Record every forward_backward the SDK sends (loss name, datums); changes nothing."""
+    import tinker
+    cls = tinker.TrainingClient
+    real = cls.forward_backward
+
+    def forward_backward(self, data, loss_fn, loss_fn_config=None):
+        ctx.fwd_bwd_calls.append((str(loss_fn), len(data)))
+        return real(self, data, loss_fn, loss_fn_config)
+
+    cls.forward_backward = forward_backward
+
+
+def renderer_and_tokenizer():
+    from tinker_cookbook import model_info, renderers
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+    assert model_info.get_recommended_renderer_name(MODEL) == RENDERER
+    tokenizer = get_tokenizer(MODEL)
     renderer = renderers.get_renderer(RENDERER, tokenizer)
     # The renderer's prompt must be the model's own chat template, token for token.
     prompt = CONVERSATIONS[3][:2]
     assert renderer.build_generation_prompt(prompt).to_ints() == tokenizer.apply_chat_template(
         prompt, add_generation_prompt=True, tokenize=True, return_dict=False), RENDERER
-    print(f"base model {base_model}, tokenizer {tokenizer_id}, renderer {RENDERER}")
-    await supervised(tc, renderer)
-    await rl(tc, renderer)
+    return renderer, tokenizer
+
+
+def local_rows(split: str = "train") -> list[dict[str, str]]:
+    return [json.loads(line) for line in (DATA / f"gsm8k-{split}.jsonl").read_text().splitlines()]
+
+
+def warm_start(ctx: Ctx) -> str:
+    """A saved state that answers `\\boxed{1}` or `\\boxed{2}` about evenly; its tinker path.
+
+    Made once per invocation (the first part that needs it) and shared through `ctx.work`.
+    """
+    marker = ctx.work / "warm_start.txt"
+    if marker.exists():
+        return marker.read_text()
+    import tinker
+    from tinker_cookbook.supervised.common import compute_mean_nll
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    renderer, _ = renderer_and_tokenizer()
+    data = []
+    for row in local_rows()[:4]:
+        convo = [*CONVO_PREFIX, {"role": "user", "content": row["question"] + QUESTION_SUFFIX}]
+        for answer in ("1", "2"):
+            data.append(conversation_to_datum(
+                [*convo, {"role": "assistant", "content": f"\\boxed{{{answer}}}"}],
+                renderer, max_length=1024))
+    service = tinker.ServiceClient(base_url=ctx.base_url)
+    tc = service.create_lora_training_client(base_model=MODEL, rank=32, seed=0)
+    adam = tinker.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+    nll, steps = float("nan"), 0
+    while steps < 100:
+        steps += 1
+        fb = tc.forward_backward(data, loss_fn="cross_entropy")
+        tc.optim_step(adam).result()
+        nll = compute_mean_nll([o["logprobs"] for o in fb.result().loss_fn_outputs],
+                               [d.loss_fn_inputs["weights"] for d in data])
+        # Floor: a fair coin on one of the answer's 8 tokens, ln(2)/8 = 0.087 per token.
+        if nll < 0.15:
+            break
+    assert nll < 0.3, f"warm start did not learn to answer \\boxed{{1|2}}: mean NLL {nll:.3f}"
+    print(f"warm start: {steps} SFT steps, mean NLL {nll:.4f}", flush=True)
+    path = tc.save_state("warm-start").result().path
+    marker.write_text(path)
+    return path
+
+
+def metrics_rows(log_path: Path) -> list[dict[str, Any]]:
+    f = log_path / "metrics.jsonl"
+    assert f.exists(), f"no {f}"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+def check_steps(log_path: Path, row_key: str, expected: int) -> list[Any]:
+    """The logged `step` column: the loop's own integer counter, 0, 1, 2, ...
+
+    Every row's `step` is an int, the rows never go back a step, and the training rows (those
+    with `row_key`) are steps 0 .. expected-1, one each. `rl.train` adds rows of its own at
+    the last step (final eval, final checkpoint): they count for the first two checks only.
+    """
+    rows = metrics_rows(log_path)
+    steps = [r["step"] for r in rows if "step" in r]
+    trained = [r.get("step") for r in rows if row_key in r]
+    ok = (all(type(s) is int for s in steps) and steps == sorted(steps)
+          and trained == list(range(expected)))
+    assert ok, (f"{log_path.name}/metrics.jsonl: step column {steps!r}, training rows at "
+                f"{trained!r}; expected integers, training rows at {list(range(expected))} "
+                f"(a float or shifted step means the server's optim_step metrics overwrote "
+                f"the loop's own `step`)")
+    return trained
+
+
+# -- parts ----------------------------------------------------------------------------------
+
+def part_supervised(ctx: Ctx) -> str:
+    import tinker
+    from tinker_cookbook.supervised.common import compute_mean_nll
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    renderer, _ = renderer_and_tokenizer()
+
+    async def go() -> list[float]:
+        service = tinker.ServiceClient(base_url=ctx.base_url)
+        tc = await service.create_lora_training_client(MODEL, rank=8, seed=0)
+        data = [conversation_to_datum(c, renderer, max_length=256) for c in CONVERSATIONS]
+        adam = tinker.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+        nlls: list[float] = []
+        for _step in range(8):
+            fwd_bwd_future = tc.forward_backward(data, loss_fn="cross_entropy")
+            optim_future = tc.optim_step(adam)
+            fwd_bwd, _ = await fwd_bwd_future, await optim_future
+            nlls.append(compute_mean_nll([o["logprobs"] for o in fwd_bwd.loss_fn_outputs],
+                                         [d.loss_fn_inputs["weights"] for d in data]))
+        return nlls
+
+    nlls = asyncio.run(go())
+    assert all(math.isfinite(x) for x in nlls), nlls
+    assert nlls[-1] < nlls[0], f"SFT loss did not go down: {nlls}"
+    return f"8 steps, NLL {nlls[0]:.3f} -> {nlls[-1]:.3f}"
+
+
+def part_toy_rl(ctx: Ctx) -> str:
+    import tinker
+    import torch
+    from tinker_cookbook import renderers
+    from tinker_cookbook.completers import TinkerTokenCompleter
+    from tinker_cookbook.rl.data_processing import assemble_training_data, compute_advantages
+    from tinker_cookbook.rl.metrics import compute_kl_sample_train
+    from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
+    from tinker_cookbook.rl.rollouts import do_group_rollout
+    from tinker_cookbook.rl.train import train_step
+    renderer, _ = renderer_and_tokenizer()
+
+    class LetterEnv(ProblemEnv):
+        """Toy single-turn task: correct when the reply contains the letter 'e'."""
+
+        def __init__(self, renderer: renderers.Renderer, question: str):
+            super().__init__(renderer, format_coef=0.1)
+            self.question = question
+
+        def get_question(self) -> str:
+            return self.question
+
+        def check_answer(self, sample_str: str) -> bool:
+            return "e" in sample_str
+
+        def check_format(self, sample_str: str) -> bool:
+            return sample_str.strip() != ""
+
+        def get_reference_answer(self) -> str:
+            return "any reply with an 'e'"
+
+    async def go() -> str:
+        service = tinker.ServiceClient(base_url=ctx.base_url)
+        tc = await service.create_lora_training_client(MODEL, rank=8, seed=0)
+        questions = ["Say something.", "Name a fruit."]
+        group_size = 4
+        kl: dict[str, float] = {}
+        for it in range(3):
+            sampling_client = await tc.save_weights_and_get_sampling_client()
+            policy = TinkerTokenCompleter(sampling_client, max_tokens=16, temperature=1.0)
+            builders = [ProblemGroupBuilder(lambda q=q: LetterEnv(renderer, q), group_size)
+                        for q in questions]
+            groups = await asyncio.gather(*(do_group_rollout(b, policy) for b in builders))
+            advantages = compute_advantages(groups)
+            data, _ = assemble_training_data(groups, advantages)
+            logprobs = await train_step(data, tc, learning_rate=1e-3, num_substeps=1,
+                                        loss_fn="importance_sampling")
+            kl = compute_kl_sample_train(data, logprobs)  # sampler vs trainer, action tokens
+            loss = -sum(float((torch.exp(lp - d.loss_fn_inputs["logprobs"].to_torch())
+                               * d.loss_fn_inputs["advantages"].to_torch()).sum())
+                        for d, lp in zip(data, logprobs, strict=True))
+            rewards = [r for g in groups for r in g.get_total_rewards()]
+            print(f"rl iter {it}: mean reward {sum(rewards) / len(rewards):.3f}, "
+                  f"IS loss {loss:.4f}, kl v2 {kl['optim/kl_sample_train_v2']:.2e}", flush=True)
+            assert len(logprobs) == len(data) == len(questions) * group_size
+            assert all(math.isfinite(x) for x in [*rewards, loss, *kl.values()])
+            # The sampler and the trainer score the sampled tokens alike.
+            assert kl["optim/kl_sample_train_v2"] < 1e-3, kl
+        return f"3 iterations, kl(sample||train) v2 {kl['optim/kl_sample_train_v2']:.1e}"
+
+    return asyncio.run(go())
+
+
+def write_resume_record(log_path: Path, state_path: str) -> None:
+    """The record `checkpoint_utils.save_checkpoint` appends, so the loop resumes from it."""
+    from tinker_cookbook.checkpoint_utils import CheckpointRecord
+    log_path.mkdir(parents=True)
+    record = CheckpointRecord(name="warm-start", batch=0, state_path=state_path)
+    (log_path / "checkpoints.jsonl").write_text(json.dumps(record.to_dict()) + "\n")
+
+
+RL_LOOP_STEPS, MATH_RL_STEPS = 3, 2
+RL_LOOP_ROW = "reward/total"          # a key rl_loop logs once per step
+RL_TRAIN_ROW = "env/all/reward/total"  # a key rl.train logs once per training step
+
+
+def rl_loop(ctx: Ctx, loss_fn: str | None, name: str,
+            steps: int = RL_LOOP_STEPS) -> tuple[str, Path]:
+    from tinker_cookbook.recipes import rl_loop as recipe
+    state = warm_start(ctx)
+    log_path = ctx.work / name
+    write_resume_record(log_path, state)
+    kwargs: dict[str, Any] = {} if loss_fn is None else {"loss_fn": loss_fn}
+    config = recipe.Config(base_url=ctx.base_url, log_path=str(log_path), model_name=MODEL,
+                           batch_size=2, group_size=8, max_tokens=16, max_steps=steps,
+                           **kwargs)
+    loss = config.loss_fn
+    recipe.main(config)
+    rows = [r for r in metrics_rows(log_path) if RL_LOOP_ROW in r]
+    assert len(rows) == steps, f"{len(rows)} logged steps, expected {steps}"
+    trained = ctx.losses().get(loss, 0)
+    assert trained >= 1, (f"no forward_backward with {loss} (every group's rewards were "
+                          f"equal: {[r['reward/total'] for r in rows]})")
+    assert set(ctx.losses()) <= {loss, "cross_entropy"}, ctx.losses()
+    rewards = ", ".join(f"{r['reward/total']:.2f}" for r in rows)
+    return f"loss {loss}: {steps} steps, {trained} trained, mean reward per step {rewards}", log_path
+
+
+def part_rl_loop_is(ctx: Ctx) -> str:
+    return rl_loop(ctx, "importance_sampling", "rl_loop_is")[0]
+
+
+def part_rl_loop_stable_reinforce(ctx: Ctx) -> str:
+    from tinker_cookbook.recipes import rl_loop as recipe
+    assert recipe.Config().loss_fn == "stable_reinforce", recipe.Config().loss_fn
+    return rl_loop(ctx, None, "rl_loop_stable_reinforce")[0]  # the recipe's default loss
+
+
+def part_rl_loop_gspo(ctx: Ctx) -> str:
+    return rl_loop(ctx, "gspo", "rl_loop_gspo")[0]
+
+
+def math_rl(ctx: Ctx, name: str, steps: int = MATH_RL_STEPS, **overrides: Any) -> str:
+    from tinker_cookbook.recipes.math_rl import train as recipe
+    log_path = ctx.work / name
+    cli = recipe.CLIConfig(model_name=MODEL, base_url=ctx.base_url, log_path=str(log_path),
+                           groups_per_batch=2, max_steps=steps,
+                           behavior_if_log_dir_exists="raise", **overrides)
+    loss = cli.loss_fn
+    assert loss == "stable_reinforce", loss  # the recipe's default
+    asyncio.run(recipe.cli_main(cli))
+    rows = [r for r in metrics_rows(log_path) if RL_TRAIN_ROW in r]
+    assert len(rows) == steps, f"{len(rows)} logged training steps, expected {steps}"
+    trained = ctx.losses().get(loss, 0)
+    assert trained >= steps, f"{trained} forward_backward with {loss}, expected {steps}"
+    correct = ", ".join(f"{r.get('env/all/correct', float('nan')):.2f}" for r in rows)
+    return (f"loss {loss}, env {cli.env}: {steps} steps, {trained} fwd/bwd requests, "
+            f"fraction correct per step {correct}")
+
+
+def part_math_rl_sync(ctx: Ctx) -> str:
+    return math_rl(ctx, "math_rl_sync")
+
+
+def part_math_rl_async(ctx: Ctx) -> str:
+    return math_rl(ctx, "math_rl_async", max_steps_off_policy=1)
+
+
+def part_math_rl_gsm8k(ctx: Ctx) -> str:
+    return math_rl(ctx, "math_rl_gsm8k", env="gsm8k", max_tokens=16, group_size=8,
+                   load_checkpoint_path=warm_start(ctx))
+
+
+def check_adapter_dir(out: Path) -> str:
+    from safetensors import safe_open
+    files = sorted(p.name for p in out.iterdir())
+    assert (out / "adapter_config.json").is_file(), f"no adapter_config.json in {files}"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config.get("peft_type") == "LORA", config
+    weights = out / "adapter_model.safetensors"
+    assert weights.is_file(), f"no adapter_model.safetensors in {files}"
+    with safe_open(str(weights), "pt") as f:
+        keys = list(f.keys())
+    assert any("lora_A" in k for k in keys) and any("lora_B" in k for k in keys), keys[:6]
+    return f"{len(keys)} tensors, r={config.get('r')}"
+
+
+# Run by the project's venv (peft, transformers): the downloaded adapter on the base model,
+# logprobs of the target tokens, as the server computes them for `forward(cross_entropy)`.
+PEFT_LOGPROBS = """
+import json, sys
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base_dir, adapter_dir, tokens, targets = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:])
+base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+model = PeftModel.from_pretrained(base, adapter_dir).eval()
+with torch.no_grad():
+    logits = model(torch.tensor([tokens])).logits[0].float()
+lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0]
+print(json.dumps(lp.tolist()))
+"""
+
+
+def peft_matches_server(ctx: Ctx, tc: Any, adapter_dir: Path) -> float:
+    """Max |logprob difference| between the server and PEFT loading `adapter_dir`."""
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    renderer, _ = renderer_and_tokenizer()
+    datum = conversation_to_datum(CONVERSATIONS[2], renderer, max_length=256)
+    server = tc.forward([datum], loss_fn="cross_entropy").result()
+    server_lp = server.loss_fn_outputs[0]["logprobs"].to_torch().tolist()
+    tokens = datum.model_input.to_ints()
+    targets = datum.loss_fn_inputs["target_tokens"].to_torch().tolist()
+    base_dir = (ctx.work / "tokenizer_id.txt").read_text()  # the tiny model's own directory
+    out = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-c", PEFT_LOGPROBS, base_dir,
+         str(adapter_dir), json.dumps(tokens), json.dumps(targets)],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"PEFT could not load {adapter_dir}: {out.stderr[-1500:]}"
+    peft_lp = json.loads(out.stdout.strip().splitlines()[-1])
+    diff = max(abs(a - b) for a, b in zip(server_lp, peft_lp, strict=True))
+    assert diff < 1e-3, f"PEFT logprobs differ from the server's by {diff:.2e}"
+    return diff
+
+
+def part_weights_download(ctx: Ctx) -> str:
+    import tinker
+    from tinker_cookbook import weights
+    service = tinker.ServiceClient(base_url=ctx.base_url)
+    tc = service.create_training_client_from_state(warm_start(ctx)).result()
+    external = tc.save_weights_external("cookbook-check").result().path
+    assert "/external_weights/" in external, external
+    out = Path(weights.download(tinker_path=external, output_dir=str(ctx.work / "external"),
+                                base_url=ctx.base_url))
+    got_external = check_adapter_dir(out)
+    diff = peft_matches_server(ctx, tc, out)
+    # A training checkpoint: the cookbook exports it encrypted to a fresh age key, downloads,
+    # decrypts and deletes the export.
+    state = tc.save_state("cookbook-check-download").result().path
+    out2 = Path(weights.download(tinker_path=state, output_dir=str(ctx.work / "from_state"),
+                                 base_url=ctx.base_url))
+    got_state = check_adapter_dir(out2)
+    return (f"external_weights: {got_external}, PEFT logprobs = server's (max diff "
+            f"{diff:.1e}); weights via an age-encrypted export: {got_state}")
+
+
+def part_step_column(ctx: Ctx) -> str:
+    summary, log_path = rl_loop(ctx, "importance_sampling", "step_column")
+    steps = check_steps(log_path, RL_LOOP_ROW, RL_LOOP_STEPS)
+    checked = [f"rl_loop {steps}"]
+    # And every recipe run earlier in this invocation.
+    earlier = {"rl_loop_is": (RL_LOOP_ROW, RL_LOOP_STEPS),
+               "rl_loop_stable_reinforce": (RL_LOOP_ROW, RL_LOOP_STEPS),
+               "rl_loop_gspo": (RL_LOOP_ROW, RL_LOOP_STEPS),
+               "math_rl_sync": (RL_TRAIN_ROW, MATH_RL_STEPS),
+               "math_rl_async": (RL_TRAIN_ROW, MATH_RL_STEPS),
+               "math_rl_gsm8k": (RL_TRAIN_ROW, MATH_RL_STEPS)}
+    for name, (row_key, n) in earlier.items():
+        if (ctx.work / name / "metrics.jsonl").exists():
+            check_steps(ctx.work / name, row_key, n)
+            checked.append(name)
+    return "integer steps 0, 1, ... in " + ", ".join(checked)
+
+
+def child(name: str, base_url: str, work: Path) -> int:
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ["TINKER_API_KEY"] = API_KEY
+    os.environ["HF_DATASETS_CACHE"] = str(work / "hf-datasets")  # the local rows' arrow cache
+    ctx = Ctx(base_url, work)
+    result_file = work / f"part-{name}.json"
+    try:
+        local_inputs(ctx)
+        install_spy(ctx)
+        summary = globals()[f"part_{name}"](ctx)
+        result = {"ok": True, "summary": summary}
+    except BaseException as e:  # noqa: BLE001 - reported, not swallowed
+        traceback.print_exc()
+        msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+        result = {"ok": False, "summary": msg[:600]}
+    sys.stdout.flush()
+    result_file.write_text(json.dumps(result))
+    os._exit(0 if result["ok"] else 1)  # the SDK's threads must not keep a failed part alive
 
 
 def main() -> int:
-    for dist in ("tinker-cookbook", "tinker", "transformers", "torch"):
-        print(f"{dist} {importlib.metadata.version(dist)}")
-    with tempfile.TemporaryDirectory(prefix="cookbook-check-") as tmp:
-        proc, http_address = start_server(Path(tmp))
-        print(f"server pid {proc.pid}, http front {http_address}", flush=True)
-        try:
-            asyncio.run(run(f"http://{http_address}"))
-        except BaseException:
-            print(f"--- server log ---\n{(Path(tmp) / 'server.log').read_text()[-4000:]}",
-                  file=sys.stderr)
-            raise
-        finally:
-            proc.send_signal(signal.SIGTERM)  # drains, then exits
-            try:
-                rc = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-    print(f"server stopped (SIGTERM), exit code {rc}")
-    if rc != 0:
-        return 1
-    print("cookbook-check: OK")
-    return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[],
+                        help="comma-separated parts to run (repeatable); default all")
+    parser.add_argument("--list", action="store_true", help="list the parts and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the data and log dir")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--base-url", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.list:
+        for name, (limit, what) in PARTS.items():
+            print(f"{name:26s} (<= {limit}s) {what}")
+        return 0
+    if args.child:
+        return child(args.child, args.base_url, Path(args.work))
+    only = [p.strip() for chunk in args.only for p in chunk.split(",") if p.strip()]
+    return parent(only, args.keep)
 
 
 if __name__ == "__main__":
