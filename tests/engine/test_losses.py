@@ -35,15 +35,23 @@ def _case(seed: int = 0):
     return logp, old, adv, weights
 
 
-def _run(name, logp, old, adv, weights, config=None, micro=1):
-    """compute_loss in float64 and backward; returns loss, metrics, d loss / d logp."""
+_MASKS = {"gspo": "sequence_ratio_mask", "stable_reinforce": "sampled_mask"}
+
+
+def _run(name, logp, old, adv, weights, config=None, micro=1, masks=None):
+    """compute_loss in float64 and backward; returns loss, metrics, d loss / d logp.
+    `masks` (gspo's sequence_ratio_mask, stable_reinforce's sampled_mask) default to
+    every position."""
     lps = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in logp]
     inputs = []
-    for x, o, a, w in zip(logp, old, adv, weights, strict=True):
+    masks = masks or [np.ones(len(x)) for x in logp]
+    for x, o, a, w, m in zip(logp, old, adv, weights, masks, strict=True):
         item = {"target_tokens": torch.zeros(x.shape, dtype=torch.long),
                 "logprobs": torch.tensor(o), "advantages": torch.tensor(a)}
         if w is not None:
             item["weights"] = torch.tensor(w)
+        if name in _MASKS:
+            item[_MASKS[name]] = torch.tensor(m)
         inputs.append(item)
     loss, metrics = compute_loss(LossSpec(name, config or {}), lps, inputs, micro)
     loss.backward()
@@ -223,6 +231,8 @@ def test_every_loss_reports_finite_metrics_under_name_reduction_keys(name):
     expected = {loss_key, "tokens:sum"}
     if name not in ("cross_entropy", "CrossEntropyLoss"):
         expected |= {"ratio:mean", "clip_fraction:mean"}
+    if name == "stable_reinforce":
+        expected |= {"kl:mean"}
     assert set(metrics) == expected
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
 
@@ -289,7 +299,139 @@ def test_validate_loss_names_the_index_of_the_bad_datum():
 
 
 def test_validate_loss_accepts_well_formed_inputs_for_every_loss():
+    masks = {key: np.ones(2, np.float32) for key in _MASKS.values()}
     for name in LOSS_NAMES:
-        validate_loss(LossSpec(name), [_datum(2, weights=np.ones(2, np.float32), **_RL)])
+        validate_loss(LossSpec(name), [_datum(2, weights=np.ones(2, np.float32), **_RL,
+                                              **masks)])
     validate_loss(LossSpec("GRPOLoss", {"epsilon": 0.2, "epsilon_high": 0.28}),
                   [_datum(2, **_RL)])
+
+
+# ----------------------------------------------------------------------------- gspo
+# References in float64 numpy against compute_loss in float64: both sides round only a
+# handful of operations per value (~1e-16 relative each), so rel=1e-12 leaves a margin
+# of a thousand without letting any change of formula through.
+
+
+def _gspo_reference(logp, old, adv, mask, lo=0.8, hi=1.2):
+    """Tinker's GSPO-token by hand: (loss, d loss / d logp) of one datum. Each token's
+    ratio has the sequence ratio s as its value and d s_t / d logp_t = s; the min picks
+    the unclipped term's gradient unless the clipped term is smaller and s is outside
+    [lo, hi] (then the clipped term is a constant)."""
+    s = math.exp(float(np.mean((logp - old)[mask != 0])))
+    clipped = min(max(s, lo), hi)
+    loss = -np.minimum(s * adv, clipped * adv).sum()
+    live = (s * adv <= clipped * adv) | ((lo <= s) & (s <= hi))
+    return loss, np.where(live, -s * adv, 0.0), s
+
+
+def _gspo_case():
+    """Three datums: one whose sequence ratio is inside [0.8, 1.2], one above it and one
+    below it; advantages of both signs; the mask leaves out prompt-like positions whose
+    log-ratios are large, so a mask that were ignored would change s."""
+    logp = [np.array([-1.0, -2.0, -0.5, -0.3, -1.2]), np.array([-0.4, -0.9, -1.5, -2.2]),
+            np.array([-1.1, -0.6, -0.8])]
+    shifts = [np.array([3.0, 0.05, 0.1, -0.05, 0.02]), np.array([-4.0, 0.6, 0.5, 0.7]),
+              np.array([-0.5, -0.4, -0.45])]
+    old = [lp - sh for lp, sh in _zip(logp, shifts)]
+    adv = [np.array([0.0, 1.0, -2.0, 0.5, 1.5]), np.array([0.0, 1.0, -1.0, 2.0]),
+           np.array([-1.0, 1.0, 0.5])]
+    mask = [np.array([0.0, 1, 1, 1, 1]), np.array([0.0, 1, 1, 1]), np.array([1.0, 1, 1])]
+    return logp, old, adv, mask
+
+
+def test_gspo_is_tinkers_gspo_token_with_one_clipped_sequence_ratio_per_datum():
+    logp, old, adv, mask = _gspo_case()
+    loss, metrics, grads = _run("gspo", logp, old, adv, [None] * 3, masks=mask)
+    refs = [_gspo_reference(*args) for args in _zip(logp, old, adv, mask)]
+    ratios = [r[2] for r in refs]
+    assert ratios[0] == pytest.approx(math.exp(0.03), rel=1e-12)  # inside the clip range
+    assert ratios[1] > 1.2 and ratios[2] < 0.8                     # above, below
+    assert loss == pytest.approx(sum(r[0] for r in refs), rel=1e-12)
+    assert metrics["loss:sum"] == pytest.approx(loss, rel=1e-12)
+    for g, (_, expected, _) in _zip(grads, refs):
+        np.testing.assert_allclose(g, expected, rtol=1e-12, atol=1e-15)
+    # Every position carries its datum's ratio: 5 + 4 + 3 tokens, 7 outside [0.8, 1.2].
+    assert metrics["ratio:mean"] == pytest.approx((5 * ratios[0] + 4 * ratios[1]
+                                                   + 3 * ratios[2]) / 12, rel=1e-12)
+    assert metrics["clip_fraction:mean"] == pytest.approx(7 / 12)
+
+
+def test_gspo_takes_its_clip_thresholds_from_the_config():
+    logp, old, adv, mask = _gspo_case()
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 3.0}
+    loss, _, grads = _run("gspo", logp, old, adv, [None] * 3, config, masks=mask)
+    refs = [_gspo_reference(*args, lo=0.5, hi=3.0) for args in _zip(logp, old, adv, mask)]
+    assert loss == pytest.approx(sum(r[0] for r in refs), rel=1e-12)
+    for g, (_, expected, _) in _zip(grads, refs):
+        np.testing.assert_allclose(g, expected, rtol=1e-12, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- stable_reinforce
+
+
+def _stable_reference(logp, q, adv, sampled, cap=2.0, kl_coeff=0.0):
+    """(loss, d loss / d logp) by hand: truncated-IS REINFORCE plus kl_coeff * k3, over
+    the sampled positions only."""
+    rho = np.exp(logp - q)
+    weight = np.minimum(rho, cap)
+    keep = sampled != 0
+    loss = np.where(keep, -weight * adv * logp + kl_coeff * (rho - 1 - np.log(rho)), 0).sum()
+    grad = np.where(keep, -weight * adv + kl_coeff * (rho - 1), 0.0)
+    return loss, grad
+
+
+@pytest.mark.parametrize("config", [{}, {"kl_coeff": 0.1}, {"kl_coeff": 1.0,
+                                                             "clip_high_threshold": 1.5}])
+def test_stable_reinforce_truncates_the_weight_and_penalises_kl_to_the_sampler(config):
+    logp, old, adv, _ = _case(seed=5)
+    # A prompt position of each datum: not sampled, its huge log-ratio must not count.
+    sampled = [np.r_[0.0, np.ones(len(lp) - 1)] for lp in logp]
+    for o in old:
+        o[0] = -60.0
+    loss, metrics, grads = _run("stable_reinforce", logp, old, adv, [None] * 3, config,
+                                masks=sampled)
+    cap, beta = config.get("clip_high_threshold", 2.0), config.get("kl_coeff", 0.0)
+    refs = [_stable_reference(lp, q, a, m, cap, beta)
+            for lp, q, a, m in _zip(logp, old, adv, sampled)]
+    assert loss == pytest.approx(sum(r[0] for r in refs), rel=1e-12)
+    for g, (_, expected) in _zip(grads, refs):
+        np.testing.assert_allclose(g, expected, rtol=1e-12, atol=1e-15)
+    rho = np.concatenate([np.exp(lp - q)[1:] for lp, q in _zip(logp, old)])
+    assert metrics["tokens:sum"] == len(rho)
+    assert metrics["ratio:mean"] == pytest.approx(rho.mean(), rel=1e-12)
+    assert metrics["clip_fraction:mean"] == pytest.approx(float((rho > cap).mean()))
+    assert metrics["kl:mean"] == pytest.approx((rho - 1 - np.log(rho)).mean(), rel=1e-12)
+
+
+def test_stable_reinforce_on_policy_is_reinforce():
+    logp = [np.array([-0.5, -1.5, -2.5])]
+    loss, _, grads = _run("stable_reinforce", logp, logp, [np.array([1.0, -2.0, 0.5])],
+                          [None], {"kl_coeff": 0.3})
+    assert loss == pytest.approx(-(logp[0] * [1.0, -2.0, 0.5]).sum(), rel=1e-12)
+    np.testing.assert_allclose(grads[0], [-1.0, 2.0, -0.5], rtol=1e-12)
+
+
+@pytest.mark.parametrize(("spec", "datum", "message"), [
+    (LossSpec("gspo"), _datum(2, **_RL),
+     r"datum\[0\].loss_fn_inputs: gspo needs 'sequence_ratio_mask'"),
+    (LossSpec("gspo"), _datum(2, **_RL, sequence_ratio_mask=np.zeros(2, np.float32)),
+     r"\['sequence_ratio_mask'\]: marks no position"),
+    (LossSpec("gspo"), _datum(2, **_RL, sequence_ratio_mask=np.ones(3, np.float32)),
+     r"\['sequence_ratio_mask'\]: shape \[3\] differs from target_tokens' \[2\]"),
+    (LossSpec("gspo"), Datum(np.zeros(2, np.int64), {
+        "target_tokens": np.zeros((2, 2), np.int64), "logprobs": np.zeros((2, 2), np.float32),
+        "advantages": np.zeros((2, 2), np.float32),
+        "sequence_ratio_mask": np.ones((2, 2), np.float32)}),
+     r"gspo takes one target per position \(\[T\]\), got shape \[2, 2\]"),
+    (LossSpec("stable_reinforce"), _datum(2, **_RL),
+     r"stable_reinforce needs 'sampled_mask'"),
+    (LossSpec("stable_reinforce", {"kl_coeff": -1.0}), _datum(2, **_RL),
+     "kl_coeff: must be >= 0"),
+    (LossSpec("stable_reinforce", {"beta": 1.0}), _datum(2, **_RL),
+     r"'beta' is not a parameter of stable_reinforce \(it takes \['clip_high_threshold', "
+     r"'kl_coeff'\]\)"),
+])
+def test_validate_loss_refuses_bad_gspo_and_stable_reinforce_inputs(spec, datum, message):
+    with pytest.raises(InvalidArgument, match=message):
+        validate_loss(spec, [datum])

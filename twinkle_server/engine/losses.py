@@ -12,6 +12,35 @@ logprob of each target token, `ratio = exp(logp - old_logp)`, `A` the advantages
 `lo`/`hi` are the config keys `clip_low_threshold`/`clip_high_threshold`. The installed
 `tinker` SDK names `beta` only as a config key and ships no default, so ours is 1.0.
 
+`gspo` is GSPO-token as Tinker documents it. Per datum, over the positions M that its
+`sequence_ratio_mask` marks (non-zero; a datum whose mask marks none is refused, since the
+mean over no token is undefined), with `sg` the stop-gradient:
+
+    s    = exp(mean_{t in M}(sg(logp_t) - old_logp_t))           the sequence ratio
+    s_t  = sg(s) * exp(logp_t - sg(logp_t))                       s's value, logp_t's gradient
+    gspo = -sum_t min(s_t * A_t, clamp(s_t, lo, hi) * A_t)        lo/hi 0.8/1.2
+
+summed over every position of every datum (the prompt's zero advantages add nothing).
+The stored copy of Tinker's GSPO page ends before it states defaults, so `lo`/`hi` take
+`ppo`'s.
+
+`stable_reinforce` is Tinker's StableReinforce (alpha). Its inputs are resolved by the
+runtime from the sampler's own records (`runtime.stability`), not taken from the client:
+`logprobs` are the sampler's float32 logprobs of the sampled tokens (q_t) and
+`sampled_mask` marks the positions S whose target is a sampled token (the rest are
+prompt tokens, which must carry zero advantage). Tinker's page states the inputs and the
+`kl_coeff` key but not the objective; ours is truncated-importance-weighted REINFORCE
+with an optional penalty pulling the policy toward the sampler, both only over S:
+
+    rho_t            = exp(logp_t - q_t)
+    stable_reinforce = sum_{t in S} ( -sg(min(rho_t, C)) * A_t * logp_t
+                                      + kl_coeff * (rho_t - 1 - log(rho_t)) )
+
+with `C` the key `clip_high_threshold` (default 2.0, the truncation of "truncated importance
+sampling") and `kl_coeff` 0.0. `rho - 1 - log(rho)` is the non-negative, unbiased (under
+tokens drawn from q) estimate of KL(q || p); its gradient is `(rho_t - 1) * grad logp_t`.
+On-policy (`rho` = 1) the gradient is REINFORCE's, `-A_t * grad logp_t`.
+
 The native client's losses normalise, and divide by the number of gradient-accumulation
 micro-batches (`num_micro_batches`) so that k micro-batches of equal total weight add up
 to the gradient of one big batch. Only these two use `num_micro_batches`:
@@ -24,7 +53,9 @@ positive weight is left out of the sequence mean.
 
 Metric keys are `name:reduction`: `loss:sum` (Tinker) or `loss:mean` (native),
 `tokens:sum` (positions with non-zero weight), and for the ratio losses `ratio:mean` and
-`clip_fraction:mean` over those positions (0.0 for losses that do not clip).
+`clip_fraction:mean` over those positions (0.0 for losses that do not clip). For
+`stable_reinforce` those positions are S, and `kl:mean` is the mean of the KL estimate
+over S.
 """
 
 from __future__ import annotations
@@ -58,14 +89,22 @@ LOSSES: dict[str, _LossDef] = {
     "ppo": _LossDef(("target_tokens", *_RATIO), dict(zip(_CLIP, (0.8, 1.2), strict=True))),
     "cispo": _LossDef(("target_tokens", *_RATIO), dict(zip(_CLIP, (0.0, 4.0), strict=True))),
     "dro": _LossDef(("target_tokens", *_RATIO), {"beta": 1.0}),
+    "gspo": _LossDef(("target_tokens", *_RATIO, "sequence_ratio_mask"),
+                     dict(zip(_CLIP, (0.8, 1.2), strict=True))),
+    "stable_reinforce": _LossDef(("target_tokens", *_RATIO, "sampled_mask"),
+                                 {"kl_coeff": 0.0, "clip_high_threshold": 2.0}),
     "CrossEntropyLoss": _LossDef(("target_tokens",), {}, native=True),
     # epsilon_high None means "same as epsilon" (symmetric clip), as in the GRPO paper.
     "GRPOLoss": _LossDef(("target_tokens", *_RATIO), {"epsilon": 0.2, "epsilon_high": None},
                          native=True),
 }
 LOSS_NAMES: frozenset[str] = frozenset(LOSSES)
-_FLOAT_INPUTS = ("weights", "logprobs", "advantages")
-_NON_NEGATIVE = ("clip_low_threshold", "beta", "epsilon", "epsilon_high")
+_FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask", "sampled_mask")
+_NON_NEGATIVE = ("clip_low_threshold", "beta", "epsilon", "epsilon_high", "kl_coeff",
+                 "clip_high_threshold")
+_ONE_TARGET = ("gspo", "stable_reinforce")
+"""Losses that take one target per position (`target_tokens` [T]): their ratios are per
+sequence (gspo) or per sampled token (stable_reinforce)."""
 
 
 def resolve_config(spec: LossSpec) -> dict[str, float]:
@@ -137,6 +176,15 @@ def validate_loss(spec: LossSpec, datums: Sequence[Datum]) -> None:
             if not np.all(np.isfinite(value)):
                 raise InvalidArgument(
                     f"datum[{index}].loss_fn_inputs[{key!r}]: contains NaN or infinity")
+        if spec.name in _ONE_TARGET and targets.ndim != 1:
+            raise InvalidArgument(
+                f"datum[{index}].loss_fn_inputs['target_tokens']: {spec.name} takes one "
+                f"target per position ([T]), got shape {list(shape)}")
+        if spec.name == "gspo" and not np.any(inputs["sequence_ratio_mask"]):
+            raise InvalidArgument(
+                f"datum[{index}].loss_fn_inputs['sequence_ratio_mask']: marks no position; "
+                "the sequence ratio is a mean over the marked tokens, so mark at least one "
+                "(the sampled tokens)")
 
 
 def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
@@ -196,6 +244,16 @@ def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
         metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
     elif name == "dro":
         loss = -(logp * adv - 0.5 * config["beta"] * (logp - old) ** 2).sum()
+    elif name == "gspo":
+        lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+        mask = _cat(inputs, "sequence_ratio_mask", logp) != 0
+        ratio = _gspo_ratio(logp, old, mask, [lp.numel() for lp in logprobs])
+        loss = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv).sum()
+        metrics["ratio:mean"] = float(ratio.detach()[active].mean()) if active.any() else 1.0
+        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
+    elif name == "stable_reinforce":
+        return _stable_reinforce(logp, old, adv, _cat(inputs, "sampled_mask", logp) != 0,
+                                 config, metrics)
     else:  # GRPOLoss
         lo, hi = 1.0 - config["epsilon"], 1.0 + config["epsilon_high"]
         per_token = torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
@@ -218,6 +276,42 @@ def _cat(inputs: Sequence[Mapping[str, torch.Tensor]], key: str, like: torch.Ten
             parts.append(torch.full((item["target_tokens"].numel(),), float(default),
                                     dtype=like.dtype, device=like.device))
     return torch.cat(parts)
+
+
+def _gspo_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                lengths: list[int]) -> torch.Tensor:
+    """GSPO-token's per-token ratio: each datum's sequence ratio (the mean log-ratio over its
+    masked tokens, no gradient) as the value, each token's own logprob as the gradient."""
+    parts = []
+    for lp, q, keep in zip(logp.split(lengths), old.split(lengths), mask.split(lengths),
+                           strict=True):
+        log_ratio = (lp.detach() - q)[keep].mean()
+        parts.append(torch.exp(log_ratio + lp - lp.detach()))
+    return torch.cat(parts)
+
+
+def _stable_reinforce(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor,
+                      sampled: torch.Tensor, config: Mapping[str, float],
+                      metrics: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+    """See the module docstring: truncated-IS REINFORCE plus `kl_coeff` * KL(q || p), over
+    the sampled positions only (`where`, so a prompt position's values never reach the
+    sum, even as 0 * inf)."""
+    cap = config["clip_high_threshold"]
+    log_ratio = torch.where(sampled, logp - old, 0.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=cap).detach()
+    kl = ratio - 1.0 - log_ratio
+    per_token = -weight * adv * logp
+    if config["kl_coeff"]:  # not 0 * kl: a ratio past float range would make it NaN
+        per_token = per_token + config["kl_coeff"] * kl
+    loss = torch.where(sampled, per_token, 0.0).sum()
+    count = int(sampled.sum())
+    metrics["tokens:sum"] = float(count)
+    metrics["ratio:mean"] = float(ratio.detach()[sampled].mean()) if count else 1.0
+    metrics["clip_fraction:mean"] = (float((ratio.detach()[sampled] > cap).float().mean())
+                                     if count else 0.0)
+    metrics["kl:mean"] = float(kl.detach()[sampled].mean()) if count else 0.0
+    return _finish(loss, "stable_reinforce", metrics)
 
 
 def _clip_fraction(ratio: torch.Tensor, lo: float, hi: float, active: torch.Tensor) -> float:
