@@ -92,12 +92,11 @@ def train(args: argparse.Namespace) -> list[float]:
                 optim_future = training_client.optim_step(
                     types.AdamParams(learning_rate=args.lr, grad_clip_norm=1.0))
                 fwdbwd_result = fwdbwd_future.result()
-                optim_result = optim_future.result()
+                optim_future.result()
                 tokens = sum(float(d.loss_fn_inputs["weights"].to_numpy().sum())
                              for d in input_datum)
                 losses.append(fwdbwd_result.metrics["loss:sum"] / tokens)
-                print(f"epoch {epoch} step {step}  loss/token {losses[-1]:.4f}  "
-                      f"grad_norm {optim_result.metrics['grad_norm']:.3g}", flush=True)
+                print(f"epoch {epoch} step {step}  loss/token {losses[-1]:.4f}", flush=True)
             save_result = training_client.save_state(f"twinkle-lora-{epoch}").result()
             print(f"Saved checkpoint to {save_result.path}", flush=True)
     return losses

@@ -78,14 +78,16 @@ def test_a_killed_rank_fails_ops_unavailable_and_a_restart_resumes(tmp_path, tin
             server.proc.kill()
 
     # Restarted (on one rank this time) on the same data dir: every checkpoint reported
-    # saved is listed and loads to the same weights.
+    # saved is listed and loads to the same weights; the ephemeral sampler weights were
+    # never a checkpoint, and went with their sampling session.
     restarted = start_server(data_dir)
     service = ServiceClient(base_url=f"http://{restarted.address}")
     try:
         rest = RestClient(base_url=f"http://{restarted.address}")
         listed = {c.tinker_path for run in rest.list_training_runs().result().training_runs
                   for c in rest.list_checkpoints(run.training_run_id).result().checkpoints}
-        assert state in listed and sampler.model_path in listed
+        assert listed == {state} and sampler.model_path is None
+        assert not (data_dir / "sampler-snapshots").exists()
         resumed = service.create_training_client_from_state_with_optimizer(state).result()
         got = resumed.save_weights_and_get_sampling_client().result().compute_logprobs(
             prompt).result()[1:]

@@ -126,12 +126,16 @@ def test_native_loop_with_accumulation_trains_on_two_ranks_as_on_one(servers, tm
     assert_trained_alike(w_two, w_one, LR, 2)
 
 
-def _sampler_after_one_step(service: ServiceClient, seed: int, n: int) -> Any:
-    """A sampling client of a new model trained one step on `n` datums."""
+def _sampler_after_one_step(service: ServiceClient, seed: int, n: int, name: str = "") -> Any:
+    """A sampling client of a new model trained one step on `n` datums: on sampler weights
+    saved as `name`, else on ephemeral ones (no path)."""
     training = service.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
     training.forward_backward(sft_data(n=n, seed=seed + 1), "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    return training.save_weights_and_get_sampling_client().result()
+    if not name:
+        return training.save_weights_and_get_sampling_client().result()
+    path = training.save_weights_for_sampler(name).result().path
+    return service.create_sampling_client(model_path=path).result()
 
 
 def _sample(address: str) -> tuple[list[int], list[float], list[float]]:
@@ -160,7 +164,7 @@ def test_a_checkpoint_saved_on_two_ranks_gives_the_same_logits_in_peft(servers, 
                                                                        tmp_path):
     service = ServiceClient(base_url=f"http://{servers[1].address}")
     try:
-        sampler = _sampler_after_one_step(service, seed=9, n=4)
+        sampler = _sampler_after_one_step(service, seed=9, n=4, name="for-peft")
         tokens = [5, 17, 29, 3, 88, 41, 7]
         served = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
         path = sampler.model_path

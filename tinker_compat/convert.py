@@ -54,6 +54,23 @@ def encode_tinker_datum(datum: Any, index: int = 0) -> wire.Datum:
     return wire.encode_datum(np.asarray(tokens, dtype=np.int64), datum.loss_fn_inputs, index)
 
 
+def datum_provenance(data: Sequence[types.Datum]) -> list[wire.Provenance | None]:
+    """Each datum's provenance (`Datum.with_provenance`: `model_input_spans` and
+    `loss_fn_input_spans`) for the wire, None where a datum has none."""
+    out: list[wire.Provenance | None] = []
+    for index, datum in enumerate(data):
+        fields = []
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            spans = getattr(datum, name, None)
+            fields.append(None if spans is None else [
+                wire.make_span(span.sequence_id, span.offset, span.length,
+                               isinstance(span, types.SampledProvenanceSpan),
+                               f"datum[{index}].{name}[{j}]")
+                for j, span in enumerate(spans)])
+        out.append(wire.make_provenance(*fields, index))
+    return out
+
+
 def tensor_data(array: np.ndarray) -> types.TensorData:
     """An array as a dense `TensorData` in the dtypes Tinker uses: int64 or float32."""
     if array.dtype.kind in "iu":
@@ -210,7 +227,8 @@ def sample_response_to_tinker(result: api.SampleResult, include_prompt_logprobs:
                               ) -> types.SampleResponse:
     sequences = [
         types.SampledSequence(
-            stop_reason=seq.stop_reason or "length", sequence_id=uuid.uuid4().hex,
+            stop_reason=seq.stop_reason or "length",
+            sequence_id=seq.sequence_id or uuid.uuid4().hex,   # an older server sends none
             tokens_np=seq.tokens.astype(np.int32), logprobs_np=seq.logprobs.astype(np.float32))
         for seq in result.sequences]
     prompt_logprobs = None

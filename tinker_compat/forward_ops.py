@@ -57,10 +57,14 @@ def split(datums: Sequence[wire.Datum], max_batch_tokens: int) -> list[tuple[int
 
 
 def pack(datums: list[wire.Datum], bounds: list[tuple[int, int]], loss: api.Loss,
-         backward: bool) -> Ops:
+         backward: bool, provenance: Sequence[wire.Provenance | None] | None = None) -> Ops:
     """Each group's datums packed as one op (errors name datums by their index in the
-    whole request)."""
-    return Ops(bounds, [api.forward(datums[a:b], loss, backward, first=a) for a, b in bounds])
+    whole request), with their provenance when any datum has some."""
+    if provenance is not None and not any(p is not None for p in provenance):
+        provenance = None
+    return Ops(bounds, [api.forward(datums[a:b], loss, backward, first=a,
+                                    provenance=None if provenance is None else provenance[a:b])
+                        for a, b in bounds])
 
 
 def run_ops(conn: Connection, reserved: list[Op], ops: Ops) -> types.ForwardBackwardOutput:

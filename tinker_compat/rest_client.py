@@ -7,6 +7,8 @@ checkpoints; another tenant's look like none (NotFoundError).
 from __future__ import annotations
 
 import os
+import uuid
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +21,17 @@ from twinkle_client import api, paths
 from twinkle_client.connection import Connection, env_endpoint, parse_base_url
 
 AccessScope = Literal["owned", "accessible"]
+
+
+def _audit_entry(entry: api.AuditEntry) -> types.AuditLogEntry:
+    """Tinker's entry; its deprecated top-level fields set on checkpoint events only."""
+    details = entry.details
+    checkpoint = entry.event.startswith("checkpoint_")
+    return types.AuditLogEntry(
+        timestamp=datetime.fromtimestamp(entry.timestamp, timezone.utc), event=entry.event,
+        event_details=details, model_id=details.get("model_id") if checkpoint else None,
+        tinker_path=details.get("tinker_path") if checkpoint else None,
+        purpose=details.get("purpose") if entry.event == "checkpoint_read" else None)
 
 
 def resolve_endpoint(base_url: str | None = None, api_key: str | None = None
@@ -299,6 +312,108 @@ class RestClient:
         paths.parse(tinker_path, "tinker_path")
         return self._conn.submit(api.set_checkpoint_ttl(tinker_path, ttl_seconds).send,
                                  self._conn, future_class=APIFuture)
+
+    def get_external_weights_urls(self, tinker_path: str
+                                  ) -> APIFuture[types.ExternalWeightsUrlsResponse]:
+        """Signed download URLs, one per file, of an external weights checkpoint
+        (`tinker://<run>/external_weights/<name>`, from `save_weights_external`). Each
+        works with no API key until `expires`; the server's HTTP front serves them, so
+        the server must run with `--http-port`.
+
+        Example:
+        ```python
+        response = rest_client.get_external_weights_urls(path).result()
+        for name, url in response.urls.items():
+            urllib.request.urlretrieve(url, name)
+        ```
+        """
+        parsed = paths.parse(tinker_path, "tinker_path")
+        if parsed.kind != "external":
+            raise ValueError("get_external_weights_urls only accepts external weights "
+                             "checkpoints (tinker://<training_run_id>/external_weights/<name>), "
+                             f"got {tinker_path!r}")
+
+        def run() -> types.ExternalWeightsUrlsResponse:
+            signed = api.external_weights_urls(self._conn, tinker_path)
+            return types.ExternalWeightsUrlsResponse(
+                urls=signed.urls, expires=datetime.fromtimestamp(signed.expires_at, timezone.utc))
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    @deprecated(_single("get_external_weights_urls"))
+    async def get_external_weights_urls_async(self, tinker_path: str
+                                              ) -> types.ExternalWeightsUrlsResponse:
+        """Deprecated: use `await rest_client.get_external_weights_urls(...)`."""
+        return await self.get_external_weights_urls(tinker_path)
+
+    def copy_weights(self, path: str, destination_project_id: str | None = None, *,
+                     ttl_seconds: int | None = None, weights_access_token: str | None = None
+                     ) -> APIFuture[str]:
+        """Copy a checkpoint you may read into a new training run of yours.
+
+        The copy keeps the source's kind and name, shares its files (no bytes duplicated),
+        starts private, and outlives the source. Twinkle has tenants, not projects:
+        `destination_project_id` (or `TINKER_PROJECT_ID`) is required, as by the SDK, and
+        recorded only.
+
+        Args:
+        - `path`: tinker path of the checkpoint to copy (yours, or a published one)
+        - `destination_project_id`: recorded with the copy
+        - `ttl_seconds`: the copy expires this long from now (3600 to 10 years); None: never
+        - `weights_access_token`: another tenant's API key, to copy what that tenant may read
+
+        Returns:
+        - `APIFuture` of the copy's tinker path.
+
+        Example:
+        ```python
+        copied = rest_client.copy_weights("tinker://run-id/weights/step-400", "archive").result()
+        ```
+        """
+        if destination_project_id is None:
+            destination_project_id = os.environ.get("TINKER_PROJECT_ID") or None
+        if destination_project_id is None:
+            raise ValueError("Provide destination_project_id or set TINKER_PROJECT_ID")
+        paths.parse(path, "path")
+        # One key per call, reused by the connection's retries: a retry answers one copy.
+        call = api.copy_checkpoint(path, destination_project_id=destination_project_id,
+                                   ttl_seconds=ttl_seconds,
+                                   weights_access_token=weights_access_token or "",
+                                   idempotency_key=str(uuid.uuid4()))
+        return self._conn.submit(call.send, self._conn, future_class=APIFuture)
+
+    @deprecated(_single("copy_weights"))
+    async def copy_weights_async(self, path: str, destination_project_id: str | None = None,
+                                 *, ttl_seconds: int | None = None,
+                                 weights_access_token: str | None = None) -> str:
+        """Deprecated: use `await rest_client.copy_weights(...)`."""
+        return await self.copy_weights(path, destination_project_id, ttl_seconds=ttl_seconds,
+                                       weights_access_token=weights_access_token)
+
+    def get_audit_log(self, event_type: str = "all", day: date | None = None
+                      ) -> APIFuture[types.AuditLogResponse]:
+        """Your audit log entries of one UTC day (default today), oldest first: who did
+        what (sessions, models, checkpoint saves, reads, copies, deletes, publishing).
+
+        Args:
+        - `event_type`: "all", "checkpoints", "models" or "sessions" ("projects", "teams"
+          and "organizations" have no events on this server)
+        - `day`: the UTC day to read
+
+        Example:
+        ```python
+        for entry in rest_client.get_audit_log(event_type="checkpoints").result().entries:
+            print(entry.timestamp, entry.event, entry.tinker_path)
+        ```
+        """
+        call = api.get_audit_log(event_type, day.isoformat() if day else "")
+
+        def run() -> types.AuditLogResponse:
+            return types.AuditLogResponse(entries=[
+                _audit_entry(e)
+                for e in call.send(self._conn)])
+
+        return self._conn.submit(run, future_class=APIFuture)
 
     def download_checkpoint(self, tinker_path: str, dest: str | os.PathLike
                             ) -> APIFuture[Path]:

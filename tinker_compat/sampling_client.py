@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tinker import types
 
-from tinker_compat import convert
+from tinker_compat import convert, sampling_options
 from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
 from twinkle_client import api, paths
 from twinkle_client.connection import Connection
@@ -35,8 +35,9 @@ class SamplingClient:
     """
 
     def __init__(self, connection: Connection, sampling_session_id: str, base_model: str,
-                 model_path: str | None = None) -> None:
+                 model_path: str | None = None, record_stability_info: bool = False) -> None:
         self._conn = connection
+        self._record_stability_info = record_stability_info
         self.sampling_session_id = sampling_session_id
         self.model_path = convert.tinker_path(model_path) if model_path else None
         self._base_model = base_model
@@ -47,7 +48,10 @@ class SamplingClient:
 
     def sample(self, prompt: types.ModelInput, num_samples: int,
                sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
-               topk_prompt_logprobs: int = 0) -> APIFuture[types.SampleResponse]:
+               topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               target_prompt_logprobs: types.TensorData | None = None,
+               prompt_alt_tokens_k: int = 0, prompt_logprobs_last_n: int | None = None
+               ) -> APIFuture[types.SampleResponse]:
         """Generate `num_samples` completions of `prompt`.
 
         Args:
@@ -59,6 +63,17 @@ class SamplingClient:
           (`prompt_logprobs`, None at position 0)
         - `topk_prompt_logprobs`: k > 0 also returns the k most likely tokens at each prompt
           position (`topk_prompt_logprobs`, None at position 0); at most 20
+        - `topk_sample_logprobs`: k > 0 also returns the k most likely tokens at each
+          sampled position (`SampledSequence.topk_logprobs`); at most 20
+        - `target_prompt_logprobs`: int64 `TensorData` `[len(prompt) - 1, K]` (dense or
+          sparse CSR, -1 = none): row i names ids to score at prompt position i + 1;
+          returned as `SampleResponse.target_prompt_logprobs` in the same layout, 0.0
+          where -1; at most 64 distinct ids
+        - `prompt_alt_tokens_k`: k draws at the request's temperature from the
+          next-token distribution at each prompt position after the first
+          (`SampleResponse.prompt_alt_tokens`, two `[len(prompt) - 1, k]` tensors); <= 20
+        - `prompt_logprobs_last_n`: score only the last N prompt tokens (earlier entries
+          None; top-k rows too); needs `include_prompt_logprobs`
 
         Returns:
         - `APIFuture` of the `SampleResponse`: one `SampledSequence` per sample, with
@@ -74,13 +89,26 @@ class SamplingClient:
         """
         require_int(num_samples, "num_samples")
         require_int(topk_prompt_logprobs, "topk_prompt_logprobs", minimum=0)
+        sampling_options.check(topk_sample_logprobs=topk_sample_logprobs,
+                               prompt_alt_tokens_k=prompt_alt_tokens_k,
+                               prompt_logprobs_last_n=prompt_logprobs_last_n,
+                               include_prompt_logprobs=include_prompt_logprobs,
+                               target_prompt_logprobs=target_prompt_logprobs)
         call = api.sample(self.sampling_session_id, convert.prompt_tokens(prompt), num_samples,
                           convert.sampling_spec(sampling_params), include_prompt_logprobs,
-                          topk_prompt_logprobs)
+                          topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
+                          target_prompt_logprobs=(
+                              None if target_prompt_logprobs is None
+                              else sampling_options.dense_targets(target_prompt_logprobs)),
+                          prompt_alt_tokens_k=prompt_alt_tokens_k,
+                          prompt_logprobs_last_n=prompt_logprobs_last_n,
+                          record_stability_info=self._record_stability_info)
 
         def run() -> types.SampleResponse:
-            return convert.sample_response_to_tinker(call.send(self._conn),
-                                                     include_prompt_logprobs)
+            result = call.send(self._conn)
+            return sampling_options.extend_response(
+                convert.sample_response_to_tinker(result, include_prompt_logprobs), result,
+                target_prompt_logprobs)
 
         return self._conn.submit(run, future_class=APIFuture)
 
@@ -90,16 +118,25 @@ class SamplingClient:
     async def sample_async(self, prompt: types.ModelInput, num_samples: int,
                            sampling_params: types.SamplingParams,
                            include_prompt_logprobs: bool = False,
-                           topk_prompt_logprobs: int = 0) -> types.SampleResponse:
+                           topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+                           target_prompt_logprobs: types.TensorData | None = None,
+                           prompt_alt_tokens_k: int = 0,
+                           prompt_logprobs_last_n: int | None = None) -> types.SampleResponse:
         """Deprecated: use `await sampling_client.sample(...)`."""
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
-                                 topk_prompt_logprobs)
+                                 topk_prompt_logprobs, topk_sample_logprobs,
+                                 target_prompt_logprobs, prompt_alt_tokens_k,
+                                 prompt_logprobs_last_n)
 
-    def compute_logprobs(self, prompt: types.ModelInput) -> APIFuture[list[float | None]]:
+    def compute_logprobs(self, prompt: types.ModelInput,
+                         prompt_logprobs_last_n: int | None = None
+                         ) -> APIFuture[list[float | None]]:
         """The log probability of each prompt token given the ones before it.
 
         Args:
         - `prompt`: the tokens to score
+        - `prompt_logprobs_last_n`: score only the last N tokens (1 .. len(prompt) - 1);
+          earlier entries are None
 
         Returns:
         - `APIFuture` of a list as long as the prompt; None at position 0 (no context).
@@ -110,7 +147,10 @@ class SamplingClient:
         total = sum(lp for lp in logprobs if lp is not None)
         ```
         """
-        call = api.compute_logprobs(self.sampling_session_id, convert.prompt_tokens(prompt))
+        if prompt_logprobs_last_n is not None:
+            require_int(prompt_logprobs_last_n, "prompt_logprobs_last_n", minimum=1)
+        call = api.compute_logprobs(self.sampling_session_id, convert.prompt_tokens(prompt),
+                                    prompt_logprobs_last_n)
 
         def run() -> list[float | None]:
             return convert.logprobs_list(call.send(self._conn))
@@ -119,9 +159,11 @@ class SamplingClient:
 
     @deprecated("DEPRECATED: SamplingClient.compute_logprobs_async() is deprecated. Use `await "
                 "SamplingClient.compute_logprobs(...)` instead.")
-    async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:
+    async def compute_logprobs_async(self, prompt: types.ModelInput,
+                                     prompt_logprobs_last_n: int | None = None
+                                     ) -> list[float | None]:
         """Deprecated: use `await sampling_client.compute_logprobs(...)`."""
-        return await self.compute_logprobs(prompt)
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The base model's tokenizer, fetched from the server once per process (no hub).
@@ -149,7 +191,8 @@ SamplingClientFuture: type[ClientFuture] = client_future(SamplingClient, "Sampli
 
 
 def open_sampling_client(connection: Connection, *, model_path: str | None = None,
-                         base_model: str | None = None) -> SamplingClient:
+                         base_model: str | None = None,
+                         record_stability_info: bool = False) -> SamplingClient:
     """Create a sampling session (blocking): on a sampler checkpoint, else the base model."""
     if model_path:
         paths.parse(model_path, "model_path")
@@ -160,7 +203,7 @@ def open_sampling_client(connection: Connection, *, model_path: str | None = Non
         raise ValueError("Either model_path or base_model must be provided")
     info = call.send(connection)
     return SamplingClient(connection, info.sampling_session_id, info.base_model,
-                          info.model_path or None)
+                          info.model_path or None, record_stability_info)
 
 
 def submit_sampling_client(connection: Connection, *, model_path: str | None = None,
@@ -173,13 +216,15 @@ def submit_sampling_client(connection: Connection, *, model_path: str | None = N
     elif not base_model:
         raise ValueError("Either model_path or base_model must be provided")
     return connection.submit(open_sampling_client, connection, model_path=model_path,
-                             base_model=base_model, future_class=SamplingClientFuture)
+                             base_model=base_model, record_stability_info=record_stability_info,
+                             future_class=SamplingClientFuture)
 
 
 def check_sampling_options(*, retry_config: Any, record_stability_info: bool) -> None:
     """Tinker's sampling-client options: `retry_config` is accepted and unused (the
-    connection retries unreachable-server errors itself); `record_stability_info=True` is
-    refused, since Twinkle records no stability data."""
+    connection retries unreachable-server errors itself); `record_stability_info` must be
+    a bool (True: every sample records its sequences for stable_reinforce)."""
     del retry_config
-    if record_stability_info:
-        raise ValueError("record_stability_info: not supported by Twinkle servers; pass False")
+    if not isinstance(record_stability_info, bool):
+        raise ValueError(f"record_stability_info: expected a bool, got "
+                         f"{record_stability_info!r}")

@@ -25,7 +25,6 @@ from tinker_compat.sampling_client import (
     SamplingClient,
     SamplingClientFuture,
     check_sampling_options,
-    open_sampling_client,
     submit_sampling_client,
 )
 from twinkle_client import api, paths, wire
@@ -195,7 +194,9 @@ class TrainingClient:
         - `adam_params`: legacy keyword alias; not together with `optim_params`
 
         Returns:
-        - `APIFuture` of the `OptimStepResponse` with `metrics` (grad_norm, learning_rate, step)
+        - `APIFuture` of the `OptimStepResponse`; its `metrics` are empty, as the hosted
+          service's: tinker-cookbook's loops merge them into their own log rows (`step`,
+          `learning_rate`, ...), which a server's counters would overwrite
 
         Example:
         ```python
@@ -206,7 +207,7 @@ class TrainingClient:
             raise ValueError("Specify optim_params or legacy adam_params, not both")
         adam = convert.adam_spec(optim_params if optim_params is not None else adam_params)
         return self._submit(api.optim_step(adam),
-                            lambda metrics: types.OptimStepResponse(metrics=metrics))
+                            lambda _: types.OptimStepResponse(metrics={}))
 
     @deprecated(_moved("optim_step", _AT_ONCE))
     async def optim_step_async(self, optim_params: types.AdamParams | None = None, *,
@@ -274,6 +275,38 @@ class TrainingClient:
                                              ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         """Deprecated: use `training_client.save_weights_for_sampler(...)`."""
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
+
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None
+                              ) -> APIFuture[types.SaveWeightsExternalResponse]:
+        """Export the adapter in Hugging Face/PEFT format (`adapter_config.json`,
+        `adapter_model.safetensors`) as `tinker://<run>/external_weights/<name>`: listed,
+        TTL'd and deleted like any checkpoint; download its files with
+        `RestClient.get_external_weights_urls` (or `tinker_cookbook.weights.download`).
+
+        Args:
+        - `name`: 1-128 letters, digits, '.', '_', '-'
+        - `ttl_seconds`: delete it this long from now (3600 to 10 years); None: never
+        - `age_encryption_recipients`: at most 10 `age1...` keys or SSH public keys; every
+          file is encrypted to all of them and stored as `<file>.age` (`age -d` decrypts)
+
+        Example:
+        ```python
+        path = training_client.save_weights_external("final").result().path
+        urls = rest_client.get_external_weights_urls(path).result().urls
+        ```
+        """
+        call = api.save_weights_external(paths.check_name(name, "name"), ttl_seconds,
+                                         age_encryption_recipients)
+        return self._submit(call, lambda path: types.SaveWeightsExternalResponse(
+            path=convert.tinker_path(path), type="save_weights_external"))
+
+    @deprecated(_moved("save_weights_external", "it returns an APIFuture that can be awaited."))
+    async def save_weights_external_async(self, name: str, ttl_seconds: int | None = None,
+                                          age_encryption_recipients: list[str] | None = None
+                                          ) -> APIFuture[types.SaveWeightsExternalResponse]:
+        """Deprecated: use `training_client.save_weights_external(...)`."""
+        return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
     def _load(self, path: str, optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
         paths.parse(path, "path")
@@ -349,8 +382,10 @@ class TrainingClient:
         """Snapshot the current weights and return a future of a `SamplingClient` on them.
 
         The snapshot is the weights after every op submitted before this call; ops
-        submitted later do not change what it samples. It is saved as a sampler checkpoint
-        named `ephemeral-<seq>` (Twinkle has no unlisted checkpoints).
+        submitted later do not change what it samples. As in Tinker it is ephemeral: no
+        checkpoint (never listed, no path), deleted with its sampling session, when the
+        session closes or expires, after the server's session timeout unused, or at a
+        server restart.
 
         Args:
         - `name`: deprecated in tinker and ignored
@@ -372,10 +407,11 @@ class TrainingClient:
         check_sampling_options(retry_config=retry_config,
                                record_stability_info=record_stability_info)
         op = self._conn.reserve(self.model_id)
-        call = api.save_weights_for_sampler(f"ephemeral-{op.seq_id}")
+        call = api.save_ephemeral_sampler()
 
         def run() -> SamplingClient:
-            return open_sampling_client(self._conn, model_path=call.send(self._conn, op))
+            return SamplingClient(self._conn, call.send(self._conn, op), self._base_model,
+                                  record_stability_info=record_stability_info)
 
         return self._conn.submit(run, future_class=SamplingClientFuture)
 
@@ -440,7 +476,8 @@ class TrainingClient:
         try:
             encoded = convert.encode_datums(data)
             bounds = forward_ops.split(encoded, self._max_batch_tokens)
-            return forward_ops.pack(encoded, bounds, loss, backward)
+            return forward_ops.pack(encoded, bounds, loss, backward,
+                                    convert.datum_provenance(data))
         except wire.WireError as exc:
             return APIFuture.failed(self._conn.error_factory(
                 "invalid_argument", str(exc), "ForwardBackward" if backward else "Forward"))

@@ -28,6 +28,7 @@ import grpc
 
 from twinkle_client import errors
 from twinkle_client._proto.twinkle.v1 import (
+    external_pb2_grpc,
     runs_pb2_grpc,
     sampling_pb2_grpc,
     session_pb2,
@@ -142,6 +143,7 @@ class Connection:
         self.training = training_pb2_grpc.TrainingServiceStub(self.channel)
         self.sampling = sampling_pb2_grpc.SamplingServiceStub(self.channel)
         self.runs = runs_pb2_grpc.RunsServiceStub(self.channel)
+        self.external = external_pb2_grpc.ExternalWeightsServiceStub(self.channel)
         self._pool = ThreadPoolExecutor(MAX_INFLIGHT_CALLS, thread_name_prefix="twinkle-call")
         self._seq: dict[str, int] = {}
         self._seq_lock = threading.Lock()

@@ -1,4 +1,5 @@
-"""Checkpoint paths: `twinkle://<run_id>/weights/<name>` and `.../sampler_weights/<name>`.
+"""Checkpoint paths: `twinkle://<run_id>/weights/<name>`, `.../sampler_weights/<name>` and
+`.../external_weights/<name>` (PEFT/HF exports, `save_weights_external`).
 
 The Tinker shim shows the same path as `tinker://...`; both schemes are accepted
 everywhere. Names are validated so a path can never leave its run's directory.
@@ -10,7 +11,8 @@ import re
 from dataclasses import dataclass
 
 SCHEMES = ("twinkle://", "tinker://")
-SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+KIND_SEGMENTS = {kind: segment for segment, kind in SEGMENTS.items()}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
@@ -30,12 +32,12 @@ def check_name(name: str, field: str = "name") -> str:
 @dataclass(frozen=True)
 class CheckpointPath:
     run_id: str
-    kind: str  # "training" or "sampler"
+    kind: str  # "training", "sampler" or "external"
     name: str
 
     @property
     def segment(self) -> str:
-        return "weights" if self.kind == "training" else "sampler_weights"
+        return KIND_SEGMENTS[self.kind]
 
     def twinkle(self) -> str:
         return f"twinkle://{self.run_id}/{self.segment}/{self.name}"
@@ -51,6 +53,7 @@ def parse(path: str, field: str = "path") -> CheckpointPath:
         raise PathError(f"{field}: {path!r} must start with twinkle:// or tinker://")
     parts = path[len(scheme):].split("/")
     if len(parts) != 3 or parts[1] not in SEGMENTS or not _RUN.fullmatch(parts[0]):
-        raise PathError(f"{field}: {path!r} is not <scheme><run_id>/weights/<name> or "
-                        "<scheme><run_id>/sampler_weights/<name>")
+        raise PathError(f"{field}: {path!r} is not <scheme><run_id>/weights/<name>, "
+                        "<scheme><run_id>/sampler_weights/<name> or "
+                        "<scheme><run_id>/external_weights/<name>")
     return CheckpointPath(parts[0], SEGMENTS[parts[1]], check_name(parts[2], field))

@@ -50,7 +50,13 @@ class ServerConfig:
     max_adapters_per_tenant: int = _opt(8, "adapters one tenant may have loaded at once")
     max_sessions_per_tenant: int = _opt(64, "open sessions one tenant may hold")
     max_rank: int = _opt(128, "largest LoRA rank")
-    max_seq_len: int = _opt(4096, "longest sequence in tokens")
+    max_seq_len: int = _opt(0, "longest sequence in tokens; 0 picks the model's "
+                               "max_position_embeddings, at most --max-batch-tokens and "
+                               "what memory allows: 16,384 on CPU, on an accelerator the "
+                               "longest datum whose pass fits in half the memory free "
+                               "after the base loads (with activation checkpointing unless "
+                               "it is off); the value is logged. Above "
+                               "max_position_embeddings is refused")
     max_batch_tokens: int = _opt(262_144, "most tokens in one forward/forward_backward request")
     max_pass_tokens: int = _opt(0, "most tokens the base runs at once: a larger pass (one big "
                                    "request, or merged ones) runs in pieces of this many, "
@@ -63,6 +69,10 @@ class ServerConfig:
                                       "by device: 1024 on CPU, 8192 on an accelerator")
     session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
                                          "adapters are unloaded (checkpoints stay)")
+    max_stability_records: int = _opt(
+        50_000, "sampled sequences one tenant keeps recorded for stable_reinforce "
+                "(record_stability_info): past it a new record evicts the tenant's least "
+                "recently used one (records also expire a day after their last use)")
     tls_cert: Path | None = _opt(None, "PEM certificate: serve TLS")
     tls_key: Path | None = _opt(None, "PEM private key for --tls-cert")
     log_level: str = _opt("info", "debug, info, warning or error")

@@ -242,6 +242,11 @@ class ReplicatedEngine:
         return self._all("prompt_logprobs", adapter_id, weights_path, tokens, topk,
                          shipped=(1, self._ship_sampler(weights_path)))
 
+    def score_prompt(self, adapter_id: str | None, weights_path: str | None,
+                     tokens: np.ndarray, scoring: Any) -> Any:
+        return self._all("score_prompt", adapter_id, weights_path, tokens, scoring,
+                         shipped=(1, self._ship_sampler(weights_path)))
+
     def _ship_sampler(self, path: str | None) -> ShippedDir | None:
         """Sampler weights go along only when this rank has them not loaded: every rank's
         sampler cache sees the same calls, so the others then have them loaded too."""

@@ -13,6 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from twinkle_client._proto.twinkle.v1 import (
+    external_pb2,
+    external_pb2_grpc,
     runs_pb2,
     runs_pb2_grpc,
     sampling_pb2,
@@ -30,6 +32,8 @@ from twinkle_server.http import HTTP_OFF, HttpServer
 from twinkle_server.launch import load_engine
 from twinkle_server.replication import Channel, ReplicatedEngine
 from twinkle_server.runtime import Runtime
+from twinkle_server.runtime.external import HttpEndpoint
+from twinkle_server.service.external import ExternalWeightsServicer
 from twinkle_server.service.runs import RunsServicer
 from twinkle_server.service.sampling import SamplingServicer
 from twinkle_server.service.session import SessionServicer
@@ -41,7 +45,8 @@ log = logging.getLogger("twinkle_server")
 SERVICES = tuple(
     module.DESCRIPTOR.services_by_name[name]
     for module, name in ((session_pb2, "SessionService"), (training_pb2, "TrainingService"),
-                         (sampling_pb2, "SamplingService"), (runs_pb2, "RunsService")))
+                         (sampling_pb2, "SamplingService"), (runs_pb2, "RunsService"),
+                         (external_pb2, "ExternalWeightsService")))
 """Descriptors of every Twinkle service this server registers."""
 SERVICE_NAMES = tuple(service.full_name for service in SERVICES)
 EXPIRY_CHECK_SECONDS = 1.0
@@ -127,6 +132,8 @@ async def _serve_engine(config: ServerConfig, engine: Engine | ReplicatedEngine,
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(rt), server)
     sampling_pb2_grpc.add_SamplingServiceServicer_to_server(SamplingServicer(rt), server)
     runs_pb2_grpc.add_RunsServiceServicer_to_server(RunsServicer(rt), server)
+    external_pb2_grpc.add_ExternalWeightsServiceServicer_to_server(
+        ExternalWeightsServicer(rt), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -146,6 +153,7 @@ async def _serve_engine(config: ServerConfig, engine: Engine | ReplicatedEngine,
         http = HttpServer(rt, config)
         rt.observe_op = http.metrics.observe
         http.start()
+        rt.external.http = HttpEndpoint(http.port, https=bool(config.tls_cert))
         print(f"http listening on {config.host}:{http.port}", flush=True)
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
     ranks = f", {parallel.world} ranks" if parallel is not None else ""

@@ -1,5 +1,6 @@
-"""The SQLite registry (`twinkle.db` in the data dir, WAL): API keys, sessions, runs and
-checkpoint records. Checkpoint files live under `checkpoints/<tenant>/<run_id>/`.
+"""The SQLite registry (`twinkle.db` in the data dir, WAL): API keys, sessions, runs,
+checkpoint records and stability records. Checkpoint files live under
+`checkpoints/<tenant>/<run_id>/`.
 
 Keys are stored only as SHA-256 hashes; the plain key exists once, when it is created.
 Lookups go by hash, and the final comparison is `hmac.compare_digest`, so timing says
@@ -24,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 KEY_PREFIX = "tml-"
 """New keys start with `tml-`, the prefix the stock `tinker` SDK requires of an API key;
@@ -55,11 +58,23 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
      "CREATE INDEX checkpoints_by_expiry ON checkpoints (expires_at) "
      "WHERE expires_at IS NOT NULL",
      "CREATE INDEX sessions_by_tenant ON sessions (tenant, created_at)"),
+    # stability records (`StabilityRecord`): sampled sequences stable_reinforce trains on.
+    ("CREATE TABLE stability_records (sequence_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+     "session_id TEXT NOT NULL, prompt BLOB NOT NULL, tokens BLOB NOT NULL, "
+     "logprobs BLOB NOT NULL, created_at REAL NOT NULL, last_used_at REAL NOT NULL)",
+     "CREATE INDEX stability_by_tenant ON stability_records (tenant, last_used_at)",
+     "CREATE INDEX stability_by_use ON stability_records (last_used_at)"),
+    # the audit log (`AuditRow`): who did what, per tenant.
+    ("CREATE TABLE audit_log (entry_id INTEGER PRIMARY KEY AUTOINCREMENT, tenant TEXT NOT "
+     "NULL, at REAL NOT NULL, event TEXT NOT NULL, details TEXT NOT NULL)",
+     "CREATE INDEX audit_by_tenant ON audit_log (tenant, at)"),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 _CHECKPOINT_COLUMNS = ("run_id, kind, name, tenant, rel_path, size_bytes, has_optimizer, "
                        "created_at, user_metadata, public, expires_at")
 _SESSION_COLUMNS = "session_id, tenant, created_at, last_heartbeat, closed_at, tags"
+SEGMENTS = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
+"""A checkpoint kind's path segment: `<run_id>/<segment>/<name>`, on disk and in paths."""
 
 
 def hash_key(key: str) -> str:
@@ -99,7 +114,7 @@ class RunRow:
 @dataclass(frozen=True)
 class CheckpointRow:
     run_id: str
-    kind: str            # "training" or "sampler"
+    kind: str            # "training", "sampler" or "external" (`SEGMENTS`)
     name: str
     tenant: str
     rel_path: str
@@ -112,11 +127,39 @@ class CheckpointRow:
 
     @property
     def segment(self) -> str:
-        return "weights" if self.kind == "training" else "sampler_weights"
+        return SEGMENTS[self.kind]
 
     @property
     def checkpoint_id(self) -> str:
         return f"{self.segment}/{self.name}"
+
+
+@dataclass(frozen=True)
+class StabilityRecord:
+    """One sampled sequence recorded for stable_reinforce (`record_stability_info`): the
+    request's prompt and the sampled tokens (int32) with the sampler's logprob of each
+    (float32), owned by the tenant and session that sampled it. It can be trained on
+    until a day after `last_used_at` (each training use restarts the day)."""
+
+    sequence_id: str
+    tenant: str
+    session_id: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    created_at: float
+    last_used_at: float
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One audit log entry: `event` (`<resource>_<action>`, e.g. `checkpoint_save`) done
+    by or for `tenant` at unix time `at`; `details` names what it was about."""
+
+    tenant: str
+    at: float
+    event: str
+    details: dict[str, Any]
 
 
 class Store:
@@ -295,7 +338,7 @@ class Store:
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint_dir(self, tenant: str, run_id: str, kind: str, name: str) -> Path:
-        segment = "weights" if kind == "training" else "sampler_weights"
+        segment = SEGMENTS[kind]
         return self.checkpoint_root / tenant / run_id / segment / name
 
     def add_checkpoint(self, row: CheckpointRow) -> None:
@@ -313,6 +356,13 @@ class Store:
         owner = "(tenant = ? OR public = 1)" if include_public else "tenant = ?"
         rows = self._query(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE run_id = ? "
                            f"AND kind = ? AND name = ? AND {owner}", (run_id, kind, name, tenant))
+        return _checkpoint(rows[0]) if rows else None
+
+    def find_checkpoint(self, run_id: str, kind: str, name: str) -> CheckpointRow | None:
+        """Any tenant's checkpoint by its key: only for a request whose right to it was
+        checked some other way (a signed download URL, `runtime.external`)."""
+        rows = self._query(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE run_id = ? "
+                           "AND kind = ? AND name = ?", (run_id, kind, name))
         return _checkpoint(rows[0]) if rows else None
 
     def set_checkpoint_public(self, row: CheckpointRow, public: bool) -> None:
@@ -353,6 +403,103 @@ class Store:
         if expired_by is not None:
             sql, args = sql + " AND expires_at <= ?", (*args, expired_by)
         return self._write(sql, args) > 0
+
+
+    # ------------------------------------------------------------------ stability records
+
+    def add_stability_records(self, records: list[StabilityRecord], limit: int,
+                              ttl_seconds: float, now: float | None = None) -> None:
+        """Record sampled sequences (one sample request's), in one transaction: first drop
+        every tenant's records unused for `ttl_seconds`, then, past `limit` records of a
+        tenant, that tenant's least recently used ones (a record named by a training
+        request that comes after is then not found)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM stability_records WHERE last_used_at <= ?",
+                                 (now - ttl_seconds,))
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO stability_records VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(r.sequence_id, r.tenant, r.session_id, _blob(r.prompt, "<i4"),
+                      _blob(r.tokens, "<i4"), _blob(r.logprobs, "<f4"), r.created_at,
+                      r.last_used_at) for r in records])
+                for tenant in {r.tenant for r in records}:
+                    self._db.execute(
+                        "DELETE FROM stability_records WHERE sequence_id IN (SELECT "
+                        "sequence_id FROM stability_records WHERE tenant = ? ORDER BY "
+                        "last_used_at DESC, created_at DESC LIMIT -1 OFFSET ?)",
+                        (tenant, max(0, limit)))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def stability_records(self, tenant: str, sequence_ids: list[str], ttl_seconds: float,
+                          now: float | None = None) -> dict[str, StabilityRecord]:
+        """The tenant's records among `sequence_ids` still within `ttl_seconds` of their
+        last use, by id; another tenant's, an expired or an unknown id is left out."""
+        now = time.time() if now is None else now
+        out: dict[str, StabilityRecord] = {}
+        ids = list(dict.fromkeys(sequence_ids))
+        for start in range(0, len(ids), 500):   # SQLite's bound-parameter limit
+            part = ids[start:start + 500]
+            rows = self._query(
+                "SELECT sequence_id, tenant, session_id, prompt, tokens, logprobs, "
+                "created_at, last_used_at FROM stability_records WHERE tenant = ? AND "
+                f"last_used_at > ? AND sequence_id IN ({', '.join('?' * len(part))})",
+                (tenant, now - ttl_seconds, *part))
+            for r in rows:
+                out[r[0]] = StabilityRecord(
+                    r[0], r[1], r[2], np.frombuffer(r[3], "<i4").astype(np.int32),
+                    np.frombuffer(r[4], "<i4").astype(np.int32),
+                    np.frombuffer(r[5], "<f4").astype(np.float32), r[6], r[7])
+        return out
+
+    def touch_stability_records(self, tenant: str, sequence_ids: list[str],
+                                now: float | None = None) -> None:
+        """A training use: restart the records' day."""
+        now = time.time() if now is None else now
+        ids = list(dict.fromkeys(sequence_ids))
+        for start in range(0, len(ids), 500):
+            part = ids[start:start + 500]
+            self._write(f"UPDATE stability_records SET last_used_at = ? WHERE tenant = ? AND "
+                        f"sequence_id IN ({', '.join('?' * len(part))})", (now, tenant, *part))
+
+    # ------------------------------------------------------------------ audit log
+
+    def add_audit(self, row: AuditRow) -> None:
+        self._write("INSERT INTO audit_log (tenant, at, event, details) VALUES (?, ?, ?, ?)",
+                    (row.tenant, row.at, row.event, json.dumps(row.details, sort_keys=True)))
+
+    def audit_entries(self, tenant: str, start: float, end: float,
+                      event_prefixes: tuple[str, ...] = (), limit: int = 10_000
+                      ) -> list[AuditRow]:
+        """The tenant's entries with `start <= at < end`, oldest first; with
+        `event_prefixes`, only events starting with one of them. Never another tenant's."""
+        where, args = "", tuple(event_prefixes)
+        if event_prefixes:
+            where = " AND (" + " OR ".join("instr(event, ?) = 1" for _ in args) + ")"
+        rows = self._query("SELECT tenant, at, event, details FROM audit_log WHERE tenant = ? "
+                           f"AND at >= ? AND at < ?{where} ORDER BY at, entry_id LIMIT ?",
+                           (tenant, start, end, *args, limit))
+        return [AuditRow(r[0], r[1], r[2], json.loads(r[3])) for r in rows]
+
+    def find_audit(self, tenant: str, event: str, key: str, value: str) -> AuditRow | None:
+        """The tenant's latest `event` entry whose details have `key` = `value` (a
+        retried copy_weights finds its first answer by its idempotency key)."""
+        rows = self._query("SELECT tenant, at, event, details FROM audit_log WHERE tenant = ? "
+                           "AND event = ? AND json_extract(details, ?) = ? "
+                           "ORDER BY entry_id DESC LIMIT 1", (tenant, event, f"$.{key}", value))
+        return AuditRow(rows[0][0], rows[0][1], rows[0][2], json.loads(rows[0][3])) if rows else None
+
+    def count_stability_records(self, tenant: str) -> int:
+        return self._query("SELECT COUNT(*) FROM stability_records WHERE tenant = ?",
+                           (tenant,))[0][0]
+
+
+def _blob(array: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(array, dtype).tobytes()
 
 
 def _run(r: tuple) -> RunRow:

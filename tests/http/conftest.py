@@ -23,7 +23,10 @@ from ..tinker_compat.conftest import sft_data  # noqa: E402, F401 - the same dat
 def server(tmp_path_factory, tiny_cache):
     data_dir = tmp_path_factory.mktemp("http-server")
     keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
-    proc = start_server(data_dir, "--max-adapters-per-tenant", "16", http=True)
+    # Cases create models the package's server keeps until their session ends: room for
+    # all of them, as tests/tinker_compat/conftest.py gives its server.
+    proc = start_server(data_dir, "--max-adapters-per-tenant", "32", "--max-adapters", "64",
+                        http=True)
     proc.keys = keys
     yield proc
     proc.stop()

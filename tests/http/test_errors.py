@@ -18,7 +18,9 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as tpb
 
 from twinkle_server.http import unserved
+from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.app import Front
+from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.rest import Rest
 from twinkle_server.store import hash_key
 
@@ -101,6 +103,8 @@ PUBLIC = {("GET", "/api/v1/healthz"), ("POST", "/api/v1/client/config"),
 or create the caller's own session)."""
 UNSERVED = {(method, "/api/v1" + path) for method, path, *_ in unserved.UNSERVED}
 """Routes that answer everyone that the server does not provide them (`test_rest_client`)."""
+SIGNED = {("GET", "/api/v1/external_weights/{run_id}/{name}/{file}")}
+"""Routes opened by a signed URL instead of a key (`test_external_weights`)."""
 CHECKPOINT = "/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}"
 
 
@@ -122,6 +126,10 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
             {"json": {"model_id": o["model"], "path": "x"}},
         ("POST", "/api/v1/load_weights"): {"json": {"model_id": o["model"], "path": o["saved"],
                                                     "optimizer": False}},
+        ("POST", "/api/v1/save_weights_external"): {"json": {"model_id": o["model"],
+                                                             "path": "x"}},
+        ("GET", f"{CHECKPOINT}/external_weights_urls"):
+            {"url": f"/api/v1/training_runs/{run}/checkpoints/{ckpt}/external_weights_urls"},
         ("POST", "/api/v1/create_sampling_session"):
             {"json": {"session_id": "", "sampling_session_seq_id": 0,
                       "model_path": o["sampler_path"]}},
@@ -148,15 +156,20 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
         ("GET", "/api/v1/training_runs"): {"listing": "training_runs"},
         ("GET", "/api/v1/checkpoints"): {"listing": "checkpoints"},
         ("GET", "/api/v1/sessions"): {"listing": "sessions"},
+        ("GET", "/api/v1/audit"): {"listing": "audit"},
+        ("POST", "/api/v1/copy_weights"): {"json": {"source_path": o["saved"],
+                                                    "destination_project_id": "proj"}},
     }
 
 
 def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
     front = Front(None)
-    routes = {(m, r.path) for r in (*front.routes(), *Rest(front).routes(), *unserved.routes())
+    routes = {(m, r.path) for r in (*front.routes(), *Rest(front).routes(),
+                                    *AdminRoutes(front).routes(),
+                                    *ExternalRoutes(front).routes(), *unserved.routes())
               for m in r.methods if m != "HEAD"}
     cases = _cases(alice_objects)
-    assert routes == set(cases) | PUBLIC | UNSERVED, "a route without an isolation case"
+    assert routes == set(cases) | PUBLIC | UNSERVED | SIGNED, "a route without a case"
     secret = {v for k, v in alice_objects.items() if k != "future"}
     with httpx.Client(base_url=base_url, headers={"X-API-Key": server.keys["bob"]},
                       timeout=60) as http:

@@ -157,9 +157,6 @@ def test_the_session_listing_includes_a_session_with_no_runs_even_once_closed(
 # ----------------------------------------------------------------------------- unserved
 
 UNSERVED_CALLS = {
-    "copy_weights": lambda rest, run: rest.copy_weights(f"tinker://{run}/weights/x", "proj"),
-    "get_external_weights_urls":
-        lambda rest, run: rest.get_external_weights_urls(f"tinker://{run}/external_weights/x"),
     "assign_session_project": lambda rest, run: rest.assign_session_project("sess-x", "proj"),
     "export_session_trace": lambda rest, run: rest.export_session_trace("sess-x"),
     "search_sessions": lambda rest, run: rest.search_sessions(types.SessionSearchRequest()),

@@ -19,6 +19,7 @@ import pytest
 from twinkle_client import errors, wire
 from twinkle_client._proto.twinkle.v1 import (
     common_pb2,
+    external_pb2,
     runs_pb2,
     sampling_pb2,
     session_pb2,
@@ -47,13 +48,22 @@ def tenants(tmp_path_factory, tiny_cache):
         op=alice.op(model), name="mine", include_optimizer=True)).path
     sampler_ckpt = alice.call(alice.training.SaveWeightsForSampler, training_pb2.SaveRequest(
         op=alice.op(model), name="mine-s")).path
+    external = alice.call(alice.external.SaveWeightsExternal,
+                          external_pb2.SaveWeightsExternalRequest(
+                              op=alice.op(model), name="mine-x")).path
     sampler = alice.call(alice.sampling.CreateSamplingSession,
                          sampling_pb2.CreateSamplingSessionRequest(
                              model_path=sampler_ckpt)).sampling_session_id
+    sampled = alice.call(alice.sampling.Sample, sampling_pb2.SampleRequest(
+        sampling_session_id=sampler, prompt=wire.encode_array(np.array([5, 6, 7], np.int64)),
+        num_samples=1, params=sampling_pb2.SamplingParams(max_tokens=3, temperature=1.0),
+        record_stability_info=True)).sequences[0]
     bob_model = bob.create_model(training_pb2.CreateModelRequest(lora=small_lora())).model_id
     bob.register_model(model, 0)  # bob may guess alice's id; the server must still refuse
-    objects = {"model": model, "saved": saved, "sampler_ckpt": sampler_ckpt,
-               "sampler": sampler, "session": alice.session_id, "bob_model": bob_model}
+    objects = {"model": model, "saved": saved, "sampler_ckpt": sampler_ckpt, "external": external,
+               "sampler": sampler, "session": alice.session_id, "bob_model": bob_model,
+               "sequence": sampled.sequence_id,
+               "sampled": wire.decode_array(sampled.tokens, "tokens").astype(np.int64)}
     yield proc, keys, alice, bob, objects
     alice.close()
     bob.close()
@@ -119,11 +129,38 @@ def _isolation_cases(bob: Connection, o: dict[str, str], tmp: Path
             path=o["saved"], public=True)),
         "SetCheckpointTtl": lambda: bob.call(r.SetCheckpointTtl, runs_pb2.SetCheckpointTtlRequest(
             path=o["saved"], ttl_seconds=3600)),
+        "SaveWeightsExternal": lambda: bob.call(
+            bob.external.SaveWeightsExternal,
+            external_pb2.SaveWeightsExternalRequest(op=bob.op(m), name="stolen")),
+        "GetExternalWeightsUrls": lambda: bob.call(
+            bob.external.GetExternalWeightsUrls,
+            external_pb2.ExternalWeightsUrlsRequest(path=o["external"])),
+        "CopyCheckpoint": lambda: bob.call(r.CopyCheckpoint, runs_pb2.CopyCheckpointRequest(
+            source_path=o["saved"]), retry=False),
+        # Bob's own model may not train on alice's recorded sequence (stable_reinforce).
+        "ForwardBackward(stable_reinforce)": lambda: bob.forward(
+            bob.op(o["bob_model"]), _stable_reinforce_chunks(o["sequence"], o["sampled"]),
+            common_pb2.LossFn(name="stable_reinforce")),
     }
 
 
+def _stable_reinforce_chunks(sequence_id: str, sampled: np.ndarray) -> list:
+    """One rl_loop-style datum whose provenance names `sequence_id` (prompt [5, 6, 7])."""
+    prompt = np.array([5, 6, 7], np.int64)
+    n = len(sampled)
+    datum = wire.encode_datum(np.r_[prompt, sampled[:-1]], {
+        "target_tokens": np.r_[prompt[1:], sampled],
+        "advantages": np.r_[np.zeros(2), np.ones(n)].astype(np.float32)})
+    chunks = wire.pack_request([datum])
+    wire.attach_provenance(chunks, [wire.Provenance(
+        (wire.Span(sequence_id, 0, 3, False), wire.Span(sequence_id, 0, n - 1, True)),
+        (wire.Span(sequence_id, 1, 2, False), wire.Span(sequence_id, 0, n, True)))])
+    return chunks
+
+
 # RPCs that name no other tenant's object: what each returns is checked to be bob's own.
-TENANT_SCOPED = {"CreateSession", "GetServerCapabilities", "GetTokenizer", "ListRuns"}
+TENANT_SCOPED = {"CreateSession", "GetServerCapabilities", "GetTokenizer", "ListRuns",
+                 "GetAuditLog"}
 
 
 def test_every_rpc_naming_another_tenants_object_answers_not_found(tenants, tmp_path):
@@ -141,9 +178,12 @@ def test_every_rpc_naming_another_tenants_object_answers_not_found(tenants, tmp_
         model_id=objects["model"]))
     assert info.model_id == objects["model"]
     listed = alice.call(alice.runs.ListCheckpoints, runs_pb2.ListCheckpointsRequest())
-    assert {c.path for c in listed.checkpoints} == {objects["saved"], objects["sampler_ckpt"]}
+    assert {c.path for c in listed.checkpoints} == {objects["saved"], objects["sampler_ckpt"],
+                                                     objects["external"]}
     assert bob.call(bob.runs.ListRuns, runs_pb2.ListRunsRequest()).total == 1
     assert bob.call(bob.runs.ListCheckpoints, runs_pb2.ListCheckpointsRequest()).total == 0
+    audit = bob.call(bob.runs.GetAuditLog, runs_pb2.GetAuditLogRequest(event_type="all"))
+    assert not any(objects["model"] in e.event_details_json for e in audit.entries)
     alice.call(alice.session.Heartbeat, session_pb2.HeartbeatRequest(
         session_id=objects["session"]))
 

@@ -52,7 +52,8 @@ def test_sync_result_loop_lowers_loss_and_returns_logprobs_per_datum_and_optim_m
         assert [out["logprobs"].shape for out in fwdbwd_result.loss_fn_outputs] == \
             [[d.model_input.length] for d in data]
         assert isinstance(optim_result, types.OptimStepResponse)
-        assert {"grad_norm", "learning_rate"} <= set(optim_result.metrics)
+        # As the hosted service's: no `step` or `learning_rate` to overwrite the cookbook's.
+        assert optim_result.metrics == {}
     assert losses[-1] < 0.8 * losses[0], losses
     info = training_client.get_info()
     assert (info.model_id, info.lora_rank, info.model_data.model_name) == \
@@ -72,7 +73,7 @@ def test_async_double_await_loop_of_tinker_docs_trains(base_url):
                     data, "cross_entropy")
                 optim_future = await training_client.optim_step_async(ADAM)
                 losses.append((await fwdbwd_future).metrics["loss:sum"])
-                assert (await optim_future.result_async()).metrics["step"] >= 1
+                assert (await optim_future.result_async()).metrics == {}
             return losses
 
     with pytest.warns(FutureWarning, match="forward_backward_async"):
@@ -126,8 +127,8 @@ def test_twenty_pairs_submitted_before_any_wait_equal_the_waited_version(
                 [future.result() for future in pair]
             futures.extend(pair)
         results = [future.result() for future in futures]
+        assert [r.metrics for r in results[1::2]] == [{}] * 20   # optim_step: none, as Tinker
         timings[mode] = time.perf_counter() - start
-        assert results[-1].metrics["step"] == 20.0
         weights[mode] = adapter_weights(client, base_url, mode, tmp_path)
     print(f"20 x (forward_backward + optim_step): waited {timings['waited']:.2f} s, "
           f"pipelined {timings['pipelined']:.2f} s")
@@ -145,7 +146,7 @@ def test_inside_a_running_event_loop_awaiting_and_result_both_work(base_url):
         second = training_client.forward_backward(data, "cross_entropy")
         assert isinstance(second, tinker.APIFuture)
         done = await asyncio.wait_for(second.result_async(), timeout=120)
-        assert step.metrics["step"] == 1.0
+        assert step.metrics == {}
         assert done.metrics["loss:sum"] < first.metrics["loss:sum"]
         sampling_client = await training_client.save_weights_and_get_sampling_client()
         both = await asyncio.gather(*(sampling_client.sample(
@@ -197,5 +198,8 @@ def test_custom_loss_puts_minus_its_gradient_into_a_cross_entropy_surrogate(serv
     assert result.metrics["surrogate_loss:sum"] == pytest.approx(result.metrics["loss:sum"],
                                                                  rel=1e-5)
     assert "custom/neg_ll:sum" in result.metrics
-    assert custom_step.result().metrics["grad_norm"] == pytest.approx(
-        builtin_step.result().metrics["grad_norm"], rel=1e-4)
+    custom_step.result(), builtin_step.result()
+    # Same gradient, same step: the two adapters now give the same loss.
+    assert custom.forward(data, "cross_entropy").result().metrics["loss:sum"] == \
+        pytest.approx(builtin.forward(data, "cross_entropy").result().metrics["loss:sum"],
+                      rel=LOSS_RTOL)

@@ -4,7 +4,7 @@ protobuf messages.
 `Connection` carries calls (channel, key, retries, seq_ids, the call pool); this package
 turns plain values into requests and replies into frozen dataclasses (`values`) and numpy
 arrays, one module per service of the contract (`training`, `sampling`, `runs`,
-`session`) over the two kinds of request in `calls`.
+`session`, `external`) over the two kinds of request in `calls`.
 `twinkle_client.client`, `twinkle_client.model` and `tinker_compat` call only this (and
 `wire` for their datums); none of them imports `_proto` or reads a message. Everything
 is reachable as `api.<name>`.
@@ -31,9 +31,16 @@ Example:
 """
 
 from twinkle_client.api.calls import Call, ForwardCall, OpCall, release, submit
+from twinkle_client.api.external import (
+    ExternalWeightsUrls,
+    external_weights_urls,
+    save_weights_external,
+)
 from twinkle_client.api.runs import (
+    copy_checkpoint,
     delete_checkpoint,
     download_checkpoint,
+    get_audit_log,
     get_checkpoint,
     get_run,
     list_checkpoints,
@@ -58,6 +65,7 @@ from twinkle_client.api.training import (
     load_state,
     lr_step,
     optim_step,
+    save_ephemeral_sampler,
     save_state,
     save_weights_for_sampler,
     set_loss,
@@ -69,6 +77,7 @@ from twinkle_client.api.training import (
 )
 from twinkle_client.api.values import (
     AdamParams,
+    AuditEntry,
     Capabilities,
     Checkpoint,
     Completion,
@@ -87,14 +96,17 @@ from twinkle_client.api.values import (
 from twinkle_client.connection import Op
 
 __all__ = [
-    "AdamParams", "Call", "Capabilities", "Checkpoint", "Completion", "ForwardCall",
+    "AuditEntry", "copy_checkpoint", "get_audit_log",
+    "AdamParams", "Call", "Capabilities", "Checkpoint", "Completion", "ExternalWeightsUrls",
+    "ForwardCall", "external_weights_urls", "save_weights_external",
     "ForwardResult", "LoraSpec", "Loss", "ModelInfo", "Op", "OpCall", "Page", "SampleResult",
     "SamplingParams", "SamplingSession", "ServedModel", "ServerLimits", "TrainingRun",
     "calculate_metric", "capabilities", "clip_grad_norm", "compute_logprobs", "create_model",
     "create_sampling_session", "delete_checkpoint", "download_checkpoint",
     "download_tokenizer", "forward", "get_checkpoint", "get_run", "get_train_configs",
     "health_check", "list_checkpoints", "list_runs", "load_state", "lr_step", "optim_step",
-    "publish_checkpoint", "release", "sample", "sample_op", "save_state",
+    "publish_checkpoint", "release", "sample", "sample_op", "save_ephemeral_sampler",
+    "save_state",
     "save_weights_for_sampler", "set_checkpoint_ttl", "set_loss",
     "set_lr_scheduler", "set_optimizer", "step", "submit", "unload_model", "write_files",
     "zero_grad",

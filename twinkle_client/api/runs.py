@@ -3,6 +3,7 @@ downloads."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -12,7 +13,7 @@ from pathlib import Path
 from twinkle_client import errors
 from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2
 from twinkle_client.api.calls import Call, no_reply
-from twinkle_client.api.values import Checkpoint, Page, TrainingRun
+from twinkle_client.api.values import AuditEntry, Checkpoint, Page, TrainingRun
 from twinkle_client.connection import Connection
 
 
@@ -72,6 +73,30 @@ def set_checkpoint_ttl(path: str, ttl_seconds: int | None) -> Call[None]:
     if ttl_seconds is not None:
         request.ttl_seconds = ttl_seconds
     return Call("runs", "SetCheckpointTtl", request, no_reply)
+
+
+def copy_checkpoint(source_path: str, *, destination_project_id: str = "",
+                    session_id: str = "", ttl_seconds: int | None = None,
+                    weights_access_token: str = "", idempotency_key: str = "") -> Call[str]:
+    """Copy a checkpoint the tenant may read (or, with `weights_access_token`, that key's
+    tenant may read) into a new run of the tenant; returns the copy's path. A retry with
+    the same `idempotency_key` answers the same copy."""
+    request = runs_pb2.CopyCheckpointRequest(
+        source_path=source_path, destination_project_id=destination_project_id,
+        session_id=session_id, weights_access_token=weights_access_token,
+        idempotency_key=idempotency_key)
+    if ttl_seconds is not None:
+        request.ttl_seconds = ttl_seconds
+    return Call("runs", "CopyCheckpoint", request, lambda reply: reply.path)
+
+
+def get_audit_log(event_type: str = "all", day: str = "") -> Call[list[AuditEntry]]:
+    """The tenant's audit log entries of one UTC day (`day` YYYY-MM-DD, empty: today),
+    oldest first; `event_type` all, checkpoints, models, sessions, ..."""
+    return Call("runs", "GetAuditLog", runs_pb2.GetAuditLogRequest(event_type=event_type,
+                                                                  day=day),
+                lambda reply: [AuditEntry(e.timestamp, e.event, json.loads(e.event_details_json))
+                               for e in reply.entries])
 
 
 def download_checkpoint(conn: Connection, path: str, dest: str | os.PathLike) -> Path:

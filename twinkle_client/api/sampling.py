@@ -30,10 +30,18 @@ def _sample_request(prompt: np.ndarray, num_samples: int, params: SamplingParams
                                       params=_sampling_params(params), **fields)
 
 
+def _optional(message: Any, name: str, field: str) -> np.ndarray | None:
+    """`message.<name>` decoded, or None when the reply left it unset."""
+    return wire.decode_array(getattr(message, name), field) if message.HasField(name) else None
+
+
 def _sample_result(reply: sampling_pb2.SampleResponse) -> SampleResult:
     sequences = [Completion(wire.decode_array(seq.tokens, f"sequences[{i}].tokens"),
                             wire.decode_array(seq.logprobs, f"sequences[{i}].logprobs"),
-                            seq.stop_reason)
+                            seq.stop_reason,
+                            _optional(seq, "topk_token_ids", f"sequences[{i}].topk_token_ids"),
+                            _optional(seq, "topk_logprobs", f"sequences[{i}].topk_logprobs"),
+                            sequence_id=seq.sequence_id)
                  for i, seq in enumerate(reply.sequences)]
     prompt_logprobs = topk_ids = topk_logprobs = None
     if reply.HasField("prompt_logprobs"):
@@ -41,7 +49,10 @@ def _sample_result(reply: sampling_pb2.SampleResponse) -> SampleResult:
     if reply.HasField("topk_prompt_token_ids"):
         topk_ids = wire.decode_array(reply.topk_prompt_token_ids, "topk_prompt_token_ids")
         topk_logprobs = wire.decode_array(reply.topk_prompt_logprobs, "topk_prompt_logprobs")
-    return SampleResult(sequences, prompt_logprobs, topk_ids, topk_logprobs)
+    return SampleResult(sequences, prompt_logprobs, topk_ids, topk_logprobs,
+                        _optional(reply, "target_prompt_logprobs", "target_prompt_logprobs"),
+                        _optional(reply, "prompt_alt_tokens", "prompt_alt_tokens"),
+                        _optional(reply, "prompt_alt_logprobs", "prompt_alt_logprobs"))
 
 
 def create_sampling_session(*, model_path: str = "", base_model: str = ""
@@ -57,18 +68,38 @@ def create_sampling_session(*, model_path: str = "", base_model: str = ""
 
 def sample(sampling_session_id: str, prompt: np.ndarray, num_samples: int,
            params: SamplingParams, include_prompt_logprobs: bool = False,
-           topk_prompt_logprobs: int = 0) -> Call[SampleResult]:
-    """`num_samples` completions of token-id array `prompt` from a sampling session."""
+           topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
+           target_prompt_logprobs: np.ndarray | None = None, prompt_alt_tokens_k: int = 0,
+           prompt_logprobs_last_n: int | None = None,
+           record_stability_info: bool = False) -> Call[SampleResult]:
+    """`num_samples` completions of token-id array `prompt` from a sampling session.
+    With `record_stability_info` the server records each sequence for stable_reinforce
+    (a datum's provenance names it by `Completion.sequence_id`).
+
+    Tinker's options: `topk_sample_logprobs` k (each sampled position's top-k),
+    `target_prompt_logprobs` (int64 `[T - 1, K]` ids, -1 = none), `prompt_alt_tokens_k`
+    (k draws per prompt position), `prompt_logprobs_last_n` (score the last N only).
+    """
+    fields: dict[str, Any] = {"topk_sample_logprobs": topk_sample_logprobs,
+                              "prompt_alt_tokens_k": prompt_alt_tokens_k,
+                              "prompt_logprobs_last_n": prompt_logprobs_last_n or 0,
+                              "record_stability_info": record_stability_info}
+    if target_prompt_logprobs is not None:
+        fields["target_prompt_logprobs"] = wire.encode_array(
+            np.asarray(target_prompt_logprobs, np.int64), "target_prompt_logprobs")
     return Call("sampling", "Sample", _sample_request(
         prompt, num_samples, params, sampling_session_id=sampling_session_id,
         include_prompt_logprobs=include_prompt_logprobs,
-        topk_prompt_logprobs=topk_prompt_logprobs), _sample_result)
+        topk_prompt_logprobs=topk_prompt_logprobs, **fields), _sample_result)
 
 
-def compute_logprobs(sampling_session_id: str, prompt: np.ndarray) -> Call[np.ndarray]:
-    """The logprob of each prompt token given the ones before it (NaN at position 0)."""
+def compute_logprobs(sampling_session_id: str, prompt: np.ndarray,
+                     prompt_logprobs_last_n: int | None = None) -> Call[np.ndarray]:
+    """The logprob of each prompt token given the ones before it (NaN at position 0, and
+    before the last `prompt_logprobs_last_n` tokens when given)."""
     return Call("sampling", "ComputeLogprobs", sampling_pb2.ComputeLogprobsRequest(
-        sampling_session_id=sampling_session_id, prompt=wire.encode_array(prompt, "prompt")),
+        sampling_session_id=sampling_session_id, prompt=wire.encode_array(prompt, "prompt"),
+        prompt_logprobs_last_n=prompt_logprobs_last_n or 0),
         lambda reply: wire.decode_array(reply.logprobs, "logprobs"))
 
 

@@ -78,13 +78,21 @@ def unload_model(model_id: str) -> Call[None]:
 
 
 def forward(datums: Sequence[wire.Datum], loss: Loss | None = None, backward: bool = True,
-            first: int = 0) -> ForwardCall:
+            first: int = 0, provenance: Sequence[wire.Provenance | None] | None = None
+            ) -> ForwardCall:
     """A Forward(Backward) op on `datums`, every chunk packed now (a datum that cannot be
-    sent raises `wire.WireError` naming it by its index, counted from `first`)."""
+    sent raises `wire.WireError` naming it by its index, counted from `first`).
+    `provenance`, one entry per datum (None: none), names the recorded sampled sequences
+    behind each datum's tokens, which the stable_reinforce loss needs."""
     if not isinstance(datums, Sequence) or not all(isinstance(d, wire.Datum) for d in datums):
         raise TypeError("datums: expected a list of wire.Datum (wire.encode_datum, "
                         "features.encode_feature or a client's conversion makes them)")
-    return ForwardCall(wire.pack_request(datums, first=first), loss, backward)
+    chunks = wire.pack_request(datums, first=first)
+    if provenance is not None:
+        if len(provenance) != len(datums):
+            raise ValueError(f"provenance: {len(provenance)} entries for {len(datums)} datums")
+        wire.attach_provenance(chunks, provenance)
+    return ForwardCall(chunks, loss, backward)
 
 
 def set_loss(loss: Loss) -> OpCall[None]:
@@ -174,6 +182,14 @@ def save_weights_for_sampler(name: str, user_metadata: Mapping[str, str] | None 
     """Save the adapter weights as `sampler_weights/<name>`; returns its path."""
     return UnaryOp("training", "SaveWeightsForSampler", training_pb2.SaveRequest(
         name=name, user_metadata=user_metadata or {}), lambda reply: reply.path)
+
+
+def save_ephemeral_sampler() -> OpCall[str]:
+    """Snapshot the adapter weights for a new sampling session of their own (Tinker's
+    ephemeral sampler weights: no checkpoint, deleted with the session); returns the
+    sampling session's id."""
+    return UnaryOp("training", "SaveWeightsForSampler", training_pb2.SaveRequest(
+        ephemeral=True), lambda reply: reply.sampling_session_id)
 
 
 def load_state(path: str, include_optimizer: bool = False) -> OpCall[None]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -104,6 +104,9 @@ class Completion:
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: str
+    topk_token_ids: np.ndarray | None = None   # int32 [n, k] with topk_sample_logprobs
+    topk_logprobs: np.ndarray | None = None    # float32 [n, k]
+    sequence_id: str = ""   # names it in a datum's provenance (recorded with record_stability_info)
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class SampleResult:
     prompt_logprobs: np.ndarray | None = None
     topk_token_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
+    target_logprobs: np.ndarray | None = None   # float32 [T - 1, K], 0.0 where id was -1
+    alt_tokens: np.ndarray | None = None        # int64 [T - 1, k]
+    alt_logprobs: np.ndarray | None = None      # float32 [T - 1, k]
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,16 @@ class Checkpoint:
     user_metadata: dict[str, str]
     public: bool = False                # readable by every tenant of the server
     expires_at: float | None = None     # unix seconds it is deleted at; None: never
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One audit log entry: unix `timestamp`, `event` (`<resource>_<action>`) and what
+    it was about (`details`: actor, model_id, tinker_path, ...)."""
+
+    timestamp: float
+    event: str
+    details: dict[str, Any]
 
 
 @dataclass(frozen=True)

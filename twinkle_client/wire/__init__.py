@@ -11,6 +11,9 @@ package, on the client and on the server alike. It does two jobs, one module eac
   (`chunk_datums`) and packs every group (`pack_datums`) before anything is sent; the
   server's `unpack_datums` validates a batch before it allocates and splits it back.
 
+- `provenance`: which recorded sampled sequence each datum position reproduces (`Span`,
+  `Provenance`), carried beside the batch (`attach_provenance`, `read_provenance`).
+
 Every failure is a `WireError` naming the field and, where it is one datum's, the datum.
 The clients' own input conventions live beside them, not here: Twinkle input features
 (shifted `labels`, -100 = no loss) in `twinkle_client.features`, Tinker datums in
@@ -28,6 +31,14 @@ from twinkle_client.wire.datums import (
     pack_request,
     unpack_datums,
 )
+from twinkle_client.wire.provenance import (
+    Provenance,
+    Span,
+    attach_provenance,
+    make_provenance,
+    make_span,
+    read_provenance,
+)
 from twinkle_client.wire.tensors import (
     MAX_DIMS,
     WireError,
@@ -43,14 +54,20 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "TOKEN_FIELDS",
     "Datum",
+    "Provenance",
+    "Span",
     "WireError",
+    "attach_provenance",
     "chunk_datums",
     "decode_array",
     "decode_tokens",
     "encode_array",
     "encode_datum",
+    "make_provenance",
+    "make_span",
     "pack_datums",
     "pack_request",
+    "read_provenance",
     "token_array",
     "unpack_datums",
 ]

@@ -69,6 +69,7 @@ from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
+    AUTO_SEQ_LEN,
     AdamParams,
     EngineLimits,
     ForwardOutput,
@@ -114,6 +115,7 @@ class Engine:
             parallel.shard(base.model)
         # On several ranks a pass also gathers the base's weights, beside its activations.
         gathered = parallel.gathered_bytes() if parallel is not None else 0
+        limits = self.limits = self._resolve_seq_len(limits, activation_checkpointing, gathered)
         # Decoder layers recomputed in backward (`engine.activations`); None picks by
         # the memory free once the base is in place (`memory.auto_checkpointing`).
         if activation_checkpointing is None:
@@ -170,6 +172,32 @@ class Engine:
                                .removeprefix("torch."), cache_dir=cache_dir)
         base.device = target
         return cls(base, limits, packing, activation_checkpointing, parallel)
+
+    def _resolve_seq_len(self, limits: EngineLimits, checkpointing: bool | None,
+                         gathered: int) -> EngineLimits:
+        """`limits` with `max_seq_len` chosen when `AUTO_SEQ_LEN` (the model's context, at
+        most `max_batch_tokens`, a given `max_pass_tokens` and what memory allows:
+        `memory.auto_max_seq_len`), and logged. A value given above the model's
+        `max_position_embeddings` is refused: positions past it were never trained."""
+        context = getattr(self.base.config, "max_position_embeddings", None)
+        if limits.max_seq_len != AUTO_SEQ_LEN:
+            if context and limits.max_seq_len > context:
+                raise InvalidArgument(
+                    f"max_seq_len: --max-seq-len {limits.max_seq_len} is over the model's "
+                    f"max_position_embeddings {context}; give at most {context}, or 0 for "
+                    "the model's own bounded by memory")
+            log.info("sequences of at most %d tokens (--max-seq-len)", limits.max_seq_len)
+            return limits
+        bound = min(n for n in (self.base.max_seq_len, limits.max_batch_tokens,
+                                limits.max_pass_tokens) if n > 0)
+        chosen = memory.auto_max_seq_len(
+            self.base.config, self.base.dtype, self.base.vocab_size, self.base.device.type,
+            self._free_bytes(), bound, checkpointing is not False, gathered)
+        log.info("sequences of at most %d tokens (--max-seq-len 0: the model's "
+                 "max_position_embeddings %d, at most --max-batch-tokens %d and what memory "
+                 "allows on %s)", chosen, self.base.max_seq_len, limits.max_batch_tokens,
+                 self.base.device.type)
+        return replace(limits, max_seq_len=chosen)
 
     @property
     def pass_tokens(self) -> int:
@@ -446,7 +474,8 @@ class Engine:
             try:
                 checks.prompt(request.prompt, self.limits, self.base.vocab_size)
                 generation = sampler.GenerationRequest(None, np.asarray(request.prompt),
-                                                       request.num_samples, request.params)
+                                                       request.num_samples, request.params,
+                                                       request.topk_logprobs)
                 sampler.validate(generation)
                 checks.sample_size(request, self.limits)
                 route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
@@ -489,11 +518,21 @@ class Engine:
     def prompt_logprobs(self, adapter_id: str | None, weights_path: str | None,
                         tokens: np.ndarray, topk: int = 0) -> Any:
         """`compute_logprobs` plus, with `topk` > 0, the top-k tokens at each position
-        (a `sampler.PromptLogprobs`)."""
-        from twinkle_server.engine import sampler
+        (a `prompt_scoring.PromptLogprobs`)."""
+        from twinkle_server.engine.prompt_scoring import PromptScoring
+
+        return self.score_prompt(adapter_id, weights_path, tokens,
+                                 PromptScoring(include=True, topk=topk))
+
+    def score_prompt(self, adapter_id: str | None, weights_path: str | None,
+                     tokens: np.ndarray, scoring: Any) -> Any:
+        """Everything a `prompt_scoring.PromptScoring` asks about `tokens` (own logprobs,
+        top-k, target ids, alternative draws), in one pass: a `PromptLogprobs`."""
+        from twinkle_server.engine import prompt_scoring
 
         checks.prompt(np.asarray(tokens), self.limits, self.base.vocab_size)
+        prompt_scoring.check(scoring, np.asarray(tokens).size, self.base.vocab_size)
         self.samplers.trim()
         route_id = self._sampling_adapter(adapter_id, weights_path)
-        return self._on_base(sampler.prompt_logprobs, self.base.model, self.router.route,
-                             route_id, np.asarray(tokens), topk)
+        return self._on_base(prompt_scoring.score_prompt, self.base.model, self.router.route,
+                             route_id, np.asarray(tokens), scoring)

@@ -202,6 +202,28 @@ def auto_pass_tokens(config: Any, dtype: torch.dtype, vocab_size: int, device_ty
     return tokens
 
 
+def auto_max_seq_len(config: Any, dtype: torch.dtype, vocab_size: int, device_type: str,
+                     free: int | None, limit: int, checkpointing: bool,
+                     gathered: int = 0) -> int:
+    """`--max-seq-len 0`: the longest datum a training pass can hold, at most `limit` (the
+    model's `max_position_embeddings`, `--max-batch-tokens`, a given `--max-pass-tokens`).
+    On CPU at most `CPU_PASS_TOKENS`, the CPU's pass cap (its `MemAvailable` is no measure,
+    as in `auto_pass_tokens`); on an accelerator the most tokens whose pass headroom, plus
+    `gathered`, fits in `PASS_SHARE` of the `free` bytes, counted with activation
+    checkpointing when it may be on (`checkpointing`: `on` or `auto`, which then turns it on
+    exactly when this length needs it). Raises InvalidArgument when not one token fits."""
+    if device_type == "cpu" or free is None:
+        return min(limit, CPU_PASS_TOKENS)
+    budget = _pass_budget(free, gathered)
+    tokens = min(limit, fit_pass_tokens(config, dtype, vocab_size, budget, checkpointing))
+    if tokens < 1:
+        raise InvalidArgument(
+            f"memory: {PASS_SHARE:.0%} of the {(free or 0) / 2**30:.1f} GiB free after "
+            "loading the base holds no training pass at all; shard the base over more "
+            "devices or use a larger device")
+    return tokens
+
+
 def available_memory_bytes(device: torch.device) -> int | None:
     """Free memory for new adapter state on `device` (None when it cannot be read).
 

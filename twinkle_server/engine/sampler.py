@@ -22,9 +22,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from twinkle_server.engine.base_model import last_hidden_states
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.logprobs import OutputHead, top_logprobs
+from twinkle_server.engine.prompt_scoring import (  # noqa: F401  (re-exported)
+    MAX_TOPK,
+    TOPK_MASK_LOGPROB,
+    PromptLogprobs,
+    PromptScoring,
+    check_topk,
+    score_prompt,
+)
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 
 Route = Callable[[Sequence[str | None]], AbstractContextManager]
@@ -32,12 +38,14 @@ Route = Callable[[Sequence[str | None]], AbstractContextManager]
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """`num_samples` completions of one int64 `[T]` prompt under one adapter (None = base)."""
+    """`num_samples` completions of one int64 `[T]` prompt under one adapter (None = base);
+    `topk_logprobs` k > 0 also returns the k likeliest tokens at every sampled position."""
 
     adapter_id: str | None
     prompt: np.ndarray
     num_samples: int
     params: SamplingParams
+    topk_logprobs: int = 0
 
 
 def validate(request: GenerationRequest) -> None:
@@ -60,6 +68,7 @@ def validate(request: GenerationRequest) -> None:
     if p.top_k < -1:
         raise InvalidArgument(f"sampling_params.top_k: must be >= 0 (or -1 = no limit), "
                               f"got {p.top_k}")
+    check_topk(request.topk_logprobs, "topk_sample_logprobs")
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
@@ -148,6 +157,8 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
              for r in requests]
     out_tokens: list[list[int]] = [[] for _ in owners]
     out_logprobs: list[list[float]] = [[] for _ in owners]
+    # Per row, per step: the (ids, logprobs) of its request's top-k, when it asks.
+    out_topk: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in owners]
     reasons: list[str | None] = [None] * len(owners)
     active = list(range(len(owners)))  # global row index of each batch row, in order
     cache_kw = _cache_keyword(model)
@@ -172,14 +183,21 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
             chosen[start:end] = _pick(logits[start:end], requests[owner].params,
                                       generators[owner])
             start = end
-        chosen_logp = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1)
         chosen_list, logp_list = chosen.tolist(), chosen_logp.tolist()
+        widest = max(requests[owners[row]].topk_logprobs for row in active)
+        if widest:  # one top-k for the batch, as wide as its widest request's
+            top = torch.topk(logp, min(widest, logp.shape[-1]), dim=-1)
+            top_ids, top_lps = top.indices.cpu().numpy(), top.values.cpu().numpy()
         keep = []
         for batch_row, row in enumerate(active):
             params = requests[owners[row]].params
             token = chosen_list[batch_row]
             out_tokens[row].append(token)
             out_logprobs[row].append(logp_list[batch_row])
+            if k := requests[owners[row]].topk_logprobs:
+                out_topk[row].append((top_ids[batch_row, :k], top_lps[batch_row, :k]))
             if token in stops[owners[row]]:
                 reasons[row] = "stop"
             elif params.stop_strings and any(s in decode(out_tokens[row])
@@ -199,11 +217,26 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         positions = positions[:, -1:] + 1
     results: list[list[SampledSequence]] = [[] for _ in requests]
     for row, owner in enumerate(owners):
+        topk = _topk_arrays(out_topk[row], requests[owner].topk_logprobs)
         results[owner].append(SampledSequence(
             tokens=np.asarray(out_tokens[row], dtype=np.int32),
             logprobs=np.asarray(out_logprobs[row], dtype=np.float32),
-            stop_reason=reasons[row]))
+            stop_reason=reasons[row], topk_token_ids=topk[0], topk_logprobs=topk[1]))
     return results
+
+
+def _topk_arrays(steps: list[tuple[np.ndarray, np.ndarray]], k: int
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A row's per-step top-k as int32 / float32 `[n, k]` (None when not asked); a
+    vocabulary narrower than k leaves token 0 / `TOPK_MASK_LOGPROB` in the last columns."""
+    if not k:
+        return None, None
+    ids = np.zeros((len(steps), k), np.int32)
+    lps = np.full((len(steps), k), TOPK_MASK_LOGPROB, np.float32)
+    for i, (step_ids, step_lps) in enumerate(steps):
+        ids[i, :step_ids.size] = step_ids
+        lps[i, :step_lps.size] = step_lps
+    return ids, lps
 
 
 def _idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
@@ -215,49 +248,15 @@ def _idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
               logits_to_keep=1)
 
 
-MAX_TOPK = 20
-"""Most top-k prompt alternatives one request may ask for (Tinker's own cap)."""
-TOPK_MASK_LOGPROB = -99999.0
-"""Logprob of the filler at position 0, which has no context (Tinker's sentinel)."""
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Per prompt position t: logprob of token t given tokens[:t] (NaN at 0), and with
-    k > 0 the k most likely tokens there with their logprobs, most likely first (row 0 is
-    token 0 / `TOPK_MASK_LOGPROB`)."""
-
-    logprobs: np.ndarray                   # float32 [T]
-    topk_token_ids: np.ndarray | None      # int32 [T, k]
-    topk_logprobs: np.ndarray | None       # float32 [T, k]
-
-
-def check_topk(topk: int) -> None:
-    """Raise `InvalidArgument` unless 0 <= topk <= MAX_TOPK."""
-    if not 0 <= topk <= MAX_TOPK:
-        raise InvalidArgument(f"topk_prompt_logprobs: must be in [0, {MAX_TOPK}], got {topk}")
-
-
 @torch.inference_mode()
 def prompt_logprobs(model: torch.nn.Module, route: Route, adapter_id: str | None,
                     tokens: np.ndarray, topk: int = 0) -> PromptLogprobs:
-    """Prompt logprobs in one teacher-forced pass (see `PromptLogprobs`).
+    """Every prompt position's own logprob (NaN at 0) and, with `topk` > 0, its top-k, in
+    one teacher-forced pass: `prompt_scoring.score_prompt` with nothing else asked.
 
-    The logits come a chunk of positions at a time from the last hidden states
-    (`logprobs.top_logprobs`): a 4,096-token prompt's whole `[T x V]` float32 logits and
-    log-softmax would be 2 x 2.3 GiB with a 151,936-token vocabulary.
+    The logits come a chunk of positions at a time from the last hidden states: a
+    4,096-token prompt's whole `[T x V]` float32 logits and log-softmax would be
+    2 x 2.3 GiB with a 151,936-token vocabulary.
     """
-    check_topk(topk)
-    device = next(model.parameters()).device
-    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None].to(device)
-    with route([adapter_id]):
-        hidden = last_hidden_states(model, input_ids=ids, use_cache=False)[0, :-1]
-        own, values, indices = top_logprobs(OutputHead.of(model), hidden, ids[0, 1:], topk)
-    out = np.concatenate([[np.nan], own.cpu().numpy()]).astype(np.float32)
-    if topk == 0:
-        return PromptLogprobs(out, None, None)
-    top_ids = np.zeros((len(out), topk), np.int32)
-    top_lps = np.full((len(out), topk), TOPK_MASK_LOGPROB, np.float32)
-    top_ids[1:, :indices.shape[-1]] = indices.cpu().numpy()
-    top_lps[1:, :values.shape[-1]] = values.cpu().numpy()
-    return PromptLogprobs(out, top_ids, top_lps)
+    return score_prompt(model, route, adapter_id, tokens, PromptScoring(include=True,
+                                                                        topk=topk))

@@ -159,11 +159,15 @@ StopReason = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class SampledSequence:
-    """One completion: int32 tokens, float32 logprob of each sampled token, why it stopped."""
+    """One completion: int32 tokens, float32 logprob of each sampled token, why it stopped;
+    with `SampleRequest.topk_logprobs` k > 0, the k likeliest tokens at each sampled
+    position and their logprobs (int32 / float32 `[n, k]`, most likely first)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: StopReason
+    topk_token_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,9 @@ class SampleRequest:
     prompt: np.ndarray
     num_samples: int
     params: SamplingParams
+    topk_logprobs: int = 0
+    """k > 0: also the k likeliest tokens at every sampled position (Tinker's
+    `topk_sample_logprobs`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +192,9 @@ class SampleRequest:
 
 AUTO_PASS_TOKENS = -1
 """`EngineLimits.max_pass_tokens` for "pick by device and free memory" (`--max-pass-tokens 0`)."""
+AUTO_SEQ_LEN = 0
+"""`EngineLimits.max_seq_len` for "the model's context, bounded by the limits and memory"
+(`--max-seq-len 0`, the default; `memory.auto_max_seq_len`)."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The HTTP front: the Tinker REST API, so the stock `tinker` SDK works unmodified, plus
-`/metrics` (Prometheus) and `/api/v1/healthz` on the same port.
+`/metrics` (Prometheus) and `/api/v1/healthz` on the same port, and the signed
+download URLs of external weights (`external`).
 
 A thin adapter, like the gRPC front: routes (`app`, `rest`) read the SDK's bodies
 (`convert`), call the same runtime verbs with the tenant from the same
@@ -30,7 +31,9 @@ from starlette.routing import Route
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.http import unserved
+from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.app import Front
+from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.metrics import Metrics
 from twinkle_server.http.rest import Rest
 from twinkle_server.runtime import Runtime
@@ -43,9 +46,10 @@ HTTP_OFF = -1
 def build_app(rt: Runtime) -> tuple[Starlette, Front, Metrics]:
     front = Front(rt)
     metrics = Metrics(rt, front.futures.pending)
-    routes = [*front.routes(), *Rest(front).routes(), *unserved.routes(),
-              Route("/metrics", metrics.endpoint, methods=["GET"])]
-    return Starlette(routes=routes), front, metrics
+    routes = [*front.routes(), *Rest(front).routes(), *ExternalRoutes(front).routes(),
+              *AdminRoutes(front).routes(), *unserved.routes(front), Route("/metrics", metrics.endpoint, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={404: unserved.not_found(front)})
+    return app, front, metrics
 
 
 class _Server(uvicorn.Server):

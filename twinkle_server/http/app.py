@@ -16,6 +16,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from starlette.requests import Request
@@ -25,11 +26,12 @@ from starlette.routing import Route
 from twinkle_client import paths
 from twinkle_server.engine.errors import EngineError, InvalidArgument, Unauthenticated
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.http import convert
+from twinkle_server.http import convert, sampling_options
 from twinkle_server.http.errors import BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
 from twinkle_server.runtime import CheckpointRef, OpRef, Runtime
 from twinkle_server.runtime.runs import check_ttl
+from twinkle_server.scheduler import Op
 from twinkle_server.store import CheckpointRow
 
 log = logging.getLogger("twinkle_server.http")
@@ -37,6 +39,25 @@ LEGACY_KEY_PREFIX = "tml-tw-"
 """The SDK accepts only keys that start with `tml-`; a key created before keys had that
 prefix (`tw-...`) is sent as `tml-tw-...` and looked up without the `tml-`."""
 Handler = Callable[["Front", Request], Awaitable[Any]]
+SDK_MIN_BYTES_PER_TOKEN = 4
+"""The fewest bytes the SDK counts per input token when it sizes a forward_backward chunk
+(`_estimate_datum_bytes_count_proto`: 4 per model_input token, plus every loss input's own
+bytes)."""
+SDK_MAX_CHUNK_BYTES = 5_000_000
+SDK_MAX_CHUNK_LEN = 1024
+"""The SDK's own chunk caps (`ClientConfigResponse` defaults): bytes and datums."""
+
+
+def fwdbwd_chunking(max_batch_tokens: int) -> dict[str, int]:
+    """The client-config fields that size the SDK's forward_backward chunks, each chunk one
+    request: a chunk closes before its estimate passes `fwdbwd_max_chunk_bytes_count`, and
+    every token counts at least 4 bytes, so 4 x `--max-batch-tokens` (262,144 tokens: about
+    1 MB, under the SDK's 5 MB) keeps every chunk within the limit, and a batch over it is
+    sent as several requests whose gradients add up as one's. A single datum over the limit
+    still goes alone, and is refused naming it."""
+    return {"fwdbwd_max_chunk_bytes_count": min(SDK_MAX_CHUNK_BYTES,
+                                                SDK_MIN_BYTES_PER_TOKEN * max_batch_tokens),
+            "fwdbwd_max_chunk_len": min(SDK_MAX_CHUNK_LEN, max_batch_tokens)}
 
 
 def route(fn: Handler) -> Callable[[Front, Request], Awaitable[Response]]:
@@ -53,6 +74,12 @@ def route(fn: Handler) -> Callable[[Front, Request], Awaitable[Response]]:
             return JSONResponse(body, status, headers)
         return value if isinstance(value, Response) else JSONResponse(value)
     return wrapper
+
+
+def _log_refusal(taken: Future) -> None:
+    """A refused op took its seq_id; its error went to the caller when it was queued."""
+    if not taken.cancelled() and taken.exception() is not None:
+        log.debug("refused op took its seq_id: %s", taken.exception())
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -116,15 +143,26 @@ class Front:
         return {"request_id": request_id, **extra}
 
     def refused(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> Exception:
-        """Let a refused op still take its seq_id (so the model's later ops run), then
-        return the error for the caller to raise at once."""
-        async def take_seq() -> None:
-            try:
-                await self.rt.training.refuse(ref, kind, error)
-            except Exception:  # the stored refusal itself; raised to the caller below
-                pass
-        if ref.seq_id is not None:
-            asyncio.ensure_future(take_seq())
+        """Let a refused op still take its seq_id, so the model's later ops run (every
+        request that carries a seq_id consumes it); returns the error to raise.
+
+        The refusal is queued under its seq_id before this returns, so it is consumed in
+        order before the answer leaves. It is not awaited as the gRPC front awaits it:
+        that would hold the answer until the model's earlier ops ran, and the SDK sends
+        the first chunk of a parallel forward_backward only after the others are
+        answered, so a refused later chunk would wait for a chunk not yet sent. When the
+        seq_id cannot be taken (already used by another op, too far ahead) or already
+        holds an outcome (a retry), that is the answer instead of `error`."""
+        if ref.seq_id is None:
+            return error
+        taken = self.rt.scheduler.submit(
+            Op.failed(ref.model_id, ref.seq_id, kind, error, ref.request_id))
+        if taken.done() and taken.exception() not in (None, error):
+            return taken.exception()
+        # The same op through the runtime, so it is logged and counted like every op
+        # (`Core.run`): the scheduler answers it with `taken` itself (same seq_id, kind).
+        observed = asyncio.ensure_future(self.rt.training.refuse(ref, kind, error))
+        observed.add_done_callback(_log_refusal)
         return error
 
     def tokenizer_id(self) -> str:
@@ -151,7 +189,7 @@ class Front:
                 "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
                 "use_pyqwest_transport": False, "sample_use_retrieve_futures": False,
                 "custom_loss_server_side": False, "sample_join_sampling_session": False,
-                "fwdbwd_max_chunk_len": 1024}
+                **fwdbwd_chunking(self.rt.config.max_batch_tokens)}
 
     @route
     async def dynamic_config(self, request: Request) -> Any:
@@ -257,7 +295,7 @@ class Front:
             if isinstance(datums, Exception):
                 raise datums
             forward = self.rt.training.forward_request(tenant, ref.model_id, datums, loss,
-                                                       backward)
+                                                       backward, convert.provenance(msg))
         except (EngineError, ValueError) as exc:
             raise self.refused(tenant, ref, kind, exc) from None
         return self.promise(tenant, rid, self.rt.training.forward(tenant, ref, forward),
@@ -272,8 +310,11 @@ class Front:
             adam = convert.adam(body)
         except EngineError as exc:
             raise self.refused(tenant, ref, "optim_step", exc) from None
+        # No metrics: the hosted service names none for optim_step, and the cookbook's
+        # loops merge these into their own log rows, where our `step` (a float counting
+        # from 1) and `learning_rate` overwrote theirs. gRPC's OptimStep keeps them.
         return self.promise(tenant, rid, self.rt.training.optim_step(tenant, ref, adam),
-                            lambda metrics: {"metrics": dict(metrics or {})})
+                            lambda _: {"metrics": {}})
 
     @route
     async def save_weights(self, request: Request) -> Any:
@@ -293,33 +334,26 @@ class Front:
             if ephemeral and body.get("sampling_session_seq_id") is None:
                 raise InvalidArgument("path: give a name, or sampling_session_seq_id for a "
                                       "sampler of the current weights")
-            # Twinkle has no unlisted checkpoints: a sampler snapshot is a named save.
-            name = paths.check_name(name or f"ephemeral-{ref.seq_id}-{rid[-6:]}", "path")
+            name = name if ephemeral else paths.check_name(name, "path")
             ttl = convert.integer(body, "ttl_seconds")
             check_ttl(ttl)
         except (EngineError, paths.PathError) as exc:
             raise self.refused(tenant, ref, f"save_{kind}", exc) from None
+        if ephemeral:
+            # Tinker's ephemeral sampler weights: no checkpoint, a snapshot that lives as
+            # long as its sampling session (`Sampling.snapshot`); no path, no TTL of its own.
+            return self.promise(tenant, rid, self.rt.sampling.snapshot(tenant, ref),
+                                lambda sampler: {"type": "save_weights_for_sampler",
+                                                 "path": None, "sampling_session_id": sampler})
         work = self.rt.training.save(tenant, ref, kind, name,
                                      include_optimizer=kind == "training",
                                      overwrite=bool(body.get("overwrite", False)),
                                      user_metadata=convert.mapping(body, "user_metadata"))
         if ttl is not None:
             work = self._expiring(tenant, work, ttl)
-        if not ephemeral:
-            return self.promise(tenant, rid, work, lambda row: {
-                "type": f"save_{'weights' if kind == 'training' else 'weights_for_sampler'}",
-                "path": convert.tinker_path(row)})
-
-        async def snapshot() -> str:
-            row = await work
-            path = convert.tinker_path(row)
-            sampler = await self.rt.sampling.create_session(
-                tenant, self.rt.models[ref.model_id].session_id or "",
-                model_path=checkpoint_ref(path))
-            self.sampler_paths[sampler] = path
-            return sampler
-        return self.promise(tenant, rid, snapshot(), lambda sampler: {
-            "type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler})
+        return self.promise(tenant, rid, work, lambda row: {
+            "type": f"save_{'weights' if kind == 'training' else 'weights_for_sampler'}",
+            "path": convert.tinker_path(row)})
 
     async def _expiring(self, tenant: str, saved: Awaitable[CheckpointRow], ttl: int
                         ) -> CheckpointRow:
@@ -400,19 +434,22 @@ class Front:
         num_samples = convert.integer(body, "num_samples", 1) or 1
         include = bool(body.get("prompt_logprobs"))
         topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
-        for unsupported in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
-            if body.get(unsupported):
-                raise InvalidArgument(f"{unsupported}: not supported by this server")
-        if convert.integer(body, "topk_sample_logprobs", 0) or convert.integer(
-                body, "prompt_alt_tokens_k", 0):
-            raise InvalidArgument("topk_sample_logprobs, prompt_alt_tokens_k: not supported "
-                                  "by this server")
-        work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk)
+        options = sampling_options.read(body, include, topk, params.temperature, prompt.size,
+                                        self.rt.engine.base.vocab_size)
+        work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
+                                       topk_sample_logprobs=options.topk_sample_logprobs,
+                                       prompt_options=options.prompt)
+        # Fixed at submission (the SDK reads them off the promise); kept, with what
+        # stable_reinforce needs, when the request asks to record (`runtime.stability`).
+        ids = self.rt.stability.new_ids(num_samples)
+        if body.get("record_stability_info"):
+            work = self.rt.stability.recorded(tenant, target.queue, prompt, ids, work)
         return self.promise(
             tenant, rid, work,
-            lambda result: Response(convert.sample_response(result, include),
-                                    media_type=convert.PROTOBUF),
-            sample_sequence_ids=[uuid.uuid4().hex for _ in range(num_samples)])
+            lambda result: Response(sampling_options.sample_response(
+                convert.sample_response(result, include), result, options),
+                media_type=convert.PROTOBUF),
+            sample_sequence_ids=ids)
 
     # ------------------------------------------------------------------ futures
 

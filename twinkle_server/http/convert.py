@@ -117,6 +117,33 @@ def forward_request(body: bytes, max_tokens: int
         return msg, exc, LossSpec(msg.loss_fn)
 
 
+def provenance(msg: tpb.ForwardBackwardRequest) -> list[wire.Provenance | None]:
+    """Each datum's provenance spans (`Datum.with_provenance`: `model_input_spans`,
+    `loss_fn_input_spans`) as the codec's `Provenance`, None where a datum has none; a
+    malformed span raises `WireError` naming datum and span."""
+    out: list[wire.Provenance | None] = []
+    for index, datum in enumerate(msg.data):
+        fields = []
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            spans = getattr(datum, name)
+            if len(spans) > wire.provenance.MAX_SPANS:
+                raise wire.WireError(f"datum[{index}].{name}: {len(spans)} spans, over the "
+                                     f"{wire.provenance.MAX_SPANS} one field may have")
+            fields.append([_span(span, f"datum[{index}].{name}[{j}]")
+                           for j, span in enumerate(spans)] or None)
+        out.append(wire.make_provenance(*fields, index))
+    return out
+
+
+def _span(msg: tpb.ProvenanceSpan, where: str) -> wire.Span:
+    arm = msg.WhichOneof("span")
+    if arm is None:
+        raise wire.WireError(f"{where}: neither prompt_tokens nor sampled_tokens is set")
+    run = getattr(msg, arm)
+    return wire.make_span(run.sequence_id, run.offset, run.length, arm == "sampled_tokens",
+                          where)
+
+
 def _loss(msg: tpb.ForwardBackwardRequest) -> LossSpec:
     config: dict[str, float] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():

@@ -3,7 +3,8 @@
 It owns tenants and ownership (`Core`), op construction (merge groups, token costs),
 the store, and the typed verbs every front calls: `runtime.training` (create_model,
 forward, optim_step, save, load, ...), `runtime.sampling` (sessions, sample,
-compute_logprobs) and `runtime.runs` (sessions, runs, checkpoints, capabilities). Verbs
+compute_logprobs), `runtime.runs` (sessions, runs, checkpoints, capabilities) and
+`runtime.external` (external weights and their signed download URLs). Verbs
 take plain values and an authenticated tenant (`Runtime.authenticate`) and return plain
 values or raise the one error family (`twinkle_server.engine.errors`). Nothing here
 imports a protocol: a front maps values and error categories to its own wire.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
+from twinkle_server.runtime.audit import Audit
+from twinkle_server.runtime.copies import Copies
 from twinkle_server.runtime.core import (
     CheckpointRef,
     Core,
@@ -21,8 +24,10 @@ from twinkle_server.runtime.core import (
     SamplerEntry,
     check_metadata,
 )
+from twinkle_server.runtime.external import External
 from twinkle_server.runtime.runs import Runs
 from twinkle_server.runtime.sampling import Sampling
+from twinkle_server.runtime.stability import Stability
 from twinkle_server.runtime.training import Training
 from twinkle_server.store import Store
 
@@ -38,3 +43,7 @@ class Runtime(Core):
         self.training = Training(self)
         self.sampling = Sampling(self)
         self.runs = Runs(self)
+        self.stability = Stability(self)   # stable_reinforce's records (sampling side)
+        self.external = External(self)
+        self.audit = Audit(self)           # the audit log (entries written by the verbs)
+        self.copies = Copies(self)         # copy_weights

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from twinkle_server.engine.errors import (
     Unauthenticated,
     Unavailable,
 )
+from twinkle_server.engine.types import AUTO_SEQ_LEN
 from twinkle_server.executor import EngineExecutor
 from twinkle_server.planning import default_token_budget
 from twinkle_server.scheduler import Op, Scheduler
@@ -43,6 +44,10 @@ MAX_METADATA_ENTRIES = 64
 MAX_METADATA_BYTES = 16 * 1024
 """Caps on user metadata and session tags: they are stored in SQLite and returned with
 every run listing, so one request must not be able to bloat either."""
+SNAPSHOT_DIR = "sampler-snapshots"
+"""Where, in the data dir, the weights of snapshot sampling sessions (Tinker's ephemeral
+`save_weights_and_get_sampling_client`) live, one directory per session, named by its
+id: apart from `checkpoints/`, so no listing, expiry sweep or size total ever sees them."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ class SamplerEntry:
     model_id: str | None       # live adapter
     weights_path: str | None   # sampler checkpoint directory
     base_model: str
+    snapshot: bool = False     # weights_path is its own snapshot, deleted with it
+    last_used: float = 0.0     # time.monotonic() of its creation or latest request's end
+    in_flight: int = 0         # its requests running or queued now
 
 
 def check_metadata(values: Mapping[str, str], field: str) -> dict[str, str]:
@@ -101,11 +109,17 @@ class Core:
     on it; fronts call those verbs with an authenticated tenant."""
 
     def __init__(self, config: ServerConfig, engine: Engine, store: Store) -> None:
+        if config.max_seq_len == AUTO_SEQ_LEN:   # the engine chose it (`--max-seq-len 0`)
+            config = replace(config, max_seq_len=engine.limits.max_seq_len)
         self.config = config
         self.engine = engine
         self.store = store
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
+        # No sampling session outlives the process, so neither do their snapshots: a
+        # restart starts with none (restart-safe cleanup, whatever the last exit was).
+        self.snapshot_root = store.data_dir / SNAPSHOT_DIR
+        shutil.rmtree(self.snapshot_root, ignore_errors=True)
         self.draining = False
         budget = config.merge_token_budget or default_token_budget(engine.base.device.type)
         self.scheduler = Scheduler(EngineExecutor(engine), mode=config.scheduling,
@@ -206,6 +220,9 @@ class Core:
         every front passes here, so this is where it is logged and observed."""
         start = time.perf_counter()
         result = error = None
+        sampler = self.samplers.get(op.queue_id)
+        if sampler is not None:   # in use until it ends (`expire_snapshots`)
+            sampler.in_flight += 1
         try:
             result = await asyncio.wrap_future(self.scheduler.submit(op))
             return result
@@ -213,6 +230,9 @@ class Core:
             error = exc
             raise
         finally:
+            if sampler is not None:
+                sampler.in_flight -= 1
+                sampler.last_used = time.monotonic()
             seconds = time.perf_counter() - start
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f", op.queue_id, op.seq_id,
                      op.kind, op.tokens, seconds * 1000)
@@ -253,7 +273,7 @@ class Core:
     async def expire(self) -> None:
         """The periodic sweep (`server.serve`): idle sessions, then checkpoints past their
         expiry. A failure is logged, not raised: the next sweep tries again."""
-        for sweep in (self.expire_sessions, self.expire_checkpoints):
+        for sweep in (self.expire_sessions, self.expire_checkpoints, self.expire_snapshots):
             try:
                 await sweep()
             except Exception:
@@ -273,12 +293,37 @@ class Core:
             await self.write(self.store.close_session, session_id)
             await self.close_session_models(session_id, "session expired")
 
+    async def expire_snapshots(self, now: float | None = None) -> None:
+        """End every snapshot sampling session with no request in flight and none for
+        `--session-timeout` seconds (at `now`, a `time.monotonic()`): an RL loop makes
+        one a step and samples from each for about a step, and its client session may
+        last for thousands of steps."""
+        now = time.monotonic() if now is None else now
+        idle = [s for s, e in self.samplers.items() if e.snapshot and not e.in_flight
+                and now - e.last_used > self.config.session_timeout]
+        for sampling_id in idle:
+            await self.end_sampler(sampling_id, f"unused for over {self.config.session_timeout:g} "
+                                                "s (--session-timeout)")
+
     async def close_session_models(self, session_id: str, reason: str) -> None:
         for model_id in [m for m, e in self.models.items() if e.session_id == session_id]:
             await self.unload(model_id, reason)
         for sid in [s for s, e in self.samplers.items() if e.session_id == session_id]:
-            self.samplers.pop(sid, None)
-            self.scheduler.unregister(sid, FailedPrecondition(reason))
+            await self.end_sampler(sid, reason)
+
+    async def end_sampler(self, sampling_id: str, reason: str) -> None:
+        """Forget a sampling session: its waiting requests fail with `reason` (a running
+        one finishes, or fails if it had not loaded the weights yet), and the snapshot it
+        owns is deleted, on the writer thread."""
+        entry = self.samplers.pop(sampling_id, None)
+        if entry is None:
+            return
+        self.scheduler.unregister(sampling_id, FailedPrecondition(
+            f"sampling_session_id: {sampling_id!r} has ended ({reason})"))
+        if entry.snapshot and entry.weights_path:
+            await self.write(shutil.rmtree, entry.weights_path, True)
+            log.info("dropped snapshot sampler=%s tenant=%s (%s)", sampling_id, entry.tenant,
+                     reason)
 
 
 def _log_write_failure(future) -> None:

@@ -18,6 +18,7 @@ from twinkle_server.engine.errors import (
     ResourceExhausted,
 )
 from twinkle_server.engine.memory import available_memory_bytes
+from twinkle_server.runtime import audit
 from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
@@ -85,7 +86,10 @@ class Runs:
             raise ResourceExhausted(
                 f"sessions: tenant has {core.config.max_sessions_per_tenant} open sessions "
                 "(--max-sessions-per-tenant); close one first")
-        return await core.write(core.store.create_session, tenant, check_metadata(tags, "tags"))
+        session_id = await core.write(core.store.create_session, tenant,
+                                      check_metadata(tags, "tags"))
+        audit.record(core, tenant, "session_create", session_id=session_id)
+        return session_id
 
     def _own_session(self, tenant: str, session_id: str) -> None:
         if self.core.store.session_tenant(session_id) != tenant:
@@ -98,6 +102,7 @@ class Runs:
     async def close_session(self, tenant: str, session_id: str) -> None:
         self._own_session(tenant, session_id)
         await self.core.write(self.core.store.close_session, session_id)
+        audit.record(self.core, tenant, "session_close", session_id=session_id)
         await self.core.close_session_models(session_id, "session closed")
 
     def list_sessions(self, tenant: str, limit: int = 0, offset: int = 0) -> Page:
@@ -165,6 +170,7 @@ class Runs:
     async def delete_checkpoint(self, tenant: str, ref: CheckpointRef) -> None:
         row, _ = self.core.own_checkpoint(tenant, ref)
         await self.core.drop_checkpoint(row)
+        audit.record(self.core, tenant, "checkpoint_delete", **audit.checkpoint_details(row))
 
     async def publish_checkpoint(self, tenant: str, ref: CheckpointRef, public: bool) -> None:
         """Make the tenant's checkpoint readable by every tenant (`public`), or by its
@@ -174,6 +180,8 @@ class Runs:
             raise FailedPrecondition(f"{ref.field}: {ref.text!r} is already "
                                      f"{'public' if public else 'private'}")
         await self.core.write(self.core.store.set_checkpoint_public, row, public)
+        audit.record(self.core, tenant, "checkpoint_publish" if public else
+                     "checkpoint_unpublish", **audit.checkpoint_details(row))
 
     async def set_checkpoint_ttl(self, tenant: str, ref: CheckpointRef,
                                  ttl_seconds: int | None) -> float | None:
@@ -184,6 +192,8 @@ class Runs:
         row, _ = self.core.own_checkpoint(tenant, ref)
         expires_at = None if ttl_seconds is None else time.time() + ttl_seconds
         await self.core.write(self.core.store.set_checkpoint_expiry, row, expires_at)
+        audit.record(self.core, tenant, "checkpoint_ttl_set", ttl_seconds=ttl_seconds,
+                     **audit.checkpoint_details(row))
         return expires_at
 
     def checkpoint_files(self, tenant: str, ref: CheckpointRef) -> tuple[Path, list[str]]:

@@ -8,16 +8,18 @@ ops) or a sampling session (unordered, in arrival order on the session's queue).
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from twinkle_server.engine.engine import SampleRequest
-from twinkle_server.engine.errors import EngineError, InvalidArgument
-from twinkle_server.engine.sampler import check_topk
+from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
+from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_topk
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 from twinkle_server.executor import SAMPLE
+from twinkle_server.runtime import audit
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, SamplerEntry
 from twinkle_server.scheduler import Op
 
@@ -53,16 +55,44 @@ class Sampling:
             raise InvalidArgument("model_path, base_model, model_id: give exactly one")
         weights = None
         if model_path is not None:
-            _, source = core.checkpoint(tenant, model_path)
+            row, source = core.checkpoint(tenant, model_path)
             weights = str(source)
+            audit.record(core, tenant, "checkpoint_read", purpose="sample",
+                         **audit.checkpoint_details(row))
         elif model_id:
             core.model_of(tenant, model_id)
         else:
             core.check_base_model(base_model)
         sampling_id = "samp-" + secrets.token_hex(6)
         core.samplers[sampling_id] = SamplerEntry(session_id, tenant, model_id or None,
-                                                  weights, core.config.model)
+                                                  weights, core.config.model,
+                                                  last_used=time.monotonic())
         core.scheduler.register_model(sampling_id)
+        return sampling_id
+
+    async def snapshot(self, tenant: str, op: OpRef) -> str:
+        """Tinker's `save_weights_and_get_sampling_client`: the model's weights after its
+        ops before `op`, saved as op `op.seq_id` for a new sampling session of their own
+        in the model's session; returns the sampling session's id.
+
+        The SDK calls these weights ephemeral: they are no checkpoint (never listed, no
+        path, nothing counted against the tenant) and are deleted with their sampling
+        session: when its client session closes or expires, when unused for
+        `--session-timeout` seconds (`Core.expire_snapshots`), and at a restart."""
+        core, model_id = self.core, op.model_id
+        owner = core.model_of(tenant, op.model_id).session_id or ""
+        sampling_id = "samp-" + secrets.token_hex(6)
+        target = core.snapshot_root / sampling_id
+        await core.ordered(tenant, op, "save_sampler",
+                           lambda: core.engine.save_weights(model_id, target))
+        core.samplers[sampling_id] = SamplerEntry(owner, tenant, None, str(target),
+                                                  core.config.model, snapshot=True,
+                                                  last_used=time.monotonic())
+        core.scheduler.register_model(sampling_id)
+        if owner and core.store.session_tenant(owner) is None:
+            # Closed while the save ran: `close_session_models` has already passed by.
+            await core.end_sampler(sampling_id, "session closed")
+            raise FailedPrecondition(f"session_id: session {owner!r} was closed")
         return sampling_id
 
     def target(self, tenant: str, op: OpRef | None, sampling_session_id: str = "",
@@ -73,6 +103,7 @@ class Sampling:
             return Target(op.model_id, op.seq_id, op.request_id or request_id, op.model_id,
                           None)
         entry = self.core.sampler_of(tenant, sampling_session_id)
+        entry.last_used = time.monotonic()
         return Target(sampling_session_id, None, request_id, entry.model_id,
                       entry.weights_path)
 
@@ -83,33 +114,48 @@ class Sampling:
 
     async def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
                      params: SamplingParams, include_prompt_logprobs: bool = False,
-                     topk_prompt_logprobs: int = 0) -> SampleResult:
+                     topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
+                     prompt_options: PromptScoring | None = None) -> SampleResult:
         """`num_samples` completions of `prompt`; `params.max_tokens` 0 means up to the
         context limit. With `include_prompt_logprobs` or `topk_prompt_logprobs` > 0, the
-        prompt's own logprobs (and top-k) come too."""
+        prompt's own logprobs (and top-k) come too; `topk_sample_logprobs` k > 0 gives each
+        sampled position's top-k; `prompt_options` (its `last_n`, `targets`, `alt_k`) asks
+        the rest of `PromptScoring`, at the request's temperature and seed."""
         core = self.core
-        try:
-            check_topk(topk_prompt_logprobs)  # before sampling, not after it
+        scoring = replace(prompt_options or PromptScoring(), include=include_prompt_logprobs,
+                          topk=topk_prompt_logprobs, temperature=params.temperature,
+                          seed=params.seed)
+        try:  # before sampling, not after it
+            check_topk(topk_sample_logprobs, "topk_sample_logprobs")
+            check(scoring, prompt.size, core.engine.base.vocab_size)
         except EngineError as exc:
             return await self.refuse(target, "sample", exc)
         if not params.max_tokens:
             params = replace(params, max_tokens=max(1, core.config.max_seq_len - prompt.size))
         payload = SampleRequest(target.adapter_id, target.weights_path, prompt,
-                                num_samples or 1, params)
+                                num_samples or 1, params, topk_sample_logprobs)
         sequences = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
                                       payload.num_tokens, payload, target.request_id))
         scored = None
-        if include_prompt_logprobs or topk_prompt_logprobs:
+        if scoring.wanted:
             scored = await core.run(Op(
                 target.queue, None, "prompt_logprobs", None, prompt.size,
-                lambda: core.engine.prompt_logprobs(target.adapter_id, target.weights_path,
-                                                    prompt, topk_prompt_logprobs)))
+                lambda: core.engine.score_prompt(target.adapter_id, target.weights_path,
+                                                 prompt, scoring)))
         return SampleResult(sequences, scored)
 
-    async def compute_logprobs(self, target: Target, prompt: np.ndarray) -> np.ndarray:
-        """The logprob of each prompt token given the ones before it (NaN at 0)."""
+    async def compute_logprobs(self, target: Target, prompt: np.ndarray,
+                               last_n: int | None = None) -> np.ndarray:
+        """The logprob of each prompt token given the ones before it (NaN at 0); with
+        `last_n`, of the last `last_n` tokens only (NaN before them)."""
         engine = self.core.engine
+        scoring = PromptScoring(include=True, last_n=last_n)
+        try:
+            check(scoring, prompt.size)
+        except EngineError as exc:
+            return await self.refuse(target, "compute_logprobs", exc)
         return await self.core.run(Op(
             target.queue, target.seq_id, "compute_logprobs", None, prompt.size,
-            lambda: engine.compute_logprobs(target.adapter_id, target.weights_path, prompt),
+            lambda: engine.score_prompt(target.adapter_id, target.weights_path, prompt,
+                                        scoring).logprobs,
             target.request_id))

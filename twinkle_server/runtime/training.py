@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinkle_client.wire import Provenance
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import (
     EngineError,
@@ -22,7 +23,10 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LoraSpec, LossSpec
 from twinkle_server.executor import FORWARD
+from twinkle_server.runtime import audit
 from twinkle_server.runtime.core import CheckpointRef, Core, ModelEntry, OpRef, check_metadata
+from twinkle_server.runtime.stability import LOSS as STABLE_REINFORCE
+from twinkle_server.runtime.stability import Stability
 from twinkle_server.scheduler import Op
 from twinkle_server.store import CheckpointRow
 
@@ -50,6 +54,7 @@ def spec_to_json(spec: LoraSpec) -> dict[str, Any]:
 class Training:
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.stability = Stability(core)
 
     # ------------------------------------------------------------------ models
 
@@ -107,21 +112,37 @@ class Training:
         await core.write(core.store.create_run, model_id, tenant, base_name,
                          spec_to_json(core.engine.adapters[model_id].spec), metadata,
                          session_id or None)
+        audit.record(core, tenant, "model_create", model_id=model_id, base_model=base_name,
+                     session_id=session_id or None,
+                     from_checkpoint=from_checkpoint.text if from_checkpoint else None)
+        if from_checkpoint is not None:
+            row, _ = core.checkpoint(tenant, from_checkpoint)
+            audit.record(core, tenant, "checkpoint_read", purpose="load", into=model_id,
+                         **audit.checkpoint_details(row))
         return self.info(tenant, model_id)
 
     async def unload_model(self, tenant: str, model_id: str) -> None:
         self.core.model_of(tenant, model_id)
         await self.core.unload(model_id, "unloaded by its owner")
+        audit.record(self.core, tenant, "model_unload", model_id=model_id)
 
     # ------------------------------------------------------------------ forward
 
     def forward_request(self, tenant: str, model_id: str, datums: Sequence[Datum],
-                        loss: LossSpec | None, backward: bool) -> ForwardRequest:
+                        loss: LossSpec | None, backward: bool,
+                        provenance: Sequence[Provenance | None] | None = None
+                        ) -> ForwardRequest:
         """The engine request, after the checks that need no adapter state (the model's
-        ownership, shapes, limits, vocabulary), so a bad batch fails before it queues."""
+        ownership, shapes, limits, vocabulary), so a bad batch fails before it queues.
+        For stable_reinforce, each datum's `provenance` is resolved against the sampler's
+        records first (`runtime.stability`); other losses ignore provenance."""
         self.core.model_of(tenant, model_id)
+        used: list[str] = []
+        if loss is not None and loss.name == STABLE_REINFORCE:
+            datums, used = self.stability.resolve(tenant, model_id, datums, provenance)
         request = ForwardRequest(model_id, datums, loss, backward)
         self.core.engine.check_forward(request)
+        self.stability.touch(tenant, used)
         return request
 
     async def forward(self, tenant: str, ref: OpRef, request: ForwardRequest) -> ForwardOutput:
@@ -221,6 +242,7 @@ class Training:
                                 str(target.relative_to(core.store.checkpoint_root)), size,
                                 with_optimizer, time.time(), metadata)
             core.store.add_checkpoint(row)
+            audit.record(core, tenant, "checkpoint_save", **audit.checkpoint_details(row))
             return row
 
         return await core.ordered(tenant, ref, f"save_{kind}", save)
@@ -231,7 +253,9 @@ class Training:
 
         def load() -> None:
             # Resolved in the op: a save queued before this load has recorded its path.
-            _, directory = core.checkpoint(tenant, source)
+            row, directory = core.checkpoint(tenant, source)
             core.engine.load_state(mid, directory, include_optimizer)
+            audit.record(core, tenant, "checkpoint_read", purpose="load", into=mid,
+                         **audit.checkpoint_details(row))
 
         await core.ordered(tenant, ref, "load_state", load)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
 from twinkle_client._proto.twinkle.v1 import runs_pb2 as rpb
 from twinkle_client._proto.twinkle.v1 import runs_pb2_grpc
 from twinkle_server.runtime import Runtime
+from twinkle_server.runtime.copies import MAX_IDEMPOTENCY_KEY_CHARS
 from twinkle_server.service.common import (
     checkpoint_ref,
     checkpoint_to_proto,
@@ -71,3 +74,25 @@ class RunsServicer(runs_pb2_grpc.RunsServiceServicer):
         await self.verbs.set_checkpoint_ttl(tenant_of(self.rt, context),
                                             checkpoint_ref(request.path), ttl)
         return pb.Empty()
+
+    @unary
+    async def CopyCheckpoint(self, request, context):
+        tenant = tenant_of(self.rt, context)
+        reader = (self.rt.copies.reader_of(request.weights_access_token)
+                  if request.weights_access_token else None)
+        row = await self.rt.copies.copy(
+            tenant, checkpoint_ref(request.source_path, "source_path"), reader=reader,
+            session_id=request.session_id or None,
+            ttl_seconds=request.ttl_seconds if request.HasField("ttl_seconds") else None,
+            destination=request.destination_project_id,
+            idempotency_key=request.idempotency_key[:MAX_IDEMPOTENCY_KEY_CHARS])
+        return rpb.CopyCheckpointResponse(path=f"tinker://{row.run_id}/{row.checkpoint_id}")
+
+    @unary
+    async def GetAuditLog(self, request, context):
+        rows = self.rt.audit.entries(tenant_of(self.rt, context),
+                                     request.event_type or "all", request.day)
+        return rpb.GetAuditLogResponse(entries=[
+            rpb.AuditLogEntry(timestamp=r.at, event=r.event,
+                              event_details_json=json.dumps(r.details, sort_keys=True))
+            for r in rows])

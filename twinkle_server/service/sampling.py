@@ -7,6 +7,7 @@ import numpy as np
 from twinkle_client import wire
 from twinkle_client._proto.twinkle.v1 import sampling_pb2 as smp
 from twinkle_client._proto.twinkle.v1 import sampling_pb2_grpc
+from twinkle_server.engine.prompt_scoring import PromptScoring
 from twinkle_server.engine.types import SamplingParams
 from twinkle_server.runtime import Runtime
 from twinkle_server.runtime.sampling import Target
@@ -50,15 +51,23 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
         target = self._target(context, request)
         try:
             prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
+            options = prompt_options(request)
         except wire.WireError as exc:
             return await self.verbs.refuse(target, "sample", exc)
         result = await self.verbs.sample(target, prompt, request.num_samples,
                                          params_of(request.params),
                                          request.include_prompt_logprobs,
-                                         request.topk_prompt_logprobs)
+                                         request.topk_prompt_logprobs,
+                                         topk_sample_logprobs=request.topk_sample_logprobs,
+                                         prompt_options=options)
+        ids = self.rt.stability.new_ids(len(result.sequences))
+        if request.record_stability_info:
+            await self.rt.stability.record(tenant_of(self.rt, context), target.queue, prompt,
+                                           ids, result)
         response = smp.SampleResponse()
-        for seq_out in result.sequences:
+        for seq_out, sequence_id in zip(result.sequences, ids, strict=True):
             response.sequences.append(smp.SampledSequence(
+                sequence_id=sequence_id,
                 tokens=wire.encode_array(seq_out.tokens), logprobs=wire.encode_array(
                     seq_out.logprobs), stop_reason=seq_out.stop_reason))
         scored = result.prompt_logprobs
@@ -67,6 +76,7 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
         if scored is not None and request.topk_prompt_logprobs:
             response.topk_prompt_token_ids.CopyFrom(wire.encode_array(scored.topk_token_ids))
             response.topk_prompt_logprobs.CopyFrom(wire.encode_array(scored.topk_logprobs))
+        add_sampling_options(response, result)
         return response
 
     @unary
@@ -76,5 +86,36 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             prompt = wire.decode_tokens(request.prompt, "prompt").astype(np.int64)
         except wire.WireError as exc:
             return await self.verbs.refuse(target, "compute_logprobs", exc)
-        lp = await self.verbs.compute_logprobs(target, prompt)
+        lp = await self.verbs.compute_logprobs(target, prompt,
+                                               request.prompt_logprobs_last_n or None)
         return smp.ComputeLogprobsResponse(logprobs=wire.encode_array(lp))
+
+
+def prompt_options(request: smp.SampleRequest) -> PromptScoring:
+    """The request's Tinker prompt options (fields 20+); `runtime.sampling` checks them."""
+    targets = None
+    if request.HasField("target_prompt_logprobs"):
+        targets = wire.decode_array(request.target_prompt_logprobs, "target_prompt_logprobs")
+        if targets.dtype.kind != "i":
+            raise wire.WireError(f"target_prompt_logprobs: must hold integer token ids, got "
+                                 f"{targets.dtype}")
+        targets = targets.astype(np.int64)
+    return PromptScoring(last_n=request.prompt_logprobs_last_n or None, targets=targets,
+                         alt_k=request.prompt_alt_tokens_k)
+
+
+def add_sampling_options(response: smp.SampleResponse, result) -> None:
+    """Fill what the request's Tinker options asked for (each is None when not asked):
+    per-sequence top-k, target prompt logprobs, alternative prompt tokens."""
+    for seq_msg, seq_out in zip(response.sequences, result.sequences, strict=True):
+        if seq_out.topk_token_ids is not None:
+            seq_msg.topk_token_ids.CopyFrom(wire.encode_array(seq_out.topk_token_ids))
+            seq_msg.topk_logprobs.CopyFrom(wire.encode_array(seq_out.topk_logprobs))
+    scored = result.prompt_logprobs
+    if scored is None:
+        return
+    if scored.target_logprobs is not None:
+        response.target_prompt_logprobs.CopyFrom(wire.encode_array(scored.target_logprobs))
+    if scored.alt_tokens is not None:
+        response.prompt_alt_tokens.CopyFrom(wire.encode_array(scored.alt_tokens))
+        response.prompt_alt_logprobs.CopyFrom(wire.encode_array(scored.alt_logprobs))

@@ -81,6 +81,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         cfg = self.rt.config
         tenant = header = None
         datums: list[Datum] = []
+        provenance: list[wire.Provenance | None] = []
         tokens = 0
         error: Exception | None = None
         async for chunk in request_iterator:
@@ -109,6 +110,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                                         f"{arrived} datums arrived")
                 continue
             try:
+                provenance.extend(wire.read_provenance(chunk, len(datums)))
                 unpacked = wire.unpack_datums(chunk.batch, len(datums))
                 tokens += sum(datum.num_tokens for datum in unpacked)
                 if tokens > cfg.max_batch_tokens:
@@ -128,7 +130,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         if error is None:
             try:
                 return tenant, header, self.verbs.forward_request(
-                    tenant, header.op.model_id, datums, loss_of(header.loss), backward)
+                    tenant, header.op.model_id, datums, loss_of(header.loss), backward,
+                    provenance)
             except EngineError as exc:
                 error = exc
         return tenant, header, error
@@ -261,7 +264,19 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
     @unary
     async def SaveWeightsForSampler(self, request, context):
-        return await self._save(request, context, "sampler")
+        if not request.ephemeral:
+            return await self._save(request, context, "sampler")
+        # Tinker's ephemeral sampler weights: a sampling session on a snapshot of its own
+        # (`Sampling.snapshot`), no checkpoint.
+        tenant = tenant_of(self.rt, context)
+        ref = op_ref(request.op)
+        if request.name:
+            self.rt.model_of(tenant, ref.model_id)
+            await self.verbs.refuse(ref, "save_sampler", InvalidArgument(
+                f"name: {request.name!r} with ephemeral; ephemeral weights have no name "
+                "(save a named sampler checkpoint without ephemeral)"))
+        sampler = await self.rt.sampling.snapshot(tenant, ref)
+        return tpb.SaveResponse(sampling_session_id=sampler)
 
     @unary
     async def LoadState(self, request, context):

@@ -72,3 +72,49 @@ class CheckpointRef(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CopyCheckpointRequest(_message.Message):
+    __slots__ = ("source_path", "destination_project_id", "session_id", "ttl_seconds", "weights_access_token", "idempotency_key")
+    SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    source_path: str
+    destination_project_id: str
+    session_id: str
+    ttl_seconds: int
+    weights_access_token: str
+    idempotency_key: str
+    def __init__(self, source_path: _Optional[str] = ..., destination_project_id: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., weights_access_token: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class CopyCheckpointResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class GetAuditLogRequest(_message.Message):
+    __slots__ = ("event_type", "day")
+    EVENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DAY_FIELD_NUMBER: _ClassVar[int]
+    event_type: str
+    day: str
+    def __init__(self, event_type: _Optional[str] = ..., day: _Optional[str] = ...) -> None: ...
+
+class AuditLogEntry(_message.Message):
+    __slots__ = ("timestamp", "event", "event_details_json")
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    timestamp: float
+    event: str
+    event_details_json: str
+    def __init__(self, timestamp: _Optional[float] = ..., event: _Optional[str] = ..., event_details_json: _Optional[str] = ...) -> None: ...
+
+class GetAuditLogResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AuditLogEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditLogEntry, _Mapping]]] = ...) -> None: ...

@@ -75,6 +75,16 @@ class RunsServiceStub:
                 request_serializer=twinkle_dot_v1_dot_runs__pb2.SetCheckpointTtlRequest.SerializeToString,
                 response_deserializer=twinkle_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.CopyCheckpoint = channel.unary_unary(
+                '/twinkle.v1.RunsService/CopyCheckpoint',
+                request_serializer=twinkle_dot_v1_dot_runs__pb2.CopyCheckpointRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_runs__pb2.CopyCheckpointResponse.FromString,
+                _registered_method=True)
+        self.GetAuditLog = channel.unary_unary(
+                '/twinkle.v1.RunsService/GetAuditLog',
+                request_serializer=twinkle_dot_v1_dot_runs__pb2.GetAuditLogRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_runs__pb2.GetAuditLogResponse.FromString,
+                _registered_method=True)
 
 
 class RunsServiceServicer:
@@ -132,6 +142,21 @@ class RunsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyCheckpoint(self, request, context):
+        """Copy a checkpoint the caller may read (or, with weights_access_token, that key's
+        tenant may read) into a new run of the caller; files are shared, not duplicated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAuditLog(self, request, context):
+        """The caller's audit log entries of one UTC day, oldest first; never another tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +199,16 @@ def add_RunsServiceServicer_to_server(servicer, server):
                     servicer.SetCheckpointTtl,
                     request_deserializer=twinkle_dot_v1_dot_runs__pb2.SetCheckpointTtlRequest.FromString,
                     response_serializer=twinkle_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'CopyCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyCheckpoint,
+                    request_deserializer=twinkle_dot_v1_dot_runs__pb2.CopyCheckpointRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_runs__pb2.CopyCheckpointResponse.SerializeToString,
+            ),
+            'GetAuditLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAuditLog,
+                    request_deserializer=twinkle_dot_v1_dot_runs__pb2.GetAuditLogRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_runs__pb2.GetAuditLogResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +427,60 @@ class RunsService:
             '/twinkle.v1.RunsService/SetCheckpointTtl',
             twinkle_dot_v1_dot_runs__pb2.SetCheckpointTtlRequest.SerializeToString,
             twinkle_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.RunsService/CopyCheckpoint',
+            twinkle_dot_v1_dot_runs__pb2.CopyCheckpointRequest.SerializeToString,
+            twinkle_dot_v1_dot_runs__pb2.CopyCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAuditLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.RunsService/GetAuditLog',
+            twinkle_dot_v1_dot_runs__pb2.GetAuditLogRequest.SerializeToString,
+            twinkle_dot_v1_dot_runs__pb2.GetAuditLogResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,7 +50,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("sampling_session_id", "op", "prompt", "num_samples", "params", "include_prompt_logprobs", "topk_prompt_logprobs", "request_id")
+    __slots__ = ("sampling_session_id", "op", "prompt", "num_samples", "params", "include_prompt_logprobs", "topk_prompt_logprobs", "request_id", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k", "prompt_logprobs_last_n", "record_stability_info")
     SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,11 @@ class SampleRequest(_message.Message):
     INCLUDE_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ALT_TOKENS_K_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    RECORD_STABILITY_INFO_FIELD_NUMBER: _ClassVar[int]
     sampling_session_id: str
     op: _common_pb2.OpHeader
     prompt: _common_pb2.Tensor
@@ -67,39 +72,58 @@ class SampleRequest(_message.Message):
     include_prompt_logprobs: bool
     topk_prompt_logprobs: int
     request_id: str
-    def __init__(self, sampling_session_id: _Optional[str] = ..., op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    topk_sample_logprobs: int
+    target_prompt_logprobs: _common_pb2.Tensor
+    prompt_alt_tokens_k: int
+    prompt_logprobs_last_n: int
+    record_stability_info: bool
+    def __init__(self, sampling_session_id: _Optional[str] = ..., op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., include_prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., topk_sample_logprobs: _Optional[int] = ..., target_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens_k: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., record_stability_info: _Optional[bool] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("tokens", "logprobs", "stop_reason")
+    __slots__ = ("tokens", "logprobs", "stop_reason", "topk_token_ids", "topk_logprobs", "sequence_id")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOPK_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     tokens: _common_pb2.Tensor
     logprobs: _common_pb2.Tensor
     stop_reason: str
-    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    topk_token_ids: _common_pb2.Tensor
+    topk_logprobs: _common_pb2.Tensor
+    sequence_id: str
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[str] = ..., topk_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs", "target_prompt_logprobs", "prompt_alt_tokens", "prompt_alt_logprobs")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ALT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ALT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: _common_pb2.Tensor
     topk_prompt_token_ids: _common_pb2.Tensor
     topk_prompt_logprobs: _common_pb2.Tensor
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    target_prompt_logprobs: _common_pb2.Tensor
+    prompt_alt_tokens: _common_pb2.Tensor
+    prompt_alt_logprobs: _common_pb2.Tensor
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., target_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
-    __slots__ = ("sampling_session_id", "op", "prompt")
+    __slots__ = ("sampling_session_id", "op", "prompt", "prompt_logprobs_last_n")
     SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     sampling_session_id: str
     op: _common_pb2.OpHeader
     prompt: _common_pb2.Tensor
-    def __init__(self, sampling_session_id: _Optional[str] = ..., op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    prompt_logprobs_last_n: int
+    def __init__(self, sampling_session_id: _Optional[str] = ..., op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
 
 class ComputeLogprobsResponse(_message.Message):
     __slots__ = ("logprobs",)

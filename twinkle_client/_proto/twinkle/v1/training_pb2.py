@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from twinkle_client._proto.twinkle.v1 import common_pb2 as twinkle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19twinkle/v1/training.proto\x12\ntwinkle.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17twinkle/v1/common.proto\"\xca\x02\n\x12\x43reateModelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12$\n\x04lora\x18\x03 \x01(\x0b\x32\x16.twinkle.v1.LoraConfig\x12G\n\ruser_metadata\x18\x04 \x03(\x0b\x32\x30.twinkle.v1.CreateModelRequest.UserMetadataEntry\x12#\n\x1bgradient_accumulation_steps\x18\x05 \x01(\x05\x12\x17\n\x0f\x66rom_checkpoint\x18\x06 \x01(\t\x12\x16\n\x0eload_optimizer\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe8\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04\x61rch\x18\x03 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x04 \x01(\t\x12\x0f\n\x07is_lora\x18\x05 \x01(\x08\x12$\n\x04lora\x18\x06 \x01(\x0b\x32\x16.twinkle.v1.LoraConfig\x12\x13\n\x0bnext_seq_id\x18\x07 \x01(\x03\x12\x16\n\x0etarget_modules\x18\x08 \x03(\t\x12\x18\n\x10trainable_params\x18\t \x01(\x03\x12\x13\n\x0bstate_bytes\x18\n \x01(\x03\"\"\n\x0eGetInfoRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"&\n\x12UnloadModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"g\n\rForwardHeader\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12 \n\x04loss\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.LossFn\x12\x12\n\nnum_datums\x18\x03 \x01(\x03\"f\n\x0c\x46orwardChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.twinkle.v1.ForwardHeader\x12%\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x16.twinkle.v1.DatumBatchJ\x04\x08\x02\x10\x03\"\x88\x01\n\x0b\x44\x61tumOutput\x12\x35\n\x07outputs\x18\x01 \x03(\x0b\x32$.twinkle.v1.DatumOutput.OutputsEntry\x1a\x42\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.Tensor:\x02\x38\x01\"\xc8\x01\n\x12\x46orwardResultChunk\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.twinkle.v1.DatumOutput\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12<\n\x07metrics\x18\x04 \x03(\x0b\x32+.twinkle.v1.ForwardResultChunk.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"Z\n\x10OptimStepRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12$\n\x04\x61\x64\x61m\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.AdamParams\"|\n\x0fMetricsResponse\x12\x39\n\x07metrics\x18\x01 \x03(\x0b\x32(.twinkle.v1.MetricsResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"-\n\tOpRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\"\x0c\n\nOpResponse\"k\n\x10\x43onfigureRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\'\n\x06kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"T\n\x0eSetLossRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12 \n\x04loss\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.LossFn\"I\n\x13\x43lipGradNormRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x10\n\x08max_norm\x18\x02 \x01(\x01\"O\n\x16\x43\x61lculateMetricRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x13\n\x0bis_training\x18\x02 \x01(\x08\"\x1c\n\x0cTrainConfigs\x12\x0c\n\x04json\x18\x01 \x01(\t\"\xe2\x01\n\x0bSaveRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\x12@\n\ruser_metadata\x18\x04 \x03(\x0b\x32).twinkle.v1.SaveRequest.UserMetadataEntry\x12\x11\n\toverwrite\x18\x05 \x01(\x08\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\"]\n\x10LoadStateRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\x32\xa5\n\n\x0fTrainingService\x12\x44\n\x0b\x43reateModel\x12\x1e.twinkle.v1.CreateModelRequest\x1a\x15.twinkle.v1.ModelInfo\x12<\n\x07GetInfo\x12\x1a.twinkle.v1.GetInfoRequest\x1a\x15.twinkle.v1.ModelInfo\x12@\n\x0bUnloadModel\x12\x1e.twinkle.v1.UnloadModelRequest\x1a\x11.twinkle.v1.Empty\x12G\n\x07\x46orward\x12\x18.twinkle.v1.ForwardChunk\x1a\x1e.twinkle.v1.ForwardResultChunk(\x01\x30\x01\x12O\n\x0f\x46orwardBackward\x12\x18.twinkle.v1.ForwardChunk\x1a\x1e.twinkle.v1.ForwardResultChunk(\x01\x30\x01\x12\x46\n\tOptimStep\x12\x1c.twinkle.v1.OptimStepRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12\x44\n\x0cSetOptimizer\x12\x1c.twinkle.v1.ConfigureRequest\x1a\x16.twinkle.v1.OpResponse\x12\x46\n\x0eSetLrScheduler\x12\x1c.twinkle.v1.ConfigureRequest\x1a\x16.twinkle.v1.OpResponse\x12=\n\x07SetLoss\x12\x1a.twinkle.v1.SetLossRequest\x1a\x16.twinkle.v1.OpResponse\x12L\n\x0c\x43lipGradNorm\x12\x1f.twinkle.v1.ClipGradNormRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12:\n\x04Step\x12\x15.twinkle.v1.OpRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12\x39\n\x08ZeroGrad\x12\x15.twinkle.v1.OpRequest\x1a\x16.twinkle.v1.OpResponse\x12\x37\n\x06LrStep\x12\x15.twinkle.v1.OpRequest\x1a\x16.twinkle.v1.OpResponse\x12R\n\x0f\x43\x61lculateMetric\x12\".twinkle.v1.CalculateMetricRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12\x42\n\x0fGetTrainConfigs\x12\x15.twinkle.v1.OpRequest\x1a\x18.twinkle.v1.TrainConfigs\x12\x38\n\x07SkipSeq\x12\x15.twinkle.v1.OpRequest\x1a\x16.twinkle.v1.OpResponse\x12>\n\tSaveState\x12\x17.twinkle.v1.SaveRequest\x1a\x18.twinkle.v1.SaveResponse\x12\x41\n\tLoadState\x12\x1c.twinkle.v1.LoadStateRequest\x1a\x16.twinkle.v1.OpResponse\x12J\n\x15SaveWeightsForSampler\x12\x17.twinkle.v1.SaveRequest\x1a\x18.twinkle.v1.SaveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19twinkle/v1/training.proto\x12\ntwinkle.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17twinkle/v1/common.proto\"\xca\x02\n\x12\x43reateModelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12$\n\x04lora\x18\x03 \x01(\x0b\x32\x16.twinkle.v1.LoraConfig\x12G\n\ruser_metadata\x18\x04 \x03(\x0b\x32\x30.twinkle.v1.CreateModelRequest.UserMetadataEntry\x12#\n\x1bgradient_accumulation_steps\x18\x05 \x01(\x05\x12\x17\n\x0f\x66rom_checkpoint\x18\x06 \x01(\t\x12\x16\n\x0eload_optimizer\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe8\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04\x61rch\x18\x03 \x01(\t\x12\x14\n\x0ctokenizer_id\x18\x04 \x01(\t\x12\x0f\n\x07is_lora\x18\x05 \x01(\x08\x12$\n\x04lora\x18\x06 \x01(\x0b\x32\x16.twinkle.v1.LoraConfig\x12\x13\n\x0bnext_seq_id\x18\x07 \x01(\x03\x12\x16\n\x0etarget_modules\x18\x08 \x03(\t\x12\x18\n\x10trainable_params\x18\t \x01(\x03\x12\x13\n\x0bstate_bytes\x18\n \x01(\x03\"\"\n\x0eGetInfoRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"&\n\x12UnloadModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"g\n\rForwardHeader\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12 \n\x04loss\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.LossFn\x12\x12\n\nnum_datums\x18\x03 \x01(\x03\"\x97\x01\n\x0c\x46orwardChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.twinkle.v1.ForwardHeader\x12%\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x16.twinkle.v1.DatumBatch\x12/\n\nprovenance\x18\x04 \x03(\x0b\x32\x1b.twinkle.v1.DatumProvenanceJ\x04\x08\x02\x10\x03\"V\n\x0eProvenanceSpan\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x0f\n\x07sampled\x18\x04 \x01(\x08\"\x81\x01\n\x0f\x44\x61tumProvenance\x12\x35\n\x11model_input_spans\x18\x01 \x03(\x0b\x32\x1a.twinkle.v1.ProvenanceSpan\x12\x37\n\x13loss_fn_input_spans\x18\x02 \x03(\x0b\x32\x1a.twinkle.v1.ProvenanceSpan\"\x88\x01\n\x0b\x44\x61tumOutput\x12\x35\n\x07outputs\x18\x01 \x03(\x0b\x32$.twinkle.v1.DatumOutput.OutputsEntry\x1a\x42\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.Tensor:\x02\x38\x01\"\xc8\x01\n\x12\x46orwardResultChunk\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.twinkle.v1.DatumOutput\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12<\n\x07metrics\x18\x04 \x03(\x0b\x32+.twinkle.v1.ForwardResultChunk.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"Z\n\x10OptimStepRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12$\n\x04\x61\x64\x61m\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.AdamParams\"|\n\x0fMetricsResponse\x12\x39\n\x07metrics\x18\x01 \x03(\x0b\x32(.twinkle.v1.MetricsResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"-\n\tOpRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\"\x0c\n\nOpResponse\"k\n\x10\x43onfigureRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\'\n\x06kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"T\n\x0eSetLossRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12 \n\x04loss\x18\x02 \x01(\x0b\x32\x12.twinkle.v1.LossFn\"I\n\x13\x43lipGradNormRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x10\n\x08max_norm\x18\x02 \x01(\x01\"O\n\x16\x43\x61lculateMetricRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x13\n\x0bis_training\x18\x02 \x01(\x08\"\x1c\n\x0cTrainConfigs\x12\x0c\n\x04json\x18\x01 \x01(\t\"\xf5\x01\n\x0bSaveRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\x12@\n\ruser_metadata\x18\x04 \x03(\x0b\x32).twinkle.v1.SaveRequest.UserMetadataEntry\x12\x11\n\toverwrite\x18\x05 \x01(\x08\x12\x11\n\tephemeral\x18\x1e \x01(\x08\x1a\x33\n\x11UserMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"e\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\x12\x1b\n\x13sampling_session_id\x18\x1e \x01(\t\"]\n\x10LoadStateRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x19\n\x11include_optimizer\x18\x03 \x01(\x08\x32\xa5\n\n\x0fTrainingService\x12\x44\n\x0b\x43reateModel\x12\x1e.twinkle.v1.CreateModelRequest\x1a\x15.twinkle.v1.ModelInfo\x12<\n\x07GetInfo\x12\x1a.twinkle.v1.GetInfoRequest\x1a\x15.twinkle.v1.ModelInfo\x12@\n\x0bUnloadModel\x12\x1e.twinkle.v1.UnloadModelRequest\x1a\x11.twinkle.v1.Empty\x12G\n\x07\x46orward\x12\x18.twinkle.v1.ForwardChunk\x1a\x1e.twinkle.v1.ForwardResultChunk(\x01\x30\x01\x12O\n\x0f\x46orwardBackward\x12\x18.twinkle.v1.ForwardChunk\x1a\x1e.twinkle.v1.ForwardResultChunk(\x01\x30\x01\x12\x46\n\tOptimStep\x12\x1c.twinkle.v1.OptimStepRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12\x44\n\x0cSetOptimizer\x12\x1c.twinkle.v1.ConfigureRequest\x1a\x16.twinkle.v1.OpResponse\x12\x46\n\x0eSetLrScheduler\x12\x1c.twinkle.v1.ConfigureRequest\x1a\x16.twinkle.v1.OpResponse\x12=\n\x07SetLoss\x12\x1a.twinkle.v1.SetLossRequest\x1a\x16.twinkle.v1.OpResponse\x12L\n\x0c\x43lipGradNorm\x12\x1f.twinkle.v1.ClipGradNormRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12:\n\x04Step\x12\x15.twinkle.v1.OpRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12\x39\n\x08ZeroGrad\x12\x15.twinkle.v1.OpRequest\x1a\x16.twinkle.v1.OpResponse\x12\x37\n\x06LrStep\x12\x15.twinkle.v1.OpRequest\x1a\x16.twinkle.v1.OpResponse\x12R\n\x0f\x43\x61lculateMetric\x12\".twinkle.v1.CalculateMetricRequest\x1a\x1b.twinkle.v1.MetricsResponse\x12\x42\n\x0fGetTrainConfigs\x12\x15.twinkle.v1.OpRequest\x1a\x18.twinkle.v1.TrainConfigs\x12\x38\n\x07SkipSeq\x12\x15.twinkle.v1.OpRequest\x1a\x16.twinkle.v1.OpResponse\x12>\n\tSaveState\x12\x17.twinkle.v1.SaveRequest\x1a\x18.twinkle.v1.SaveResponse\x12\x41\n\tLoadState\x12\x1c.twinkle.v1.LoadStateRequest\x1a\x16.twinkle.v1.OpResponse\x12J\n\x15SaveWeightsForSampler\x12\x17.twinkle.v1.SaveRequest\x1a\x18.twinkle.v1.SaveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,46 +55,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNLOADMODELREQUEST']._serialized_end=738
   _globals['_FORWARDHEADER']._serialized_start=740
   _globals['_FORWARDHEADER']._serialized_end=843
-  _globals['_FORWARDCHUNK']._serialized_start=845
-  _globals['_FORWARDCHUNK']._serialized_end=947
-  _globals['_DATUMOUTPUT']._serialized_start=950
-  _globals['_DATUMOUTPUT']._serialized_end=1086
-  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_start=1020
-  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_end=1086
-  _globals['_FORWARDRESULTCHUNK']._serialized_start=1089
-  _globals['_FORWARDRESULTCHUNK']._serialized_end=1289
-  _globals['_FORWARDRESULTCHUNK_METRICSENTRY']._serialized_start=1243
-  _globals['_FORWARDRESULTCHUNK_METRICSENTRY']._serialized_end=1289
-  _globals['_ADAMPARAMS']._serialized_start=1291
-  _globals['_ADAMPARAMS']._serialized_end=1415
-  _globals['_OPTIMSTEPREQUEST']._serialized_start=1417
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1507
-  _globals['_METRICSRESPONSE']._serialized_start=1509
-  _globals['_METRICSRESPONSE']._serialized_end=1633
-  _globals['_METRICSRESPONSE_METRICSENTRY']._serialized_start=1243
-  _globals['_METRICSRESPONSE_METRICSENTRY']._serialized_end=1289
-  _globals['_OPREQUEST']._serialized_start=1635
-  _globals['_OPREQUEST']._serialized_end=1680
-  _globals['_OPRESPONSE']._serialized_start=1682
-  _globals['_OPRESPONSE']._serialized_end=1694
-  _globals['_CONFIGUREREQUEST']._serialized_start=1696
-  _globals['_CONFIGUREREQUEST']._serialized_end=1803
-  _globals['_SETLOSSREQUEST']._serialized_start=1805
-  _globals['_SETLOSSREQUEST']._serialized_end=1889
-  _globals['_CLIPGRADNORMREQUEST']._serialized_start=1891
-  _globals['_CLIPGRADNORMREQUEST']._serialized_end=1964
-  _globals['_CALCULATEMETRICREQUEST']._serialized_start=1966
-  _globals['_CALCULATEMETRICREQUEST']._serialized_end=2045
-  _globals['_TRAINCONFIGS']._serialized_start=2047
-  _globals['_TRAINCONFIGS']._serialized_end=2075
-  _globals['_SAVEREQUEST']._serialized_start=2078
-  _globals['_SAVEREQUEST']._serialized_end=2304
+  _globals['_FORWARDCHUNK']._serialized_start=846
+  _globals['_FORWARDCHUNK']._serialized_end=997
+  _globals['_PROVENANCESPAN']._serialized_start=999
+  _globals['_PROVENANCESPAN']._serialized_end=1085
+  _globals['_DATUMPROVENANCE']._serialized_start=1088
+  _globals['_DATUMPROVENANCE']._serialized_end=1217
+  _globals['_DATUMOUTPUT']._serialized_start=1220
+  _globals['_DATUMOUTPUT']._serialized_end=1356
+  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_start=1290
+  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_end=1356
+  _globals['_FORWARDRESULTCHUNK']._serialized_start=1359
+  _globals['_FORWARDRESULTCHUNK']._serialized_end=1559
+  _globals['_FORWARDRESULTCHUNK_METRICSENTRY']._serialized_start=1513
+  _globals['_FORWARDRESULTCHUNK_METRICSENTRY']._serialized_end=1559
+  _globals['_ADAMPARAMS']._serialized_start=1561
+  _globals['_ADAMPARAMS']._serialized_end=1685
+  _globals['_OPTIMSTEPREQUEST']._serialized_start=1687
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1777
+  _globals['_METRICSRESPONSE']._serialized_start=1779
+  _globals['_METRICSRESPONSE']._serialized_end=1903
+  _globals['_METRICSRESPONSE_METRICSENTRY']._serialized_start=1513
+  _globals['_METRICSRESPONSE_METRICSENTRY']._serialized_end=1559
+  _globals['_OPREQUEST']._serialized_start=1905
+  _globals['_OPREQUEST']._serialized_end=1950
+  _globals['_OPRESPONSE']._serialized_start=1952
+  _globals['_OPRESPONSE']._serialized_end=1964
+  _globals['_CONFIGUREREQUEST']._serialized_start=1966
+  _globals['_CONFIGUREREQUEST']._serialized_end=2073
+  _globals['_SETLOSSREQUEST']._serialized_start=2075
+  _globals['_SETLOSSREQUEST']._serialized_end=2159
+  _globals['_CLIPGRADNORMREQUEST']._serialized_start=2161
+  _globals['_CLIPGRADNORMREQUEST']._serialized_end=2234
+  _globals['_CALCULATEMETRICREQUEST']._serialized_start=2236
+  _globals['_CALCULATEMETRICREQUEST']._serialized_end=2315
+  _globals['_TRAINCONFIGS']._serialized_start=2317
+  _globals['_TRAINCONFIGS']._serialized_end=2345
+  _globals['_SAVEREQUEST']._serialized_start=2348
+  _globals['_SAVEREQUEST']._serialized_end=2593
   _globals['_SAVEREQUEST_USERMETADATAENTRY']._serialized_start=376
   _globals['_SAVEREQUEST_USERMETADATAENTRY']._serialized_end=427
-  _globals['_SAVERESPONSE']._serialized_start=2306
-  _globals['_SAVERESPONSE']._serialized_end=2378
-  _globals['_LOADSTATEREQUEST']._serialized_start=2380
-  _globals['_LOADSTATEREQUEST']._serialized_end=2473
-  _globals['_TRAININGSERVICE']._serialized_start=2476
-  _globals['_TRAININGSERVICE']._serialized_end=3793
+  _globals['_SAVERESPONSE']._serialized_start=2595
+  _globals['_SAVERESPONSE']._serialized_end=2696
+  _globals['_LOADSTATEREQUEST']._serialized_start=2698
+  _globals['_LOADSTATEREQUEST']._serialized_end=2791
+  _globals['_TRAININGSERVICE']._serialized_start=2794
+  _globals['_TRAININGSERVICE']._serialized_end=4111
 # @@protoc_insertion_point(module_scope)

@@ -82,12 +82,34 @@ class ForwardHeader(_message.Message):
     def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., loss: _Optional[_Union[_common_pb2.LossFn, _Mapping]] = ..., num_datums: _Optional[int] = ...) -> None: ...
 
 class ForwardChunk(_message.Message):
-    __slots__ = ("header", "batch")
+    __slots__ = ("header", "batch", "provenance")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    PROVENANCE_FIELD_NUMBER: _ClassVar[int]
     header: ForwardHeader
     batch: _common_pb2.DatumBatch
-    def __init__(self, header: _Optional[_Union[ForwardHeader, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.DatumBatch, _Mapping]] = ...) -> None: ...
+    provenance: _containers.RepeatedCompositeFieldContainer[DatumProvenance]
+    def __init__(self, header: _Optional[_Union[ForwardHeader, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.DatumBatch, _Mapping]] = ..., provenance: _Optional[_Iterable[_Union[DatumProvenance, _Mapping]]] = ...) -> None: ...
+
+class ProvenanceSpan(_message.Message):
+    __slots__ = ("sequence_id", "offset", "length", "sampled")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    offset: int
+    length: int
+    sampled: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., sampled: _Optional[bool] = ...) -> None: ...
+
+class DatumProvenance(_message.Message):
+    __slots__ = ("model_input_spans", "loss_fn_input_spans")
+    MODEL_INPUT_SPANS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_INPUT_SPANS_FIELD_NUMBER: _ClassVar[int]
+    model_input_spans: _containers.RepeatedCompositeFieldContainer[ProvenanceSpan]
+    loss_fn_input_spans: _containers.RepeatedCompositeFieldContainer[ProvenanceSpan]
+    def __init__(self, model_input_spans: _Optional[_Iterable[_Union[ProvenanceSpan, _Mapping]]] = ..., loss_fn_input_spans: _Optional[_Iterable[_Union[ProvenanceSpan, _Mapping]]] = ...) -> None: ...
 
 class DatumOutput(_message.Message):
     __slots__ = ("outputs",)
@@ -209,7 +231,7 @@ class TrainConfigs(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("op", "name", "include_optimizer", "user_metadata", "overwrite")
+    __slots__ = ("op", "name", "include_optimizer", "user_metadata", "overwrite", "ephemeral")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,20 +244,24 @@ class SaveRequest(_message.Message):
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
     op: _common_pb2.OpHeader
     name: str
     include_optimizer: bool
     user_metadata: _containers.ScalarMap[str, str]
     overwrite: bool
-    def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., name: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    ephemeral: bool
+    def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., name: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., overwrite: _Optional[bool] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("path", "checkpoint")
+    __slots__ = ("path", "checkpoint", "sampling_session_id")
     PATH_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     path: str
     checkpoint: _common_pb2.Checkpoint
-    def __init__(self, path: _Optional[str] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ...) -> None: ...
+    sampling_session_id: str
+    def __init__(self, path: _Optional[str] = ..., checkpoint: _Optional[_Union[_common_pb2.Checkpoint, _Mapping]] = ..., sampling_session_id: _Optional[str] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
     __slots__ = ("op", "path", "include_optimizer")

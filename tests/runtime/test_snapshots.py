@@ -1,0 +1,131 @@
+"""Snapshot sampling sessions (Tinker's ephemeral `save_weights_and_get_sampling_client`)
+in-process: the weights are no checkpoint (never listed, never counted), they sample what
+the model had, and they are deleted with their sampling session: when its client session
+closes, when unused for the session timeout, and at a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from twinkle_server.engine.errors import NotFound
+from twinkle_server.engine.types import LoraSpec, SamplingParams
+from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.store import Store
+
+PROMPT = np.array([5, 6, 7, 8], np.int64)
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, seed=0)
+
+
+async def _snapshot(rt: Runtime, tenant: str = "alice") -> tuple[str, str, str]:
+    """A session, a model in it and a snapshot sampling session of the model:
+    (session id, model id, sampling session id)."""
+    session = await rt.runs.create_session(tenant, {})
+    info = await rt.training.create_model(tenant, spec=LoraSpec(rank=4, alpha=8, seed=0),
+                                          session_id=session)
+    model_id = info.entry.model_id
+    return session, model_id, await rt.sampling.snapshot(tenant, OpRef(model_id, 0))
+
+
+def _weights(rt: Runtime, sampling_id: str) -> Path:
+    return Path(rt.samplers[sampling_id].weights_path)
+
+
+def test_a_snapshot_samples_the_models_weights_and_is_no_checkpoint(runtime):
+    async def scenario():
+        _, model_id, sampler = await _snapshot(runtime)
+        folder = _weights(runtime, sampler)
+        assert (folder / "adapter_model.safetensors").is_file()
+        assert runtime.store.checkpoint_root not in folder.parents
+        # Not listed, by run or by tenant, nor in the store the CLI's `runs list` reads.
+        assert runtime.runs.list_checkpoints("alice").total == 0
+        assert runtime.runs.list_checkpoints("alice", model_id).total == 0
+        assert runtime.store.list_checkpoints(None, None) == ([], 0)
+        assert runtime.runs.get_run("alice", model_id).last_sampler_checkpoint is None
+        # It samples what the model samples (the same weights, greedy).
+        snap = await runtime.sampling.sample(
+            runtime.sampling.target("alice", None, sampler), PROMPT, 1, GREEDY)
+        live = await runtime.sampling.sample(
+            runtime.sampling.target("alice", OpRef(model_id, 1)), PROMPT, 1, GREEDY)
+        assert snap.sequences[0].tokens.tolist() == live.sequences[0].tokens.tolist()
+        with pytest.raises(NotFound):
+            runtime.sampling.target("bob", None, sampler)
+
+    asyncio.run(scenario())
+
+
+def test_closing_the_session_ends_its_snapshot_sessions_and_deletes_their_weights(runtime):
+    async def scenario():
+        session, _, sampler = await _snapshot(runtime)
+        _, _, other = await _snapshot(runtime)
+        folder = _weights(runtime, sampler)
+        await runtime.runs.close_session("alice", session)
+        assert not folder.exists()
+        with pytest.raises(NotFound, match="no sampling session"):
+            runtime.sampling.target("alice", None, sampler)
+        assert _weights(runtime, other).is_dir()   # another session's stays
+
+    asyncio.run(scenario())
+
+
+def test_a_snapshot_unused_for_the_session_timeout_is_dropped_and_one_in_use_stays(runtime):
+    async def scenario():
+        _, model_id, idle = await _snapshot(runtime)
+        _, _, used = await _snapshot(runtime)
+        named = await runtime.sampling.create_session("alice", model_id=model_id)
+        timeout = runtime.config.session_timeout
+        later = time.monotonic() + timeout / 2
+        runtime.samplers[idle].last_used -= timeout / 2 + 1
+        runtime.sampling.target("alice", None, used)       # a request counts as a use
+        folder = _weights(runtime, idle)
+        await runtime.expire_snapshots(now=later)
+        assert not folder.exists() and idle not in runtime.samplers
+        assert _weights(runtime, used).is_dir()
+        assert named in runtime.samplers      # not a snapshot: not aged out
+        await runtime.expire_snapshots(now=later + timeout)
+        assert used not in runtime.samplers and named in runtime.samplers
+
+    asyncio.run(scenario())
+
+
+def test_a_restart_deletes_the_snapshots_of_sessions_that_are_gone(engine, runtime):
+    asyncio.run(_snapshot(runtime))
+    (folder,) = runtime.snapshot_root.iterdir()
+    data_dir = runtime.store.data_dir
+    # The same data dir again, as a restarted server finds it (the session still open in
+    # the store, its sampling sessions gone with the process).
+    store = Store(data_dir)
+    restarted = Runtime(replace(runtime.config), engine, store)
+    try:
+        assert not folder.exists() and not restarted.samplers
+        assert store.open_sessions("alice") == 1
+    finally:
+        restarted.close()
+        store.close()
+
+
+def test_a_snapshot_with_a_request_waiting_or_running_is_not_idle(runtime):
+    async def scenario():
+        _, _, sampler = await _snapshot(runtime)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(runtime.admin("block", lambda: gate.wait(60)))
+        request = asyncio.ensure_future(runtime.sampling.sample(
+            runtime.sampling.target("alice", None, sampler), PROMPT, 1, GREEDY))
+        await asyncio.sleep(0.1)
+        far = time.monotonic() + 10 * runtime.config.session_timeout
+        await runtime.expire_snapshots(now=far)
+        assert sampler in runtime.samplers and runtime.samplers[sampler].in_flight == 1
+        gate.set()
+        await busy
+        assert len((await request).sequences) == 1
+        assert runtime.samplers[sampler].in_flight == 0
+        await runtime.expire_snapshots(now=far)
+        assert sampler not in runtime.samplers
+
+    asyncio.run(scenario())

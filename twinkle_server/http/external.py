@@ -1,0 +1,87 @@
+"""External weights over the Tinker REST API (`runtime.external`):
+
+- `POST /api/v1/save_weights_external` (`TrainingClient.save_weights_external`): an op of
+  the model, answered with a future whose result is the export's `tinker://` path;
+- `GET /api/v1/training_runs/{run_id}/checkpoints/external_weights/{name}/
+  external_weights_urls` (`RestClient.get_external_weights_urls`): one signed URL per
+  file, on the host and scheme the caller used to reach this front;
+- `GET /api/v1/external_weights/{run_id}/{name}/{file}?expires=&signature=`: the file,
+  with no API key, while the signature is good (403 otherwise; 404 once the checkpoint is
+  deleted or expired). This is what `tinker_cookbook.weights.download` fetches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import FileResponse
+from starlette.routing import Route
+
+from twinkle_client import paths
+from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_server.http import convert
+from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.runtime.external import DOWNLOAD_PREFIX, parse_recipients
+from twinkle_server.runtime.runs import check_ttl
+
+
+def recipients(body: dict[str, Any]) -> list[str]:
+    values = body.get("age_encryption_recipients") or []
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise InvalidArgument("age_encryption_recipients: expected a list of strings")
+    return values
+
+
+class ExternalRoutes:
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.rt = front.rt
+
+    @route
+    async def save_weights_external(self, request: Request) -> Any:
+        front = self.front
+        tenant = front.tenant(request)
+        body = await json_body(request)
+        ref = front.op(tenant, body, rid := front._id())
+        try:
+            name = paths.check_name(convert.text(body, "path", required=True), "path")
+            ttl = convert.integer(body, "ttl_seconds")
+            check_ttl(ttl)
+            ages = recipients(body)
+            parse_recipients(ages)   # refused at once (400), as the SDK's other saves are
+        except (EngineError, paths.PathError) as exc:
+            raise front.refused(tenant, ref, "save_external", exc) from None
+        work = self.rt.external.save(tenant, ref, name, ttl_seconds=ttl, recipients=ages)
+        return front.promise(tenant, rid, work, lambda row: {
+            "type": "save_weights_external", "path": convert.tinker_path(row),
+            "size_bytes": row.size_bytes})
+
+    @route
+    async def urls(self, request: Request) -> Any:
+        tenant = self.front.tenant(request)
+        params = request.path_params
+        run_id = self.front.aliases.get((tenant, params["run_id"]), params["run_id"])
+        ref = checkpoint_ref(f"tinker://{run_id}/{params['segment']}/{params['name']}",
+                             "checkpoint_id")
+        signed = self.rt.external.urls(tenant, ref)
+        base = str(request.base_url).rstrip("/")
+        return {"urls": {name: base + s.url for name, s in signed.paths.items()},
+                "expires": convert._time(signed.expires)}
+
+    @route
+    async def download(self, request: Request) -> Any:
+        params, query = request.path_params, request.query_params
+        path = self.rt.external.open(params["run_id"], params["name"], params["file"],
+                                     query.get("expires"), query.get("signature"))
+        return FileResponse(path, media_type="application/octet-stream")
+
+    def routes(self) -> list[Route]:
+        v1 = "/api/v1"
+        table = [
+            ("POST", f"{v1}/save_weights_external", self.save_weights_external),
+            ("GET", f"{v1}/training_runs/{{run_id}}/checkpoints/{{segment}}/{{name}}"
+                    "/external_weights_urls", self.urls),
+            ("GET", f"{DOWNLOAD_PREFIX}/{{run_id}}/{{name}}/{{file}}", self.download),
+        ]
+        return [Route(path, fn, methods=[method]) for method, path, fn in table]

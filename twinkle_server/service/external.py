@@ -1,0 +1,41 @@
+"""ExternalWeightsService: proto -> `runtime.external` verbs (PEFT/HF exports and their
+signed download URLs, which the HTTP front serves)."""
+
+from __future__ import annotations
+
+from twinkle_client._proto.twinkle.v1 import external_pb2 as epb
+from twinkle_client._proto.twinkle.v1 import external_pb2_grpc
+from twinkle_server.runtime import Runtime
+from twinkle_server.service.common import (
+    checkpoint_ref,
+    checkpoint_to_proto,
+    op_ref,
+    tenant_of,
+    unary,
+)
+
+
+class ExternalWeightsServicer(external_pb2_grpc.ExternalWeightsServiceServicer):
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.verbs = rt.external
+
+    @unary
+    async def SaveWeightsExternal(self, request, context):
+        tenant = tenant_of(self.rt, context)
+        row = await self.verbs.save(
+            tenant, op_ref(request.op), request.name,
+            ttl_seconds=request.ttl_seconds if request.HasField("ttl_seconds") else None,
+            recipients=list(request.age_encryption_recipients))
+        proto = checkpoint_to_proto(row, self.rt.store.get_run(tenant, row.run_id))
+        return epb.SaveWeightsExternalResponse(path=proto.path, checkpoint=proto)
+
+    @unary
+    async def GetExternalWeightsUrls(self, request, context):
+        tenant = tenant_of(self.rt, context)
+        ref = checkpoint_ref(request.path)
+        signed = self.verbs.urls(tenant, ref)  # ownership first: another's path is NOT_FOUND
+        endpoint = self.verbs.endpoint()
+        return epb.ExternalWeightsUrlsResponse(
+            urls={name: s.url for name, s in signed.paths.items()},
+            expires_at=signed.expires, http_port=endpoint.port, https=endpoint.https)
