@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 proto: $(STAMP)
-	$(PY) -m twinkle_client._proto.generate
+	$(PY) twinkle_wire/_proto/generate.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,4 +1,4 @@
-"""Codec throughput: 256 datums x 2048 tokens through `twinkle_client.wire` vs plain numpy.
+"""Codec throughput: 256 datums x 2048 tokens through `twinkle_wire` vs plain numpy.
 
 Run: `.venv/bin/python -m bench.codec` (also part of `make bench`).
 
@@ -24,9 +24,9 @@ import functools
 
 import numpy as np
 
+import twinkle_wire as wire
 from bench.timing import best_per_call
-from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import training_pb2
+from twinkle_wire._proto.twinkle.v1 import training_pb2
 
 NUM_DATUMS = 256
 SEQ_LEN = 2048

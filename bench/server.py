@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+import twinkle_wire as wire
 from bench.timing import best_per_call
-from twinkle_client import api, wire
+from twinkle_client import api
 from twinkle_client.connection import Connection
 from twinkle_client.errors import InvalidArgumentError
 from twinkle_server.engine.engine import Engine, ForwardRequest

@@ -20,8 +20,11 @@ from tinker import types
 from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
 from tinker.types.topk_logprobs import TopkLogprobs
 
-from twinkle_client import api, paths, wire
+import twinkle_wire as wire
+from twinkle_client import api
 from twinkle_client.features import feature_to_loss_inputs, loss_inputs_to_feature
+from twinkle_wire import paths
+from twinkle_wire.stop import parse_stop
 
 LOSS_FN_OUTPUT_TYPE = "ArrayRecord"
 """`ForwardBackwardOutput.loss_fn_output_type`: per-datum dicts of arrays."""
@@ -186,36 +189,20 @@ def prompt_tokens(prompt: types.ModelInput, field: str = "prompt") -> np.ndarray
 def sampling_spec(params: types.SamplingParams) -> api.SamplingParams:
     """Tinker's SamplingParams for the server.
 
-    `stop`: None keeps stopping at EOS; `[]` disables every stop, EOS included (the
-    server's `ignore_eos`); a string or list of strings stops on those texts; a list of
-    ints stops on those token ids (EOS still stops). `top_k=-1` means no limit.
+    `stop` as Tinker reads it (`twinkle_wire.stop`; `[]`, no stop at all, is the
+    server's `ignore_eos`). `top_k=-1` means no limit.
     """
     if not isinstance(params, types.SamplingParams):
         raise ValueError(f"sampling_params: expected tinker.types.SamplingParams, got "
                          f"{type(params).__name__}")
     if params.max_tokens is not None and params.max_tokens < 1:
         raise ValueError(f"sampling_params.max_tokens: must be >= 1, got {params.max_tokens}")
-    strings: tuple[str, ...] = ()
-    token_ids: tuple[int, ...] = ()
-    ignore_eos = False
-    stop = params.stop
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        items = list(stop)
-        if not items:
-            ignore_eos = True
-        elif all(isinstance(s, str) and s for s in items):
-            strings = tuple(items)
-        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
-            token_ids = tuple(items)
-        else:
-            raise ValueError(f"sampling_params.stop: expected non-empty strings or "
-                             f"non-negative token ids (not mixed), got {params.stop!r}")
+    stop = parse_stop(params.stop)
     return api.SamplingParams(max_tokens=params.max_tokens or 0,
                               temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, stop_strings=strings, stop_token_ids=token_ids,
-                              seed=params.seed, ignore_eos=ignore_eos)
+                              top_k=params.top_k, stop_strings=stop.strings,
+                              stop_token_ids=stop.token_ids, seed=params.seed,
+                              ignore_eos=not stop.on_eos)
 
 
 def logprobs_list(values: np.ndarray) -> list[float | None]:

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tinker import types
 
+import twinkle_wire as wire
 from tinker_compat import convert
-from twinkle_client import api, wire
+from twinkle_client import api
 from twinkle_client.connection import Connection, Op
 
 if TYPE_CHECKING:

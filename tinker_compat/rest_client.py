@@ -17,8 +17,9 @@ from tinker import types
 from tinker_compat import convert
 from tinker_compat.errors import error_factory
 from tinker_compat.futures import APIFuture, deprecated
-from twinkle_client import api, paths
+from twinkle_client import api
 from twinkle_client.connection import Connection, env_endpoint, parse_base_url
+from twinkle_wire import paths
 
 AccessScope = Literal["owned", "accessible"]
 

@@ -13,10 +13,11 @@ from tinker import types
 
 from tinker_compat import convert, sampling_options
 from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
-from twinkle_client import api, paths
+from twinkle_client import api
 from twinkle_client.connection import Connection
 from twinkle_client.errors import require_int
 from twinkle_client.tokenizer import load_tokenizer
+from twinkle_wire import paths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

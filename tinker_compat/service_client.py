@@ -20,8 +20,9 @@ from tinker_compat.futures import APIFuture, ClientFuture, deprecated
 from tinker_compat.rest_client import RestClient, open_connection
 from tinker_compat.sampling_client import SamplingClient, submit_sampling_client
 from tinker_compat.training_client import TrainingClient, TrainingClientFuture
-from twinkle_client import api, paths
+from twinkle_client import api
 from twinkle_client.errors import require_int
+from twinkle_wire import paths
 
 CLIENT_NAME = "tinker_compat/0.1"
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tinker import types
 
+import twinkle_wire as wire
 from tinker_compat import convert, forward_ops
 from tinker_compat.forward_ops import CustomLossFn
 from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
@@ -27,9 +28,10 @@ from tinker_compat.sampling_client import (
     check_sampling_options,
     submit_sampling_client,
 )
-from twinkle_client import api, paths, wire
+from twinkle_client import api
 from twinkle_client.connection import Connection
 from twinkle_client.tokenizer import load_tokenizer
+from twinkle_wire import paths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

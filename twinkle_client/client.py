@@ -24,13 +24,15 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from twinkle_client import api, paths
+from twinkle_client import api
 from twinkle_client.connection import (
     Connection,
     env_endpoint,
     get_default_connection,
     set_default_connection,
 )
+from twinkle_wire import paths
+from twinkle_wire.values import ServerLimits
 
 CLIENT_NAME = "twinkle_client/0.1"
 HEALTH_TIMEOUT_S = 5.0
@@ -93,16 +95,6 @@ class ServedModel(_Record):
     arch: str
 
 
-class ServerLimits(_Record):
-    max_adapters: int
-    max_rank: int
-    max_seq_len: int
-    max_batch_tokens: int
-    max_message_bytes: int
-    max_sessions_per_tenant: int
-    max_adapters_per_tenant: int
-
-
 class ServerCapabilities(_Record):
     """What the server serves and allows: models, limits and the allow-lists of losses,
     optimizers and learning-rate schedulers that `set_loss`/`set_optimizer`/... accept."""
@@ -155,7 +147,7 @@ def run_record(run: api.TrainingRun) -> TrainingRun:
 def capabilities_record(caps: api.Capabilities) -> ServerCapabilities:
     return ServerCapabilities(
         models=[ServedModel(**dataclasses.asdict(m)) for m in caps.models],
-        limits=ServerLimits(**dataclasses.asdict(caps.limits)),
+        limits=caps.limits,
         scheduling=caps.scheduling, server_version=caps.server_version,
         loss_functions=list(caps.loss_functions), optimizers=list(caps.optimizers),
         lr_schedulers=list(caps.lr_schedulers))

@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 import grpc
 
 from twinkle_client import errors
-from twinkle_client._proto.twinkle.v1 import (
+from twinkle_client.futures import Future
+from twinkle_wire._proto.twinkle.v1 import (
     external_pb2_grpc,
     runs_pb2_grpc,
     sampling_pb2_grpc,
@@ -35,7 +36,6 @@ from twinkle_client._proto.twinkle.v1 import (
     session_pb2_grpc,
     training_pb2_grpc,
 )
-from twinkle_client.futures import Future
 
 log = logging.getLogger("twinkle_client")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from twinkle_client.wire import Datum, WireError, encode_datum
-from twinkle_client.wire.tensors import to_numpy
+from twinkle_wire import Datum, WireError, encode_datum
+from twinkle_wire.tensors import to_numpy
 
 IGNORE_INDEX = -100
 """Label value that marks a position with no loss (prompt tokens, padding)."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from twinkle_client import api, errors, paths, sampling
+from twinkle_client import api, errors, sampling
 from twinkle_client.client import TwinkleClient
 from twinkle_client.connection import Connection, get_default_connection
 from twinkle_client.errors import require_int
@@ -41,6 +41,7 @@ from twinkle_client.lora import lora_spec
 from twinkle_client.outputs import AdapterInfo, ForwardOutput, SampledSequence, SampleOutput
 from twinkle_client.processor import InputProcessor, make_processor
 from twinkle_client.tokenizer import served_name
+from twinkle_wire import paths
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError
+from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.scheduler import Op
 
 FORWARD = "forward"
@@ -22,7 +22,7 @@ SAMPLE = "sample"
 class EngineExecutor:
     """Runs scheduler batches on one engine, from the scheduler's single worker thread."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineAPI) -> None:
         self.engine = engine
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:

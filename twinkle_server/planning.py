@@ -3,18 +3,17 @@
 The scheduler (`twinkle_server.scheduler`) keeps the queues and their order; each time its
 worker is free it hands `plan_batch` the ready head of every queue, and runs the batch it
 returns, within a token budget per merged pass that depends on the device. No torch, no
-threads: tests call it directly.
+threads: tests call it directly. `Op`, what both speak of, is defined here, so the
+scheduler imports this module and never the other way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from twinkle_server.engine.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from twinkle_server.scheduler import Op
 
 Mode = Literal["merged", "timeshare"]
 MODES: tuple[str, ...] = ("merged", "timeshare")
@@ -27,6 +26,33 @@ MODES: tuple[str, ...] = ("merged", "timeshare")
 CPU_TOKEN_BUDGET = 1024
 ACCELERATOR_TOKEN_BUDGET = 8192
 DEFAULT_TOKEN_BUDGET = CPU_TOKEN_BUDGET
+
+
+@dataclass(frozen=True)
+class Op:
+    """One unit of work for the executor; `payload` is opaque to the scheduler.
+
+    `seq_id` None means unordered: the op runs in arrival order and is not idempotent.
+    `merge_group` names which ops may share a pass ('forward', 'sample'); None runs alone.
+    `tokens` is the op's share of a merged pass's `token_budget`.
+    """
+
+    queue_id: str
+    seq_id: int | None
+    kind: str
+    merge_group: str | None
+    tokens: int
+    payload: Any
+    request_id: str = ""
+
+    @classmethod
+    def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,
+               request_id: str = "") -> Op:
+        """An op whose result is `error`: a request refused before it ran still takes its
+        seq_id, so the queue's later ops are not left waiting for it."""
+        def fail() -> Any:
+            raise error
+        return cls(queue_id, seq_id, kind, None, 0, fail, request_id)
 
 
 def default_token_budget(device_type: str) -> int:

@@ -30,7 +30,6 @@ rank of a job, as torchrun starts it), not across mixed accelerators.
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import io
 import logging
@@ -41,7 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,18 +49,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from twinkle_server.engine.adapter import Adapter
+from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, Unavailable
-from twinkle_server.engine.types import LoraSpec, SampleRequest
+from twinkle_server.engine.protocol import marked
+from twinkle_server.engine.types import (
+    AdamParams,
+    EngineLimits,
+    ForwardOutput,
+    ForwardRequest,
+    LoraSpec,
+    LossSpec,
+    SampledSequence,
+    SampleRequest,
+)
 
 log = logging.getLogger(__name__)
 
 _NOOP, _STOP = "__noop__", "__stop__"
-REPLICATED = frozenset({
-    "remove_adapter", "forward_batch", "optim_step", "set_loss", "set_optimizer",
-    "set_lr_scheduler", "clip_grad_norm", "step", "zero_grad", "lr_step", "calculate_metric"})
-"""Engine methods sent to every rank as they are; `ReplicatedEngine` defines the ones that
-need a seed drawn or files read on rank 0 first (add_adapter, load_state, sampling)."""
+REPLICATED = marked(Engine, "replicated")
+"""The `Engine` methods every rank runs (marked `@replicated` where they are defined,
+`engine.protocol`): the only calls rank 0 sends, and the only ones the others run."""
 _BEAT_KEY = "twinkle/heartbeat/{}"
 BEAT_SECONDS = 1.0
 
@@ -165,8 +174,10 @@ def _fill_seed(request: SampleRequest) -> SampleRequest:
 
 
 class ReplicatedEngine:
-    """Rank 0's engine: the local `Engine` for reads, every state change sent to all ranks
-    first. `on_lost` is called once, from the calling thread, when the group fails."""
+    """Rank 0's engine (an `engine.protocol.EngineAPI`): every `@replicated` call sent to
+    all ranks first, then run on the local `Engine`; every `@rank_zero_only` call run on
+    the local `Engine` alone. `on_lost` is called once, from the calling thread, when the
+    group fails."""
 
     def __init__(self, engine: Engine, channel: Channel, timeout_s: float,
                  on_lost: Callable[[str], None] | None = None) -> None:
@@ -182,18 +193,94 @@ class ReplicatedEngine:
                                            name="twinkle-keepalive")
         self._keepalive.start()
 
-    def __getattr__(self, name: str) -> Any:
-        """`Engine` calls that change state or run the base go to every rank (`_all`);
-        everything else (reads, checks, saves) is the local engine's."""
-        if name in REPLICATED:
-            return functools.partial(self._all, name)
-        return getattr(self.engine, name)
+    # ------------------------------------------------------------------ rank 0 alone
+
+    @property
+    def base(self) -> BaseModel:
+        return self.engine.base
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.engine.limits
+
+    @property
+    def adapters(self) -> Mapping[str, Adapter]:
+        return self.engine.adapters
+
+    def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
+        return self.engine.estimate_adapter_bytes(spec)
+
+    def adapter_info(self, adapter_id: str) -> dict[str, Any]:
+        return self.engine.adapter_info(adapter_id)
+
+    def check_forward(self, request: ForwardRequest) -> None:
+        self.engine.check_forward(request)
+
+    def validate_forward(self, request: ForwardRequest) -> LossSpec:
+        return self.engine.validate_forward(request)
+
+    def get_train_configs(self, adapter_id: str) -> dict[str, Any]:
+        return self.engine.get_train_configs(adapter_id)
+
+    def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
+        return self.engine.save_weights(adapter_id, path, overwrite)
+
+    def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
+                   overwrite: bool = False) -> int:
+        return self.engine.save_state(adapter_id, path, include_optimizer, overwrite)
+
+    def read_checkpoint_spec(self, path: str | Path) -> LoraSpec:
+        return self.engine.read_checkpoint_spec(path)
+
+    def has_sampler(self, weights_path: str | os.PathLike) -> bool:
+        return self.engine.has_sampler(weights_path)
+
+    def sampler_dirs(self) -> set[str]:
+        return self.engine.sampler_dirs()
+
+    # ------------------------------------------------------------------ every rank, as called
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        self._all("remove_adapter", adapter_id)
+
+    def forward_batch(self, requests: Sequence[ForwardRequest]
+                      ) -> list[ForwardOutput | EngineError]:
+        return self._all("forward_batch", requests)
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        return self._all("optim_step", adapter_id, params)
+
+    def set_loss(self, adapter_id: str, loss: LossSpec) -> None:
+        self._all("set_loss", adapter_id, loss)
+
+    def set_optimizer(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
+        self._all("set_optimizer", adapter_id, name, kwargs)
+
+    def set_lr_scheduler(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
+        self._all("set_lr_scheduler", adapter_id, name, kwargs)
+
+    def clip_grad_norm(self, adapter_id: str, max_norm: float) -> float:
+        return self._all("clip_grad_norm", adapter_id, max_norm)
+
+    def step(self, adapter_id: str) -> dict[str, float]:
+        return self._all("step", adapter_id)
+
+    def zero_grad(self, adapter_id: str) -> None:
+        self._all("zero_grad", adapter_id)
+
+    def lr_step(self, adapter_id: str) -> None:
+        self._all("lr_step", adapter_id)
+
+    def calculate_metric(self, adapter_id: str, is_training: bool = True) -> dict[str, float]:
+        return self._all("calculate_metric", adapter_id, is_training)
 
     # ------------------------------------------------------------------ replicated calls
 
     def _all(self, name: str, *args: Any, shipped: tuple = ()) -> Any:
         """Send `name(*args)` to every rank, then run it here; `shipped` rides along for
         the other ranks to turn into local paths (see `follow`)."""
+        if name not in REPLICATED:
+            raise TypeError(f"{name}: not an @replicated Engine method; rank 0 runs it alone")
         with self._lock:
             if self.lost is not None:
                 raise Unavailable(self.lost)
@@ -230,7 +317,8 @@ class ReplicatedEngine:
             return self._all("load_state", adapter_id, local, include_optimizer,
                              adopt_accumulation, shipped=shipped)
 
-    def sample_batch(self, requests: Sequence[SampleRequest]) -> list:
+    def sample_batch(self, requests: Sequence[SampleRequest]
+                     ) -> list[list[SampledSequence] | EngineError]:
         requests = [_fill_seed(r) for r in requests]
         return self._all("sample_batch", requests,
                          shipped=tuple((i, self._ship_sampler(r.weights_path))
@@ -338,6 +426,8 @@ def follow(engine: Engine, channel: Channel) -> None:
                 return
             if name == _NOOP:
                 continue
+            if name not in REPLICATED:
+                raise RuntimeError(f"rank 0 sent {name!r}, not an @replicated Engine method")
             args = _place(list(args), shipped, scratch)
             try:
                 getattr(engine, name)(*args)

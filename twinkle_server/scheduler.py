@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from twinkle_server.planning import DEFAULT_TOKEN_BUDGET, MODES, Mode, plan_batch
+from twinkle_server.planning import DEFAULT_TOKEN_BUDGET, MODES, Mode, Op, plan_batch
 
 # How far ahead of the next expected seq an op may arrive: bounds what one client can park
 # in server memory while an earlier seq_id is missing.
@@ -48,33 +48,6 @@ class OutOfOrder(FailedPrecondition):
 
 class UnknownQueue(NotFound):
     """No model or sampling session with this id is registered."""
-
-
-@dataclass(frozen=True)
-class Op:
-    """One unit of work for the executor; `payload` is opaque to the scheduler.
-
-    `seq_id` None means unordered: the op runs in arrival order and is not idempotent.
-    `merge_group` names which ops may share a pass ('forward', 'sample'); None runs alone.
-    `tokens` is the op's share of a merged pass's `token_budget`.
-    """
-
-    queue_id: str
-    seq_id: int | None
-    kind: str
-    merge_group: str | None
-    tokens: int
-    payload: Any
-    request_id: str = ""
-
-    @classmethod
-    def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,
-               request_id: str = "") -> Op:
-        """An op whose result is `error`: a request refused before it ran still takes its
-        seq_id, so the queue's later ops are not left waiting for it."""
-        def fail() -> Any:
-            raise error
-        return cls(queue_id, seq_id, kind, None, 0, fail, request_id)
 
 
 class Executor(Protocol):

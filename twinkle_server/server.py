@@ -12,22 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from twinkle_client._proto.twinkle.v1 import (
-    external_pb2,
-    external_pb2_grpc,
-    runs_pb2,
-    runs_pb2_grpc,
-    sampling_pb2,
-    sampling_pb2_grpc,
-    session_pb2,
-    session_pb2_grpc,
-    training_pb2,
-    training_pb2_grpc,
-)
-from twinkle_client.wire import MAX_MESSAGE_BYTES
 from twinkle_server.config import ServerConfig
-from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.parallel import Parallel
+from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.http import HTTP_OFF, HttpServer
 from twinkle_server.launch import load_engine
 from twinkle_server.replication import Channel, ReplicatedEngine
@@ -40,6 +27,19 @@ from twinkle_server.service.session import SessionServicer
 from twinkle_server.service.training import TrainingServicer
 from twinkle_server.service.undecodable import RejectUndecodable
 from twinkle_server.store import Store
+from twinkle_wire import MAX_MESSAGE_BYTES
+from twinkle_wire._proto.twinkle.v1 import (
+    external_pb2,
+    external_pb2_grpc,
+    runs_pb2,
+    runs_pb2_grpc,
+    sampling_pb2,
+    sampling_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
+    training_pb2,
+    training_pb2_grpc,
+)
 
 log = logging.getLogger("twinkle_server")
 SERVICES = tuple(
@@ -106,9 +106,10 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         lost.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    engine: Engine | ReplicatedEngine = await asyncio.to_thread(load_engine, config, parallel)
+    local = await asyncio.to_thread(load_engine, config, parallel)
+    engine: EngineAPI = local
     if parallel is not None and channel is not None:
-        engine = ReplicatedEngine(engine, channel, config.collective_timeout, on_lost)
+        engine = ReplicatedEngine(local, channel, config.collective_timeout, on_lost)
     try:
         await _serve_engine(config, engine, store, stop, ready, parallel)
     finally:
@@ -119,7 +120,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     log.info("stopped")
 
 
-async def _serve_engine(config: ServerConfig, engine: Engine | ReplicatedEngine, store: Store,
+async def _serve_engine(config: ServerConfig, engine: EngineAPI, store: Store,
                         stop: asyncio.Event, ready: asyncio.Event | None,
                         parallel: Parallel | None) -> None:
     """The fronts, scheduler and sweeps over a loaded engine, until `stop`; then drain."""

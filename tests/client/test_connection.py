@@ -9,12 +9,13 @@ import threading
 import numpy as np
 import pytest
 
-from twinkle_client import api, errors, wire
-from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+import twinkle_wire as wire
+from twinkle_client import api, errors
 from twinkle_client.api import write_files
 from twinkle_client.connection import Connection, parse_base_url, setting
 from twinkle_client.tokenizer import load_tokenizer, served_name
 from twinkle_server.process import start_server
+from twinkle_wire._proto.twinkle.v1 import common_pb2, training_pb2
 
 
 @pytest.mark.parametrize("url, expected", [

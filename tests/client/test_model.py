@@ -12,7 +12,8 @@ import pytest
 from peft import LoraConfig
 from safetensors.numpy import load_file
 
-from twinkle_client import features, wire
+import twinkle_wire as wire
+from twinkle_client import features
 from twinkle_client.errors import InvalidArgumentError
 from twinkle_client.futures import Future
 from twinkle_client.lora import lora_spec

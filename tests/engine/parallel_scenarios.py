@@ -115,7 +115,7 @@ def sampling_split(engine: Engine) -> list[float]:
 def pass_headroom(engine: Engine) -> list[float]:
     """On several ranks the headroom adapter creation keeps free also counts what a pass
     gathers: the root unit (embeddings, norm, output layer) and two decoder layers."""
-    if engine.parallel is not None:
+    if engine.parallel.world > 1:
         return [engine.pass_headroom_bytes]
     model = engine.base.model
     layers = model.get_decoder().layers

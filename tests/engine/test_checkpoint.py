@@ -156,7 +156,7 @@ def test_sampling_from_saved_weights_equals_sampling_the_live_adapter(engine, da
     add("live", LoraSpec.from_tinker(rank=4, seed=3))
     _train(engine, "live", datums, 2)
     engine.save_weights("live", tmp_path / "sampler")
-    params = SamplingParams(max_tokens=6, seed=5, stop_on_eos=False)
+    params = SamplingParams(max_tokens=6, seed=5, ignore_eos=True)
     prompt = datums[0].input_ids[:4]
     live, saved = engine.sample_batch([
         SampleRequest("live", None, prompt, 1, params),
@@ -230,7 +230,7 @@ def test_a_decode_batch_routing_more_checkpoints_than_the_cache_holds_samples_ea
     # Three sampler checkpoints in one batch with room for two cached: evicting the first
     # while loading the third would leave its rows on the bare base model.
     monkeypatch.setattr(engine.samplers, "size", 2)
-    params = SamplingParams(max_tokens=6, seed=5, stop_on_eos=False)
+    params = SamplingParams(max_tokens=6, seed=5, ignore_eos=True)
     prompt = datums[0].input_ids[:4]
     paths = []
     for i in range(3):

@@ -216,7 +216,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_forward(engine, datums, fresh):
     prompt = datums[2].input_ids[:5]
     seq = engine.sample_batch([SampleRequest("tf", None, prompt, 1,
                                              SamplingParams(max_tokens=6, seed=1,
-                                                            stop_on_eos=False))])[0][0]
+                                                            ignore_eos=True))])[0][0]
     full = np.concatenate([prompt, seq.tokens.astype(np.int64)])
     forced = engine.compute_logprobs("tf", None, full)[prompt.size:]
     # KV-cached decoding, one token a step, against one pass over the whole sequence: the

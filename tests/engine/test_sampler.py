@@ -45,6 +45,7 @@ def _sample(model, *requests, eos=(299,)):
 
 
 def _req(prompt, n=1, **params):
+    params = {"max_tokens": 16, **params}  # the engine refuses max_tokens 0 (the default)
     return GenerationRequest(None, np.asarray(prompt, np.int64), n, SamplingParams(**params))
 
 
@@ -105,7 +106,7 @@ def test_max_tokens_gives_length_and_eos_stops_unless_disabled(model):
     eos = int(free.tokens[1])
     assert _sample(model, _req([4, 4], max_tokens=6, temperature=0.0), eos=(eos,))[0][0] \
         .stop_reason == "stop"
-    ignored = _sample(model, _req([4, 4], max_tokens=6, temperature=0.0, stop_on_eos=False),
+    ignored = _sample(model, _req([4, 4], max_tokens=6, temperature=0.0, ignore_eos=True),
                       eos=(eos,))[0][0]
     assert ignored.stop_reason == "length" and ignored.tokens.size == 6
 

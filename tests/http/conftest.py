@@ -15,7 +15,7 @@ from tinker import types  # noqa: E402
 
 from twinkle_server.process import start_server  # noqa: E402
 
-from ..server.harness import create_key  # noqa: E402
+from ..service.harness import create_key  # noqa: E402
 from ..tinker_compat.conftest import sft_data  # noqa: E402, F401 - the same data both fronts get
 
 

@@ -14,7 +14,7 @@ from tinker import types
 
 from twinkle_client import errors
 
-from ..server.transport import ProtoConnection
+from ..service.transport import ProtoConnection
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration

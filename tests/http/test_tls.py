@@ -12,8 +12,8 @@ from tinker import types
 
 from twinkle_server.process import start_server
 
-from ..server.harness import create_key
-from ..server.test_security import _self_signed
+from ..service.harness import create_key
+from ..service.test_security import _self_signed
 from ..tinker_compat.conftest import sft_data
 
 pytestmark = pytest.mark.integration

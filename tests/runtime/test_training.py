@@ -72,7 +72,8 @@ def test_a_request_refused_before_it_queues_takes_its_seq_id(runtime):
         with pytest.raises(InvalidArgument, match="the batch is empty"):
             runtime.training.forward_request("alice", mid, [], None, True)
         with pytest.raises(InvalidArgument, match="bad name"):
-            await runtime.training.refuse(OpRef(mid, 0), "forward", InvalidArgument("bad name"))
+            await runtime.training.refuse("alice", OpRef(mid, 0), "forward",
+                                          InvalidArgument("bad name"))
         await runtime.training.set_loss("alice", OpRef(mid, 1), LossSpec("cross_entropy"))
         return await runtime.training.get_train_configs("alice", OpRef(mid, 2))
 

@@ -76,7 +76,6 @@ from twinkle_client.api.training import (
     zero_grad,
 )
 from twinkle_client.api.values import (
-    AdamParams,
     AuditEntry,
     Capabilities,
     Checkpoint,
@@ -87,13 +86,12 @@ from twinkle_client.api.values import (
     ModelInfo,
     Page,
     SampleResult,
-    SamplingParams,
     SamplingSession,
     ServedModel,
-    ServerLimits,
     TrainingRun,
 )
 from twinkle_client.connection import Op
+from twinkle_wire.values import AdamParams, SamplingParams, ServerLimits
 
 __all__ = [
     "AuditEntry", "copy_checkpoint", "get_audit_log",

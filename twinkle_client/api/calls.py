@@ -12,11 +12,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+import twinkle_wire as wire
 from twinkle_client.api.values import ForwardResult, Loss
 from twinkle_client.connection import Connection, Op
 from twinkle_client.futures import Future
+from twinkle_wire._proto.twinkle.v1 import common_pb2, training_pb2
 
 log = logging.getLogger("twinkle_client")
 

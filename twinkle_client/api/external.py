@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from twinkle_client._proto.twinkle.v1 import external_pb2
 from twinkle_client.api.calls import Call, OpCall, UnaryOp
 from twinkle_client.connection import Connection
+from twinkle_wire._proto.twinkle.v1 import external_pb2
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from twinkle_client import errors
-from twinkle_client._proto.twinkle.v1 import common_pb2, runs_pb2
 from twinkle_client.api.calls import Call, no_reply
 from twinkle_client.api.values import AuditEntry, Checkpoint, Page, TrainingRun
 from twinkle_client.connection import Connection
+from twinkle_wire._proto.twinkle.v1 import common_pb2, runs_pb2
 
 
 def _checkpoint(c: common_pb2.Checkpoint) -> Checkpoint:

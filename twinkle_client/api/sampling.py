@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import sampling_pb2
+import twinkle_wire as wire
 from twinkle_client.api.calls import Call, InSession, OpCall, UnaryOp
-from twinkle_client.api.values import Completion, SampleResult, SamplingParams, SamplingSession
+from twinkle_client.api.values import Completion, SampleResult, SamplingSession
+from twinkle_wire._proto.twinkle.v1 import sampling_pb2
+from twinkle_wire.values import SamplingParams
 
 
 def _sampling_params(params: SamplingParams) -> sampling_pb2.SamplingParams:

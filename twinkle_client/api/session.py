@@ -9,10 +9,11 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from twinkle_client import errors
-from twinkle_client._proto.twinkle.v1 import common_pb2, session_pb2
 from twinkle_client.api.runs import write_files
-from twinkle_client.api.values import Capabilities, ServedModel, ServerLimits
+from twinkle_client.api.values import Capabilities, ServedModel
 from twinkle_client.connection import Connection
+from twinkle_wire._proto.twinkle.v1 import common_pb2, session_pb2
+from twinkle_wire.values import ServerLimits
 
 
 def capabilities(conn: Connection, refresh: bool = False) -> Capabilities:

@@ -9,8 +9,7 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import common_pb2, training_pb2
+import twinkle_wire as wire
 from twinkle_client.api.calls import (
     Call,
     ForwardCall,
@@ -21,8 +20,10 @@ from twinkle_client.api.calls import (
     metrics,
     no_reply,
 )
-from twinkle_client.api.values import AdamParams, LoraSpec, Loss, ModelInfo
+from twinkle_client.api.values import LoraSpec, Loss, ModelInfo
 from twinkle_client.connection import Connection
+from twinkle_wire._proto.twinkle.v1 import common_pb2, training_pb2
+from twinkle_wire.values import AdamParams
 
 # ----------------------------------------------------------------------------- models
 

@@ -2,7 +2,9 @@
 
 Each mirrors one message of the contract (`protos/twinkle/v1/`) field for field, in
 Python types: the clients convert these to their own public records (`twinkle_client`'s
-pydantic models, `tinker.types`), never a message.
+pydantic models, `tinker.types`), never a message. The values the server's engine takes
+as they are (`AdamParams`, `SamplingParams`, `ServerLimits`, `Datum`) are the contract's
+own, in `twinkle_wire`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
+
+from twinkle_wire.values import ServerLimits
 
 T = TypeVar("T")
 
@@ -58,33 +62,6 @@ class Loss:
 
     name: str = ""
     config: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """Tinker's optim_step: AdamW with exactly these hyper-parameters (0 = no clipping)."""
-
-    learning_rate: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample: `max_tokens` 0 is up to the context limit, `top_k` <= 0 no limit;
-    `ignore_eos` does not stop on EOS either (Tinker's `stop=[]`)."""
-
-    max_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
 
 
 @dataclass
@@ -193,17 +170,6 @@ class ServedModel:
     trainable: bool
     sampleable: bool
     arch: str
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_adapters: int
-    max_rank: int
-    max_seq_len: int
-    max_batch_tokens: int
-    max_message_bytes: int
-    max_sessions_per_tenant: int
-    max_adapters_per_tenant: int
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,18 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   `memory` the pass headroom estimate and the memory free, `adapter` one object per
   adapter with its optimizer verbs, `losses`, `optim`, `sampler` (`sampler_cache`: saved
   sampler checkpoints kept loaded), `checkpoint` (PEFT format, atomic, save and load),
-  and `engine.Engine`, the only entry point. It imports only torch,
+  `parallel` the ranks (`Parallel`: FSDP2 over a process group; `OneRank`, the trivial
+  one a process alone uses, every collective the identity, so the pass code has one
+  path), and `engine.Engine`, the only entry point. It imports only torch,
   transformers, peft, numpy, safetensors and itself.
+- `engine.protocol.EngineAPI` is the engine as the runtime, the executor and the server
+  see it, implemented by `Engine` and, on several ranks, by rank 0's
+  `twinkle_server.replication.ReplicatedEngine`. Each public `Engine` method is marked
+  once where it is defined: `@replicated` (every rank runs it, in order: `add_adapter`,
+  `remove_adapter`, `forward_batch`, the optimizer verbs, `calculate_metric`,
+  `load_state`, `sample_batch` and the prompt logprobs and scoring) or `@rank_zero_only`
+  (reads, request checks and saves). `tests/engine/test_protocol.py` fails on a method
+  marked neither way, and on a `ReplicatedEngine` that sends anything else.
 - `twinkle_server.store` owns durable records (keys, sessions, runs, checkpoint paths)
   beside the runtime, which passes the engine plain file paths from it.
 

@@ -54,12 +54,19 @@ def forward_request(request: ForwardRequest, limits: EngineLimits, vocab: int) -
                 raise InvalidArgument(
                     f"datum[{index}].loss_fn_inputs[{key!r}]: length "
                     f"{value.shape[0] if value.ndim else 0} differs from the {n} input tokens")
-    if total > limits.max_batch_tokens:
-        raise InvalidArgument(f"data: {total} tokens is over the "
-                              f"{limits.max_batch_tokens}-token batch limit "
-                              "(--max-batch-tokens)")
+    batch_tokens(total, limits)
     if request.loss is not None:
         losses.validate_loss(request.loss, request.datums)
+
+
+def batch_tokens(total: int, limits: EngineLimits) -> None:
+    """A forward batch's `total` tokens within `--max-batch-tokens`: checked on the whole
+    request here, and on a running count by the fronts while they decode one, so a batch
+    far over the limit is refused before all of it is held."""
+    if total > limits.max_batch_tokens:
+        raise InvalidArgument(f"data: more than {limits.max_batch_tokens} tokens in one "
+                              f"request ({total} so far; --max-batch-tokens); split the "
+                              "batch")
 
 
 def sample_size(request: SampleRequest, limits: EngineLimits) -> None:

@@ -49,7 +49,7 @@ import torch
 
 from twinkle_server.engine import activations, checkpoint, checks, forward, losses, memory
 from twinkle_server.engine.adapter import Adapter
-from twinkle_server.engine.base_model import BaseModel, load_base_model, resolve_dtype
+from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
     EngineError,
     FailedPrecondition,
@@ -65,7 +65,8 @@ from twinkle_server.engine.lora import (
     resolve_targets,
 )
 from twinkle_server.engine.memory import available_memory_bytes
-from twinkle_server.engine.parallel import Parallel
+from twinkle_server.engine.parallel import OneRank, Parallel
+from twinkle_server.engine.protocol import rank_zero_only, replicated
 from twinkle_server.engine.sampler_cache import SamplerCache
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
@@ -110,11 +111,12 @@ class Engine:
         self.layers = inject(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
         # datum; every rank makes the same calls in order (`twinkle_server.replication`).
-        self.parallel = parallel
-        if parallel is not None:
-            parallel.shard(base.model)
+        # One process alone is the trivial `OneRank`: the same code, every collective the
+        # identity.
+        self.parallel = parallel = parallel if parallel is not None else OneRank(base.device)
+        parallel.shard(base.model)
         # On several ranks a pass also gathers the base's weights, beside its activations.
-        gathered = parallel.gathered_bytes() if parallel is not None else 0
+        gathered = parallel.gathered_bytes()
         limits = self.limits = self._resolve_seq_len(limits, activation_checkpointing, gathered)
         # Decoder layers recomputed in backward (`engine.activations`); None picks by
         # the memory free once the base is in place (`memory.auto_checkpointing`).
@@ -124,7 +126,8 @@ class Engine:
                 self._free_bytes(), limits.max_seq_len, gathered))
         self.activation_checkpointing = activation_checkpointing
         if activation_checkpointing:
-            activations.enable(base.model, self.router, keep_input_grads=parallel is not None)
+            activations.enable(base.model, self.router,
+                               keep_input_grads=parallel.keeps_input_grads)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
@@ -161,16 +164,9 @@ class Engine:
         `packing` False pads merged passes instead of packing them (`--packing off`);
         `activation_checkpointing` recomputes decoder layers in backward
         (`--activation-checkpointing on`; None: `auto`); `parallel` shards it over ranks (on the
-        rank's own device, whatever `device` says)."""
-        if parallel is None:
-            return cls(load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir),
-                       limits, packing, activation_checkpointing)
-        # Loaded into host memory, then each decoder layer moves to the device as it is
-        # sharded: the device never holds more than its shards and one layer.
-        target = parallel.placement.device
-        base = load_base_model(model, device="cpu", dtype=str(resolve_dtype(dtype, target))
-                               .removeprefix("torch."), cache_dir=cache_dir)
-        base.device = target
+        rank's own device, whatever `device` says; `Parallel.load_base`)."""
+        parallel = parallel if parallel is not None else OneRank()
+        base = parallel.load_base(model, device=device, dtype=dtype, cache_dir=cache_dir)
         return cls(base, limits, packing, activation_checkpointing, parallel)
 
     def _resolve_seq_len(self, limits: EngineLimits, checkpointing: bool | None,
@@ -207,18 +203,18 @@ class Engine:
     def _free_bytes(self) -> int | None:
         """Free memory for new state, the least over the ranks (every rank holds the
         adapters, and runs its share of each pass)."""
-        free = available_memory_bytes(self.base.device)
-        return free if self.parallel is None else self.parallel.min_int(free)
+        return self.parallel.min_int(available_memory_bytes(self.base.device))
 
     def _on_base(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` with the base model's weights at hand (gathered, on several ranks)."""
-        return fn(*args) if self.parallel is None else self.parallel.run(fn, *args)
+        return self.parallel.run(fn, *args)
 
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
         return resolve_targets(self.layers, spec, self.output_layer)
 
+    @rank_zero_only
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
         """Weights + gradients + AdamW moments of an adapter with this spec, in bytes
         (its own state only; `add_adapter` also keeps `pass_headroom_bytes` free)."""
@@ -226,6 +222,7 @@ class Engine:
                      for n in self._targets(spec))
         return params * 4 * _STATE_COPIES
 
+    @replicated
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
                     gradient_accumulation_steps: int = 1) -> dict[str, Any]:
         """Create an adapter; refuses with the numbers when slots or memory run out.
@@ -277,6 +274,7 @@ class Engine:
         for name in names:
             self.layers[name].adapters.pop(adapter_id, None)
 
+    @rank_zero_only
     def adapter_info(self, adapter_id: str) -> dict[str, Any]:
         """Trainable parameter count, state bytes, resolved target modules and spec."""
         adapter = self._adapter(adapter_id)
@@ -284,6 +282,7 @@ class Engine:
                 "state_bytes": adapter.num_params * 4 * _STATE_COPIES,
                 "target_modules": sorted(adapter.weights), "spec": adapter.spec}
 
+    @replicated
     def remove_adapter(self, adapter_id: str) -> None:
         """Detach the adapter from every layer and drop its state, freeing its slot."""
         adapter = self._adapter(adapter_id)
@@ -297,6 +296,7 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
 
+    @rank_zero_only
     def check_forward(self, request: ForwardRequest) -> None:
         """The checks that depend only on the request, the limits and the vocabulary
         (`checks.forward_request`). They read no adapter state, so a front may run them
@@ -305,6 +305,7 @@ class Engine:
         adapter's op order."""
         checks.forward_request(request, self.limits, self.base.vocab_size)
 
+    @rank_zero_only
     def validate_forward(self, request: ForwardRequest) -> LossSpec:
         """Every check before compute, each naming the field and the limit; returns the
         loss the request runs with (its own, or the adapter's from `set_loss`).
@@ -321,6 +322,7 @@ class Engine:
         losses.validate_loss(adapter.loss, request.datums)
         return adapter.loss
 
+    @replicated
     def forward_batch(self, requests: Sequence[ForwardRequest]
                       ) -> list[ForwardOutput | EngineError]:
         """Run all requests in ONE base-model pass; a failure is that request's value."""
@@ -354,7 +356,7 @@ class Engine:
         every gradient and counter as it was (`forward`). On several ranks the error is
         raised instead: one rank's failure leaves the others waiting in a collective, so
         the group is lost (`twinkle_server.replication`)."""
-        if self.parallel is not None:
+        if self.parallel.world > 1:
             raise exc
         log.warning("out of memory in %s: %s", what, exc)
         return ResourceExhausted(
@@ -364,65 +366,79 @@ class Engine:
 
     # ------------------------------------------------------------------ optimizer verbs
 
+    @replicated
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         """Tinker's step: AdamW with exactly `params`, optional clipping, zero the grads."""
         return self._adapter(adapter_id).optim_step(params)
 
+    @replicated
     def set_loss(self, adapter_id: str, loss: LossSpec) -> None:
         """The adapter's native loss, used by requests that name none."""
         losses.resolve_config(loss)
         self._adapter(adapter_id).loss = loss
 
+    @replicated
     def set_optimizer(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
         """Replace the adapter's optimizer with an allow-listed one (`optim.OPTIMIZERS`)."""
         self._adapter(adapter_id).set_optimizer(name, kwargs)
 
+    @replicated
     def set_lr_scheduler(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
         """Schedule the adapter's lr with an allow-listed scheduler (`optim.SCHEDULERS`)."""
         self._adapter(adapter_id).set_lr_scheduler(name, kwargs)
 
+    @replicated
     def clip_grad_norm(self, adapter_id: str, max_norm: float) -> float:
         """Clip at an accumulation boundary; returns the norm before clipping."""
         return self._adapter(adapter_id).clip_grad_norm(max_norm)
 
+    @replicated
     def step(self, adapter_id: str) -> dict[str, float]:
         """Count a micro-step; every `grad_accum`-th one applies the optimizer."""
         return self._adapter(adapter_id).step_optimizer()
 
+    @replicated
     def zero_grad(self, adapter_id: str) -> None:
         """Clear the gradients at an accumulation boundary (kept inside a window)."""
         self._adapter(adapter_id).zero_grad_at_boundary()
 
+    @replicated
     def lr_step(self, adapter_id: str) -> None:
         """Advance the scheduler once per applied optimizer step."""
         self._adapter(adapter_id).lr_step()
 
+    @replicated
     def calculate_metric(self, adapter_id: str, is_training: bool = True) -> dict[str, float]:
         """Averages since the last call (then reset), plus the adapter's counters."""
         return self._adapter(adapter_id).calculate_metric(is_training)
 
+    @rank_zero_only
     def get_train_configs(self, adapter_id: str) -> dict[str, Any]:
         """LoRA shape, optimizer, scheduler, loss and counters, as plain values."""
         return self._adapter(adapter_id).train_configs()
 
     # ------------------------------------------------------------------ checkpoints
 
+    @rank_zero_only
     def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
         """PEFT weights only (a sampler checkpoint); returns bytes written."""
         return checkpoint.save_weights(self._adapter(adapter_id), path,
                                        str(self.base.model_dir), overwrite)
 
+    @rank_zero_only
     def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
                    overwrite: bool = False) -> int:
         """PEFT weights plus, with `include_optimizer`, everything needed to resume exactly."""
         return checkpoint.save_state(self._adapter(adapter_id), path, str(self.base.model_dir),
                                      include_optimizer, overwrite)
 
+    @rank_zero_only
     @staticmethod
     def read_checkpoint_spec(path: str | Path) -> LoraSpec:
         """The LoRA shape a checkpoint was saved with (to create an adapter to load it)."""
         return checkpoint.read_spec(path)[0]
 
+    @replicated
     def load_state(self, adapter_id: str, path: str | Path, include_optimizer: bool,
                    adopt_accumulation: bool = False) -> None:
         """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter;
@@ -432,11 +448,13 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
 
+    @rank_zero_only
     def has_sampler(self, weights_path: str | os.PathLike) -> bool:
         """Whether the sampler checkpoint at `weights_path`, as its files are now, is
         loaded (cached)."""
         return weights_path in self.samplers
 
+    @rank_zero_only
     def sampler_dirs(self) -> set[str]:
         """The directories (real paths) of the sampler checkpoints loaded now."""
         return self.samplers.dirs()
@@ -462,6 +480,7 @@ class Engine:
         self._attach(adapter)
         return adapter
 
+    @replicated
     def sample_batch(self, requests: Sequence[SampleRequest]
                      ) -> list[list[SampledSequence] | EngineError]:
         """Sample every request in one decode batch; failures are per-request values."""
@@ -492,29 +511,30 @@ class Engine:
         parallel = self.parallel
         # On several ranks each samples a token-balanced share of the batch (every rank
         # computed the same `batch`: the same checks on the same state).
-        mine = (range(len(batch)) if parallel is None else parallel.share(
-            [(r.prompt.size + r.params.max_tokens) * r.num_samples for r in batch]))
+        mine = parallel.share([(r.prompt.size + r.params.max_tokens) * r.num_samples
+                               for r in batch])
         try:
             outputs = self._on_base(lambda: sampler.generate(
                 self.base.model, self.router.route, [batch[i] for i in mine],
                 eos_token_ids=self.base.eos_token_ids, pad_token_id=self.base.pad_token_id,
-                decode=self.base.decode, together=parallel.any_rank if parallel else None))
+                decode=self.base.decode, together=parallel.any_rank))
         except OUT_OF_MEMORY as exc:
             sequences = sum(r.num_samples for r in batch)
             outputs = [self._out_of_memory(f"a decode batch of {sequences} sequences",
                                            "--merge-token-budget (or --max-batch-tokens)",
                                            exc)] * len(mine)
-        if parallel is not None:
-            outputs = parallel.gather_objects(outputs)
+        outputs = parallel.gather_objects(outputs)
         for slot, out in zip(slots, outputs, strict=True):
             results[slot] = out
         return results
 
+    @replicated
     def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
                          tokens: np.ndarray) -> np.ndarray:
         """Logprob of each token given the ones before it; NaN at position 0."""
         return self.prompt_logprobs(adapter_id, weights_path, tokens).logprobs
 
+    @replicated
     def prompt_logprobs(self, adapter_id: str | None, weights_path: str | None,
                         tokens: np.ndarray, topk: int = 0) -> Any:
         """`compute_logprobs` plus, with `topk` > 0, the top-k tokens at each position
@@ -524,6 +544,7 @@ class Engine:
         return self.score_prompt(adapter_id, weights_path, tokens,
                                  PromptScoring(include=True, topk=topk))
 
+    @replicated
     def score_prompt(self, adapter_id: str | None, weights_path: str | None,
                      tokens: np.ndarray, scoring: Any) -> Any:
         """Everything a `prompt_scoring.PromptScoring` asks about `tokens` (own logprobs,

@@ -10,9 +10,14 @@ logits for the whole pass); each request's loss is then computed on its own rows
 kept losses are backpropagated together. Requests reach `run_forward` already validated
 (`Engine.validate_forward`).
 
-On several ranks (`parallel` given) each rank runs only its share of the datums through
-the base and receives the others' logprobs; losses are then computed the same way on
-every rank, and the pass's gradients summed over the ranks (`engine.parallel`).
+On several ranks (`parallel`) each rank runs only its share of the datums through the
+base and receives the others' logprobs; losses are then computed the same way on every
+rank, and the pass's gradients summed over the ranks (`engine.parallel`). One process
+alone runs the same code with the trivial `OneRank`, whose collectives are the identity.
+
+`run_forward` is the whole training pass, top to bottom: rows grouped by adapter, their
+logprobs through the base (`PassLogprobs.forward`), each request's loss
+(`_request_loss`), the kept losses' backward (`_backward`), then the adapters' counters.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.lora import Router, adapter_order
 from twinkle_server.engine.packing import PassLayout
-from twinkle_server.engine.parallel import Parallel, share_of
+from twinkle_server.engine.parallel import OneRank, Parallel, share_of
 from twinkle_server.engine.types import Datum, ForwardOutput, ForwardRequest
 
 Row = tuple[ForwardRequest, Datum]
@@ -102,7 +107,9 @@ def pieces(lengths: Sequence[int], cap: int) -> list[range]:
 
 class PassLogprobs:
     """Every row's target logprobs (and top-1 hits) of one pass, and the backward into
-    them: the part of a merged pass that touches the base.
+    them: the part of a merged pass that touches the base. Building one plans the pass
+    (this rank's rows, in pieces) and runs nothing; `forward` runs it, then `backward`
+    (or `drop`, when no loss is kept) ends it.
 
     Rows run through the base in pieces of at most `cap` tokens (`EngineLimits.
     max_pass_tokens`), so a pass's activation memory is bounded whatever the requests'
@@ -116,81 +123,79 @@ class PassLogprobs:
     On several ranks (`parallel`) each rank runs only its share of the rows
     (`Parallel.share`), in as many pieces as the rank that needs most (a rank out of
     rows runs a filler token), and receives the others' logprobs; backward then sums
-    nothing itself: `_backward` all-reduces the adapters' gradients.
+    nothing itself: `_backward` all-reduces the adapters' gradients. On one rank
+    (`OneRank`) the share is every row and the gathers return what they are given.
     """
 
     def __init__(self, base: BaseModel, router: Router, rows: list[Row], packed: bool,
-                 parallel: Parallel | None, cap: int) -> None:
+                 parallel: Parallel, cap: int) -> None:
         self.base, self.router, self.rows, self.packed = base, router, rows, packed
         self.parallel = parallel
         self.grad = any(r.backward for r, _ in rows)
         lengths = [d.num_tokens for _, d in rows]
-        world = parallel.world if parallel is not None else 1
-        self.mine = parallel.share(lengths) if parallel is not None else range(len(rows))
+        self.mine = parallel.share(lengths)
         own = [rows[i] for i in self.mine]
         self.pieces = [[own[i] for i in run]
                        for run in pieces([d.num_tokens for _, d in own], cap)]
         self.real = len(self.pieces)
-        count = max(len(pieces([lengths[i] for i in share_of(lengths, r, world)], cap))
-                    for r in range(world))
+        count = max(len(pieces([lengths[i] for i in share_of(lengths, r, parallel.world)],
+                               cap))
+                    for r in range(parallel.world))
         # A rank out of rows still takes part in every layer's collectives: one token
         # under the adapter of a backpropagated request (so its graph reaches that
         # adapter), no dropout, its loss never used.
         self.pieces += [[_filler(rows)] for _ in range(count - self.real)]
-        self.rng: list[tuple[torch.Tensor, ...]] = []
+        self.rng: list[tuple[torch.Tensor, ...]] = []  # per piece, when replayed
+        self.leaves: list[torch.Tensor] | None = None  # the logprobs replays backprop into
+        self.anchor: torch.Tensor | float = 0.0        # `Parallel.anchor`, one piece
+
+    def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Every row's target logprobs (the shape of its `target_tokens`) and top-1 hits
+        (None for `[T, K]` targets), in the order of `rows`."""
+        replayed = len(self.pieces) > 1
         local_lps: list[torch.Tensor] = []
         local_hits: list[torch.Tensor | None] = []
-        self.anchor: torch.Tensor | None = None
         for index, piece in enumerate(self.pieces):
-            if count > 1:
-                self.rng.append(_rng_state(base.device))
+            if replayed:
+                self.rng.append(_rng_state(self.base.device))
                 with torch.no_grad():
                     lps, hits = self._run(piece, grad=False)
             else:
                 lps, hits = self._run(piece, grad=self.grad)
-                if parallel is not None:
-                    self.anchor = torch.stack([lp.sum() for lp in lps]).sum() * 0.0
+                self.anchor = self.parallel.anchor(lps)
             if index < self.real:
                 local_lps += lps
                 local_hits += hits
-        if count > 1:
+        if replayed:
             local_lps = [lp.detach().requires_grad_(self.grad) for lp in local_lps]
-        self.leaves = local_lps if count > 1 else None
-        targets = [d.loss_inputs["target_tokens"] for _, d in rows]
-        if parallel is None:
-            self.lps, self.hits = local_lps, local_hits
-            return
-        self.lps = parallel.gather_rows(local_lps, [torch.Size(t.shape) for t in targets],
+            self.leaves = local_lps
+        targets = [d.loss_inputs["target_tokens"] for _, d in self.rows]
+        lps = self.parallel.gather_rows(local_lps, [torch.Size(t.shape) for t in targets],
                                         self.mine)
-        hits = parallel.gather_rows(
+        hits = self.parallel.gather_rows(
             [h if h is not None else torch.zeros(lp.shape[0], device=lp.device)
              for h, lp in zip(local_hits, local_lps, strict=True)],
             [torch.Size(t.shape[:1]) for t in targets], self.mine)
-        self.hits = [h if t.ndim == 1 else None for h, t in zip(hits, targets, strict=True)]
+        return lps, [h if t.ndim == 1 else None for h, t in zip(hits, targets, strict=True)]
 
     def _run(self, rows: list[Row], grad: bool
              ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         def compute() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-            return _row_logprobs(self.base, self.router, rows,
-                                 _hidden(self.base, self.router, rows, self.packed, grad), grad)
-
-        if self.parallel is None:
-            return compute()
-
-        def own_tensors() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-            lps, hits = compute()
+            lps, hits = _row_logprobs(
+                self.base, self.router, rows,
+                _hidden(self.base, self.router, rows, self.packed, grad), grad)
             # Not views: FSDP hooks the root's outputs for backward, and warns on views.
             return [lp.clone() for lp in lps], hits
 
-        return self.parallel.run(own_tensors, backward=grad)
+        return self.parallel.run(compute, backward=grad)
 
     def backward(self, kept: list[torch.Tensor]) -> None:
-        """Backpropagate the sum of `kept` (losses of `self.lps`) into the adapters."""
+        """Backpropagate the sum of `kept` (losses of `forward`'s logprobs) into the
+        adapters."""
         total = torch.stack(kept).sum()
         if self.leaves is None:
-            (total if self.anchor is None else total + self.anchor).backward()
-            if self.parallel is not None:
-                self.parallel.end_pass()
+            (total + self.anchor).backward()
+            self.parallel.end_pass()
             return
         # On several ranks, a rank whose own rows no kept loss uses has nothing to
         # backpropagate here, but still replays its pieces: their collectives are everyone's.
@@ -205,12 +210,11 @@ class PassLogprobs:
                 lps, _ = self._run(piece, grad=True)
             outs = [(lp * (next(grads) if index < self.real else 0.0)).sum() for lp in lps]
             torch.stack(outs).sum().backward()
-            if self.parallel is not None:
-                self.parallel.end_pass()
+            self.parallel.end_pass()
 
     def drop(self) -> None:
         """No loss of the pass is backpropagated: release what a backward would have."""
-        if self.parallel is not None and self.grad and self.leaves is None:
+        if self.grad and self.leaves is None:
             self.parallel.end_pass()
 
 
@@ -242,64 +246,47 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
                 ) -> list[ForwardOutput | EngineError]:
     """Run validated requests in ONE base-model pass; results in the order of `requests`.
     `packed` False pads every datum to the longest instead (`--packing off`); `parallel`
-    runs the pass on several ranks (see the module docstring); `max_pass_tokens` (0: no
-    cap) splits it into pieces that each run through the base alone (`PassLogprobs`).
+    runs the pass on several ranks (see the module docstring; None: this process alone);
+    `max_pass_tokens` (0: no cap) splits it into pieces that each run through the base
+    alone (`PassLogprobs`).
 
     A request whose loss is not finite gets an `InvalidArgument` value and its gradient
     is discarded; the others' losses are backpropagated together and their adapters'
     counters and running metrics updated.
     """
-    results: list[ForwardOutput | EngineError | None] = [None] * len(requests)
+    parallel = parallel if parallel is not None else OneRank(base.device)
+    # 1. Rows grouped by adapter (the router needs each adapter's rows contiguous).
     slots = adapter_order([r.adapter_id for r in requests])
     grouped = [requests[i] for i in slots]
     rows = [(r, d) for r in grouped for d in r.datums]
-    device = base.device
+    # 2. Every row's target logprobs, through the base.
     computed = PassLogprobs(base, router, rows, packed, parallel, max_pass_tokens)
-    row_lps, row_hits = computed.lps, computed.hits
-    row = 0
+    row_lps, row_hits = computed.forward()
+    # 3. Each request's loss on its own rows; a non-finite one is that request's error.
+    results: list[ForwardOutput | EngineError | None] = [None] * len(requests)
     to_backward: list[torch.Tensor] = []
     counters: list[tuple[Adapter, ForwardRequest, float, float, float]] = []
+    row = 0
     for request, slot in zip(grouped, slots, strict=True):
         adapter = adapters[request.adapter_id]
-        loss_spec = request.loss or adapter.loss
-        lps, inputs = [], []
-        correct = 0.0
-        for datum in request.datums:
-            tensors = {k: torch.tensor(np.asarray(v)).to(device)
-                       for k, v in datum.loss_inputs.items()}
-            lp, hit = row_lps[row], row_hits[row]
-            if hit is not None:
-                weights = tensors.get("weights")
-                correct += float((hit * (weights != 0) if weights is not None else hit).sum())
-            lps.append(lp)
-            inputs.append(tensors)
-            row += 1
-        # Native losses divide a training micro-batch by the accumulation count so the
-        # window's gradients add up to one big batch's; an eval pass is not divided, and
-        # the loss reported (output, metrics, calculate_metric) is the batch's own mean.
-        native = losses.LOSSES[loss_spec.name].native
-        divisor = adapter.grad_accum if native and request.backward else 1
-        loss, metrics = losses.compute_loss(loss_spec, lps, inputs, divisor)
-        if divisor != 1:
-            metrics = {k: v * divisor if k.startswith("loss:") else v
-                       for k, v in metrics.items()}
-        if not torch.isfinite(loss):
-            results[slot] = InvalidArgument(
-                f"loss: {loss_spec.name} is not finite ({float(loss.detach())}); this "
-                "batch's gradient was discarded and the adapter is unchanged")
+        count = len(request.datums)
+        outcome = _request_loss(adapter, request, row_lps[row:row + count],
+                                row_hits[row:row + count], base.device)
+        row += count
+        if isinstance(outcome, EngineError):
+            results[slot] = outcome
             continue
+        loss, output, correct = outcome
         if request.backward:
             to_backward.append(loss)
-        reported = float(loss.detach()) * divisor
-        counters.append((adapter, request, reported, correct, metrics["tokens:sum"]))
-        results[slot] = ForwardOutput(
-            logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
-            loss=reported, metrics=metrics)
+        counters.append((adapter, request, output.loss, correct, output.metrics["tokens:sum"]))
+        results[slot] = output
+    # 4. The kept losses backpropagated together (gradients summed over the ranks).
     if to_backward:
         _backward(adapters, computed, to_backward, requests, results, parallel)
     else:
         computed.drop()
-    # Counted once the pass has gone through: a backward that fails leaves them as well.
+    # 5. Counted once the pass has gone through: a backward that fails leaves them as well.
     for adapter, request, reported, correct, tokens in counters:
         if request.backward:
             adapter.tokens_seen += sum(d.num_tokens for d in request.datums)
@@ -308,9 +295,42 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     return results  # type: ignore[return-value]
 
 
+def _request_loss(adapter: Adapter, request: ForwardRequest, lps: list[torch.Tensor],
+                  hits: list[torch.Tensor | None], device: torch.device
+                  ) -> tuple[torch.Tensor, ForwardOutput, float] | InvalidArgument:
+    """One request's loss over its rows' logprobs `lps`: (the loss to backpropagate, its
+    output, its count of correct top-1 predictions), or the error when it is not finite."""
+    loss_spec = request.loss or adapter.loss
+    inputs = []
+    correct = 0.0
+    for datum, hit in zip(request.datums, hits, strict=True):
+        tensors = {k: torch.tensor(np.asarray(v)).to(device)
+                   for k, v in datum.loss_inputs.items()}
+        if hit is not None:
+            weights = tensors.get("weights")
+            correct += float((hit * (weights != 0) if weights is not None else hit).sum())
+        inputs.append(tensors)
+    # Native losses divide a training micro-batch by the accumulation count so the
+    # window's gradients add up to one big batch's; an eval pass is not divided, and
+    # the loss reported (output, metrics, calculate_metric) is the batch's own mean.
+    native = losses.LOSSES[loss_spec.name].native
+    divisor = adapter.grad_accum if native and request.backward else 1
+    loss, metrics = losses.compute_loss(loss_spec, lps, inputs, divisor)
+    if divisor != 1:
+        metrics = {k: v * divisor if k.startswith("loss:") else v
+                   for k, v in metrics.items()}
+    if not torch.isfinite(loss):
+        return InvalidArgument(
+            f"loss: {loss_spec.name} is not finite ({float(loss.detach())}); this "
+            "batch's gradient was discarded and the adapter is unchanged")
+    output = ForwardOutput(logprobs=[lp.detach().float().cpu().numpy() for lp in lps],
+                           loss=float(loss.detach()) * divisor, metrics=metrics)
+    return loss, output, correct
+
+
 def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
               to_backward: list[torch.Tensor], requests: Sequence[ForwardRequest],
-              results: list, parallel: Parallel | None) -> None:
+              results: list, parallel: Parallel) -> None:
     """Backpropagate the kept losses; adapters not trained by them keep their grads.
 
     Autograd also reaches adapters in the batch whose loss is not backpropagated
@@ -334,8 +354,7 @@ def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
         param.grad = None
     try:
         computed.backward(to_backward)
-        if parallel is not None:
-            parallel.all_reduce_grads(params)
+        parallel.all_reduce_grads(params)
     except BaseException:
         for param, grad in zip(params, before, strict=True):
             param.grad = grad

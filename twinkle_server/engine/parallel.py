@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinkle_server.engine.base_model import BaseModel, load_base_model, resolve_dtype
 from twinkle_server.engine.errors import InvalidArgument
 
 GRAD_BUCKET_BYTES = 64 * 2**20
@@ -97,7 +98,13 @@ def placement_from_env(device: str = "auto") -> Placement:
 
 class Parallel:
     """One rank's share of a sharded engine: the process group, the device mesh, the
-    FSDP root, and the collectives a pass needs. Build with `Parallel.init`."""
+    FSDP root, and the collectives a pass needs. Build with `Parallel.init`; one process
+    alone uses `OneRank`, where every collective is the identity, so the engine's code
+    is the same on one rank and on several."""
+
+    keeps_input_grads = True
+    """The input embeddings' output requires grad (`shard`): every rank's backward must
+    reach every layer, each of which gathers its weights again with the others."""
 
     def __init__(self, placement: Placement, mesh: Any) -> None:
         self.placement = placement
@@ -151,6 +158,18 @@ class Parallel:
 
     # ------------------------------------------------------------------ sharding
 
+    def load_base(self, model: str, device: str, dtype: str, cache_dir: str | None
+                  ) -> BaseModel:
+        """The base model `model` for this rank (on its own device, whatever `device`
+        says), to `shard`: loaded into host memory, then each decoder layer moves to the
+        device as it is sharded, so the device never holds more than its shards and one
+        layer."""
+        target = self.placement.device
+        base = load_base_model(model, device="cpu", dtype=str(resolve_dtype(dtype, target))
+                               .removeprefix("torch."), cache_dir=cache_dir)
+        base.device = target
+        return base
+
     def shard(self, model: nn.Module) -> None:
         """Shard `model` (frozen, on this rank's device, LoRA layers injected): one FSDP
         unit per decoder layer, and the root unit for the rest."""
@@ -190,6 +209,12 @@ class Parallel:
         if not backward:
             self.root.reshard()
         return out
+
+    def anchor(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor | float:
+        """A zero that depends on every output of a piece of a pass, added to the loss so
+        this rank's backward runs through the whole piece even when no kept loss uses its
+        rows: each layer's backward gathers its weights again, with every rank."""
+        return torch.stack([out.sum() for out in outputs]).sum() * 0.0
 
     def end_pass(self) -> None:
         """After a training pass's backward (or instead of it, when every loss of the pass
@@ -327,3 +352,51 @@ class Parallel:
                            device=self.placement.device)
         dist.all_reduce(box, op=dist.ReduceOp.MIN)
         return None if int(box) < 0 else int(box)
+
+
+class OneRank(Parallel):
+    """The trivial `Parallel`: rank 0 of 1, the whole base on this process's device, and
+    every collective the identity (a share is every datum, a gather or a reduction
+    returns its input). The engine uses it when given no `Parallel`."""
+
+    keeps_input_grads = False
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__(Placement(0, 1, 0, torch.device(device)), mesh=None)
+
+    def close(self, clean: bool = True) -> None:
+        pass
+
+    def load_base(self, model: str, device: str, dtype: str, cache_dir: str | None
+                  ) -> BaseModel:
+        base = load_base_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
+        self.placement = Placement(0, 1, 0, base.device)
+        return base
+
+    def shard(self, model: nn.Module) -> None:
+        pass
+
+    def run(self, fn: Callable[..., Any], *args: Any, backward: bool = False) -> Any:
+        return fn(*args)
+
+    def anchor(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor | float:
+        return 0.0
+
+    def share(self, lengths: Sequence[int]) -> range:
+        return range(len(lengths))
+
+    def gather_rows(self, local: Sequence[torch.Tensor], shapes: Sequence[torch.Size],
+                    mine: range) -> list[torch.Tensor]:
+        return list(local)
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+    def gather_objects(self, local: list[Any]) -> list[Any]:
+        return local
+
+    def min_int(self, value: int | None) -> int | None:
+        return value

@@ -117,7 +117,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         model: a causal LM; every forward runs inside `route(row_adapter_ids)`.
         route: the multi-LoRA router; row i of each forward uses adapter ids[i].
         requests: rows of request r are contiguous, in request order.
-        eos_token_ids: stop tokens for requests with `stop_on_eos`.
+        eos_token_ids: stop tokens for requests without `ignore_eos`.
         pad_token_id: left-padding id (masked out, never attended to).
         decode: token ids -> text, for stop strings.
 
@@ -153,7 +153,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         mask[row, width - prompt.size:] = 1
     ids, mask = ids.to(device), mask.to(device)
     generators = [_generator(r.params.seed, device) for r in requests]
-    stops = [set(r.params.stop_token_ids) | (set(eos_token_ids) if r.params.stop_on_eos else set())
+    stops = [set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_token_ids))
              for r in requests]
     out_tokens: list[list[int]] = [[] for _ in owners]
     out_logprobs: list[list[float]] = [[] for _ in owners]

@@ -2,7 +2,9 @@
 
 These are the engine's `*Input/*Output` layer: small frozen dataclasses over numpy
 arrays. The gRPC services convert protobuf messages to and from these at the edge;
-nothing inside the engine sees a protobuf or a client object.
+nothing inside the engine sees a protobuf or a client object. The values the clients
+build too (`Datum`, `AdamParams`, `SamplingParams`) are the contract's own, from
+`twinkle_wire`, re-exported here for the engine's modules.
 """
 
 from __future__ import annotations
@@ -14,28 +16,14 @@ from typing import Literal
 
 import numpy as np
 
+from twinkle_wire.datums import Datum as Datum
+from twinkle_wire.values import AdamParams as AdamParams
+from twinkle_wire.values import SamplingParams as SamplingParams
+
 # Module-name suffixes for Tinker's coarse LoRA switches (Qwen/Llama naming).
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
-
-
-@dataclass(frozen=True, slots=True)
-class Datum:
-    """One training sequence, as numpy arrays.
-
-    `input_ids` is 1-D `[T]`. `loss_inputs` holds arrays with the token axis first:
-    `target_tokens` (`[T]`, or `[T, K]` for several targets per position), `weights`,
-    and for RL losses `logprobs` (the sampler's) and `advantages`. The gRPC front builds
-    these from decoded wire datums with `Datum(d.input_ids, d.loss_inputs)`.
-    """
-
-    input_ids: np.ndarray
-    loss_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
 
 
 @dataclass(frozen=True)
@@ -122,36 +110,6 @@ class ForwardOutput:
     logprobs: list[np.ndarray]
     loss: float
     metrics: dict[str, float]
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """Tinker's per-step AdamW hyper-parameters (`grad_clip_norm` 0 = no clipping)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters; `top_k` <= 0 and `top_p` 1.0 mean no truncation.
-
-    `stop_on_eos` False is Tinker's `stop=[]`: generation ignores the EOS tokens too and
-    runs to `max_tokens` unless an explicit stop token or string is hit.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
-    stop_on_eos: bool = True
 
 
 StopReason = Literal["stop", "length"]

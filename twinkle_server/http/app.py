@@ -16,23 +16,21 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from twinkle_client import paths
 from twinkle_server.engine.errors import EngineError, InvalidArgument, Unauthenticated
 from twinkle_server.engine.types import LoraSpec
 from twinkle_server.http import convert, sampling_options
 from twinkle_server.http.errors import BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
-from twinkle_server.runtime import CheckpointRef, OpRef, Runtime
+from twinkle_server.runtime import OpRef, Runtime, checkpoint_ref
 from twinkle_server.runtime.runs import check_ttl
-from twinkle_server.scheduler import Op
 from twinkle_server.store import CheckpointRow
+from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server.http")
 LEGACY_KEY_PREFIX = "tml-tw-"
@@ -76,12 +74,6 @@ def route(fn: Handler) -> Callable[[Front, Request], Awaitable[Response]]:
     return wrapper
 
 
-def _log_refusal(taken: Future) -> None:
-    """A refused op took its seq_id; its error went to the caller when it was queued."""
-    if not taken.cancelled() and taken.exception() is not None:
-        log.debug("refused op took its seq_id: %s", taken.exception())
-
-
 async def json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
@@ -91,11 +83,6 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadBody("body: expected a JSON object")
     return body
-
-
-def checkpoint_ref(text: str, field: str = "path") -> CheckpointRef:
-    path = paths.parse(text, field)
-    return CheckpointRef(path.run_id, path.kind, path.name, text, field)
 
 
 class Front:
@@ -133,46 +120,25 @@ class Front:
         return run_id
 
     def op(self, tenant: str, body: dict[str, Any], request_id: str) -> OpRef:
-        model_id = self.model(tenant, convert.text(body, "model_id", required=True))
-        seq_id = convert.integer(body, "seq_id")
-        return OpRef(model_id, None if seq_id is None else seq_id - 1, request_id)
+        return self.op_ref(tenant, convert.text(body, "model_id", required=True),
+                           convert.integer(body, "seq_id"), request_id)
+
+    def op_ref(self, tenant: str, model_id: str, seq_id: int | None,
+               request_id: str) -> OpRef:
+        """The runtime's op for the SDK's model id and seq_id (counted from 1)."""
+        return OpRef(self.model(tenant, model_id), None if seq_id is None else seq_id - 1,
+                     request_id)
 
     def promise(self, tenant: str, request_id: str, work: Awaitable[Any],
                 render: Callable[[Any], Any], **extra: Any) -> dict[str, Any]:
         self.futures.submit(tenant, request_id, work, render)
         return {"request_id": request_id, **extra}
 
-    def refused(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> Exception:
-        """Let a refused op still take its seq_id, so the model's later ops run (every
-        request that carries a seq_id consumes it); returns the error to raise.
-
-        The refusal is queued under its seq_id before this returns, so it is consumed in
-        order before the answer leaves. It is not awaited as the gRPC front awaits it:
-        that would hold the answer until the model's earlier ops ran, and the SDK sends
-        the first chunk of a parallel forward_backward only after the others are
-        answered, so a refused later chunk would wait for a chunk not yet sent. When the
-        seq_id cannot be taken (already used by another op, too far ahead) or already
-        holds an outcome (a retry), that is the answer instead of `error`."""
-        if ref.seq_id is None:
-            return error
-        taken = self.rt.scheduler.submit(
-            Op.failed(ref.model_id, ref.seq_id, kind, error, ref.request_id))
-        if taken.done() and taken.exception() not in (None, error):
-            return taken.exception()
-        # The same op through the runtime, so it is logged and counted like every op
-        # (`Core.run`): the scheduler answers it with `taken` itself (same seq_id, kind).
-        observed = asyncio.ensure_future(self.rt.training.refuse(ref, kind, error))
-        observed.add_done_callback(_log_refusal)
-        return error
-
-    def tokenizer_id(self) -> str:
-        """The tokenizer the SDK loads with `AutoTokenizer.from_pretrained`: the model's
-        local directory when served from one (or built: `tiny`), else its hub name."""
-        cfg = self.rt.config
-        model_dir = self.rt.engine.base.model_dir
-        if cfg.model == "tiny" or model_dir.is_dir() and not cfg.model_alias:
-            return str(model_dir)
-        return cfg.model_alias[0] if cfg.model_alias else cfg.model
+    def refused(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> BaseException:
+        """The error to answer a refused op with, at once: the op has taken its seq_id
+        (`Training.refuse`), and is not awaited, since the SDK sends the first chunk of a
+        parallel forward_backward only after the others are answered."""
+        return self.rt.training.refuse(tenant, ref, kind, error).error
 
     # ------------------------------------------------------------------ service
 
@@ -247,9 +213,6 @@ class Front:
                                     bool(lora.get("train_mlp", True)),
                                     bool(lora.get("train_attn", True)),
                                     bool(lora.get("train_unembed", True)))
-        if not spec.target_modules:
-            raise InvalidArgument("lora_config: train_mlp, train_attn and train_unembed are "
-                                  "all false; the adapter would train nothing")
         session_id = convert.text(body, "session_id")
         work = self.rt.training.create_model(
             tenant, spec=spec, session_id=session_id, base_model=base_model,
@@ -266,7 +229,7 @@ class Front:
         return {"type": "get_info", "model_id": sdk_id, "is_lora": True,
                 "lora_rank": info.spec.rank, "model_name": info.entry.base_model,
                 "model_data": {"arch": info.arch, "model_name": info.entry.base_model,
-                               "tokenizer_id": self.tokenizer_id()}}
+                               "tokenizer_id": self.rt.tokenizer_id}}
 
     @route
     async def unload_model(self, request: Request) -> Any:
@@ -286,9 +249,8 @@ class Front:
             raise BadBody("content-encoding: send the body uncompressed (the server's "
                           "client/config sets proto_compress_fwdbwd false)")
         msg, datums, loss = convert.forward_request(await request.body(),
-                                                    self.rt.config.max_batch_tokens)
-        rid = self._id()
-        ref = self.op(tenant, {"model_id": msg.model_id, "seq_id": msg.seq_id}, rid)
+                                                    self.rt.training.check_tokens)
+        ref = self.op_ref(tenant, msg.model_id, msg.seq_id, rid := self._id())
         backward = not msg.forward_only
         kind = "forward_backward" if backward else "forward"
         try:
@@ -435,7 +397,7 @@ class Front:
         include = bool(body.get("prompt_logprobs"))
         topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
         options = sampling_options.read(body, include, topk, params.temperature, prompt.size,
-                                        self.rt.engine.base.vocab_size)
+                                        self.rt.vocab_size)
         work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
                                        topk_sample_logprobs=options.topk_sample_logprobs,
                                        prompt_options=options.prompt)

@@ -3,26 +3,28 @@
 The stock `tinker` SDK (0.38) sends `forward_backward` as its own protobuf
 (`tinker.proto.tinker_public_pb2.ForwardBackwardRequest`) and reads `ForwardBackwardOutput`
 and `SampleResponse` only as protobuf; everything else is JSON shaped like
-`tinker.types`. Datums pass through the gRPC front's codec (`twinkle_client.wire`:
-`encode_datum`, `pack_datums`, `unpack_datums`), so both fronts check and narrow them
+`tinker.types`. Datums go straight into the runtime's `Datum` through the wire codec's
+own checks (`encode_datum`, `narrow_datum`), so both fronts check and narrow them
 identically (token ids int32, other loss inputs float32) and give the same numbers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as tpb
 
-from twinkle_client import wire
+import twinkle_wire as wire
+from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LossSpec, SamplingParams
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime.runs import RunView
 from twinkle_server.store import CheckpointRow, RunRow
+from twinkle_wire.stop import parse_stop
 
 PROTOBUF = "application/x-protobuf"
 MAX_SPARSE_ELEMENTS = 1 << 24
@@ -102,18 +104,20 @@ def _tensor(msg: tpb.Tensor, field: str) -> np.ndarray:
     return flat.reshape(shape)
 
 
-def forward_request(body: bytes, max_tokens: int
+def forward_request(body: bytes, check_tokens: Callable[[int], None]
                     ) -> tuple[tpb.ForwardBackwardRequest, list[Datum] | Exception, LossSpec]:
     """The SDK's protobuf `forward_backward` body: (message, datums or the reason they are
-    refused, loss). A body that does not parse at all raises `BadBody`."""
+    refused, loss). `check_tokens` (`Training.check_tokens`) refuses a running token count
+    over the limit as the datums are read. A body that does not parse at all raises
+    `BadBody`."""
     msg = tpb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # protobuf's DecodeError
         raise BadBody(f"body: not a tinker ForwardBackwardRequest protobuf ({exc})") from None
     try:
-        return msg, _datums(msg, max_tokens), _loss(msg)
-    except (wire.WireError, BadBody) as exc:
+        return msg, _datums(msg, check_tokens), _loss(msg)
+    except (wire.WireError, BadBody, EngineError) as exc:
         return msg, exc, LossSpec(msg.loss_fn)
 
 
@@ -153,8 +157,9 @@ def _loss(msg: tpb.ForwardBackwardRequest) -> LossSpec:
     return LossSpec(msg.loss_fn, config)
 
 
-def _datums(msg: tpb.ForwardBackwardRequest, max_tokens: int) -> list[Datum]:
-    encoded, tokens = [], 0
+def _datums(msg: tpb.ForwardBackwardRequest, check_tokens: Callable[[int], None]
+            ) -> list[Datum]:
+    datums, tokens = [], 0
     for index, datum in enumerate(msg.data):
         parts = []
         for chunk in datum.model_input:
@@ -164,16 +169,12 @@ def _datums(msg: tpb.ForwardBackwardRequest, max_tokens: int) -> list[Datum]:
             parts.append(np.frombuffer(chunk.encoded_text.tokens, np.int32))
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         tokens += ids.size
-        if tokens > max_tokens:
-            raise BadBody(f"data: more than {max_tokens} tokens in one request "
-                          "(--max-batch-tokens); split the batch")
+        check_tokens(tokens)
         inputs = {key: _tensor(value, f"datum[{index}].loss_fn_inputs[{key!r}]")
                   for key, value in datum.loss_fn_inputs.items()}
-        encoded.append(wire.encode_datum(ids.astype(np.int64), inputs, index))
-    if not encoded:
-        return []
-    return [Datum(d.input_ids, d.loss_inputs)
-            for d in wire.unpack_datums(wire.pack_datums(encoded))]
+        narrowed = wire.narrow_datum(wire.encode_datum(ids, inputs, index), index)
+        datums.append(Datum(narrowed.input_ids, narrowed.loss_inputs))
+    return datums
 
 
 def adam(body: Mapping[str, Any]) -> AdamParams:
@@ -204,33 +205,16 @@ def prompt_tokens(body: Mapping[str, Any]) -> np.ndarray:
 
 
 def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
-    """Tinker's `stop`: None keeps stopping at EOS; [] disables every stop, EOS included;
-    strings stop on those texts; ints on those token ids (EOS still stops)."""
+    """The SDK's `sampling_params`; `stop` as Tinker reads it (`twinkle_wire.stop`)."""
     p = _field(body, "sampling_params", dict, {})
-    stop = p.get("stop")
-    strings: tuple[str, ...] = ()
-    token_ids: tuple[int, ...] = ()
-    stop_on_eos = True
-    items = [stop] if isinstance(stop, str) else stop
-    if items is not None:
-        if not isinstance(items, list):
-            raise BadBody(f"sampling_params.stop: expected strings or token ids, got {stop!r}")
-        if not items:
-            stop_on_eos = False
-        elif all(isinstance(s, str) and s for s in items):
-            strings = tuple(items)
-        elif all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
-            token_ids = tuple(items)
-        else:
-            raise BadBody(f"sampling_params.stop: expected non-empty strings or non-negative "
-                          f"token ids (not mixed), got {stop!r}")
+    stop = parse_stop(p.get("stop"))
     max_tokens = integer(p, "max_tokens", 0) or 0
     if max_tokens < 0:
         raise BadBody(f"sampling_params.max_tokens: must be >= 1, got {max_tokens}")
     return SamplingParams(max_tokens=max_tokens, temperature=number(p, "temperature", 1.0),
                           top_p=number(p, "top_p", 1.0), top_k=integer(p, "top_k", -1),
-                          stop_token_ids=token_ids, stop_strings=strings,
-                          seed=integer(p, "seed"), stop_on_eos=stop_on_eos)
+                          stop_token_ids=stop.token_ids, stop_strings=stop.strings,
+                          seed=integer(p, "seed"), ignore_eos=not stop.on_eos)
 
 
 # ----------------------------------------------------------------------------- responses

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 
-from twinkle_client.paths import PathError
-from twinkle_client.wire import WireError
 from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_wire import WireError
+from twinkle_wire.paths import PathError
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from starlette.requests import Request
 from starlette.responses import FileResponse
 from starlette.routing import Route
 
-from twinkle_client import paths
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.http import convert
 from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
 from twinkle_server.runtime.external import DOWNLOAD_PREFIX, parse_recipients
 from twinkle_server.runtime.runs import check_ttl
+from twinkle_wire import paths
 
 
 def recipients(body: dict[str, Any]) -> list[str]:

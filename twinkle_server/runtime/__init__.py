@@ -13,7 +13,7 @@ imports a protocol: a front maps values and error categories to its own wire.
 from __future__ import annotations
 
 from twinkle_server.config import ServerConfig
-from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.runtime.audit import Audit
 from twinkle_server.runtime.copies import Copies
 from twinkle_server.runtime.core import (
@@ -23,6 +23,7 @@ from twinkle_server.runtime.core import (
     OpRef,
     SamplerEntry,
     check_metadata,
+    checkpoint_ref,
 )
 from twinkle_server.runtime.external import External
 from twinkle_server.runtime.runs import Runs
@@ -32,13 +33,13 @@ from twinkle_server.runtime.training import Training
 from twinkle_server.store import Store
 
 __all__ = ["CheckpointRef", "ModelEntry", "OpRef", "Runtime", "SamplerEntry",
-           "check_metadata"]
+           "check_metadata", "checkpoint_ref"]
 
 
 class Runtime(Core):
     """`Core` plus its verb groups."""
 
-    def __init__(self, config: ServerConfig, engine: Engine, store: Store) -> None:
+    def __init__(self, config: ServerConfig, engine: EngineAPI, store: Store) -> None:
         super().__init__(config, engine, store)
         self.training = Training(self)
         self.sampling = Sampling(self)

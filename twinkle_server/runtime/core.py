@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from twinkle_server.config import ServerConfig
-from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -29,11 +28,13 @@ from twinkle_server.engine.errors import (
     Unauthenticated,
     Unavailable,
 )
+from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import AUTO_SEQ_LEN
 from twinkle_server.executor import EngineExecutor
 from twinkle_server.planning import default_token_budget
 from twinkle_server.scheduler import Op, Scheduler
 from twinkle_server.store import CheckpointRow, Store
+from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server")
 T = TypeVar("T")
@@ -69,6 +70,25 @@ class CheckpointRef:
     name: str
     text: str
     field: str = "path"
+
+
+def checkpoint_ref(text: str, field: str = "path") -> CheckpointRef:
+    """A `twinkle://` or `tinker://` checkpoint path, parsed (raises `PathError` naming
+    `field`); every front reads checkpoint paths with this."""
+    path = paths.parse(text, field)
+    return CheckpointRef(path.run_id, path.kind, path.name, text, field)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused op that has taken its seq_id (`Core.refuse`): `error` is the answer to
+    give at once; awaiting gives the op's outcome in its turn."""
+
+    error: BaseException
+    outcome: asyncio.Future
+
+    def __await__(self):
+        return self.outcome.__await__()
 
 
 @dataclass
@@ -108,7 +128,7 @@ class Core:
     sampling sessions. The verb groups (`runtime.training`, `.sampling`, `.runs`) build
     on it; fronts call those verbs with an authenticated tenant."""
 
-    def __init__(self, config: ServerConfig, engine: Engine, store: Store) -> None:
+    def __init__(self, config: ServerConfig, engine: EngineAPI, store: Store) -> None:
         if config.max_seq_len == AUTO_SEQ_LEN:   # the engine chose it (`--max-seq-len 0`)
             config = replace(config, max_seq_len=engine.limits.max_seq_len)
         self.config = config
@@ -156,6 +176,34 @@ class Core:
             raise InvalidArgument(f"base_model: {name!r} is not served here; served names are "
                                   f"{list(self.model_names)}")
         return self.config.model
+
+    @property
+    def tokenizer_id(self) -> str:
+        """The tokenizer a client loads with `AutoTokenizer.from_pretrained`: the model's
+        local directory when served from one (or built: `tiny`), else its hub name."""
+        cfg = self.config
+        model_dir = self.engine.base.model_dir
+        if cfg.model == "tiny" or model_dir.is_dir() and not cfg.model_alias:
+            return str(model_dir)
+        return cfg.model_alias[0] if cfg.model_alias else cfg.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.base.vocab_size
+
+    # ------------------------------------------------------------------ gauges
+
+    @property
+    def device(self) -> Any:
+        """The base model's `torch.device`."""
+        return self.engine.base.device
+
+    def models_loaded(self) -> int:
+        return len(self.models)
+
+    def op_stats(self) -> dict[str, Any]:
+        """The scheduler's counters: `queued`, `batches_run`, `merged_ops`, ..."""
+        return self.scheduler.stats()
 
     # ------------------------------------------------------------------ auth
 
@@ -245,11 +293,30 @@ class Core:
         self.write_later(self.store.touch_run, ref.model_id)
         return await self.run(Op(ref.model_id, ref.seq_id, kind, None, 0, fn, ref.request_id))
 
-    async def refuse(self, queue_id: str, seq_id: int | None, kind: str, error: Exception,
-                     request_id: str = "") -> Any:
-        """Store `error` as the result of a request refused before it ran: it still takes
-        its seq_id, so the queue's later ops are not left waiting for it. Raises it."""
-        return await self.run(Op.failed(queue_id, seq_id, kind, error, request_id))
+    def refuse(self, queue_id: str, seq_id: int | None, kind: str, error: Exception,
+               request_id: str = "") -> Refusal:
+        """Store `error` as the result of a request refused before it ran. It takes its
+        seq_id before this returns, so it is consumed in order whether or not the caller
+        waits, and the queue's later ops are not left waiting for it.
+
+        Awaiting the `Refusal` waits for the op's turn and raises `error` (or gives what
+        the seq_id already held: a retry's stored result). A front that must answer at
+        once (HTTP: the SDK sends the first chunk of a parallel forward_backward only
+        after the others are answered, so a refused later chunk must not wait for a
+        chunk not yet sent) raises `Refusal.error` instead, without awaiting."""
+        op = Op.failed(queue_id, seq_id, kind, error, request_id)
+        now: BaseException = error
+        if seq_id is not None:
+            taken = self.scheduler.submit(op)
+            # The seq_id could not be taken (used by another op, too far ahead) or already
+            # holds an outcome: that is the answer, not `error`.
+            if taken.done() and taken.exception() not in (None, error):
+                now = taken.exception()
+        # The same op through `run`, so it is logged and observed like every op: for an
+        # ordered op the scheduler answers it with `taken` itself (same seq_id, kind).
+        outcome = asyncio.ensure_future(self.run(op))
+        outcome.add_done_callback(_log_refusal)
+        return Refusal(now, outcome)
 
     async def admin(self, kind: str, fn: Callable[[], T]) -> T:
         """Run an engine mutation (add/remove adapter) on the worker."""
@@ -324,6 +391,12 @@ class Core:
             await self.write(shutil.rmtree, entry.weights_path, True)
             log.info("dropped snapshot sampler=%s tenant=%s (%s)", sampling_id, entry.tenant,
                      reason)
+
+
+def _log_refusal(outcome: asyncio.Future) -> None:
+    """A refusal nobody awaited still took its seq_id; its error went to the caller."""
+    if not outcome.cancelled() and outcome.exception() is not None:
+        log.debug("refused op took its seq_id: %s", outcome.exception())
 
 
 def _log_write_failure(future) -> None:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_client import paths
 from twinkle_server.engine.checkpoint import CONFIG_FILE, write_atomically
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef
@@ -37,6 +36,7 @@ from twinkle_server.runtime.signed_urls import (
     load_secret,
 )
 from twinkle_server.store import CheckpointRow
+from twinkle_wire import paths
 
 KIND = "external"
 AGE_SUFFIX = ".age"

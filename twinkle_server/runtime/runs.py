@@ -138,6 +138,10 @@ class Runs:
         return Page([self._view(r) for r in runs], total,
                     following if following < total else -1)
 
+    def run_of(self, row: CheckpointRow) -> RunRow | None:
+        """The run a checkpoint belongs to (its owner's): its base model and LoRA rank."""
+        return self.core.store.get_run(row.tenant, row.run_id)
+
     def get_run(self, tenant: str, run_id: str) -> RunView:
         run = self.core.store.get_run(tenant, run_id)
         if run is None:
@@ -165,7 +169,7 @@ class Runs:
         """A checkpoint the tenant may read, with its run (the owner's, for a published
         one: its base model and LoRA rank say how to load it)."""
         row, _ = self.core.checkpoint(tenant, ref)
-        return row, self.core.store.get_run(row.tenant, row.run_id)
+        return row, self.run_of(row)
 
     async def delete_checkpoint(self, tenant: str, ref: CheckpointRef) -> None:
         row, _ = self.core.own_checkpoint(tenant, ref)

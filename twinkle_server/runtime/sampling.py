@@ -20,7 +20,7 @@ from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_top
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 from twinkle_server.executor import SAMPLE
 from twinkle_server.runtime import audit
-from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, SamplerEntry
+from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, Refusal, SamplerEntry
 from twinkle_server.scheduler import Op
 
 
@@ -107,10 +107,10 @@ class Sampling:
         return Target(sampling_session_id, None, request_id, entry.model_id,
                       entry.weights_path)
 
-    async def refuse(self, target: Target, kind: str, error: Exception) -> Any:
-        """Store a refusal as the target op's result (see `Core.refuse`); raises it."""
-        return await self.core.refuse(target.queue, target.seq_id, kind, error,
-                                      target.request_id)
+    def refuse(self, target: Target, kind: str, error: Exception) -> Refusal:
+        """Take the target op's seq_id with `error` as its result (`Core.refuse`); await
+        it for the op's outcome in its turn, or answer `Refusal.error` at once."""
+        return self.core.refuse(target.queue, target.seq_id, kind, error, target.request_id)
 
     async def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
                      params: SamplingParams, include_prompt_logprobs: bool = False,

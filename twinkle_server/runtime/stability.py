@@ -10,7 +10,7 @@ most `--max-stability-records`: past it, a new record evicts the tenant's least 
 used one, so a long RL run never stops sampling because old rollouts were not trained on
 (a datum naming an evicted record then fails NOT_FOUND, like an expired one).
 
-A stable_reinforce datum names its sources by provenance (`twinkle_client.wire.
+A stable_reinforce datum names its sources by provenance (`twinkle_wire.
 Provenance`): runs tiling its input_ids and runs tiling its targets. `resolve` checks every
 run against its record (the named record exists for this tenant and session, the runs
 tile their field, each run lies inside its record and reproduces its tokens (all of
@@ -31,11 +31,11 @@ from collections.abc import Awaitable, Sequence
 
 import numpy as np
 
-from twinkle_client.wire import Provenance, Span
 from twinkle_server.engine.errors import InvalidArgument, NotFound
 from twinkle_server.engine.types import Datum
 from twinkle_server.runtime.core import Core
 from twinkle_server.store import StabilityRecord
+from twinkle_wire import Provenance, Span
 
 RECORD_TTL_SECONDS = 24 * 3600.0
 """A record can be trained on until a day after its last use (Tinker: "for one day after

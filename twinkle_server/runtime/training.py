@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_client.wire import Provenance
+from twinkle_server.engine import checks
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import (
     EngineError,
@@ -24,11 +24,19 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LoraSpec, LossSpec
 from twinkle_server.executor import FORWARD
 from twinkle_server.runtime import audit
-from twinkle_server.runtime.core import CheckpointRef, Core, ModelEntry, OpRef, check_metadata
+from twinkle_server.runtime.core import (
+    CheckpointRef,
+    Core,
+    ModelEntry,
+    OpRef,
+    Refusal,
+    check_metadata,
+)
 from twinkle_server.runtime.stability import LOSS as STABLE_REINFORCE
 from twinkle_server.runtime.stability import Stability
 from twinkle_server.scheduler import Op
 from twinkle_server.store import CheckpointRow
+from twinkle_wire import Provenance
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,9 @@ class Training:
         its optimizer.
         """
         core = self.core
+        if spec is not None and not spec.target_modules:
+            raise InvalidArgument("lora: train_mlp, train_attn and train_unembed are all "
+                                  "false; the adapter would train nothing")
         if session_id and core.store.session_tenant(session_id) != tenant:
             raise NotFound(f"session_id: no session {session_id!r}")
         metadata = check_metadata(user_metadata, "user_metadata")
@@ -145,6 +156,12 @@ class Training:
         self.stability.touch(tenant, used)
         return request
 
+    def check_tokens(self, total: int) -> None:
+        """A running count of a batch's tokens within `--max-batch-tokens`
+        (`engine.checks.batch_tokens`): a front calls it as it decodes, so a batch far over
+        the limit is refused before all of it is held."""
+        checks.batch_tokens(total, self.core.engine.limits)
+
     async def forward(self, tenant: str, ref: OpRef, request: ForwardRequest) -> ForwardOutput:
         """Forward (or forward_backward, by `request.backward`) as op `ref.seq_id`,
         merged with other models' passes; the adapter's own checks run in the op."""
@@ -155,9 +172,12 @@ class Training:
         return await core.run(Op(ref.model_id, ref.seq_id, kind, FORWARD, request.num_tokens,
                                  request, ref.request_id))
 
-    async def refuse(self, ref: OpRef, kind: str, error: Exception) -> Any:
-        """Store a refusal as op `ref.seq_id`'s result (see `Core.refuse`); raises it."""
-        return await self.core.refuse(ref.model_id, ref.seq_id, kind, error, ref.request_id)
+    def refuse(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> Refusal:
+        """Take op `ref.seq_id` of the tenant's model with `error` as its result, before
+        this returns (`Core.refuse`): await it for the op's outcome in its turn, or answer
+        `Refusal.error` at once. Another tenant's model looks like no model (`NotFound`)."""
+        self.core.model_of(tenant, ref.model_id)
+        return self.core.refuse(ref.model_id, ref.seq_id, kind, error, ref.request_id)
 
     # ------------------------------------------------------------------ optimizer and loop
 
@@ -227,7 +247,7 @@ class Training:
         try:
             metadata = check_metadata(user_metadata, "user_metadata")
         except EngineError as exc:
-            return await self.refuse(ref, f"save_{kind}", exc)
+            return await self.refuse(tenant, ref, f"save_{kind}", exc)
         target = core.store.checkpoint_dir(tenant, mid, kind, name)
 
         def save() -> CheckpointRow:

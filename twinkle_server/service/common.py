@@ -11,14 +11,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from twinkle_client import paths
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.runtime import CheckpointRef, OpRef, Runtime
+from twinkle_server.runtime import OpRef, Runtime
 from twinkle_server.runtime.runs import RunView
 from twinkle_server.service.errors import status_for
 from twinkle_server.store import CheckpointRow, RunRow
+from twinkle_wire._proto.twinkle.v1 import common_pb2 as pb
 
 
 def unary(fn: Callable) -> Callable:
@@ -62,18 +60,13 @@ def op_ref(header: pb.OpHeader) -> OpRef:
     return OpRef(header.model_id, header.seq_id, header.request_id)
 
 
-def checkpoint_ref(text: str, field: str = "path") -> CheckpointRef:
-    """A `twinkle://` or `tinker://` checkpoint path, parsed (raises `PathError`)."""
-    path = paths.parse(text, field)
-    return CheckpointRef(path.run_id, path.kind, path.name, text, field)
-
-
 def kwargs_of(struct) -> dict[str, Any]:
     return json_format.MessageToDict(struct) if struct is not None else {}
 
 
 def spec_from_proto(lora: pb.LoraConfig) -> LoraSpec:
-    """A LoRA spec from the wire: PEFT-style target list, 'all-linear', or Tinker switches."""
+    """A LoRA spec from the wire: PEFT-style target list, 'all-linear', or Tinker switches
+    (all three off is refused by `Training.create_model`)."""
     seed = lora.seed if lora.HasField("seed") else None
     if lora.all_linear or list(lora.target_modules):
         targets: tuple[str, ...] | str = ("all-linear" if lora.all_linear
@@ -82,9 +75,6 @@ def spec_from_proto(lora: pb.LoraConfig) -> LoraSpec:
                         target_modules=targets, use_rslora=lora.use_rslora, seed=seed)
     spec = LoraSpec.from_tinker(lora.rank, seed, lora.train_mlp, lora.train_attn,
                                 lora.train_unembed)
-    if not spec.target_modules:
-        raise InvalidArgument("lora: train_mlp, train_attn and train_unembed are all false; "
-                              "the adapter would train nothing")
     return LoraSpec(rank=spec.rank, alpha=lora.alpha or spec.alpha, dropout=lora.dropout,
                     target_modules=spec.target_modules, use_rslora=lora.use_rslora, seed=seed)
 

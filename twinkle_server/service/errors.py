@@ -11,9 +11,9 @@ import logging
 
 import grpc
 
-from twinkle_client.paths import PathError
-from twinkle_client.wire import WireError
 from twinkle_server.engine.errors import EngineError
+from twinkle_wire import WireError
+from twinkle_wire.paths import PathError
 
 log = logging.getLogger(__name__)
 

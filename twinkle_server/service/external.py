@@ -3,16 +3,15 @@ signed download URLs, which the HTTP front serves)."""
 
 from __future__ import annotations
 
-from twinkle_client._proto.twinkle.v1 import external_pb2 as epb
-from twinkle_client._proto.twinkle.v1 import external_pb2_grpc
-from twinkle_server.runtime import Runtime
+from twinkle_server.runtime import Runtime, checkpoint_ref
 from twinkle_server.service.common import (
-    checkpoint_ref,
     checkpoint_to_proto,
     op_ref,
     tenant_of,
     unary,
 )
+from twinkle_wire._proto.twinkle.v1 import external_pb2 as epb
+from twinkle_wire._proto.twinkle.v1 import external_pb2_grpc
 
 
 class ExternalWeightsServicer(external_pb2_grpc.ExternalWeightsServiceServicer):
@@ -27,7 +26,7 @@ class ExternalWeightsServicer(external_pb2_grpc.ExternalWeightsServiceServicer):
             tenant, op_ref(request.op), request.name,
             ttl_seconds=request.ttl_seconds if request.HasField("ttl_seconds") else None,
             recipients=list(request.age_encryption_recipients))
-        proto = checkpoint_to_proto(row, self.rt.store.get_run(tenant, row.run_id))
+        proto = checkpoint_to_proto(row, self.rt.runs.run_of(row))
         return epb.SaveWeightsExternalResponse(path=proto.path, checkpoint=proto)
 
     @unary

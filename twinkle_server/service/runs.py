@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import json
 
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_client._proto.twinkle.v1 import runs_pb2 as rpb
-from twinkle_client._proto.twinkle.v1 import runs_pb2_grpc
-from twinkle_server.runtime import Runtime
+from twinkle_server.runtime import Runtime, checkpoint_ref
 from twinkle_server.runtime.copies import MAX_IDEMPOTENCY_KEY_CHARS
 from twinkle_server.service.common import (
-    checkpoint_ref,
     checkpoint_to_proto,
     run_to_proto,
     streaming,
@@ -18,6 +14,9 @@ from twinkle_server.service.common import (
     unary,
 )
 from twinkle_server.service.session import file_chunks
+from twinkle_wire._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_wire._proto.twinkle.v1 import runs_pb2 as rpb
+from twinkle_wire._proto.twinkle.v1 import runs_pb2_grpc
 
 
 class RunsServicer(runs_pb2_grpc.RunsServiceServicer):

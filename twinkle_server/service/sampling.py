@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinkle_client import wire
-from twinkle_client._proto.twinkle.v1 import sampling_pb2 as smp
-from twinkle_client._proto.twinkle.v1 import sampling_pb2_grpc
+import twinkle_wire as wire
 from twinkle_server.engine.prompt_scoring import PromptScoring
 from twinkle_server.engine.types import SamplingParams
-from twinkle_server.runtime import Runtime
+from twinkle_server.runtime import Runtime, checkpoint_ref
 from twinkle_server.runtime.sampling import Target
-from twinkle_server.service.common import checkpoint_ref, op_ref, tenant_of, unary
+from twinkle_server.service.common import op_ref, tenant_of, unary
+from twinkle_wire._proto.twinkle.v1 import sampling_pb2 as smp
+from twinkle_wire._proto.twinkle.v1 import sampling_pb2_grpc
 
 
 def params_of(p: smp.SamplingParams) -> SamplingParams:
@@ -21,7 +21,7 @@ def params_of(p: smp.SamplingParams) -> SamplingParams:
                           stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
                           stop_strings=tuple(p.stop_strings),
                           seed=p.seed if p.HasField("seed") else None,
-                          stop_on_eos=not p.ignore_eos)
+                          ignore_eos=p.ignore_eos)
 
 
 class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_client._proto.twinkle.v1 import session_pb2 as spb
-from twinkle_client._proto.twinkle.v1 import session_pb2_grpc
-from twinkle_client.wire import MAX_MESSAGE_BYTES
 from twinkle_server.runtime import Runtime
 from twinkle_server.service.common import streaming, tenant_of, unary
+from twinkle_wire import MAX_MESSAGE_BYTES
+from twinkle_wire._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_wire._proto.twinkle.v1 import session_pb2 as spb
+from twinkle_wire._proto.twinkle.v1 import session_pb2_grpc
 
 FILE_CHUNK_BYTES = 1 << 20
 

@@ -7,17 +7,13 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from twinkle_client import paths, wire
-from twinkle_client._proto.twinkle.v1 import common_pb2 as pb
-from twinkle_client._proto.twinkle.v1 import training_pb2 as tpb
-from twinkle_client._proto.twinkle.v1 import training_pb2_grpc
+import twinkle_wire as wire
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.types import AdamParams, Datum, LossSpec
-from twinkle_server.runtime import Runtime
+from twinkle_server.runtime import Runtime, checkpoint_ref
 from twinkle_server.runtime.training import ModelInfo
 from twinkle_server.service.common import (
-    checkpoint_ref,
     checkpoint_to_proto,
     kwargs_of,
     op_ref,
@@ -27,6 +23,10 @@ from twinkle_server.service.common import (
     tenant_of,
     unary,
 )
+from twinkle_wire import paths
+from twinkle_wire._proto.twinkle.v1 import common_pb2 as pb
+from twinkle_wire._proto.twinkle.v1 import training_pb2 as tpb
+from twinkle_wire._proto.twinkle.v1 import training_pb2_grpc
 
 
 def info_to_proto(info: ModelInfo) -> tpb.ModelInfo:
@@ -113,10 +113,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 provenance.extend(wire.read_provenance(chunk, len(datums)))
                 unpacked = wire.unpack_datums(chunk.batch, len(datums))
                 tokens += sum(datum.num_tokens for datum in unpacked)
-                if tokens > cfg.max_batch_tokens:
-                    raise InvalidArgument(
-                        f"data: more than {cfg.max_batch_tokens} tokens in one request "
-                        "(--max-batch-tokens); split the batch")
+                self.verbs.check_tokens(tokens)
                 datums.extend(Datum(d.input_ids, d.loss_inputs) for d in unpacked)
             except (wire.WireError, EngineError) as exc:
                 error = exc
@@ -144,8 +141,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         if isinstance(request, ForwardRequest):
             result = await self.verbs.forward(tenant, ref, request)
         else:  # a retry of a seq_id that already ran gets that run's result instead
-            result = await self.verbs.refuse(ref, "forward_backward" if backward else "forward",
-                                             request)
+            result = await self.verbs.refuse(
+                tenant, ref, "forward_backward" if backward else "forward", request)
         chunk = tpb.ForwardResultChunk()
         size = 0
         for lp in result.logprobs:
@@ -248,14 +245,13 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         try:
             name = paths.check_name(request.name)
         except paths.PathError as exc:
-            self.rt.model_of(tenant, ref.model_id)
-            row = await self.verbs.refuse(ref, f"save_{kind}", exc)
+            row = await self.verbs.refuse(tenant, ref, f"save_{kind}", exc)
         else:
             row = await self.verbs.save(tenant, ref, kind, name,
                                         include_optimizer=request.include_optimizer,
                                         overwrite=request.overwrite,
                                         user_metadata=request.user_metadata)
-        proto = checkpoint_to_proto(row, self.rt.store.get_run(tenant, row.run_id))
+        proto = checkpoint_to_proto(row, self.rt.runs.run_of(row))
         return tpb.SaveResponse(path=proto.path, checkpoint=proto)
 
     @unary
@@ -271,8 +267,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         tenant = tenant_of(self.rt, context)
         ref = op_ref(request.op)
         if request.name:
-            self.rt.model_of(tenant, ref.model_id)
-            await self.verbs.refuse(ref, "save_sampler", InvalidArgument(
+            await self.verbs.refuse(tenant, ref, "save_sampler", InvalidArgument(
                 f"name: {request.name!r} with ephemeral; ephemeral weights have no name "
                 "(save a named sampler checkpoint without ephemeral)"))
         sampler = await self.rt.sampling.snapshot(tenant, ref)
@@ -285,8 +280,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         try:
             source = checkpoint_ref(request.path)
         except paths.PathError as exc:
-            self.rt.model_of(tenant, ref.model_id)
-            await self.verbs.refuse(ref, "load_state", exc)
+            await self.verbs.refuse(tenant, ref, "load_state", exc)
         else:
             await self.verbs.load(tenant, ref, source, request.include_optimizer)
         return tpb.OpResponse()

@@ -1,0 +1,212 @@
+"""Serving from several ranks (`--nproc-per-node`): the launched job survives idleness,
+fails fast and loudly when a rank dies, and restarts from its data dir."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tinker_compat import RestClient, ServiceClient
+from twinkle_server.process import start_server
+
+from ..numerics import LOGPROB_ATOL
+from ..tinker_compat.conftest import sft_data
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 4
+"""`--collective-timeout` in these tests: a lost rank must be reported well within it."""
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of rank `rank` among the launcher's descendants (its RANK env var)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            parent = int(entry)
+            while parent > 1 and parent != launcher:
+                parent = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in env and int(entry) != launcher:
+            return int(entry)
+    raise AssertionError(f"no rank {rank} under pid {launcher}")
+
+
+def test_a_killed_rank_fails_ops_unavailable_and_a_restart_resumes(tmp_path, tiny_cache):
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir, "--nproc-per-node", "2",
+                          "--collective-timeout", str(TIMEOUT_S))
+    prompt = types.ModelInput.from_ints([5, 17, 29, 3, 88, 41])
+    batch = sft_data(n=4, seed=1)
+    service = ServiceClient(base_url=f"http://{server.address}")
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        training.forward_backward(batch, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = training.save_state("before-kill").result().path
+        sampler = training.save_weights_and_get_sampling_client().result()
+        want = sampler.compute_logprobs(prompt).result()[1:]
+        # Idle for longer than the collective timeout: rank 0 keeps the others waiting
+        # within it, so the next op still runs.
+        time.sleep(2 * TIMEOUT_S)
+        training.forward_backward(batch, "cross_entropy").result()
+
+        os.kill(_rank_pid(server.proc.pid, 1), signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(tinker.APIConnectionError, match="rank 1"):
+            training.forward_backward(batch, "cross_entropy").result()
+        assert time.monotonic() - started < TIMEOUT_S + 5  # the heartbeat check takes 3 s
+        assert server.proc.wait(60) != 0
+    finally:
+        service.close()
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+    # Restarted (on one rank this time) on the same data dir: every checkpoint reported
+    # saved is listed and loads to the same weights; the ephemeral sampler weights were
+    # never a checkpoint, and went with their sampling session.
+    restarted = start_server(data_dir)
+    service = ServiceClient(base_url=f"http://{restarted.address}")
+    try:
+        rest = RestClient(base_url=f"http://{restarted.address}")
+        listed = {c.tinker_path for run in rest.list_training_runs().result().training_runs
+                  for c in rest.list_checkpoints(run.training_run_id).result().checkpoints}
+        assert listed == {state} and sampler.model_path is None
+        assert not (data_dir / "sampler-snapshots").exists()
+        resumed = service.create_training_client_from_state_with_optimizer(state).result()
+        got = resumed.save_weights_and_get_sampling_client().result().compute_logprobs(
+            prompt).result()[1:]
+        np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+    finally:
+        service.close()
+        restarted.stop()
+
+
+def _shares(log: str) -> dict[tuple[str, int], tuple[int, int]]:
+    """(when, rank) -> (bytes held, base bytes), from the ranks' log lines."""
+    return {(when, int(rank)): (int(mine), int(total)) for when, rank, mine, total in
+            re.findall(r"(loaded|stopping): rank (\d+) of \d+ holds (\d+) of the base's (\d+) "
+                       r"parameter bytes", log)}
+
+
+def _one_step(address: str) -> float:
+    service = ServiceClient(base_url=f"http://{address}")
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        out = training.forward_backward(sft_data(n=3, seed=2), "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1,
+                       types.SamplingParams(max_tokens=4, seed=1)).result()
+        return out.metrics["loss:sum"]
+    finally:
+        service.close()
+
+
+def test_each_rank_holds_half_of_the_base_before_and_after_training(tmp_path, tiny_cache):
+    server = start_server(tmp_path / "data", "--nproc-per-node", "2")
+    _one_step(server.address)
+    assert server.stop() == 0, server.log()[-3000:]
+    shares = _shares(server.log())
+    assert sorted(shares) == [(w, r) for w in ("loaded", "stopping") for r in (0, 1)]
+    # FSDP2 splits every tensor along dim 0; an odd row count gives one shard a row more.
+    for mine, total in shares.values():
+        assert abs(mine - total / 2) <= 0.01 * total, shares
+
+
+def test_shard_group_size_one_replicates_the_whole_base_on_each_rank(tmp_path, tiny_cache):
+    server = start_server(tmp_path / "data", "--nproc-per-node", "2",
+                          "--shard-group-size", "1")
+    loss = _one_step(server.address)
+    assert server.stop() == 0, server.log()[-3000:]
+    assert np.isfinite(loss)
+    shares = _shares(server.log())
+    assert len(shares) == 4 and all(mine == total for mine, total in shares.values()), shares
+
+
+def test_a_shard_group_size_that_does_not_divide_the_ranks_is_refused(tmp_path, tiny_cache):
+    with pytest.raises(RuntimeError, match="--shard-group-size: 3 does not divide the 2 ranks"):
+        start_server(tmp_path / "data", "--nproc-per-node", "2", "--shard-group-size", "3")
+
+
+def test_a_hung_rank_is_given_up_within_the_collective_timeout(tmp_path, tiny_cache):
+    server = start_server(tmp_path / "data", "--nproc-per-node", "2",
+                          "--collective-timeout", str(TIMEOUT_S))
+    service = ServiceClient(base_url=f"http://{server.address}")
+    hung = None
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
+        hung = _rank_pid(server.proc.pid, 1)
+        os.kill(hung, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(tinker.APIConnectionError, match="rank 1 stopped"):
+            training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
+        # The collective's timeout, then three heartbeats to see which rank stopped.
+        assert time.monotonic() - started < TIMEOUT_S + 3 + 5
+        os.kill(hung, signal.SIGCONT)
+        assert server.proc.wait(60) != 0
+    finally:
+        service.close()
+        if hung is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_two_nodes_meet_at_the_rendezvous_and_serve_as_one(tmp_path, tiny_cache):
+    # Two launchers on this machine play two nodes of one rank each.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    nodes, logs = [], []
+    try:
+        for node in (0, 1):
+            logs.append(tmp_path / f"node{node}.log")
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "twinkle_server.cli", "serve", "--port", "0",
+                 "--data-dir", str(tmp_path / f"data{node}"), "--nproc-per-node", "1",
+                 "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint],
+                stdout=logs[-1].open("w"), stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        address = None
+        deadline = time.monotonic() + 120
+        while address is None and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in nodes), [f.read_text() for f in logs]
+            found = [re.search(r"^listening on (\S+)$", f.read_text(), re.M) for f in logs]
+            address = next((m.group(1) for m in found if m), None)
+            time.sleep(0.2)
+        assert address is not None, [f.read_text() for f in logs]
+        assert np.isfinite(_one_step(address))
+        text = "".join(f.read_text() for f in logs)
+        assert sorted(_shares(text)) == [("loaded", 0), ("loaded", 1)]
+    finally:
+        for proc in nodes:
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(60) for proc in nodes]
+    assert codes == [0, 0], [f.read_text()[-2000:] for f in logs]
+
+
+def test_a_configuration_that_cannot_serve_ends_every_rank_at_once(tmp_path, tiny_cache):
+    # Rank 0 finds it (no API keys, a non-loopback host) and tells the others, which
+    # would otherwise wait for it in a collective until the timeout.
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no API keys exist"):
+        start_server(tmp_path / "data", "--nproc-per-node", "2", "--host", "0.0.0.0")
+    assert time.monotonic() - started < 60
