@@ -226,7 +226,8 @@ def sample_response_to_tinker(result: api.SampleResult, include_prompt_logprobs:
         topk = TopkLogprobs(token_ids=result.topk_token_ids.astype(np.int32),
                             logprobs=result.topk_logprobs.astype(np.float32))
     return types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_logprobs,
-                                topk_prompt_logprobs_np=topk)
+                                topk_prompt_logprobs_np=topk,
+                                prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
 
 
 # ----------------------------------------------------------------------------- features

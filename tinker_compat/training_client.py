@@ -381,17 +381,22 @@ class TrainingClient:
                                              retry_config: Any = None,
                                              record_stability_info: bool = False,
                                              kind: str = "snapshot") -> ClientFuture:
-        """Snapshot the current weights and return a future of a `SamplingClient` on them.
+        """Save the current weights for sampling and return a future of a `SamplingClient`.
 
-        The snapshot is the weights after every op submitted before this call; ops
-        submitted later do not change what it samples. As in Tinker it is ephemeral: no
-        checkpoint (never listed, no path), deleted with its sampling session, when the
-        session closes or expires, after the server's session timeout unused, or at a
-        server restart.
+        `kind="snapshot"` (default): the weights after every op submitted before this
+        call; ops submitted later do not change what it samples. As in Tinker it is
+        ephemeral: no checkpoint (never listed, no path), deleted with its sampling
+        session, when the session closes or expires, after the server's session timeout
+        unused, or at a server restart.
+
+        `kind="inflight"`: publishes the weights to this model's one mutable target,
+        shared by all its inflight sampling clients; a later inflight save updates it for
+        existing and new clients alike, rows mid-generation included (from their next
+        token). Each client is its own prefix-cache namespace.
 
         Args:
         - `name`: deprecated in tinker and ignored
-        - `kind`: "snapshot" (the only kind Twinkle serves)
+        - `kind`: "snapshot" or "inflight" (`tinker.types.SamplingClientKind`)
 
         Example:
         ```python
@@ -404,12 +409,12 @@ class TrainingClient:
                           "deprecated and has no effect; use save_weights_for_sampler(name=...) "
                           "+ create_sampling_client(model_path=...) for a named checkpoint.",
                           DeprecationWarning, stacklevel=2)
-        if kind != "snapshot":
-            raise ValueError(f"kind: Twinkle serves only 'snapshot' sampling clients, got {kind!r}")
+        if kind not in ("snapshot", "inflight"):
+            raise ValueError(f"kind: must be 'snapshot' or 'inflight', got {kind!r}")
         check_sampling_options(retry_config=retry_config,
                                record_stability_info=record_stability_info)
         op = self._conn.reserve(self.model_id)
-        call = api.save_ephemeral_sampler()
+        call = api.save_ephemeral_sampler(inflight=kind == "inflight")
 
         def run() -> SamplingClient:
             return SamplingClient(self._conn, call.send(self._conn, op), self._base_model,

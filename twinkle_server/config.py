@@ -67,6 +67,20 @@ class ServerConfig:
                                    "memory free after the base loads")
     merge_token_budget: int = _opt(0, "most tokens in one merged base-model pass; 0 picks "
                                       "by device: 1024 on CPU, 8192 on an accelerator")
+    sampler: str = _opt("continuous", "continuous: sample requests join and leave one running "
+                                      "decode batch between steps, a group's prompt is "
+                                      "prefilled once, a session's extended prompts reuse "
+                                      "its cached prefix; static: each batch of requests "
+                                      "decodes to completion (the baseline)",
+                        choices=("continuous", "static"))
+    decode_slice_ms: float = _opt(100.0, "milliseconds of decoding between training passes "
+                                         "while both wait: about what a training op waits "
+                                         "behind sampling")
+    kv_pool_tokens: int = _opt(0, "KV-cache positions the sampler holds (rows x width of its "
+                                  "decode batch, plus cached prefixes); requests wait for "
+                                  "room, one that can never fit is refused. 0 picks a "
+                                  "quarter of the memory free after the base loads, at most "
+                                  "1,048,576")
     session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
                                          "adapters are unloaded (checkpoints stay)")
     max_stability_records: int = _opt(
@@ -94,7 +108,8 @@ class ServerConfig:
     def limits(self) -> EngineLimits:
         return EngineLimits(max_adapters=self.max_adapters, max_rank=self.max_rank,
                             max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens,
-                            max_pass_tokens=self.max_pass_tokens or AUTO_PASS_TOKENS)
+                            max_pass_tokens=self.max_pass_tokens or AUTO_PASS_TOKENS,
+                            kv_pool_tokens=self.kv_pool_tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,18 @@ from twinkle_server.engine.errors import InvalidArgument
 
 Mode = Literal["merged", "timeshare"]
 MODES: tuple[str, ...] = ("merged", "timeshare")
+Sampler = Literal["continuous", "static"]
+SAMPLERS: tuple[str, ...] = ("continuous", "static")
+Work = Literal["train", "decode"]
+
+FORWARD = "forward"
+"""Merge group of forward and forward_backward ops: one base pass for many."""
+SAMPLE = "sample"
+"""Merge group of sample ops: with the continuous sampler they join the decode pool;
+with the static one, a batch of them is one run-to-completion decode."""
+DEFAULT_DECODE_SLICE_S = 0.1
+"""How long a decode slice runs before ready training ops get the worker
+(`--decode-slice-ms`): what a training op waits, at most, while sampling runs."""
 # Most tokens in one merged pass. Merging pays while one op's pass leaves the device
 # underused. On a CPU that ends near 1k tokens: `python -m bench.engine`'s pass table
 # measured a merged pass against the same ops one by one at 1.47x for 8 x 128 tokens and
@@ -98,3 +110,19 @@ def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
         tokens += op.tokens
         seen.add(op.queue_id)
     return batch
+
+
+def plan_work(training_ready: bool, decoding: bool, last: Work | None) -> Work | None:
+    """What the worker runs next when sampling is continuous: a training batch
+    (`plan_batch` over the ready heads) or a decode slice.
+
+    Each kind alternates with the other whenever both have work, so a training op waits
+    at most one decode slice and a stream of training ops cannot starve sampling (it
+    gets a slice after every training batch); alone, either runs back to back. None:
+    nothing to do.
+    """
+    if training_ready and decoding:
+        return "train" if last == "decode" else "decode"
+    if training_ready:
+        return "train"
+    return "decode" if decoding else None

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
+from twinkle_server.engine.decoding import PoolStats
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, Unavailable
 from twinkle_server.engine.protocol import marked
@@ -59,6 +60,7 @@ from twinkle_server.engine.types import (
     EngineLimits,
     ForwardOutput,
     ForwardRequest,
+    Generation,
     LoraSpec,
     LossSpec,
     SampledSequence,
@@ -238,6 +240,9 @@ class ReplicatedEngine:
     def sampler_dirs(self) -> set[str]:
         return self.engine.sampler_dirs()
 
+    def decode_stats(self) -> PoolStats:
+        return self.engine.decode_stats()
+
     # ------------------------------------------------------------------ every rank, as called
 
     def remove_adapter(self, adapter_id: str) -> None:
@@ -324,6 +329,17 @@ class ReplicatedEngine:
                          shipped=tuple((i, self._ship_sampler(r.weights_path))
                                        for i, r in enumerate(requests)
                                        if r.weights_path is not None))
+
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float
+               ) -> list[tuple[int, Generation | EngineError]]:
+        requests = [_fill_seed(r) for r in requests]
+        return self._all("decode", requests, keys, slice_s,
+                         shipped=tuple((i, self._ship_sampler(r.weights_path))
+                                       for i, r in enumerate(requests)
+                                       if r.weights_path is not None))
+
+    def publish_inflight(self, adapter_id: str) -> str:
+        return self._all("publish_inflight", adapter_id)
 
     def prompt_logprobs(self, adapter_id: str | None, weights_path: str | None,
                         tokens: np.ndarray, topk: int = 0) -> Any:

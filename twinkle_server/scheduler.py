@@ -14,8 +14,21 @@ Ops with `merge_group=None` (optimizer steps, saves, loads) always run alone, so
 between passes. A queue has at most one op in flight, so two ops of one queue never share
 a batch and an `optim_step` never overtakes its model's `forward_backward`.
 
-The decision which ready ops run together is the pure function `planning.plan_batch`;
-this class adds one lock, one condition variable and one thread. Futures are resolved outside the lock, because resolving runs
+Sampling is continuous when the scheduler is given a `decode_group`: ops of that merge
+group leave their queue as soon as they are its ready head and join the executor's
+decode pool (`Executor.decode`), where they decode in bounded slices, many requests at
+once, each answered the slice it finishes. An unordered one (a sampling session's) frees
+its queue at once, so every request of a session decodes together; an ordered one (a
+live model's, by seq_id) holds its queue until answered, as any op does. The worker
+alternates training batches and decode slices whenever both have work
+(`planning.plan_work`): a training op waits at most about one slice
+(`decode_slice_s`), and a stream of training ops gets a slice between each of its
+batches, so neither starves the other. Decode batches are sized by the pool's rows and
+KV memory (`engine.decoding`), not by `token_budget`.
+
+The decisions which ready ops run together and what runs next are the pure functions
+`planning.plan_batch` and `planning.plan_work`; this class adds one lock, one condition
+variable and one thread. Futures are resolved outside the lock, because resolving runs
 the callers' callbacks (asyncio's `wrap_future` among them). This module imports neither
 torch nor grpc.
 """
@@ -23,6 +36,7 @@ torch nor grpc.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -30,7 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from twinkle_server.planning import DEFAULT_TOKEN_BUDGET, MODES, Mode, Op, plan_batch
+from twinkle_server.planning import (
+    DEFAULT_DECODE_SLICE_S,
+    DEFAULT_TOKEN_BUDGET,
+    MODES,
+    Mode,
+    Op,
+    Work,
+    plan_batch,
+    plan_work,
+)
 
 # How far ahead of the next expected seq an op may arrive: bounds what one client can park
 # in server memory while an earlier seq_id is missing.
@@ -59,6 +82,14 @@ class Executor(Protocol):
         Raising fails every op of the batch with that exception.
         """
 
+    def decode(self, joining: Sequence[Op], slice_s: float) -> Sequence[tuple[Op, Any]]:
+        """One decode slice of about `slice_s` seconds, `joining` new to the pool; the ops
+        finished in it (any earlier joiner's too), each with its result or exception.
+        Only called when the scheduler has a `decode_group`.
+
+        Raising fails every op in the pool with that exception.
+        """
+
 
 class _OpFuture(Future):
     """A future its caller cannot cancel.
@@ -78,6 +109,7 @@ class _Entry:
     future: _OpFuture
     # Arrival number: orders a queue's ordered and unordered ops against each other.
     ticket: int
+    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -115,6 +147,9 @@ class Scheduler:
             per batch, queues in turn).
         token_budget: most `Op.tokens` in one merged batch (a single larger op still runs).
         result_cache_size: finished results kept per queue for retried seq_ids.
+        decode_group: the merge group whose ops decode continuously (`Executor.decode`);
+            None runs them as batches like any other group.
+        decode_slice_s: how long one decode slice runs while training ops wait.
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
@@ -123,13 +158,17 @@ class Scheduler:
 
     def __init__(self, executor: Executor, mode: Mode = "merged",
                  token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE) -> None:
+                 result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE,
+                 decode_group: str | None = None,
+                 decode_slice_s: float = DEFAULT_DECODE_SLICE_S) -> None:
         if mode not in MODES:
             raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
         if token_budget < 1:
             raise InvalidArgument(f"token_budget: {token_budget} must be at least 1")
         if result_cache_size < 0:
             raise InvalidArgument(f"result_cache_size: {result_cache_size} must be at least 0")
+        if not decode_slice_s > 0:
+            raise InvalidArgument(f"decode_slice_s: {decode_slice_s} must be above 0")
         self.executor = executor
         self.mode: Mode = mode
         self.token_budget = token_budget
@@ -144,6 +183,15 @@ class Scheduler:
         self._ops_run = 0
         self._batches_run = 0
         self._merged_ops = 0
+        self.decode_group = decode_group
+        self.decode_slice_s = decode_slice_s
+        # Decode ops taken from their queues: not yet handed to the pool, and in it.
+        self._joining: list[tuple[_Queue, _Entry]] = []
+        self._decoding: dict[int, tuple[_Queue, _Entry]] = {}
+        self._last: Work | None = None
+        self._slices_run = 0
+        # Per op kind: ops started, and their seconds from arrival to start, summed.
+        self._waits: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,7 +234,8 @@ class Scheduler:
                 f"the server stopped draining after {timeout} s; the op was not run"))
 
     def _take_all_waiting(self) -> list[_Entry]:
-        return [e for queue in self._queues.values() for e in queue.take_waiting()]
+        joining, self._joining = [entry for _, entry in self._joining], []
+        return joining + [e for queue in self._queues.values() for e in queue.take_waiting()]
 
     # ------------------------------------------------------------------ queues
 
@@ -287,7 +336,8 @@ class Scheduler:
         """Counters for logs and benchmarks.
 
         `depths` maps each queue to its ops not yet running; `merged_ops` counts ops that
-        ran in batches of two or more.
+        ran in batches of two or more; `decoding` the sample ops in or joining the decode
+        pool; `waits` per op kind, how many started and their seconds queued, summed.
         """
         with self._cond:
             depths = {q: len(v.pending) + len(v.unordered) for q, v in self._queues.items()}
@@ -300,6 +350,9 @@ class Scheduler:
                 "ops_run": self._ops_run,
                 "batches_run": self._batches_run,
                 "merged_ops": self._merged_ops,
+                "decoding": len(self._decoding) + len(self._joining),
+                "decode_slices": self._slices_run,
+                "waits": {kind: (int(n), total) for kind, (n, total) in self._waits.items()},
             }
 
     # ------------------------------------------------------------------ worker
@@ -317,16 +370,26 @@ class Scheduler:
                 heads.append(head)
         return heads, start or 0
 
-    def _take(self) -> list[tuple[_Queue, _Entry]] | None:
-        """Wait for ready heads and claim a batch of them; None once closed and drained."""
+    def _take(self) -> tuple[Work, list[tuple[_Queue, _Entry]]] | None:
+        """Wait for work and claim it: a training batch or the decode ops joining the
+        next slice; None once closed and drained."""
         stranded: list[_Entry] = []
         with self._cond:
-            heads, start = self._ready_heads()
-            while not heads and not self._closed:
-                self._cond.wait()
+            while True:
+                self._divert()
                 heads, start = self._ready_heads()
-            if heads:
-                return self._claim(heads, start)
+                work = plan_work(bool(heads), bool(self._joining or self._decoding),
+                                 self._last)
+                if work is not None or self._closed:
+                    break
+                self._cond.wait()
+            if work == "train":
+                return work, self._claim(heads, start)
+            if work == "decode":
+                joining, self._joining = self._joining, []
+                for queue, entry in joining:
+                    self._decoding[id(entry.op)] = queue, entry
+                return work, joining
             # Closed with nothing ready (this worker runs nothing now): what is left
             # waits on a seq_id that never came.
             for queue in self._queues.values():
@@ -334,6 +397,33 @@ class Scheduler:
         _fail_all(stranded, SchedulerClosed("the server shut down before this op's earlier "
                                             "seq_ids arrived; it was not run"))
         return None
+
+    def _divert(self) -> None:
+        """Move every ready head of the decode group off its queue to join the decode pool
+        (call with the lock); an unordered one leaves its queue free for the next."""
+        if self.decode_group is None:
+            return
+        moved = True
+        while moved:
+            moved = False
+            for queue_id in self._order:
+                queue = self._queues[queue_id]
+                head = queue.head()
+                if head is None or head.op.merge_group != self.decode_group:
+                    continue
+                if head.op.seq_id is None:
+                    queue.unordered.popleft()
+                else:
+                    del queue.pending[head.op.seq_id]
+                    queue.running = head
+                self._started(head)
+                self._joining.append((queue, head))
+                moved = True
+
+    def _started(self, entry: _Entry) -> None:
+        wait = self._waits.setdefault(entry.op.kind, [0, 0.0])
+        wait[0] += 1
+        wait[1] += time.monotonic() - entry.arrived
 
     def _claim(self, heads: list[_Entry], start: int) -> list[tuple[_Queue, _Entry]]:
         """Mark the planned ops running (call with the lock)."""
@@ -348,6 +438,7 @@ class Scheduler:
             else:
                 del queue.pending[op.seq_id]
             queue.running = entry
+            self._started(entry)
             chosen.append((queue, entry))
         # The queue after the batch's first one leads the next rotation.
         self._cursor = (self._order.index(ops[0].queue_id) + 1) % len(self._order)
@@ -355,11 +446,29 @@ class Scheduler:
 
     def _work(self) -> None:
         while True:
-            chosen = self._take()
-            if chosen is None:
+            taken = self._take()
+            if taken is None:
                 return
-            results = self._run([entry.op for _, entry in chosen])
-            self._finish(chosen, results)
+            work, chosen = taken
+            if work == "train":
+                self._finish(chosen, self._run([entry.op for _, entry in chosen]))
+            else:
+                self._finish(*self._run_decode([entry.op for _, entry in chosen]), batch=False)
+            self._last = work
+
+    def _run_decode(self, joining: list[Op]) -> tuple[list[tuple[_Queue, _Entry]], list[Any]]:
+        """One decode slice: the entries it finished and their results. A slice that
+        raises fails every op in the pool (its state is then unknown)."""
+        try:
+            finished = [(self._decoding.pop(id(op)), result)
+                        for op, result in self.executor.decode(joining, self.decode_slice_s)]
+        except BaseException as exc:
+            error = exc if isinstance(exc, Exception) else _wrapped(exc)
+            finished = [(pair, error) for pair in self._decoding.values()]
+            self._decoding.clear()
+        with self._cond:
+            self._slices_run += 1
+        return [pair for pair, _ in finished], [result for _, result in finished]
 
     def _run(self, ops: list[Op]) -> list[Any]:
         """The executor's results, one per op; whatever it does becomes per-op values."""
@@ -383,15 +492,19 @@ class Scheduler:
             return [error] * n
         return results
 
-    def _finish(self, chosen: list[tuple[_Queue, _Entry]], results: list[Any]) -> None:
+    def _finish(self, chosen: list[tuple[_Queue, _Entry]], results: list[Any],
+                batch: bool = True) -> None:
+        """Answer `chosen` with `results`; `batch` False: they finished in a decode slice."""
         with self._cond:
             self._ops_run += len(chosen)
-            self._batches_run += 1
-            if len(chosen) > 1:
-                self._merged_ops += len(chosen)
+            if batch:
+                self._batches_run += 1
+                if len(chosen) > 1:
+                    self._merged_ops += len(chosen)
             for queue, entry in chosen:
                 # `queue` may be unregistered by now; updating the orphan is harmless.
-                queue.running = None
+                if queue.running is entry:
+                    queue.running = None
                 seq = entry.op.seq_id
                 if seq is not None:
                     queue.next_seq = seq + 1

@@ -97,7 +97,7 @@ class _LocalEngine:
 
 
 ARGUMENTS: dict[str, tuple] = {"add_adapter": ("a", LoraSpec(rank=1, alpha=1.0)),
-                               "sample_batch": ([],)}
+                               "sample_batch": ([],), "decode": ([], [], 0.1)}
 """Arguments the replicated engine reads before it sends a call (every other argument
 is passed as None)."""
 

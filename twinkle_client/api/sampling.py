@@ -53,7 +53,8 @@ def _sample_result(reply: sampling_pb2.SampleResponse) -> SampleResult:
     return SampleResult(sequences, prompt_logprobs, topk_ids, topk_logprobs,
                         _optional(reply, "target_prompt_logprobs", "target_prompt_logprobs"),
                         _optional(reply, "prompt_alt_tokens", "prompt_alt_tokens"),
-                        _optional(reply, "prompt_alt_logprobs", "prompt_alt_logprobs"))
+                        _optional(reply, "prompt_alt_logprobs", "prompt_alt_logprobs"),
+                        reply.prompt_cache_hit_tokens)
 
 
 def create_sampling_session(*, model_path: str = "", base_model: str = ""

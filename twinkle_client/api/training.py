@@ -185,12 +185,14 @@ def save_weights_for_sampler(name: str, user_metadata: Mapping[str, str] | None 
         name=name, user_metadata=user_metadata or {}), lambda reply: reply.path)
 
 
-def save_ephemeral_sampler() -> OpCall[str]:
+def save_ephemeral_sampler(inflight: bool = False) -> OpCall[str]:
     """Snapshot the adapter weights for a new sampling session of their own (Tinker's
     ephemeral sampler weights: no checkpoint, deleted with the session); returns the
-    sampling session's id."""
+    sampling session's id. `inflight`: publish them to the model's shared inflight target
+    instead, which every inflight session of the model samples and later inflight saves
+    update."""
     return UnaryOp("training", "SaveWeightsForSampler", training_pb2.SaveRequest(
-        ephemeral=True), lambda reply: reply.sampling_session_id)
+        ephemeral=True, inflight=inflight), lambda reply: reply.sampling_session_id)
 
 
 def load_state(path: str, include_optimizer: bool = False) -> OpCall[None]:

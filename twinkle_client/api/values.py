@@ -98,6 +98,7 @@ class SampleResult:
     target_logprobs: np.ndarray | None = None   # float32 [T - 1, K], 0.0 where id was -1
     alt_tokens: np.ndarray | None = None        # int64 [T - 1, k]
     alt_logprobs: np.ndarray | None = None      # float32 [T - 1, k]
+    prompt_cache_hit_tokens: int = 0            # prompt tokens reused from the session's cache
 
 
 @dataclass(frozen=True)

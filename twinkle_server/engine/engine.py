@@ -50,6 +50,7 @@ import torch
 from twinkle_server.engine import activations, checkpoint, checks, forward, losses, memory
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
+from twinkle_server.engine.decoding import DecodePool, PoolStats
 from twinkle_server.engine.errors import (
     EngineError,
     FailedPrecondition,
@@ -75,6 +76,7 @@ from twinkle_server.engine.types import (
     EngineLimits,
     ForwardOutput,
     ForwardRequest,
+    Generation,
     LoraSpec,
     LossSpec,
     SampledSequence,
@@ -87,10 +89,15 @@ T = TypeVar("T")
 OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)
 """What running out of host or device memory raises (torch's CUDA error is a RuntimeError)."""
 
-__all__ = ["Engine", "ForwardRequest", "SampleRequest"]
+__all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
 _STATE_COPIES = 4
+
+
+def inflight_key(adapter_id: str) -> str:
+    """The routing id of a model's inflight target (`Engine.publish_inflight`)."""
+    return f"inflight:{adapter_id}"
 
 
 class Engine:
@@ -132,7 +139,12 @@ class Engine:
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         self.adapters: dict[str, Adapter] = {}
         self.samplers = SamplerCache(self._load_sampler,
-                                     lambda key, adapter: self._detach(key, adapter.weights))
+                                     lambda key, adapter: self._detach(key, adapter.weights),
+                                     pinned=lambda: self.pool.routes())
+        # Inflight targets by routing id (`publish_inflight`), and how often each was
+        # published: the weights version its sessions' prefix cache is keyed by.
+        self.inflight: dict[str, Adapter] = {}
+        self.inflight_versions: dict[str, int] = {}
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
                 base.config, base.dtype, base.vocab_size, base.device.type,
@@ -154,6 +166,15 @@ class Engine:
         # CPU (17.9 GiB at 262,144 tokens) would refuse adapters on ordinary machines, so
         # there it is reported, not reserved.
         self.reserve_pass_memory = base.device.type != "cpu" or limits.max_pass_tokens > 0
+        if not limits.kv_pool_tokens:
+            self.limits = limits = replace(limits, kv_pool_tokens=memory.auto_kv_pool_tokens(
+                base.config, base.dtype, self._free_bytes()))
+            log.info("the sampler's KV pool holds %d positions (--kv-pool-tokens)",
+                     limits.kv_pool_tokens)
+        self.pool = DecodePool(base.model, self.router.route, eos_token_ids=base.eos_token_ids,
+                               pad_token_id=base.pad_token_id, decode=base.decode,
+                               capacity=limits.kv_pool_tokens, prefill_tokens=self.pass_tokens,
+                               parallel=parallel)
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
@@ -284,8 +305,14 @@ class Engine:
 
     @replicated
     def remove_adapter(self, adapter_id: str) -> None:
-        """Detach the adapter from every layer and drop its state, freeing its slot."""
+        """Detach the adapter (and its inflight target) from every layer and drop its
+        state, freeing its slot; rows still sampling from either fail NOT_FOUND."""
         adapter = self._adapter(adapter_id)
+        gone = NotFound(f"model_id: model {adapter_id!r} was unloaded while sampling")
+        for key in (adapter_id, inflight_key(adapter_id)):
+            self.pool.fail(key, gone)
+        if (target := self.inflight.pop(inflight_key(adapter_id), None)) is not None:
+            self._detach(target.adapter_id, target.weights)
         self._detach(adapter_id, adapter.weights)
         del self.adapters[adapter_id]
 
@@ -462,23 +489,103 @@ class Engine:
     def _sampling_adapter(self, adapter_id: str | None, weights_path: str | None) -> str | None:
         """The adapter id to route for a request, loading a sampler checkpoint if needed."""
         if adapter_id is not None:
-            self._adapter(adapter_id)
+            if adapter_id not in self.inflight:
+                self._adapter(adapter_id)
             return adapter_id
         return None if weights_path is None else self.samplers.route(weights_path)
+
+    def _frozen(self, key: str, spec: LoraSpec) -> Adapter:
+        """A frozen adapter of `spec`'s shape routed as `key`, to copy weights into."""
+        adapter = Adapter(key, spec, self._new_weights(LoraSpec(**{**asdict(spec), "seed": 0}),
+                                                       self._targets(spec)))
+        for param in adapter.parameters():
+            param.requires_grad_(False)
+        return adapter
+
+    @replicated
+    def publish_inflight(self, adapter_id: str) -> str:
+        """Copy the adapter's weights into its inflight target (made on first use) and
+        return the target's routing id: what Tinker's inflight sampling clients share.
+        Rows decoding from it take the new weights at their next step."""
+        source = self._adapter(adapter_id)
+        key = inflight_key(adapter_id)
+        if key not in self.inflight:
+            self.inflight[key] = self._frozen(key, source.spec)
+            self._attach(self.inflight[key])
+        checkpoint.copy_weights(self.inflight[key], checkpoint.peft_tensors(source))
+        self.inflight_versions[key] = self.inflight_versions.get(key, 0) + 1
+        return key
+
+    def _namespace(self, request: SampleRequest, route_id: str | None
+                   ) -> tuple[str, str] | None:
+        """The prefix-cache namespace of a request: its session and its weights' version
+        (a checkpoint's key, the base, or an inflight publication); none for a live
+        adapter, whose weights change under it with every step."""
+        if not request.cache_namespace:
+            return None
+        if route_id in self.inflight:
+            version = f"{route_id}#{self.inflight_versions[route_id]}"
+        elif route_id is not None and route_id in self.adapters:
+            return None
+        else:
+            version = route_id or "base"
+        return request.cache_namespace, version
 
     def _load_sampler(self, key: str, weights_path: str) -> Adapter:
         """The sampler checkpoint at `weights_path` as a frozen adapter routed as `key`,
         attached to the base once its weights are checked."""
         spec, _ = checkpoint.read_spec(weights_path)
         found = checkpoint.read_weights(weights_path)
-        adapter = Adapter(key, spec, self._new_weights(LoraSpec(**{**asdict(spec), "seed": 0}),
-                                                       self._targets(spec)))
+        adapter = self._frozen(key, spec)
         checkpoint.check_weights(adapter, found)
         checkpoint.copy_weights(adapter, found)
-        for param in adapter.parameters():
-            param.requires_grad_(False)
         self._attach(adapter)
         return adapter
+
+    def _generation(self, request: SampleRequest) -> tuple[Any, str | None]:
+        """The checked decode request of a sample request, and its route id; raises the
+        `EngineError` naming the field and the limit."""
+        from twinkle_server.engine import sampler
+
+        checks.prompt(request.prompt, self.limits, self.base.vocab_size)
+        generation = sampler.GenerationRequest(None, np.asarray(request.prompt),
+                                               request.num_samples, request.params,
+                                               request.topk_logprobs)
+        sampler.validate(generation)
+        checks.sample_size(request, self.limits)
+        route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
+        return replace(generation, adapter_id=route_id), route_id
+
+    @replicated
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float
+               ) -> list[tuple[int, Generation | EngineError]]:
+        """One slice of continuous batching (`engine.decoding`): new `requests` (answered
+        under their `keys`) wait for room in the pool, what fits joins, and the pool
+        decodes for about `slice_s` seconds; returns the requests finished, by key. On
+        several ranks each rank takes a token-balanced share of the new requests."""
+        pool = self.pool
+        mine = self.parallel.share([request.num_tokens for request in requests])
+        for key, request in ((keys[i], requests[i]) for i in mine):
+            try:
+                generation, route_id = self._generation(request)
+            except EngineError as exc:
+                pool.finished.append((key, exc))
+                continue
+            pool.submit(key, generation, self._namespace(request, route_id))
+        self.samplers.trim()
+        try:
+            done = self._on_base(pool.run, slice_s)
+        except OUT_OF_MEMORY as exc:
+            stats = pool.stats()
+            pool.reset(self._out_of_memory(
+                f"a decode slice of {stats.active_rows} rows", "--kv-pool-tokens", exc))
+            done, pool.finished = pool.finished, []
+        return self.parallel.gather_objects(done)
+
+    @rank_zero_only
+    def decode_stats(self) -> PoolStats:
+        """The decode pool's counters and state (rank 0's, on several ranks)."""
+        return self.pool.stats()
 
     @replicated
     def sample_batch(self, requests: Sequence[SampleRequest]
@@ -491,14 +598,7 @@ class Engine:
         batch, slots = [], []
         for i, request in enumerate(requests):
             try:
-                checks.prompt(request.prompt, self.limits, self.base.vocab_size)
-                generation = sampler.GenerationRequest(None, np.asarray(request.prompt),
-                                                       request.num_samples, request.params,
-                                                       request.topk_logprobs)
-                sampler.validate(generation)
-                checks.sample_size(request, self.limits)
-                route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
-                batch.append(replace(generation, adapter_id=route_id))
+                batch.append(self._generation(request)[0])
                 slots.append(i)
             except EngineError as exc:
                 results[i] = exc

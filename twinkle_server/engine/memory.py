@@ -241,3 +241,29 @@ def available_memory_bytes(device: torch.device) -> int | None:
     except OSError:
         return None
     return None
+
+
+KV_SHARE = 0.25
+"""Of the memory free once the base and the pass headroom are in place, what the decode
+pool's KV cache may take by default (`--kv-pool-tokens 0`)."""
+KV_POOL_MAX = 1 << 20
+"""The default pool's cap in positions: beyond it a CPU's decode steps are too slow to
+use more rows, and an accelerator should size it with the flag."""
+KV_POOL_UNKNOWN = 65_536
+"""The default pool where free memory cannot be read."""
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Keys and values of one position over every layer, in bytes."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def auto_kv_pool_tokens(config: Any, dtype: torch.dtype, free: int | None) -> int:
+    """`--kv-pool-tokens 0`: `KV_SHARE` of the `free` bytes in KV positions, at most
+    `KV_POOL_MAX` (`KV_POOL_UNKNOWN` when free memory is unknown)."""
+    if free is None:
+        return KV_POOL_UNKNOWN
+    return max(1, min(KV_POOL_MAX, int(free * KV_SHARE) // kv_bytes_per_token(config, dtype)))

@@ -34,12 +34,14 @@ if TYPE_CHECKING:
 
     from twinkle_server.engine.adapter import Adapter
     from twinkle_server.engine.base_model import BaseModel
+    from twinkle_server.engine.decoding import PoolStats
     from twinkle_server.engine.errors import EngineError
     from twinkle_server.engine.types import (
         AdamParams,
         EngineLimits,
         ForwardOutput,
         ForwardRequest,
+        Generation,
         LoraSpec,
         LossSpec,
         SampledSequence,
@@ -155,6 +157,13 @@ class EngineAPI(Protocol):
 
     def sample_batch(self, requests: Sequence[SampleRequest]
                      ) -> list[list[SampledSequence] | EngineError]: ...
+
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float
+               ) -> list[tuple[int, Generation | EngineError]]: ...
+
+    def decode_stats(self) -> PoolStats: ...
+
+    def publish_inflight(self, adapter_id: str) -> str: ...
 
     def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
                          tokens: np.ndarray) -> np.ndarray: ...

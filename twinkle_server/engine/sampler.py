@@ -71,7 +71,7 @@ def validate(request: GenerationRequest) -> None:
     check_topk(request.topk_logprobs, "topk_sample_logprobs")
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
           ) -> torch.Tensor:
     """Choose one token per row of `logits` [n, V] under the request's parameters."""
     if params.temperature == 0 or params.top_k == 1:
@@ -94,13 +94,13 @@ def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     return order.gather(-1, pick).squeeze(-1)
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
+def cache_keyword(model: torch.nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); use what this one takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """One stream per request, on the logits' device so sampling copies nothing to the host."""
     return torch.Generator(device=device).manual_seed(
         seed if seed is not None else secrets.randbits(63))
@@ -141,7 +141,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
     device = next(model.parameters()).device
     if not requests:
         while together is not None and together(False):
-            _idle_step(model, route, pad_token_id, device)
+            idle_step(model, route, pad_token_id, device)
         return []
     owners = [i for i, r in enumerate(requests) for _ in range(r.num_samples)]
     prompts = [np.asarray(requests[i].prompt, dtype=np.int64) for i in owners]
@@ -152,7 +152,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         ids[row, width - prompt.size:] = torch.from_numpy(prompt)
         mask[row, width - prompt.size:] = 1
     ids, mask = ids.to(device), mask.to(device)
-    generators = [_generator(r.params.seed, device) for r in requests]
+    generators = [new_generator(r.params.seed, device) for r in requests]
     stops = [set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_token_ids))
              for r in requests]
     out_tokens: list[list[int]] = [[] for _ in owners]
@@ -161,12 +161,12 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
     out_topk: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in owners]
     reasons: list[str | None] = [None] * len(owners)
     active = list(range(len(owners)))  # global row index of each batch row, in order
-    cache_kw = _cache_keyword(model)
+    cache_kw = cache_keyword(model)
     cache = None
     step_input, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
     while active if together is None else together(bool(active)):
         if not active:
-            _idle_step(model, route, pad_token_id, device)
+            idle_step(model, route, pad_token_id, device)
             continue
         with route([requests[owners[row]].adapter_id for row in active]):
             out = model(input_ids=step_input, attention_mask=mask, position_ids=positions,
@@ -180,7 +180,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
             end = start
             while end < len(active) and owners[active[end]] == owner:
                 end += 1
-            chosen[start:end] = _pick(logits[start:end], requests[owner].params,
+            chosen[start:end] = pick(logits[start:end], requests[owner].params,
                                       generators[owner])
             start = end
         logp = torch.log_softmax(logits, dim=-1)
@@ -217,7 +217,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
         positions = positions[:, -1:] + 1
     results: list[list[SampledSequence]] = [[] for _ in requests]
     for row, owner in enumerate(owners):
-        topk = _topk_arrays(out_topk[row], requests[owner].topk_logprobs)
+        topk = topk_arrays(out_topk[row], requests[owner].topk_logprobs)
         results[owner].append(SampledSequence(
             tokens=np.asarray(out_tokens[row], dtype=np.int32),
             logprobs=np.asarray(out_logprobs[row], dtype=np.float32),
@@ -225,7 +225,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[Generation
     return results
 
 
-def _topk_arrays(steps: list[tuple[np.ndarray, np.ndarray]], k: int
+def topk_arrays(steps: list[tuple[np.ndarray, np.ndarray]], k: int
                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """A row's per-step top-k as int32 / float32 `[n, k]` (None when not asked); a
     vocabulary narrower than k leaves token 0 / `TOPK_MASK_LOGPROB` in the last columns."""
@@ -239,7 +239,7 @@ def _topk_arrays(steps: list[tuple[np.ndarray, np.ndarray]], k: int
     return ids, lps
 
 
-def _idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
+def idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
                device: torch.device) -> None:
     """One forward of one padding token on the bare base: a decode step's collectives
     for a rank with nothing left to decode."""

@@ -36,14 +36,16 @@ class SamplerCache:
     """Loaded sampler checkpoints by key, most recently used last.
 
     `load(key, path)` builds and attaches a checkpoint's adapter on a miss; `detach(key,
-    adapter)` takes an evicted one off the base.
+    adapter)` takes an evicted one off the base; `pinned()` names the keys rows still
+    decoding route to, which are never evicted.
     """
 
     def __init__(self, load: Callable[[str, str], Adapter],
-                 detach: Callable[[str, Adapter], None], size: int = SAMPLER_CACHE_SIZE
-                 ) -> None:
+                 detach: Callable[[str, Adapter], None], size: int = SAMPLER_CACHE_SIZE,
+                 pinned: Callable[[], set[str]] = set) -> None:
         self._load = load
         self._detach = detach
+        self._pinned = pinned
         self.size = size
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()
 
@@ -65,7 +67,10 @@ class SamplerCache:
         return key
 
     def trim(self) -> None:
-        """Evict the least recently used checkpoints beyond `size` (after a batch)."""
-        while len(self._adapters) > self.size:
-            old_key, old = self._adapters.popitem(last=False)
-            self._detach(old_key, old)
+        """Evict the least recently used checkpoints beyond `size` (after a batch), but
+        none that is pinned."""
+        pinned = self._pinned()
+        for key in [k for k in self._adapters if k not in pinned]:
+            if len(self._adapters) <= self.size:
+                return
+            self._detach(key, self._adapters.pop(key))

@@ -129,8 +129,18 @@ class SampledSequence:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """A sample request's completions, and how many of its prompt tokens came from the
+    prefix cache instead of being computed (Tinker's `prompt_cache_hit_tokens`)."""
+
+    sequences: list[SampledSequence]
+    prompt_cache_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class SampleRequest:
-    """Sample from a live adapter, a saved sampler checkpoint, or (both None) the base."""
+    """Sample from a live adapter or an inflight target (`Engine.publish_inflight`), a saved
+    sampler checkpoint, or (both None) the base."""
 
     adapter_id: str | None
     weights_path: str | None
@@ -140,6 +150,9 @@ class SampleRequest:
     topk_logprobs: int = 0
     """k > 0: also the k likeliest tokens at every sampled position (Tinker's
     `topk_sample_logprobs`)."""
+    cache_namespace: str = ""
+    """The sampling session whose prompts may reuse each other's KV (`engine.decoding`);
+    '' reuses none. Never shared between tenants: a session belongs to one."""
 
     @property
     def num_tokens(self) -> int:
@@ -167,3 +180,6 @@ class EngineLimits:
     max_pass_tokens: int = 0
     """Most tokens the base runs in one piece of a pass (`forward.PassLogprobs`); 0: no
     cap; `AUTO_PASS_TOKENS`: picked by the engine (`memory.auto_pass_tokens`)."""
+    kv_pool_tokens: int = 0
+    """KV positions the decode pool holds (`engine.decoding`); 0: picked from free memory
+    (`memory.auto_kv_pool_tokens`)."""

@@ -293,6 +293,12 @@ class Front:
         name = convert.text(body, "path")
         ephemeral = kind == "sampler" and not name
         try:
+            client_kind = convert.text(body, "kind") or "snapshot"
+            if client_kind not in ("snapshot", "inflight"):
+                raise InvalidArgument(f"kind: {client_kind!r} is not 'snapshot' or 'inflight'")
+            if client_kind == "inflight" and not ephemeral:
+                raise InvalidArgument("kind: 'inflight' publishes the model's shared sampling "
+                                      "weights, never a named checkpoint; drop path")
             if ephemeral and body.get("sampling_session_seq_id") is None:
                 raise InvalidArgument("path: give a name, or sampling_session_seq_id for a "
                                       "sampler of the current weights")
@@ -304,7 +310,8 @@ class Front:
         if ephemeral:
             # Tinker's ephemeral sampler weights: no checkpoint, a snapshot that lives as
             # long as its sampling session (`Sampling.snapshot`); no path, no TTL of its own.
-            return self.promise(tenant, rid, self.rt.sampling.snapshot(tenant, ref),
+            return self.promise(tenant, rid, self.rt.sampling.snapshot(
+                tenant, ref, inflight=client_kind == "inflight"),
                                 lambda sampler: {"type": "save_weights_for_sampler",
                                                  "path": None, "sampling_session_id": sampler})
         work = self.rt.training.save(tenant, ref, kind, name,

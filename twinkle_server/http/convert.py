@@ -246,7 +246,7 @@ def forward_output(result: ForwardOutput) -> bytes:
 
 def sample_response(result: Any, include_prompt_logprobs: bool) -> bytes:
     """`SampleResponse` protobuf from the runtime's `SampleResult`."""
-    out = tpb.SampleResponse()
+    out = tpb.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
     for seq in result.sequences:
         out.sequences.add(stop_reason=_STOP.get(seq.stop_reason or "length",
                                                 tpb.STOP_REASON_LENGTH),

@@ -30,7 +30,7 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import AUTO_SEQ_LEN
-from twinkle_server.executor import EngineExecutor
+from twinkle_server.executor import SAMPLE, EngineExecutor
 from twinkle_server.planning import default_token_budget
 from twinkle_server.scheduler import Op, Scheduler
 from twinkle_server.store import CheckpointRow, Store
@@ -105,12 +105,13 @@ class ModelEntry:
 class SamplerEntry:
     session_id: str
     tenant: str
-    model_id: str | None       # live adapter
+    model_id: str | None       # live adapter, or an inflight target's route id
     weights_path: str | None   # sampler checkpoint directory
     base_model: str
     snapshot: bool = False     # weights_path is its own snapshot, deleted with it
     last_used: float = 0.0     # time.monotonic() of its creation or latest request's end
     in_flight: int = 0         # its requests running or queued now
+    inflight_of: str | None = None  # the model whose inflight target it samples
 
 
 def check_metadata(values: Mapping[str, str], field: str) -> dict[str, str]:
@@ -142,8 +143,10 @@ class Core:
         shutil.rmtree(self.snapshot_root, ignore_errors=True)
         self.draining = False
         budget = config.merge_token_budget or default_token_budget(engine.base.device.type)
-        self.scheduler = Scheduler(EngineExecutor(engine), mode=config.scheduling,
-                                   token_budget=budget)
+        self.scheduler = Scheduler(
+            EngineExecutor(engine), mode=config.scheduling, token_budget=budget,
+            decode_group=SAMPLE if config.sampler == "continuous" else None,
+            decode_slice_s=config.decode_slice_ms / 1000)
         self.scheduler.register_model(ADMIN_QUEUE)
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")

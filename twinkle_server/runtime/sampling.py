@@ -33,12 +33,14 @@ class Target:
     request_id: str
     adapter_id: str | None
     weights_path: str | None
+    cache_namespace: str = ""     # a sampling session's: its prompts share prefix KV
 
 
 @dataclass(frozen=True)
 class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: Any | None   # an engine `PromptLogprobs` when asked for
+    prompt_cache_hit_tokens: int = 0
 
 
 class Sampling:
@@ -70,7 +72,7 @@ class Sampling:
         core.scheduler.register_model(sampling_id)
         return sampling_id
 
-    async def snapshot(self, tenant: str, op: OpRef) -> str:
+    async def snapshot(self, tenant: str, op: OpRef, inflight: bool = False) -> str:
         """Tinker's `save_weights_and_get_sampling_client`: the model's weights after its
         ops before `op`, saved as op `op.seq_id` for a new sampling session of their own
         in the model's session; returns the sampling session's id.
@@ -78,16 +80,27 @@ class Sampling:
         The SDK calls these weights ephemeral: they are no checkpoint (never listed, no
         path, nothing counted against the tenant) and are deleted with their sampling
         session: when its client session closes or expires, when unused for
-        `--session-timeout` seconds (`Core.expire_snapshots`), and at a restart."""
+        `--session-timeout` seconds (`Core.expire_snapshots`), and at a restart.
+
+        `inflight` (Tinker's `kind="inflight"`) publishes them instead to the model's one
+        mutable inflight target (`Engine.publish_inflight`), shared by all its inflight
+        sessions, this new one included: rows they are decoding take the new weights at
+        their next token. Each session is its own prefix-cache namespace."""
         core, model_id = self.core, op.model_id
         owner = core.model_of(tenant, op.model_id).session_id or ""
         sampling_id = "samp-" + secrets.token_hex(6)
-        target = core.snapshot_root / sampling_id
-        await core.ordered(tenant, op, "save_sampler",
-                           lambda: core.engine.save_weights(model_id, target))
-        core.samplers[sampling_id] = SamplerEntry(owner, tenant, None, str(target),
-                                                  core.config.model, snapshot=True,
-                                                  last_used=time.monotonic())
+        if inflight:
+            route = await core.ordered(tenant, op, "save_sampler",
+                                       lambda: core.engine.publish_inflight(model_id))
+            entry = SamplerEntry(owner, tenant, route, None, core.config.model,
+                                 last_used=time.monotonic(), inflight_of=model_id)
+        else:
+            target = core.snapshot_root / sampling_id
+            await core.ordered(tenant, op, "save_sampler",
+                               lambda: core.engine.save_weights(model_id, target))
+            entry = SamplerEntry(owner, tenant, None, str(target), core.config.model,
+                                 snapshot=True, last_used=time.monotonic())
+        core.samplers[sampling_id] = entry
         core.scheduler.register_model(sampling_id)
         if owner and core.store.session_tenant(owner) is None:
             # Closed while the save ran: `close_session_models` has already passed by.
@@ -105,7 +118,7 @@ class Sampling:
         entry = self.core.sampler_of(tenant, sampling_session_id)
         entry.last_used = time.monotonic()
         return Target(sampling_session_id, None, request_id, entry.model_id,
-                      entry.weights_path)
+                      entry.weights_path, sampling_session_id)
 
     def refuse(self, target: Target, kind: str, error: Exception) -> Refusal:
         """Take the target op's seq_id with `error` as its result (`Core.refuse`); await
@@ -133,16 +146,17 @@ class Sampling:
         if not params.max_tokens:
             params = replace(params, max_tokens=max(1, core.config.max_seq_len - prompt.size))
         payload = SampleRequest(target.adapter_id, target.weights_path, prompt,
-                                num_samples or 1, params, topk_sample_logprobs)
-        sequences = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
-                                      payload.num_tokens, payload, target.request_id))
+                                num_samples or 1, params, topk_sample_logprobs,
+                                target.cache_namespace)
+        generation = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
+                                       payload.num_tokens, payload, target.request_id))
         scored = None
         if scoring.wanted:
             scored = await core.run(Op(
                 target.queue, None, "prompt_logprobs", None, prompt.size,
                 lambda: core.engine.score_prompt(target.adapter_id, target.weights_path,
                                                  prompt, scoring)))
-        return SampleResult(sequences, scored)
+        return SampleResult(generation.sequences, scored, generation.prompt_cache_hit_tokens)
 
     async def compute_logprobs(self, target: Target, prompt: np.ndarray,
                                last_n: int | None = None) -> np.ndarray:

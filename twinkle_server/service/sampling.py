@@ -64,7 +64,7 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
         if request.record_stability_info:
             await self.rt.stability.record(tenant_of(self.rt, context), target.queue, prompt,
                                            ids, result)
-        response = smp.SampleResponse()
+        response = smp.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
         for seq_out, sequence_id in zip(result.sequences, ids, strict=True):
             response.sequences.append(smp.SampledSequence(
                 sequence_id=sequence_id,

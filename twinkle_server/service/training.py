@@ -114,7 +114,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 unpacked = wire.unpack_datums(chunk.batch, len(datums))
                 tokens += sum(datum.num_tokens for datum in unpacked)
                 self.verbs.check_tokens(tokens)
-                datums.extend(Datum(d.input_ids, d.loss_inputs) for d in unpacked)
+                datums.extend(unpacked)
             except (wire.WireError, EngineError) as exc:
                 error = exc
         if header is None:
@@ -260,7 +260,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
     @unary
     async def SaveWeightsForSampler(self, request, context):
-        if not request.ephemeral:
+        if not request.ephemeral and not request.inflight:
             return await self._save(request, context, "sampler")
         # Tinker's ephemeral sampler weights: a sampling session on a snapshot of its own
         # (`Sampling.snapshot`), no checkpoint.
@@ -270,7 +270,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             await self.verbs.refuse(tenant, ref, "save_sampler", InvalidArgument(
                 f"name: {request.name!r} with ephemeral; ephemeral weights have no name "
                 "(save a named sampler checkpoint without ephemeral)"))
-        sampler = await self.rt.sampling.snapshot(tenant, ref)
+        if not request.ephemeral:
+            await self.verbs.refuse(tenant, ref, "save_sampler", InvalidArgument(
+                "inflight: needs ephemeral; inflight weights are a shared target, not a "
+                "checkpoint"))
+        sampler = await self.rt.sampling.snapshot(tenant, ref, inflight=request.inflight)
         return tpb.SaveResponse(sampling_session_id=sampler)
 
     @unary

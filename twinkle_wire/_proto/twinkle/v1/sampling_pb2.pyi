@@ -96,7 +96,7 @@ class SampledSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[str] = ..., topk_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sequence_id: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs", "target_prompt_logprobs", "prompt_alt_tokens", "prompt_alt_logprobs")
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs", "target_prompt_logprobs", "prompt_alt_tokens", "prompt_alt_logprobs", "prompt_cache_hit_tokens")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class SampleResponse(_message.Message):
     TARGET_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ALT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ALT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     prompt_logprobs: _common_pb2.Tensor
     topk_prompt_token_ids: _common_pb2.Tensor
@@ -111,7 +112,8 @@ class SampleResponse(_message.Message):
     target_prompt_logprobs: _common_pb2.Tensor
     prompt_alt_tokens: _common_pb2.Tensor
     prompt_alt_logprobs: _common_pb2.Tensor
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., target_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    prompt_cache_hit_tokens: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., target_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_alt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_cache_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class ComputeLogprobsRequest(_message.Message):
     __slots__ = ("sampling_session_id", "op", "prompt", "prompt_logprobs_last_n")

@@ -231,7 +231,7 @@ class TrainConfigs(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
-    __slots__ = ("op", "name", "include_optimizer", "user_metadata", "overwrite", "ephemeral")
+    __slots__ = ("op", "name", "include_optimizer", "user_metadata", "overwrite", "ephemeral", "inflight")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -245,13 +245,15 @@ class SaveRequest(_message.Message):
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     op: _common_pb2.OpHeader
     name: str
     include_optimizer: bool
     user_metadata: _containers.ScalarMap[str, str]
     overwrite: bool
     ephemeral: bool
-    def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., name: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., overwrite: _Optional[bool] = ..., ephemeral: _Optional[bool] = ...) -> None: ...
+    inflight: bool
+    def __init__(self, op: _Optional[_Union[_common_pb2.OpHeader, _Mapping]] = ..., name: _Optional[str] = ..., include_optimizer: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., overwrite: _Optional[bool] = ..., ephemeral: _Optional[bool] = ..., inflight: _Optional[bool] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("path", "checkpoint", "sampling_session_id")
