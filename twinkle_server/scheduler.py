@@ -378,10 +378,14 @@ class Scheduler:
             while True:
                 self._divert()
                 heads, start = self._ready_heads()
+                first_sample = min((e.ticket for _, e in self._joining), default=None)
+                training_first = bool(heads) and (
+                    first_sample is None or min(e.ticket for e in heads) < first_sample)
                 work = plan_work(bool(heads), bool(self._joining or self._decoding),
-                                 self._last)
+                                 self._last, training_first)
                 if work is not None or self._closed:
                     break
+                self._last = None   # idle: the next work goes in arrival order
                 self._cond.wait()
             if work == "train":
                 return work, self._claim(heads, start)

@@ -64,3 +64,25 @@ def test_metrics_move_with_traffic(service, base_url):
     assert ("twinkle_queue_depth", ()) in after
     assert not any("tenant" in dict(labels) or "model" in dict(labels)
                    for _, labels in after)
+
+
+def test_metrics_show_the_decode_pool_and_queue_waits(service, base_url):
+    before = _samples(base_url)
+    tc = service.create_lora_training_client(base_model="tiny", rank=4).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(list(range(5, 25)))
+    sampler.sample(prompt, 4, types.SamplingParams(max_tokens=6, seed=1)).result()
+    tc.forward_backward(sft_data(n=1), "cross_entropy").result()
+    after = _samples(base_url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    # Four samples of one 20-token prompt: it is prefilled once.
+    assert delta("twinkle_prompt_tokens_computed_total") == 20
+    assert delta("twinkle_decode_tokens_total") >= 4
+    assert delta("twinkle_ops_started_total", kind="sample") == 1
+    assert delta("twinkle_ops_started_total", kind="forward_backward") == 1
+    assert delta("twinkle_queue_wait_seconds_total", kind="sample") >= 0
+    assert after[("twinkle_kv_pool_positions", ())] > 0
+    assert after[("twinkle_decode_rows_active", ())] == 0

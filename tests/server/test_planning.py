@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.planning import default_token_budget, plan_batch
+from twinkle_server.planning import default_token_budget, plan_batch, plan_work
 from twinkle_server.scheduler import Op
 
 
@@ -51,3 +51,17 @@ def test_plan_batch_starts_at_start_index_and_wraps_around():
 def test_an_accelerator_merges_more_tokens_per_pass_than_a_cpu():
     assert default_token_budget("cpu") == 1024
     assert default_token_budget("cuda") == default_token_budget("xpu") == 8192
+
+
+@pytest.mark.parametrize("training, decoding, last, training_first, expected", [
+    (True, True, "decode", False, "train"),
+    (True, True, "train", True, "decode"),
+    (True, True, None, True, "train"),
+    (True, True, None, False, "decode"),
+    (True, False, "train", False, "train"),
+    (False, True, "decode", True, "decode"),
+    (False, False, "train", True, None),
+])
+def test_plan_work_alternates_while_both_wait_and_goes_by_arrival_after_idling(
+        training, decoding, last, training_first, expected):
+    assert plan_work(training, decoding, last, training_first) == expected

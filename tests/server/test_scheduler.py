@@ -520,3 +520,92 @@ def test_scheduler_module_imports_neither_torch_nor_grpc():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+class SlicedDecoder(Recorder):
+    """A decode pool stand-in: a sample op with `tokens` n finishes in its n-th slice;
+    every slice and batch is logged in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self.left: dict[int, int] = {}
+        self.ops: dict[int, Op] = {}
+
+    def run_batch(self, ops):
+        self.log.append("train:" + ",".join(o.kind for o in ops))
+        return super().run_batch(ops)
+
+    def decode(self, joining, slice_s):
+        for op in joining:
+            self.left[id(op)], self.ops[id(op)] = op.tokens, op
+        self.log.append(f"slice:{len(self.left)}")
+        done = []
+        for key in list(self.left):
+            self.left[key] -= 1
+            if not self.left[key]:
+                del self.left[key]
+                done.append((self.ops.pop(key), ("sampled", key)))
+        self.entered.set()
+        assert self.gate.wait(WAIT_SECONDS), "test never opened the gate"
+        return done
+
+
+def test_a_training_op_completes_while_a_long_sampling_run_is_in_flight(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("samp", "run"), decode_group="sample")
+    decoder.gate.clear()
+    sched.start()
+    long_run = sched.submit(sample("samp", None, tokens=50))
+    assert decoder.entered.wait(WAIT_SECONDS)   # the first slice holds the worker
+    trained = sched.submit(fwd("run", 0))
+    order = []
+    trained.add_done_callback(lambda _: order.append("train"))
+    long_run.add_done_callback(lambda _: order.append("sample"))
+    decoder.gate.set()
+    assert long_run.result(WAIT_SECONDS)[0] == "sampled"
+    assert trained.result(WAIT_SECONDS) == ("run", 0)
+    assert order == ["train", "sample"]
+    # Slices and training batches alternate: the op waited one slice at most.
+    at = decoder.log.index("train:forward_backward")
+    assert decoder.log[at - 1].startswith("slice") and decoder.log[at + 1].startswith("slice")
+
+
+def test_a_sampling_sessions_requests_decode_together_not_one_by_one(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("samp",), decode_group="sample")
+    decoder.gate.clear()
+    sched.start()
+    futures = [sched.submit(sample("samp", None, tokens=3)) for _ in range(4)]
+    assert decoder.entered.wait(WAIT_SECONDS)
+    decoder.gate.set()
+    for future in futures:
+        assert future.result(WAIT_SECONDS)[0] == "sampled"
+    # The first slice may start before the rest arrive; by the second all four decode.
+    assert max(int(entry.split(":")[1]) for entry in decoder.log) == 4
+    assert sched.stats()["decode_slices"] <= 6
+
+
+def test_an_ordered_sample_holds_its_model_queue_until_it_is_answered(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("run",), decode_group="sample")
+    sched.start()
+    sampled = sched.submit(sample("run", 0, tokens=5))
+    stepped = sched.submit(optim("run", 1))
+    assert stepped.result(WAIT_SECONDS) == ("run", 1)
+    assert sampled.done()
+    assert decoder.log.index("train:optim_step") > max(
+        i for i, entry in enumerate(decoder.log) if entry.startswith("slice"))
+
+
+def test_a_decode_slice_that_raises_fails_every_op_in_the_pool(make):
+    class Broken(SlicedDecoder):
+        def decode(self, joining, slice_s):
+            raise RuntimeError("pool lost")
+
+    sched = make(Broken(), queues=("samp",), decode_group="sample")
+    sched.start()
+    future = sched.submit(sample("samp", None))
+    with pytest.raises(RuntimeError, match="pool lost"):
+        future.result(WAIT_SECONDS)
+    assert sched.stats()["decoding"] == 0

@@ -13,17 +13,21 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   token costs), the store and the typed verbs (`runtime.training`, `.sampling`, `.runs`)
   over plain values, raising the one error family (`engine.errors`).
 - `twinkle_server.scheduler` owns order: per-model queues ordered by `seq_id`, idempotent
-  retries, and (`twinkle_server.planning`) the decision which ready ops run together. It calls the engine only
-  through `twinkle_server.executor` (`forward_batch`, `sample_batch`, and one callable
-  per optimizer/save/load op), from its one worker thread.
+  retries, and (`twinkle_server.planning`) the decisions which ready ops run together
+  and when a decode slice runs between training batches. It calls the engine only
+  through `twinkle_server.executor` (`forward_batch`, `decode` or, with the static
+  sampler, `sample_batch`, and one callable per optimizer/save/load op), from its one
+  worker thread.
 - `twinkle_server.engine` (this package) owns the model and every adapter's state:
   `types` its value types, `base_model` the frozen base, `lora` the multi-LoRA layers and
   row routing, `forward` the merged pass (`packing`: datums packed into one
   sequence, attention confined to each; `logprobs`: target logprobs from hidden states in
   chunks through the output layer; `activations`: optional activation checkpointing),
   `memory` the pass headroom estimate and the memory free, `adapter` one object per
-  adapter with its optimizer verbs, `losses`, `optim`, `sampler` (`sampler_cache`: saved
-  sampler checkpoints kept loaded), `checkpoint` (PEFT format, atomic, save and load),
+  adapter with its optimizer verbs, `losses`, `optim`, `decoding` (continuous batching:
+  the decode pool, its KV bound and prefix cache), `sampler` (the static batch, the
+  baseline, and the token-picking rules both share; `sampler_cache`: saved sampler
+  checkpoints kept loaded), `checkpoint` (PEFT format, atomic, save and load),
   `parallel` the ranks (`Parallel`: FSDP2 over a process group; `OneRank`, the trivial
   one a process alone uses, every collective the identity, so the pass code has one
   path), and `engine.Engine`, the only entry point. It imports only torch,
@@ -33,7 +37,8 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   `twinkle_server.replication.ReplicatedEngine`. Each public `Engine` method is marked
   once where it is defined: `@replicated` (every rank runs it, in order: `add_adapter`,
   `remove_adapter`, `forward_batch`, the optimizer verbs, `calculate_metric`,
-  `load_state`, `sample_batch` and the prompt logprobs and scoring) or `@rank_zero_only`
+  `load_state`, `decode`, `publish_inflight`, `sample_batch` and the prompt logprobs and
+  scoring) or `@rank_zero_only`
   (reads, request checks and saves). `tests/engine/test_protocol.py` fails on a method
   marked neither way, and on a `ReplicatedEngine` that sends anything else.
 - `twinkle_server.store` owns durable records (keys, sessions, runs, checkpoint paths)

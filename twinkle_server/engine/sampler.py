@@ -1,4 +1,6 @@
-"""The engine's decode loop: one KV-cached batch for the samples of many requests.
+"""The static decode batch (`--sampler static`, the baseline continuous batching in
+`engine.decoding` is measured against) and the rules both share: request checks, token
+picking, seeded generators, top-k arrays, the idle step of a rank with no rows.
 
 Every request's `num_samples` rows go into one left-padded batch (rows of a request
 contiguous, so the multi-LoRA router can give each request its own adapter). Each

@@ -1,7 +1,8 @@
 """`/metrics`: the server's own Prometheus registry (never the process-global one).
 
-Ops by kind and outcome, op durations, tokens trained and sampled, queue depth, passes,
-adapters loaded and device memory. No label names a key, tenant, model or session: the
+Ops by kind and outcome, op durations, tokens trained and sampled, queue depth and the
+time ops wait in it, passes, the sampler's decode pool (rows, KV positions, tokens
+decoded, prompt tokens computed and reused), adapters loaded and device memory. No label names a key, tenant, model or session: the
 endpoint is unauthenticated (as scrapers expect), so it must not reveal who trains what.
 Op counters come from `observe`, called once per op where every op passes
 (`Core.run`); until the runtime calls it there, `instrument` wraps `Core.run`.
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
@@ -54,6 +56,7 @@ class Metrics:
               registry=r).set(rt.config.max_adapters)
         Gauge("twinkle_http_futures_pending", "HTTP futures whose op has not finished",
               registry=r).set_function(pending_futures)
+        r.register(_Sampling(rt))
         device = rt.device
         Gauge("twinkle_device_memory_available_bytes", "Free memory on the model's device",
               registry=r).set_function(lambda: available_memory_bytes(device) or 0)
@@ -73,8 +76,54 @@ class Metrics:
             self.tokens_trained.inc(op.tokens)
         elif op.kind == "forward":
             self.tokens_forward.inc(op.tokens)
-        elif op.kind == "sample" and isinstance(result, list):
-            self.tokens_sampled.inc(sum(len(getattr(s, "tokens", ())) for s in result))
+        elif op.kind == "sample":
+            self.tokens_sampled.inc(sum(len(s.tokens) for s in result.sequences))
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Sampling:
+    """The decode pool's state and counters, and per op kind the time ops spent queued,
+    read when scraped. Decode tokens/s is `rate(twinkle_decode_tokens_total[1m])`."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Any:
+        pool = self.rt.decode_stats()
+        for name, help_text, value in (
+                ("decode_rows_active", "Rows decoding in the sampler's pool now",
+                 pool.active_rows),
+                ("decode_requests_waiting", "Sample requests waiting for room in the pool",
+                 pool.waiting_requests),
+                ("kv_pool_positions", "KV positions the pool may hold (--kv-pool-tokens)",
+                 pool.kv_capacity),
+                ("kv_pool_positions_used", "KV positions held now: rows x batch width, "
+                 "plus cached prefixes", pool.kv_in_use),
+                ("prefix_cache_positions", "KV positions held by cached session prefixes",
+                 pool.prefix_cache_tokens)):
+            yield GaugeMetricFamily(f"twinkle_{name}", help_text, value=value)
+        for name, help_text, value in (
+                ("decode_tokens", "Tokens drawn by the decode pool", pool.tokens_decoded),
+                ("decode_steps", "Decode steps the pool has run", pool.decode_steps),
+                ("prompt_tokens_computed", "Prompt tokens prefilled (once per request, "
+                 "whatever num_samples)", pool.prompt_tokens_computed),
+                ("prefix_cache_hit_tokens", "Prompt tokens reused from a session's cached "
+                 "prefix instead of computed", pool.prefix_hit_tokens)):
+            yield CounterMetricFamily(f"twinkle_{name}", help_text, value=value)
+        waits = self.rt.op_stats()["waits"]
+        started = CounterMetricFamily("twinkle_ops_started", "Ops taken off their queue to "
+                                      "run (sample ops: into the decode pool), by kind",
+                                      labels=["kind"])
+        waited = CounterMetricFamily("twinkle_queue_wait_seconds", "Seconds ops waited in "
+                                     "their queue before running, summed, by kind",
+                                     labels=["kind"])
+        for kind, (count, seconds) in sorted(waits.items()):
+            started.add_metric([kind], count)
+            waited.add_metric([kind], seconds)
+        yield started
+        yield waited

@@ -208,6 +208,10 @@ class Core:
         """The scheduler's counters: `queued`, `batches_run`, `merged_ops`, ..."""
         return self.scheduler.stats()
 
+    def decode_stats(self) -> Any:
+        """The decode pool's counters and state (`engine.decoding.PoolStats`)."""
+        return self.engine.decode_stats()
+
     # ------------------------------------------------------------------ auth
 
     def authenticate(self, token: str | None) -> str:

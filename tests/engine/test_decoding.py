@@ -1,0 +1,192 @@
+"""The decode pool: continuous batching agrees with the static batch, admission keeps to
+the KV pool, a group's prompt is prefilled once and a session's prefix is reused."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from twinkle_server.engine.decoding import DecodePool, Waiting, admit, footprint
+from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.parallel import OneRank
+from twinkle_server.engine.sampler import GenerationRequest, generate
+from twinkle_server.engine.types import SamplingParams
+
+from ..numerics import LOGPROB_ATOL
+
+
+def _route(rows):
+    return contextlib.nullcontext()
+
+
+def _decode(ids):
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=300, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=128, max_position_embeddings=512)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _pool(model, capacity=100_000, prefill_tokens=10_000):
+    return DecodePool(model, _route, eos_token_ids=(299,), pad_token_id=0, decode=_decode,
+                      capacity=capacity, prefill_tokens=prefill_tokens, parallel=OneRank())
+
+
+def _req(prompt, n=1, **params):
+    params = {"max_tokens": 16, **params}
+    return GenerationRequest(None, np.asarray(prompt, np.int64), n, SamplingParams(**params))
+
+
+def _static(model, *requests):
+    return generate(model, _route, list(requests), eos_token_ids=(299,), pad_token_id=0,
+                    decode=_decode)
+
+
+def _drain(pool, results=None, slice_s=0.0):
+    results = {} if results is None else results
+    for _ in range(1000):
+        if not pool.rows and not pool.waiting and not pool.finished:
+            return results
+        results.update(dict(pool.run(slice_s)))
+    raise AssertionError("the pool never drained")
+
+
+def _same(static, continuous):
+    """Seeded draws are the same numbers on either path; the logits a rounding apart
+    (other padding, other batch): tokens equal unless a draw lands within ~1e-6 of a
+    boundary, logprobs within LOGPROB_ATOL."""
+    assert len(static) == len(continuous)
+    for a, b in zip(static, continuous, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
+        assert a.stop_reason == b.stop_reason
+
+
+def test_rows_joining_mid_generation_get_what_the_static_batch_gives(model):
+    first = _req([5, 6, 7, 8], 2, max_tokens=12, seed=42)
+    late = [_req([1, 2], 1, max_tokens=5, seed=1),
+            _req(list(range(10, 20)), 3, max_tokens=7, seed=2, top_k=20, top_p=0.9)]
+    pool = _pool(model)
+    pool.submit("first", first)
+    results = dict(pool.run(0.0))        # one step: the first request is mid-generation
+    assert pool.rows and "first" not in results
+    for i, request in enumerate(late):
+        pool.submit(i, request)
+    _drain(pool, results)
+    _same(_static(model, first)[0], results["first"].sequences)
+    for i, request in enumerate(late):
+        _same(_static(model, request)[0], results[i].sequences)
+
+
+def test_a_seeded_request_alone_gives_the_same_tokens_twice(model):
+    outs = []
+    for _ in range(2):
+        pool = _pool(model)
+        pool.submit(0, _req([3, 1, 4], 2, max_tokens=9, seed=7))
+        outs.append(_drain(pool)[0].sequences)
+    for a, b in zip(*outs, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.logprobs.tolist() == b.logprobs.tolist()
+
+
+def test_stop_strings_that_span_tokens_end_the_row_where_they_complete(model):
+    free = _static(model, _req([9, 2], max_tokens=10, temperature=0.0))[0][0]
+    stop = _decode(free.tokens)[3:6]     # three letters: spans tokens
+    pool = _pool(model)
+    pool.submit(0, _req([9, 2], max_tokens=10, temperature=0.0, stop_strings=(stop,)))
+    seq = _drain(pool)[0].sequences[0]
+    assert seq.stop_reason == "stop"
+    assert stop in _decode(seq.tokens) and stop not in _decode(seq.tokens[:-1])
+
+
+def test_a_group_prefills_its_prompt_once_whatever_num_samples(model):
+    pool = _pool(model)
+    prompt = list(range(20, 60))
+    pool.submit(0, _req(prompt, 16, max_tokens=4, seed=3))
+    out = _drain(pool)[0]
+    assert len(out.sequences) == 16
+    assert pool.stats().prompt_tokens_computed == len(prompt)
+
+
+def test_a_full_pool_queues_requests_then_serves_them(model):
+    # Each request needs 2 x (4 + 8) = 24 positions alone; 30 hold one at a time.
+    pool = _pool(model, capacity=30)
+    requests = [_req([1, 2, 3, 4 + i], 2, max_tokens=8, seed=i, ignore_eos=True)
+                for i in range(3)]
+    for i, request in enumerate(requests):
+        pool.submit(i, request)
+    results = dict(pool.run(0.0))
+    assert len(pool.waiting) == 2 and pool.rows
+    _drain(pool, results)
+    assert sorted(results) == [0, 1, 2]
+    for i, request in enumerate(requests):
+        _same(_static(model, request)[0], results[i].sequences)
+
+
+def test_a_request_that_can_never_fit_is_refused_and_disturbs_nothing(model):
+    pool = _pool(model, capacity=30)
+    ok = _req([1, 2, 3], 1, max_tokens=8, seed=5)
+    pool.submit("ok", ok)
+    pool.submit("big", _req(list(range(1, 11)), 4, max_tokens=8))
+    results = _drain(pool)
+    assert isinstance(results["big"], ResourceExhausted)
+    assert "--kv-pool-tokens" in str(results["big"]) and "72" in str(results["big"])
+    _same(_static(model, ok)[0], results["ok"].sequences)
+
+
+def test_an_extended_prompt_reuses_the_session_prefix_with_the_same_logprobs(model):
+    pool = _pool(model)
+    first = list(range(10, 40))
+    pool.submit(0, _req(first, 1, max_tokens=5, seed=3), ("session", "v1"))
+    reply = _drain(pool)[0].sequences[0]
+    longer = first + reply.tokens.tolist() + [7, 8]
+    pool.submit(1, _req(longer, 1, max_tokens=6, seed=4), ("session", "v1"))
+    reused = _drain(pool)[1]
+    # The first request's prompt and completion, but its last sampled token (never fed).
+    assert reused.prompt_cache_hit_tokens == len(first) + len(reply.tokens) - 1
+    _same(_static(model, _req(longer, 1, max_tokens=6, seed=4))[0], reused.sequences)
+
+
+def test_the_prefix_cache_never_crosses_namespaces_or_weight_versions(model):
+    pool = _pool(model)
+    prompt = list(range(50, 80))
+    pool.submit(0, _req(prompt, 1, max_tokens=2), ("alice-session", "v1"))
+    _drain(pool)
+    for key, namespace in ((1, ("bob-session", "v1")), (2, ("alice-session", "v2")),
+                           (3, None)):
+        pool.submit(key, _req(prompt + [1], 1, max_tokens=2), namespace)
+        assert _drain(pool)[key].prompt_cache_hit_tokens == 0
+    pool.submit(4, _req(prompt + [1], 1, max_tokens=2), ("alice-session", "v1"))
+    assert _drain(pool)[4].prompt_cache_hit_tokens == len(prompt)
+
+
+def test_admission_keeps_the_worst_case_footprint_within_capacity():
+    # A batch of width 10 whose two rows have 5 and 1 tokens left: 15 + 11 positions.
+    assert footprint(10, [5, 1]) == 26
+    waiting = [Waiting(rows=2, cached=0, suffix=4, max_tokens=6),
+               Waiting(rows=1, cached=0, suffix=20, max_tokens=1)]
+    # The first joiner: width stays 10, two rows of 10 + 6 each: 26 + 32 = 58.
+    assert admit(10, [5, 1], waiting, capacity=58, prefill_tokens=100) == 1
+    assert admit(10, [5, 1], waiting, capacity=57, prefill_tokens=100) == 0
+    # The second widens the batch to 20 for every row: 25 + 21 + 2 x 26 + 21 = 119.
+    assert admit(10, [5, 1], waiting, capacity=119, prefill_tokens=100) == 2
+    assert admit(10, [5, 1], waiting, capacity=118, prefill_tokens=100) == 1
+
+
+def test_admission_stops_at_the_prefill_budget_but_always_takes_the_first():
+    waiting = [Waiting(1, 0, 50, 1), Waiting(1, 0, 50, 1), Waiting(1, 0, 10, 1)]
+    assert admit(0, [], waiting, capacity=10_000, prefill_tokens=30) == 1
+    assert admit(0, [], waiting, capacity=10_000, prefill_tokens=100) == 2
+    # A cached prefix counts toward the width, not the prefill.
+    assert admit(0, [], [Waiting(1, 40, 10, 1), Waiting(1, 0, 10, 1)], capacity=10_000,
+                 prefill_tokens=20) == 2
