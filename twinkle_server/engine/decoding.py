@@ -521,14 +521,16 @@ def _prefix_batch(joiners: list[_Request], width: int
     """Per layer, the joiners' cached prefixes as one batch `[n, H, width, D]`, each
     right-aligned (a joiner with none is all padding)."""
     shape = next(r.prefix for r in joiners if r.cached).layers  # type: ignore[union-attr]
+
+    def part(request: _Request, layer: int, which: int, like: torch.Tensor) -> torch.Tensor:
+        own = (request.prefix.layers[layer][which] if request.cached  # type: ignore[union-attr]
+               else like)[..., :request.cached, :]
+        return _left_pad(own, width)
+
     layers = []
     for layer, (keys, values) in enumerate(shape):
-        def part(request: _Request, which: int, like: torch.Tensor) -> torch.Tensor:
-            own = (request.prefix.layers[layer][which] if request.cached  # type: ignore[union-attr]
-                   else like)[..., :request.cached, :]
-            return _left_pad(own, width)
-        layers.append((torch.cat([part(r, 0, keys) for r in joiners]),
-                       torch.cat([part(r, 1, values) for r in joiners])))
+        layers.append((torch.cat([part(r, layer, 0, keys) for r in joiners]),
+                       torch.cat([part(r, layer, 1, values) for r in joiners])))
     return layers
 
 
