@@ -124,10 +124,52 @@ def pass_headroom(engine: Engine) -> list[float]:
     return [engine.pass_headroom_bytes + whole - len(layers) * layer + 2 * layer]
 
 
+DECODE_JOIN_CALL = 4
+"""The `decode_with_joins_and_leaves` call at which the late requests join."""
+
+
+def decode_with_joins_and_leaves(engine: Engine) -> dict:
+    """Continuous batching in slices of one step (`slice_s` 0: rank 0's clock ends each
+    slice after its first step): seeded requests of different `max_tokens` (rows leave at
+    different steps), some joining after a few slices while the first still decode, on
+    the base and on an adapter, one with two samples. Returns, by key, each request's
+    tokens, logprobs and stop reasons, and the keys each call finished."""
+    engine.add_adapter("s", LoraSpec(rank=4, alpha=8, seed=6))
+
+    def request(i: int, max_tokens: int, num_samples: int = 1) -> SampleRequest:
+        return SampleRequest("s" if i % 2 else None, None, np.arange(5 + i, 5 + i + 3 + i % 4),
+                             num_samples, SamplingParams(max_tokens=max_tokens, seed=20 + i,
+                                                         ignore_eos=True))
+
+    calls = {0: [request(0, 3), request(1, 12), request(2, 7, num_samples=2)],
+             DECODE_JOIN_CALL: [request(3, 5), request(4, 9), request(5, 2)],
+             DECODE_JOIN_CALL + 2: [request(6, 6, num_samples=2)]}
+    results, finished_by_call, key = {}, [], 0
+    for call in range(100):
+        new = calls.get(call, [])
+        own_keys = list(range(key, key + len(new)))
+        key += len(new)
+        done = engine.decode(new, own_keys, 0.0)
+        finished_by_call.append(sorted(k for k, _ in done))
+        for k, generation in done:
+            assert not isinstance(generation, Exception), generation
+            results[k] = generation
+        if call > max(calls) and len(results) == key:
+            break
+    out = {"tokens": [], "logprobs": [], "stop_reasons": [], "finished_by_call": finished_by_call}
+    for k in sorted(results):
+        for seq in results[k].sequences:
+            out["tokens"].append([int(t) for t in seq.tokens])
+            out["logprobs"].append([float(x) for x in seq.logprobs])
+            out["stop_reasons"].append(seq.stop_reason)
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (sample_first, upper_layer_adapter,
                                      forward_only_rank_in_pieces, pass_failing_in_backward,
                                      checkpointed_pass,
                                      sampling_split,
+                                     decode_with_joins_and_leaves,
                                      pass_headroom)}
 
 

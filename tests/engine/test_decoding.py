@@ -190,3 +190,34 @@ def test_admission_stops_at_the_prefill_budget_but_always_takes_the_first():
     # A cached prefix counts toward the width, not the prefill.
     assert admit(0, [], [Waiting(1, 40, 10, 1), Waiting(1, 0, 10, 1)], capacity=10_000,
                  prefill_tokens=20) == 2
+
+
+def test_joiners_regrouped_by_adapter_draw_from_their_own_logits(engine, fresh):
+    """Rows of one adapter stay together, so a joiner of an adapter already decoding
+    lands before later rows: each row must still draw from its own logits. Every request
+    equals its static batch alone (tokens, and logprobs to LOGPROB_ATOL)."""
+    from twinkle_server.engine.types import LoraSpec, SampleRequest
+
+    for name, seed in (("dec-a", 1), ("dec-b", 2)):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=seed))
+        fresh.append(name)
+        for param in engine.adapters[name].parameters():   # B starts at zero
+            torch.nn.init.normal_(param, std=0.05)
+
+    def request(adapter, prompt, n, max_tokens, seed):
+        return SampleRequest(adapter, None, np.asarray(prompt, np.int64), n,
+                             SamplingParams(max_tokens=max_tokens, seed=seed,
+                                            ignore_eos=True))
+
+    first = [request("dec-a", [5, 6, 7], 2, 6, 1), request(None, [9, 8], 1, 6, 2)]
+    later = [request("dec-b", [3, 4, 5, 6], 1, 4, 3), request("dec-a", [11, 12], 2, 5, 4),
+             request(None, [20, 21, 22], 1, 3, 5)]
+    results = dict(engine.decode(first, [0, 1], 0.0))
+    assert not results   # still decoding when the others join
+    results.update(engine.decode(later, [2, 3, 4], 0.0))
+    for _ in range(50):
+        if len(results) == 5:
+            break
+        results.update(engine.decode([], [], 0.0))
+    for key, req in enumerate(first + later):
+        _same(engine.sample_batch([req])[0], results[key].sequences)

@@ -13,7 +13,7 @@ import pytest
 
 from twinkle_server.engine.parallel import share_of
 
-from ..numerics import LOSS_RTOL
+from ..numerics import LOGPROB_ATOL, LOSS_RTOL
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
@@ -61,3 +61,39 @@ def test_two_ranks_agree_with_one_process(scenario, tiny_cache):
     line = next(x for x in out.stdout.splitlines() if x.startswith("{"))
     result = json.loads(line)
     np.testing.assert_allclose(result["got"], result["want"], rtol=LOSS_RTOL)
+
+
+def _on_two_ranks(scenario: str) -> dict:
+    """The scenario's {"got": two ranks, "want": one process} (tests/engine/
+    parallel_scenarios.py)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "tests.engine.parallel_scenarios",
+                          scenario], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
+
+
+@pytest.mark.integration
+def test_two_rank_decode_with_joins_and_leaves_equals_one_rank(tiny_cache):
+    """Continuous batching on two ranks, requests joining a running batch after a few
+    slices and leaving at different steps (`decode_with_joins_and_leaves`): every seeded
+    request's tokens are one process's exactly (its own generator, the same draws; as
+    `sampling_split`), its logprobs within LOGPROB_ATOL (each rank's batch has other
+    rows and padding, so other GEMM shapes)."""
+    from tests.engine.parallel_scenarios import DECODE_JOIN_CALL
+
+    result = _on_two_ranks("decode_with_joins_and_leaves")
+    got, want = result["got"], result["want"]
+    # Joins and leaves really happened mid-generation: the first call's shortest request
+    # was answered before the late ones joined, its longest only after they joined.
+    finished = {key: call for call, keys in enumerate(want["finished_by_call"]) for key in keys}
+    assert finished[0] < DECODE_JOIN_CALL < finished[1], want["finished_by_call"]
+    assert len(got["tokens"]) == len(want["tokens"]) == 9  # 7 requests, two of 2 samples
+    assert [len(t) for t in want["tokens"]] == [3, 12, 7, 7, 5, 9, 2, 6, 6]
+    for i, (a, b) in enumerate(zip(got["logprobs"], want["logprobs"], strict=True)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=LOGPROB_ATOL,
+                                   err_msg=f"sequence {i}: two ranks against one")
+    assert got["tokens"] == want["tokens"]
+    assert got["stop_reasons"] == want["stop_reasons"]
+    # One step per slice on either: each request finishes at the same call.
+    assert got["finished_by_call"] == want["finished_by_call"]

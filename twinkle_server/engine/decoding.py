@@ -371,9 +371,12 @@ class DecodePool:
             request.left = len(request.rows)
         lengths = torch.tensor([r.generation.prompt.size for r in joiners], device=self.device)
         self._join(kv, mask[index], lengths[index], new_rows)
+        # Joining regroups the rows by adapter: draw for each new row where it now sits.
+        where = {id(row): i for i, row in enumerate(self.rows)}
+        order = sorted(range(len(new_rows)), key=lambda i: where[id(new_rows[i])])
         logits = out.logits[:, -1].float()[index]
-        start = len(self.rows) - len(new_rows)
-        self._draw(logits, range(start, len(self.rows)))
+        self._draw(logits[torch.tensor(order, device=self.device)],
+                   [where[id(new_rows[i])] for i in order])
         self._leave()
 
     def _join(self, kv: Any, mask: torch.Tensor, positions: torch.Tensor,
@@ -415,12 +418,13 @@ class DecodePool:
         self.kv = getattr(out, self.cache_kw)
         self.positions = self.positions + 1
         self.counters.decode_steps += 1
-        self._draw(out.logits[:, -1].float(), range(len(self.rows)))
+        self._draw(out.logits[:, -1].float(), list(range(len(self.rows))))
         self._leave()
 
-    def _draw(self, logits: torch.Tensor, batch_rows: range) -> None:
-        """Pick the next token of `batch_rows` (one segment per request, as the static
-        batch does) from their `logits`; mark the rows that stop."""
+    def _draw(self, logits: torch.Tensor, batch_rows: list[int]) -> None:
+        """Pick the next token of `batch_rows` (ascending batch positions, a request's
+        contiguous; one segment per request, as the static batch does) from their
+        `logits`, in the same order; mark the rows that stop."""
         rows = [self.rows[i] for i in batch_rows]
         chosen = torch.empty(len(rows), dtype=torch.long, device=self.device)
         start = 0
@@ -437,7 +441,7 @@ class DecodePool:
         if widest:
             top = torch.topk(logp, min(widest, logp.shape[-1]), dim=-1)
             top_ids, top_lps = top.indices.cpu().numpy(), top.values.cpu().numpy()
-        self.pending[batch_rows.start:batch_rows.stop] = chosen
+        self.pending[torch.tensor(batch_rows, device=self.device)] = chosen
         self.counters.tokens_decoded += len(rows)
         for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
             params = row.request.generation.params
