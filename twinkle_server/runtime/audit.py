@@ -1,4 +1,4 @@
-"""The audit log: who did what, per tenant, kept in the store (`Store.audit_entries`).
+"""The audit log: who did what, per tenant, kept in the store (`store/audit.py`).
 
 The runtime's verbs record an entry (`record`) for each state-changing op, named
 `<resource>_<action>` as Tinker names its events:
@@ -24,7 +24,8 @@ from typing import Any
 
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.runtime.core import Core
-from twinkle_server.store import AuditRow, CheckpointRow
+from twinkle_server.store.audit import AuditRow
+from twinkle_server.store.checkpoints import CheckpointRow
 
 EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "all": (), "checkpoints": ("checkpoint_",), "models": ("model_",),

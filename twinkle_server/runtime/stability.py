@@ -1,7 +1,7 @@
 """Stability records: what sampling keeps for stable_reinforce, and how a training datum's
 provenance is resolved into the loss's per-token inputs.
 
-Sampling with `record_stability_info` records each sampled sequence (`store.
+Sampling with `record_stability_info` records each sampled sequence (`store.stability.
 StabilityRecord`: the request's prompt, the sampled tokens, the sampler's float32 logprob
 of each) under the `sequence_id` the front returned for it, owned by the tenant and the
 session that sampled. A record lives a day after its last use (`RECORD_TTL_SECONDS`;
@@ -34,7 +34,7 @@ import numpy as np
 from twinkle_server.engine.errors import InvalidArgument, NotFound
 from twinkle_server.engine.types import Datum
 from twinkle_server.runtime.core import Core
-from twinkle_server.store import StabilityRecord
+from twinkle_server.store.stability import StabilityRecord
 from twinkle_wire import Provenance, Span
 
 RECORD_TTL_SECONDS = 24 * 3600.0
