@@ -112,21 +112,22 @@ def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
     return batch
 
 
-def plan_work(training_ready: bool, decoding: bool, last: Work | None,
-              training_first: bool = True) -> Work | None:
+def plan_work(training_ready: bool, decoding: bool, joining: bool, last: Work | None,
+              training_first: bool) -> Work | None:
     """What the worker runs next when sampling is continuous: a training batch
     (`plan_batch` over the ready heads) or a decode slice.
 
-    While both have work they alternate, so a training op waits at most one decode slice
-    and a stream of training ops cannot starve sampling (it gets a slice after every
-    training batch); alone, either runs back to back. After the worker was idle (`last`
-    None) the older work goes first: `training_first`, whether the oldest ready training
-    op arrived before the oldest sample op not yet decoding. None: nothing to do.
+    While rows are decoding (`decoding`) and training ops wait, the two alternate: a
+    training op waits at most one decode slice, and a stream of training ops cannot
+    starve sampling (it gets a slice after every training batch). With the pool idle and
+    only new sample ops waiting (`joining`), the older work goes first: `training_first`,
+    whether the oldest ready training op arrived before the oldest of them. Alone, either
+    runs back to back. None: nothing to do.
     """
     if training_ready and decoding:
-        if last is None:
-            return "train" if training_first else "decode"
         return "decode" if last == "train" else "train"
+    if training_ready and joining:
+        return "train" if training_first else "decode"
     if training_ready:
         return "train"
-    return "decode" if decoding else None
+    return "decode" if decoding or joining else None

@@ -19,11 +19,12 @@ group leave their queue as soon as they are its ready head and join the executor
 decode pool (`Executor.decode`), where they decode in bounded slices, many requests at
 once, each answered the slice it finishes. An unordered one (a sampling session's) frees
 its queue at once, so every request of a session decodes together; an ordered one (a
-live model's, by seq_id) holds its queue until answered, as any op does. The worker
-alternates training batches and decode slices whenever both have work
+live model's, by seq_id) holds its queue until answered, as any op does. While rows
+decode, the worker alternates training batches and decode slices
 (`planning.plan_work`): a training op waits at most about one slice
 (`decode_slice_s`), and a stream of training ops gets a slice between each of its
-batches, so neither starves the other. Decode batches are sized by the pool's rows and
+batches, so neither starves the other; with nothing decoding, new sample ops and
+training ops go in arrival order. Decode batches are sized by the pool's rows and
 KV memory (`engine.decoding`), not by `token_budget`.
 
 The decisions which ready ops run together and what runs next are the pure functions
@@ -381,11 +382,10 @@ class Scheduler:
                 first_sample = min((e.ticket for _, e in self._joining), default=None)
                 training_first = bool(heads) and (
                     first_sample is None or min(e.ticket for e in heads) < first_sample)
-                work = plan_work(bool(heads), bool(self._joining or self._decoding),
+                work = plan_work(bool(heads), bool(self._decoding), bool(self._joining),
                                  self._last, training_first)
                 if work is not None or self._closed:
                     break
-                self._last = None   # idle: the next work goes in arrival order
                 self._cond.wait()
             if work == "train":
                 return work, self._claim(heads, start)

@@ -129,3 +129,22 @@ def test_a_snapshot_with_a_request_waiting_or_running_is_not_idle(runtime):
         assert sampler not in runtime.samplers
 
     asyncio.run(scenario())
+
+
+def test_an_inflight_session_ends_when_its_model_unloads(runtime):
+    async def scenario():
+        session = await runtime.runs.create_session("alice", {})
+        info = await runtime.training.create_model(
+            "alice", spec=LoraSpec(rank=4, alpha=8, seed=0), session_id=session)
+        model_id = info.entry.model_id
+        inflight = await runtime.sampling.snapshot("alice", OpRef(model_id, 0), inflight=True)
+        target = runtime.sampling.target("alice", None, inflight)
+        assert len((await runtime.sampling.sample(target, PROMPT, 1, GREEDY)).sequences) == 1
+        await runtime.unload(model_id, "test")
+        assert inflight not in runtime.samplers
+        with pytest.raises(NotFound, match="sampling_session_id"):
+            runtime.sampling.target("alice", None, inflight)
+        with pytest.raises(NotFound, match="sampling session"):
+            await runtime.sampling.sample(target, PROMPT, 1, GREEDY)
+
+    asyncio.run(scenario())

@@ -53,15 +53,17 @@ def test_an_accelerator_merges_more_tokens_per_pass_than_a_cpu():
     assert default_token_budget("cuda") == default_token_budget("xpu") == 8192
 
 
-@pytest.mark.parametrize("training, decoding, last, training_first, expected", [
-    (True, True, "decode", False, "train"),
-    (True, True, "train", True, "decode"),
-    (True, True, None, True, "train"),
-    (True, True, None, False, "decode"),
-    (True, False, "train", False, "train"),
-    (False, True, "decode", True, "decode"),
-    (False, False, "train", True, None),
+@pytest.mark.parametrize("training, decoding, joining, last, training_first, expected", [
+    (True, True, False, "decode", False, "train"),
+    (True, True, True, "train", True, "decode"),
+    (True, True, False, None, False, "train"),
+    (True, False, True, "train", True, "train"),
+    (True, False, True, "train", False, "decode"),
+    (True, False, False, "decode", False, "train"),
+    (False, True, False, "decode", True, "decode"),
+    (False, False, True, "train", True, "decode"),
+    (False, False, False, "train", True, None),
 ])
-def test_plan_work_alternates_while_both_wait_and_goes_by_arrival_after_idling(
-        training, decoding, last, training_first, expected):
-    assert plan_work(training, decoding, last, training_first) == expected
+def test_plan_work_alternates_while_rows_decode_else_goes_by_arrival(
+        training, decoding, joining, last, training_first, expected):
+    assert plan_work(training, decoding, joining, last, training_first) == expected

@@ -224,6 +224,10 @@ def auto_max_seq_len(config: Any, dtype: torch.dtype, vocab_size: int, device_ty
     return tokens
 
 
+OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)
+"""What running out of host or device memory raises (torch's CUDA error is a RuntimeError)."""
+
+
 def available_memory_bytes(device: torch.device) -> int | None:
     """Free memory for new adapter state on `device` (None when it cannot be read).
 

@@ -343,6 +343,8 @@ class Core:
             f"model_id: {model_id!r} was unloaded ({reason})"))
         await self.admin("unload", lambda: self.engine.remove_adapter(model_id))
         log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
+        for sampling_id in [s for s, e in self.samplers.items() if e.inflight_of == model_id]:
+            await self.end_sampler(sampling_id, f"its model {model_id!r} was unloaded")
 
     async def expire(self) -> None:
         """The periodic sweep (`server.serve`): idle sessions, then checkpoints past their
