@@ -385,6 +385,37 @@ def distributed_row(name: str, path: Path, run: GpuRun, table: Table) -> None:
             os.environ.pop(key)
 
 
+def sampling_row(name: str, path: Path, run: GpuRun, table: Table) -> None:
+    """The RL group pattern through the decode pool (continuous batching): 8 prompts x
+    8 samples x 128 new tokens (2 x 2 x 8 in the smoke run), at temperature 1 with EOS
+    ignored, one LoRA adapter. Tokens/s counts sampled tokens; the FLOPs are half a
+    trained token's (a forward only) at the prompt-plus-completion length."""
+    from twinkle_server.engine.types import SampleRequest, SamplingParams
+
+    engine = load_engine(path, run)
+    add_measured_adapter(engine, name, "rl")
+    prompts, samples, new = (2, 2, 8) if run.small else (8, 8, 128)
+    prompt_len = 16 if run.small else 256
+    rng = np.random.default_rng(0)
+    vocab = engine.base.vocab_size
+    requests = [SampleRequest("rl", None, rng.integers(0, vocab, prompt_len), samples,
+                              SamplingParams(max_tokens=new, seed=i, ignore_eos=True))
+                for i in range(prompts)]
+
+    def group() -> None:
+        done = dict(engine.decode(requests, list(range(prompts)), 0.5))
+        while len(done) < prompts:
+            done.update(engine.decode([], [], 0.5))
+        for out in done.values():
+            if isinstance(out, Exception):
+                raise out
+
+    tokens = prompts * samples * new
+    flops = tokens * flops_per_token(engine.base.config, prompt_len + new) / 2
+    table.time(name, f"sample {prompts} x {samples} x {new} (RL group, decode pool)", group,
+               tokens, flops, run.steps)
+
+
 def bench_shape(name: str, path: Path, run: GpuRun, table: Table) -> None:
     """Every row of one shape, each function on a fresh load, freed before the next
     (engines hold reference cycles: `free` collects them). A function that fails is
@@ -399,6 +430,8 @@ def bench_shape(name: str, path: Path, run: GpuRun, table: Table) -> None:
         free(device)
         table.guard(name, "transformers + peft", peft_row, name, path, adapter_dir, run,
                     table)
+        free(device)
+        table.guard(name, "sampling", sampling_row, name, path, run, table)
         free(device)
     table.guard(name, "FSDP2", distributed_row, name, path, run, table)
     free(device)
