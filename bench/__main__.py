@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench import codec, distributed, engine, server, tinker_compat, tinker_http
+from bench import codec, distributed, engine, sampling, server, tinker_compat, tinker_http
 
-for module in (codec, engine, distributed, server, tinker_compat, tinker_http):
+for module in (codec, engine, distributed, server, tinker_compat, tinker_http, sampling):
     print(f"== {module.__name__}")
     module.main()
     print()
