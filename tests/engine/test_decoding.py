@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from twinkle_server.engine import decoding
 from twinkle_server.engine.decoding import DecodePool, Waiting, admit, footprint
 from twinkle_server.engine.errors import ResourceExhausted
 from twinkle_server.engine.parallel import OneRank
@@ -168,6 +169,44 @@ def test_the_prefix_cache_never_crosses_namespaces_or_weight_versions(model):
         assert _drain(pool)[key].prompt_cache_hit_tokens == 0
     pool.submit(4, _req(prompt + [1], 1, max_tokens=2), ("alice-session", "v1"))
     assert _drain(pool)[4].prompt_cache_hit_tokens == len(prompt)
+
+
+def test_a_widened_buffer_takes_columns_in_place_and_other_tensors_have_none():
+    keys = torch.randn(3, 2, 5, 4)
+    assert decoding._spare(keys) == 0
+    assert decoding._spare(keys[..., 2:, :]) == 0          # a view, but no room after it
+    wide = decoding._widened(keys, 4)
+    assert decoding._spare(wide) == 4 and torch.equal(wide, keys)
+    new = torch.randn(3, 2, 1, 4)
+    grown = decoding._write_after(wide, new)
+    assert grown.data_ptr() == wide.data_ptr() and decoding._spare(grown) == 3
+    assert torch.equal(grown, torch.cat([keys, new], dim=-2))
+    assert decoding._spare(grown[..., 1:, :]) == 3          # dropped padding keeps its room
+    assert decoding._spare(grown[1:]) == 3                  # so does a run of rows
+    assert decoding._spare(grown[torch.tensor([0, 2])]) == 0   # a gather copies
+
+
+def test_steps_write_the_cache_in_place_and_still_match_the_static_batch(model, monkeypatch):
+    """With 3 spare columns at a time the cache is rewidened many times, rows join and
+    leave between, and every request still equals its static batch alone."""
+    monkeypatch.setattr(decoding, "SPARE_COLUMNS", 3)
+    requests = [_req([5, 6, 7, 8], 2, max_tokens=20, seed=1, ignore_eos=True),
+                _req([1, 2], 1, max_tokens=7, seed=2, ignore_eos=True),
+                _req(list(range(30, 45)), 3, max_tokens=13, seed=3, ignore_eos=True)]
+    pool = _pool(model)
+    pool.submit(0, requests[0])
+    results = dict(pool.run(0.0))
+    with torch.inference_mode():
+        pool._step()
+        before = pool.kv.layers[0].keys.data_ptr()
+        pool._step()     # within the room _reserve left: no copy of the cache
+    assert pool.kv.layers[0].keys.data_ptr() == before
+    for i, request in enumerate(requests[1:], 1):
+        pool.submit(i, request)
+        results.update(pool.run(0.0))
+    _drain(pool, results)
+    for i, request in enumerate(requests):
+        _same(_static(model, request)[0], results[i].sequences)
 
 
 def test_admission_keeps_the_worst_case_footprint_within_capacity():

@@ -18,6 +18,12 @@ step feeds that column for every row and draws each row's next token.
   width grows one column per step while r shrinks by one), so `admit` lets a request in
   only while the sum over rows stays within `capacity`; the rest wait, in order. A
   request that could not fit in an empty pool is refused at once, naming the limit.
+* Steps in place. The cache's keys and values are the leading columns of buffers with
+  spare columns (`_SpareColumnsLayer`): a step writes its column into them, where
+  `DynamicLayer` would copy the whole cache; when none are left the cache moves into a
+  buffer with as many spare columns as its rows have tokens left on average (at most
+  `SPARE_COLUMNS`), so the buffers stay within the rows' footprint (plus a column a
+  row).
 * Prefix reuse. A request may name a cache namespace (its sampling session) and the
   version of its weights: the KV of its prompt, and with `num_samples` 1 of its prompt
   and completion, is kept, and a later prompt of the same namespace and version that
@@ -45,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from twinkle_server.engine.errors import EngineError, ResourceExhausted
 from twinkle_server.engine.parallel import Parallel
@@ -61,6 +68,8 @@ from twinkle_server.engine.types import Generation, SampledSequence
 
 PREFIX_ENTRIES_PER_NAMESPACE = 8
 """Prompts kept per sampling session for prefix reuse (least recently used evicted)."""
+SPARE_COLUMNS = 64
+"""KV columns a step may write in place before the cache is copied into a wider buffer."""
 
 
 @dataclass(frozen=True)
@@ -348,7 +357,7 @@ class DecodePool:
             positions[i, suffix - own.numel():] = torch.arange(request.cached, prompt.numel())
             mask[i, cached - request.cached:cached] = 1
             mask[i, cached + suffix - own.numel():] = 1
-        kv = _new_cache(_prefix_batch(joiners, cached)) if cached else None
+        kv = _new_cache(self.model.config, _prefix_batch(joiners, cached) if cached else [])
         ids, positions, mask = (t.to(self.device) for t in (ids, positions, mask))
         with self.route([r.generation.adapter_id for r in joiners]):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -410,6 +419,7 @@ class DecodePool:
 
     def _step(self) -> None:
         """Feed every row's pending token; draw each row's next."""
+        self._reserve()
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=-1)
         with self.route([row.request.generation.adapter_id for row in self.rows]):
             out = self.model(input_ids=self.pending[:, None], attention_mask=self.mask,
@@ -420,6 +430,23 @@ class DecodePool:
         self.counters.decode_steps += 1
         self._draw(out.logits[:, -1].float(), list(range(len(self.rows))))
         self._leave()
+
+    def _reserve(self) -> None:
+        """Give the cache spare columns when it has none left, so that steps write their
+        column in place (`_SpareColumnsLayer`) instead of copying the whole cache each.
+
+        It gets as many as the rows have tokens left on average (at most
+        `SPARE_COLUMNS`): rows x spare stays within the rows' `footprint`, plus one
+        column a row, so the pool's bound still holds."""
+        if all(_spare(layer.keys) and _spare(layer.values) for layer in _layers_of(self.kv)
+               if isinstance(layer, _SpareColumnsLayer)):
+            return
+        left = sum(row.request.generation.params.max_tokens - len(row.tokens)
+                   for row in self.rows)
+        extra = min(SPARE_COLUMNS, -(-left // len(self.rows)))
+        for layer in _layers_of(self.kv):
+            if isinstance(layer, _SpareColumnsLayer):
+                layer.keys, layer.values = _widened(layer.keys, extra), _widened(layer.values, extra)
 
     def _draw(self, logits: torch.Tensor, batch_rows: list[int]) -> None:
         """Pick the next token of `batch_rows` (ascending batch positions, a request's
@@ -538,10 +565,67 @@ def _prefix_batch(joiners: list[_Request], width: int
     return layers
 
 
-def _new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+class _SpareColumnsLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values may be the leading columns of wider buffers
+    (`DecodePool._reserve`): a step writes its new column into the spare ones in place,
+    where `DynamicLayer` concatenates a copy of the whole cache each step."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if (self.is_initialized and self.keys is not None and self.keys.numel()
+                and _spare(self.keys) >= n and _spare(self.values) >= n):
+            self.keys = _write_after(self.keys, key_states)
+            self.values = _write_after(self.values, value_states)
+            return self.keys, self.values
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def _new_cache(config: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A cache for `config`'s layers (its full-attention layers `_SpareColumnsLayer`),
+    holding `layers`' keys and values if any."""
     from transformers import DynamicCache
 
-    return DynamicCache(ddp_cache_data=layers)
+    cache = DynamicCache(config=config)
+    cache.layers = [_SpareColumnsLayer() if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, layers, strict=False):
+        layer.update(keys, values)
+    return cache
+
+
+def _spare(tensor: torch.Tensor) -> int:
+    """Columns after `tensor` `[B, H, W, D]` within the buffer it is the leading columns
+    of (`_widened`); 0 for any other tensor."""
+    _, _, width, dim = tensor.shape
+    batch_stride, head_stride, column_stride, unit = tensor.stride()
+    if unit != 1 or column_stride != dim or head_stride < width * dim or head_stride % dim:
+        return 0
+    columns = head_stride // dim
+    first = (tensor.storage_offset() // dim) % columns
+    spare = columns - first - width
+    last = (tensor.storage_offset() + (tensor.shape[0] - 1) * batch_stride
+            + (tensor.shape[1] - 1) * head_stride + (width + spare) * dim)
+    return spare if last * tensor.element_size() <= tensor.untyped_storage().nbytes() else 0
+
+
+def _write_after(tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`tensor` and then `new` along the columns, `new` written into `tensor`'s spare
+    columns in place."""
+    batch, heads, width, dim = tensor.shape
+    out = tensor.as_strided((batch, heads, width + new.shape[-2], dim), tensor.stride(),
+                            tensor.storage_offset())
+    out[..., width:, :] = new
+    return out
+
+
+def _widened(tensor: torch.Tensor, extra: int) -> torch.Tensor:
+    """A copy of `tensor` `[B, H, W, D]` as the leading columns of a new buffer with
+    `extra` spare columns."""
+    batch, heads, width, dim = tensor.shape
+    buffer = tensor.new_empty((batch, heads, width + extra, dim))
+    buffer[..., :width, :] = tensor
+    return buffer[..., :width, :]
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
