@@ -7,12 +7,14 @@ import asyncio
 import ipaddress
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from twinkle_server.config import ServerConfig
+from twinkle_server.engine import Engine
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.http import HTTP_OFF, HttpServer
@@ -87,6 +89,19 @@ def config_problem(config: ServerConfig) -> str | None:
     return None
 
 
+async def _load_on_own_thread(config: ServerConfig, parallel: Parallel | None) -> Engine:
+    """`load_engine` on a thread that ends once it has loaded.
+
+    On CPU each thread that runs torch's parallel ops keeps its own OpenMP team (libgomp)
+    while it lives. A loading thread left idle in a pool, beside the compute thread's
+    team, makes more OpenMP threads than cores, and libgomp then stops spin-waiting
+    between parallel regions: decode ran 1.37x slower on 2 cores (bench.sampling's
+    8 x 8 x 128 groups in-process, side by side). So the compute thread is the one
+    thread whose team outlives the load."""
+    with ThreadPoolExecutor(1, thread_name_prefix="twinkle-load") as loader:
+        return await asyncio.wrap_future(loader.submit(load_engine, config, parallel))
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
                 parallel: Parallel | None = None, channel: Channel | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, then drain and flush the store.
@@ -106,7 +121,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         lost.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    local = await asyncio.to_thread(load_engine, config, parallel)
+    local = await _load_on_own_thread(config, parallel)
     engine: EngineAPI = local
     if parallel is not None and channel is not None:
         engine = ReplicatedEngine(local, channel, config.collective_timeout, on_lost)

@@ -1,0 +1,24 @@
+"""`server.serve`'s own steps, apart from the fronts and the runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from twinkle_server import server
+from twinkle_server.config import ServerConfig
+
+
+def test_the_engine_loads_on_a_thread_that_has_ended_when_serving_begins(monkeypatch):
+    """A thread that ran torch keeps its OpenMP team while it lives; only the compute
+    thread's may outlive the load (see `server._load_on_own_thread`)."""
+    seen: list[threading.Thread] = []
+
+    def load(config, parallel):
+        seen.append(threading.current_thread())
+        return "engine"
+
+    monkeypatch.setattr(server, "load_engine", load)
+    assert asyncio.run(server._load_on_own_thread(ServerConfig(), None)) == "engine"
+    assert seen[0] is not threading.main_thread()
+    assert not seen[0].is_alive()
