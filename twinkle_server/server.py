@@ -95,8 +95,8 @@ async def _load_on_own_thread(config: ServerConfig, parallel: Parallel | None) -
     On CPU each thread that runs torch's parallel ops keeps its own OpenMP team (libgomp)
     while it lives. A loading thread left idle in a pool, beside the compute thread's
     team, makes more OpenMP threads than cores, and libgomp then stops spin-waiting
-    between parallel regions: decode ran 1.37x slower on 2 cores (bench.sampling's
-    8 x 8 x 128 groups in-process, side by side). So the compute thread is the one
+    between parallel regions: a decode of 8 x 8 x 64 tokens ran 1.37x slower on 2 cores,
+    side by side in one process (BENCHMARKS.md, Sampling). So the compute thread is the one
     thread whose team outlives the load."""
     with ThreadPoolExecutor(1, thread_name_prefix="twinkle-load") as loader:
         return await asyncio.wrap_future(loader.submit(load_engine, config, parallel))
