@@ -97,13 +97,16 @@ def join(config: ServerConfig) -> tuple[Parallel, Channel]:
 
 def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engine:
     """The engine `config` asks for, sharded over `parallel`'s ranks when given (each
-    rank then logs the share of the base it holds)."""
+    rank then logs the share of the base it holds). A model the decode pool cannot hold
+    is refused here under `--sampler continuous`, naming the cause and `--sampler static`."""
     engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
                          cache_dir=None, limits=config.limits(),
                          packing=config.packing == "on",
                          activation_checkpointing={"on": True, "off": False, "auto": None}[
                              config.activation_checkpointing],
                          parallel=parallel)
+    if config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
+        raise engine.sampling.pool_refusal
     if parallel is not None:
         log.info("loaded: %s", parallel.describe_share())
     return engine

@@ -51,10 +51,10 @@ import torch.distributed as dist
 
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
-from twinkle_server.engine.decoding import PoolStats
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, Unavailable
 from twinkle_server.engine.protocol import marked
+from twinkle_server.engine.sampling.pool import PoolStats
 from twinkle_server.engine.types import (
     AdamParams,
     EngineLimits,
@@ -330,10 +330,12 @@ class ReplicatedEngine:
                                        for i, r in enumerate(requests)
                                        if r.weights_path is not None))
 
-    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
+               cancelled: Sequence[int] = ()
                ) -> list[tuple[int, Generation | EngineError]]:
+        """Every rank ends the `cancelled` keys it holds (each holds its own share)."""
         requests = [_fill_seed(r) for r in requests]
-        return self._all("decode", requests, keys, slice_s,
+        return self._all("decode", requests, keys, slice_s, list(cancelled),
                          shipped=tuple((i, self._ship_sampler(r.weights_path))
                                        for i, r in enumerate(requests)
                                        if r.weights_path is not None))
@@ -450,7 +452,7 @@ def follow(engine: Engine, channel: Channel) -> None:
             except EngineError:
                 pass
             # Shipped files are read by the call that brings them; keep only the loaded
-            # sampler checkpoints' (their cache keys stat them), so scratch stays bounded.
+            # sampler checkpoints' (their cache keys hash them), so scratch stays bounded.
             loaded = engine.sampler_dirs()
             for entry in scratch.iterdir():
                 if os.path.realpath(entry) not in loaded:
@@ -467,8 +469,8 @@ def _place(args: list[Any], shipped: tuple, scratch: Path) -> list[Any]:
     def write(found: ShippedDir | None) -> str | None:
         if found is None:
             return None
-        # One directory per rank-0 path, so the engine's sampler cache (by path and the
-        # weights' stat) hits here exactly when it hits there: files are rewritten only
+        # One directory per rank-0 path, so the engine's sampler cache (by path and a
+        # hash of the files) hits here exactly when it hits there: files are rewritten only
         # when rank 0 missed.
         # (Named after the checkpoint, so the engine's messages still name it.)
         digest = hashlib.sha256(found.source.encode()).hexdigest()[:16]

@@ -82,3 +82,11 @@ def snapshot(engine) -> Callable[[str], dict[str, torch.Tensor]]:
 @pytest.fixture
 def diff() -> Callable[..., float]:
     return max_diff
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The small random Qwen3 of `tests/engine/small.py`."""
+    from . import small
+
+    return small.build()

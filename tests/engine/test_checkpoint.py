@@ -229,7 +229,7 @@ def test_a_decode_batch_routing_more_checkpoints_than_the_cache_holds_samples_ea
         engine, datums, add, tmp_path, monkeypatch):
     # Three sampler checkpoints in one batch with room for two cached: evicting the first
     # while loading the third would leave its rows on the bare base model.
-    monkeypatch.setattr(engine.samplers, "size", 2)
+    monkeypatch.setattr(engine.sampling.samplers, "size", 2)
     params = SamplingParams(max_tokens=6, seed=5, ignore_eos=True)
     prompt = datums[0].input_ids[:4]
     paths = []

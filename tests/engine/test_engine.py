@@ -17,6 +17,7 @@ from twinkle_server.engine.errors import InvalidArgument, NotFound, ResourceExha
 from twinkle_server.engine.types import AdamParams, Datum, LoraSpec, LossSpec, SamplingParams
 
 from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close, assert_trained_alike
+from .faults import failing_forward
 
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
@@ -189,23 +190,17 @@ def test_one_adapters_requests_with_anothers_between_sample_as_each_alone(engine
 
 def test_a_decode_batch_out_of_device_memory_fails_its_requests_and_the_next_one_samples(
         engine, datums, fresh, monkeypatch):
-    from twinkle_server.engine import sampler
-
     _add(engine, fresh, "oom", LoraSpec.from_tinker(rank=4, seed=5))
     request = SampleRequest("oom", None, datums[0].input_ids[:4], 2,
                             SamplingParams(max_tokens=4, seed=7))
     expected = engine.sample_batch([request])[0]
-    real = sampler.generate
-
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    monkeypatch.setattr(sampler, "generate", out_of_memory)
-    failed = engine.sample_batch([request, request])
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with failing_forward(engine.base.model, oom, lambda ids: True) as hits:
+        failed = engine.sample_batch([request, request])
+    assert hits
     assert all(isinstance(out, ResourceExhausted) for out in failed)
     assert "decode batch of 4 sequences" in str(failed[0])
     assert "--merge-token-budget" in str(failed[0])
-    monkeypatch.setattr(sampler, "generate", real)
     again = engine.sample_batch([request])[0]
     for x, y in zip(again, expected, strict=True):
         np.testing.assert_array_equal(x.tokens, y.tokens)

@@ -13,6 +13,7 @@ import numpy as np
 
 from twinkle_server.engine import losses
 from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.prompt_scoring import check_topk
 from twinkle_server.engine.types import EngineLimits, ForwardRequest, LoraSpec, SampleRequest
 
 
@@ -67,6 +68,27 @@ def batch_tokens(total: int, limits: EngineLimits) -> None:
         raise InvalidArgument(f"data: more than {limits.max_batch_tokens} tokens in one "
                               f"request ({total} so far; --max-batch-tokens); split the "
                               "batch")
+
+
+def sampling(request: SampleRequest) -> None:
+    """A sample request's own fields, each in range (the engine's one check of them; the
+    fronts check the wire's forms, not these ranges again)."""
+    p = request.params
+    if request.num_samples < 1:
+        raise InvalidArgument(f"num_samples: must be >= 1, got {request.num_samples}")
+    if p.max_tokens < 1:
+        raise InvalidArgument(f"sampling_params.max_tokens: must be >= 1, got {p.max_tokens}")
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidArgument(f"sampling_params.temperature: must be finite and >= 0, "
+                              f"got {p.temperature}")
+    if not (0.0 < p.top_p <= 1.0):
+        raise InvalidArgument(f"sampling_params.top_p: must be in (0, 1], got {p.top_p}")
+    # -1 is Tinker's default for "no limit" (its SDK sends it unchanged), so it means off
+    # like 0; anything lower is a mistake.
+    if p.top_k < -1:
+        raise InvalidArgument(f"sampling_params.top_k: must be >= 0 (or -1 = no limit), "
+                              f"got {p.top_k}")
+    check_topk(request.topk_logprobs, "topk_sample_logprobs")
 
 
 def sample_size(request: SampleRequest, limits: EngineLimits) -> None:

@@ -43,6 +43,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from twinkle_server.engine import activations, checkpoint, checks, forward, losses, memory
@@ -63,8 +64,10 @@ from twinkle_server.engine.lora import (
 )
 from twinkle_server.engine.memory import OUT_OF_MEMORY, available_memory_bytes
 from twinkle_server.engine.parallel import OneRank, Parallel
+from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import rank_zero_only, replicated
-from twinkle_server.engine.sampling import EngineSampling, inflight_key
+from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.verbs import Sampling, inflight_key
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
     AUTO_SEQ_LEN,
@@ -72,8 +75,10 @@ from twinkle_server.engine.types import (
     EngineLimits,
     ForwardOutput,
     ForwardRequest,
+    Generation,
     LoraSpec,
     LossSpec,
+    SampledSequence,
     SampleRequest,
 )
 
@@ -87,7 +92,7 @@ __all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
 _STATE_COPIES = 4
 
 
-class Engine(EngineSampling):
+class Engine:
     """Trains and samples many LoRA adapters on one frozen base model.
 
     Owns the adapters and the forward/sample entry points; the merged pass is in
@@ -146,7 +151,12 @@ class Engine(EngineSampling):
         # CPU (17.9 GiB at 262,144 tokens) would refuse adapters on ordinary machines, so
         # there it is reported, not reserved.
         self.reserve_pass_memory = base.device.type != "cpu" or limits.max_pass_tokens > 0
-        self._init_sampling()
+        if not limits.kv_pool_tokens:
+            self.limits = limits = replace(limits, kv_pool_tokens=memory.auto_kv_pool_tokens(
+                base.config, base.dtype, self._free_bytes()))
+            log.info("the sampler's KV pool holds %d positions (--kv-pool-tokens)",
+                     limits.kv_pool_tokens)
+        self.sampling = Sampling(self, self.router.route)
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
@@ -280,11 +290,8 @@ class Engine(EngineSampling):
         """Detach the adapter (and its inflight target) from every layer and drop its
         state, freeing its slot; rows still sampling from either fail NOT_FOUND."""
         adapter = self._adapter(adapter_id)
-        gone = NotFound(f"model_id: model {adapter_id!r} was unloaded while sampling")
-        for key in (adapter_id, inflight_key(adapter_id)):
-            self.pool.fail(key, gone)
-        if (target := self.inflight.pop(inflight_key(adapter_id), None)) is not None:
-            self._detach(target.adapter_id, target.weights)
+        self.sampling.forget(adapter_id, NotFound(
+            f"model_id: model {adapter_id!r} was unloaded while sampling"))
         self._detach(adapter_id, adapter.weights)
         del self.adapters[adapter_id]
 
@@ -292,6 +299,67 @@ class Engine(EngineSampling):
         if adapter_id not in self.adapters:
             raise NotFound(f"model_id: no model {adapter_id!r}")
         return self.adapters[adapter_id]
+
+    # ------------------------------------------------------------------ sampling
+
+    @rank_zero_only
+    def has_sampler(self, weights_path: str | Path) -> bool:
+        """Whether the sampler checkpoint at `weights_path`, as its files are now, is
+        loaded (cached)."""
+        return self.sampling.has_sampler(weights_path)
+
+    @rank_zero_only
+    def sampler_dirs(self) -> set[str]:
+        """The directories (real paths) of the sampler checkpoints loaded now."""
+        return self.sampling.sampler_dirs()
+
+    @replicated
+    def publish_inflight(self, adapter_id: str) -> str:
+        """Copy the adapter's weights into its inflight target (made on first use) and
+        return the target's routing id: what Tinker's inflight sampling clients share."""
+        return self.sampling.publish_inflight(adapter_id)
+
+    @replicated
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
+               cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError]]:
+        """One slice of continuous batching (`engine.sampling.pool`): the requests under
+        `cancelled` (keys of earlier calls) leave the pool, new `requests` (answered under
+        their `keys`) wait for room, what fits joins, and the pool decodes for about
+        `slice_s` seconds; returns the requests finished, by key, each with its result
+        or the error it alone failed with. On several ranks each rank takes a
+        token-balanced share of the new requests."""
+        return self.sampling.decode(requests, keys, slice_s, cancelled)
+
+    @rank_zero_only
+    def decode_stats(self) -> PoolStats:
+        """The decode pool's counters and state (rank 0's, on several ranks)."""
+        return self.sampling.stats()
+
+    @replicated
+    def sample_batch(self, requests: Sequence[SampleRequest]
+                     ) -> list[list[SampledSequence] | EngineError]:
+        """Sample every request in one static batch; failures are per-request values."""
+        return self.sampling.sample_batch(requests)
+
+    @replicated
+    def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,
+                         tokens: np.ndarray) -> np.ndarray:
+        """Logprob of each token given the ones before it; NaN at position 0."""
+        return self.prompt_logprobs(adapter_id, weights_path, tokens).logprobs
+
+    @replicated
+    def prompt_logprobs(self, adapter_id: str | None, weights_path: str | None,
+                        tokens: np.ndarray, topk: int = 0) -> PromptLogprobs:
+        """`compute_logprobs` plus, with `topk` > 0, the top-k tokens at each position."""
+        return self.score_prompt(adapter_id, weights_path, tokens,
+                                 PromptScoring(include=True, topk=topk))
+
+    @replicated
+    def score_prompt(self, adapter_id: str | None, weights_path: str | None,
+                     tokens: np.ndarray, scoring: PromptScoring) -> PromptLogprobs:
+        """Everything a `prompt_scoring.PromptScoring` asks about `tokens` (own logprobs,
+        top-k, target ids, alternative draws), in one pass."""
+        return self.sampling.score_prompt(adapter_id, weights_path, tokens, scoring)
 
     # ------------------------------------------------------------------ forward
 

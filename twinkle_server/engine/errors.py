@@ -48,3 +48,10 @@ class Unavailable(EngineError):
     """The server cannot take the request now (shutting down); retry elsewhere or later."""
 
     category = "unavailable"
+
+
+class Cancelled(EngineError):
+    """The caller cancelled the request (or went away) before it finished; it was stopped
+    and its resources freed."""
+
+    category = "cancelled"

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
     from twinkle_server.engine.adapter import Adapter
     from twinkle_server.engine.base_model import BaseModel
-    from twinkle_server.engine.decoding import PoolStats
     from twinkle_server.engine.errors import EngineError
+    from twinkle_server.engine.sampling.pool import PoolStats
     from twinkle_server.engine.types import (
         AdamParams,
         EngineLimits,
@@ -158,7 +158,8 @@ class EngineAPI(Protocol):
     def sample_batch(self, requests: Sequence[SampleRequest]
                      ) -> list[list[SampledSequence] | EngineError]: ...
 
-    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
+               cancelled: Sequence[int] = ()
                ) -> list[tuple[int, Generation | EngineError]]: ...
 
     def decode_stats(self) -> PoolStats: ...

@@ -151,7 +151,7 @@ class SampleRequest:
     """k > 0: also the k likeliest tokens at every sampled position (Tinker's
     `topk_sample_logprobs`)."""
     cache_namespace: str = ""
-    """The sampling session whose prompts may reuse each other's KV (`engine.decoding`);
+    """The sampling session whose prompts may reuse each other's KV (`engine.sampling.pool`);
     '' reuses none. Never shared between tenants: a session belongs to one."""
 
     @property
@@ -181,5 +181,5 @@ class EngineLimits:
     """Most tokens the base runs in one piece of a pass (`forward.PassLogprobs`); 0: no
     cap; `AUTO_PASS_TOKENS`: picked by the engine (`memory.auto_pass_tokens`)."""
     kv_pool_tokens: int = 0
-    """KV positions the decode pool holds (`engine.decoding`); 0: picked from free memory
+    """KV positions the decode pool holds (`engine.sampling.pool`); 0: picked from free memory
     (`memory.auto_kv_pool_tokens`)."""

@@ -1,123 +1,133 @@
-"""The engine's sampling half: sampler checkpoints kept loaded, inflight targets, the
-decode pool (continuous batching, `engine.decoding`), the static batch and prompt scoring.
+"""The engine's sampling half: sampler checkpoints kept loaded, inflight targets, the decode
+pool (continuous batching), the static batch and prompt scoring.
 
-`EngineSampling` is a part of `engine.Engine`, split out by job: it holds the sampling
-state (`_init_sampling`) and reads the adapters, layers and ranks the engine owns.
+`Sampling` is a part the engine composes: it reads the base, the router, the adapters and
+the ranks through `SamplingHost` (what `engine.Engine` offers it) and owns the sampling
+state. The engine's verbs (`decode`, `sample_batch`, `publish_inflight`, ...) call it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from twinkle_server.engine import checkpoint, checks, memory
+from twinkle_server.engine import checkpoint, checks
 from twinkle_server.engine.adapter import Adapter
-from twinkle_server.engine.decoding import DecodePool, PoolStats
-from twinkle_server.engine.errors import EngineError
-from twinkle_server.engine.lora import adapter_order
+from twinkle_server.engine.base_model import BaseModel
+from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_server.engine.lora import LoraWeights, adapter_order
 from twinkle_server.engine.memory import OUT_OF_MEMORY
-from twinkle_server.engine.protocol import rank_zero_only, replicated
+from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
-from twinkle_server.engine.types import Generation, LoraSpec, SampledSequence, SampleRequest
-
-if TYPE_CHECKING:
-    from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.sampling.pool import DecodePool, PoolStats
+from twinkle_server.engine.sampling.static import Route, generate
+from twinkle_server.engine.types import (
+    EngineLimits,
+    Generation,
+    LoraSpec,
+    SampledSequence,
+    SampleRequest,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def inflight_key(adapter_id: str) -> str:
-    """The routing id of a model's inflight target (`Engine.publish_inflight`)."""
+    """The routing id of a model's inflight target (`Sampling.publish_inflight`)."""
     return f"inflight:{adapter_id}"
 
 
-class EngineSampling:
-    """Sampling verbs of `Engine`; see the module docstring."""
+class SamplingHost(Protocol):
+    """What the sampling half reads of its engine."""
 
-    def _init_sampling(self: Engine) -> None:
-        """Sampler checkpoint cache, inflight targets and the decode pool, once the base
-        and the limits are settled."""
+    base: BaseModel
+    limits: EngineLimits
+    parallel: Parallel
+    adapters: dict[str, Adapter]
+
+    @property
+    def pass_tokens(self) -> int: ...
+    def _adapter(self, adapter_id: str) -> Adapter: ...
+    def _targets(self, spec: LoraSpec) -> list[str]: ...
+    def _new_weights(self, spec: LoraSpec, targets: list[str]) -> dict[str, LoraWeights]: ...
+    def _attach(self, adapter: Adapter) -> None: ...
+    def _detach(self, adapter_id: str, names: Any) -> None: ...
+    def _on_base(self, fn: Callable[..., T], *args: Any) -> T: ...
+    def _out_of_memory(self, what: str, remedy: str, exc: BaseException) -> EngineError: ...
+
+
+class Sampling:
+    """Sampler checkpoints, inflight targets and the decode pool of one engine."""
+
+    def __init__(self, host: SamplingHost, route: Route) -> None:
+        self.host, self.route = host, route
+        base = host.base
         self.samplers = SamplerCache(self._load_sampler,
-                                     lambda key, adapter: self._detach(key, adapter.weights),
-                                     pinned=lambda: self.pool.routes())
+                                     lambda key, adapter: host._detach(key, adapter.weights),
+                                     pinned=self._pinned)
         # Inflight targets by routing id (`publish_inflight`), and how often each was
         # published: the weights version its sessions' prefix cache is keyed by.
         self.inflight: dict[str, Adapter] = {}
         self.inflight_versions: dict[str, int] = {}
-        limits = self.limits
-        if not limits.kv_pool_tokens:
-            self.limits = limits = replace(limits, kv_pool_tokens=memory.auto_kv_pool_tokens(
-                self.base.config, self.base.dtype, self._free_bytes()))
-            log.info("the sampler's KV pool holds %d positions (--kv-pool-tokens)",
-                     limits.kv_pool_tokens)
-        base = self.base
-        self.pool = DecodePool(base.model, self.router.route, eos_token_ids=base.eos_token_ids,
-                               pad_token_id=base.pad_token_id, decode=base.decode,
-                               capacity=limits.kv_pool_tokens, prefill_tokens=self.pass_tokens,
-                               parallel=self.parallel)
+        # A model whose cache the pool cannot hold samples only with `--sampler static`.
+        self.pool: DecodePool | None = None
+        self.pool_refusal: InvalidArgument | None = None
+        try:
+            self.pool = DecodePool(
+                base.model, route, eos_token_ids=base.eos_token_ids,
+                pad_token_id=base.pad_token_id, decode=base.decode,
+                capacity=host.limits.kv_pool_tokens, prefill_tokens=host.pass_tokens,
+                parallel=host.parallel, fault=self._fault)
+        except InvalidArgument as exc:
+            self.pool_refusal = exc
 
-    @rank_zero_only
-    def has_sampler(self: Engine, weights_path: str | os.PathLike) -> bool:
-        """Whether the sampler checkpoint at `weights_path`, as its files are now, is
-        loaded (cached)."""
+    def _pinned(self) -> set[str]:
+        return self.pool.routes() if self.pool is not None else set()
+
+    def _fault(self, exc: BaseException, what: str) -> EngineError:
+        """The error the requests a failed forward of the pool can be held to get; on
+        several ranks it raises instead (`Engine._out_of_memory`)."""
+        if isinstance(exc, OUT_OF_MEMORY):
+            return self.host._out_of_memory(what, "--kv-pool-tokens", exc)
+        if self.host.parallel.world > 1:
+            raise exc
+        if isinstance(exc, EngineError):
+            return exc
+        log.error("sampling: %s failed", what, exc_info=exc)
+        return EngineError(f"sampling: {what} failed: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ routes
+
+    def has_sampler(self, weights_path: str | os.PathLike) -> bool:
         return weights_path in self.samplers
 
-    @rank_zero_only
-    def sampler_dirs(self: Engine) -> set[str]:
-        """The directories (real paths) of the sampler checkpoints loaded now."""
+    def sampler_dirs(self) -> set[str]:
         return self.samplers.dirs()
 
-    def _sampling_adapter(self: Engine, adapter_id: str | None, weights_path: str | None) -> str | None:
-        """The adapter id to route for a request, loading a sampler checkpoint if needed."""
+    def route_of(self, adapter_id: str | None, weights_path: str | None) -> str | None:
+        """The route id of a request, loading a sampler checkpoint if needed."""
         if adapter_id is not None:
             if adapter_id not in self.inflight:
-                self._adapter(adapter_id)
+                self.host._adapter(adapter_id)
             return adapter_id
         return None if weights_path is None else self.samplers.route(weights_path)
 
-    def _frozen(self: Engine, key: str, spec: LoraSpec) -> Adapter:
+    def _frozen(self, key: str, spec: LoraSpec) -> Adapter:
         """A frozen adapter of `spec`'s shape routed as `key`, to copy weights into."""
-        adapter = Adapter(key, spec, self._new_weights(LoraSpec(**{**asdict(spec), "seed": 0}),
-                                                       self._targets(spec)))
+        host = self.host
+        adapter = Adapter(key, spec, host._new_weights(LoraSpec(**{**asdict(spec), "seed": 0}),
+                                                       host._targets(spec)))
         for param in adapter.parameters():
             param.requires_grad_(False)
         return adapter
 
-    @replicated
-    def publish_inflight(self: Engine, adapter_id: str) -> str:
-        """Copy the adapter's weights into its inflight target (made on first use) and
-        return the target's routing id: what Tinker's inflight sampling clients share.
-        Rows decoding from it take the new weights at their next step."""
-        source = self._adapter(adapter_id)
-        key = inflight_key(adapter_id)
-        if key not in self.inflight:
-            self.inflight[key] = self._frozen(key, source.spec)
-            self._attach(self.inflight[key])
-        checkpoint.copy_weights(self.inflight[key], checkpoint.peft_tensors(source))
-        self.inflight_versions[key] = self.inflight_versions.get(key, 0) + 1
-        return key
-
-    def _namespace(self: Engine, request: SampleRequest, route_id: str | None
-                   ) -> tuple[str, str] | None:
-        """The prefix-cache namespace of a request: its session and its weights' version
-        (a checkpoint's key, the base, or an inflight publication); none for a live
-        adapter, whose weights change under it with every step."""
-        if not request.cache_namespace:
-            return None
-        if route_id in self.inflight:
-            version = f"{route_id}#{self.inflight_versions[route_id]}"
-        elif route_id is not None and route_id in self.adapters:
-            return None
-        else:
-            version = route_id or "base"
-        return request.cache_namespace, version
-
-    def _load_sampler(self: Engine, key: str, weights_path: str) -> Adapter:
+    def _load_sampler(self, key: str, weights_path: str) -> Adapter:
         """The sampler checkpoint at `weights_path` as a frozen adapter routed as `key`,
         attached to the base once its weights are checked."""
         spec, _ = checkpoint.read_spec(weights_path)
@@ -125,66 +135,92 @@ class EngineSampling:
         adapter = self._frozen(key, spec)
         checkpoint.check_weights(adapter, found)
         checkpoint.copy_weights(adapter, found)
-        self._attach(adapter)
+        self.host._attach(adapter)
         return adapter
 
-    def _generation(self: Engine, request: SampleRequest) -> tuple[Any, str | None]:
-        """The checked decode request of a sample request, and its route id; raises the
-        `EngineError` naming the field and the limit."""
-        from twinkle_server.engine import sampler
+    def publish_inflight(self, adapter_id: str) -> str:
+        """Copy the adapter's weights into its inflight target (made on first use) and
+        return the target's routing id. Rows decoding from it take the new weights at
+        their next step."""
+        source = self.host._adapter(adapter_id)
+        key = inflight_key(adapter_id)
+        if key not in self.inflight:
+            self.inflight[key] = self._frozen(key, source.spec)
+            self.host._attach(self.inflight[key])
+        checkpoint.copy_weights(self.inflight[key], checkpoint.peft_tensors(source))
+        self.inflight_versions[key] = self.inflight_versions.get(key, 0) + 1
+        return key
 
-        checks.prompt(request.prompt, self.limits, self.base.vocab_size)
-        generation = sampler.GenerationRequest(None, np.asarray(request.prompt),
-                                               request.num_samples, request.params,
-                                               request.topk_logprobs)
-        sampler.validate(generation)
-        checks.sample_size(request, self.limits)
-        route_id = self._sampling_adapter(request.adapter_id, request.weights_path)
-        return replace(generation, adapter_id=route_id), route_id
+    def forget(self, adapter_id: str, error: EngineError) -> None:
+        """An adapter is being removed: end the requests routed to it or its inflight
+        target with `error`, and drop the target."""
+        for key in (adapter_id, inflight_key(adapter_id)):
+            if self.pool is not None:
+                self.pool.fail(key, error)
+        if (target := self.inflight.pop(inflight_key(adapter_id), None)) is not None:
+            self.host._detach(target.adapter_id, target.weights)
+        self.inflight_versions.pop(inflight_key(adapter_id), None)
 
-    @replicated
-    def decode(self: Engine, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float
-               ) -> list[tuple[int, Generation | EngineError]]:
-        """One slice of continuous batching (`engine.decoding`): new `requests` (answered
-        under their `keys`) wait for room in the pool, what fits joins, and the pool
-        decodes for about `slice_s` seconds; returns the requests finished, by key. On
-        several ranks each rank takes a token-balanced share of the new requests."""
-        pool = self.pool
-        mine = self.parallel.share([request.num_tokens for request in requests])
-        for key, request in ((keys[i], requests[i]) for i in mine):
+    def _namespace(self, request: SampleRequest, route: str | None) -> tuple[str, str] | None:
+        """The prefix-cache namespace of a request: its session and its weights' version
+        (a checkpoint's key, the base, or an inflight publication); none for a live
+        adapter, whose weights change under it with every step."""
+        if not request.cache_namespace:
+            return None
+        if route in self.inflight:
+            version = f"{route}#{self.inflight_versions[route]}"
+        elif route is not None and route in self.host.adapters:
+            return None
+        else:
+            version = route or "base"
+        return request.cache_namespace, version
+
+    def _checked(self, request: SampleRequest) -> str | None:
+        """Every check of a sample request, each naming its field and limit; its route."""
+        host = self.host
+        checks.prompt(np.asarray(request.prompt), host.limits, host.base.vocab_size)
+        checks.sampling(request)
+        checks.sample_size(request, host.limits)
+        return self.route_of(request.adapter_id, request.weights_path)
+
+    # ------------------------------------------------------------------ sampling
+
+    def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
+               cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError]]:
+        """One slice of continuous batching; see `Engine.decode`."""
+        if self.pool is None:
+            raise self.pool_refusal  # type: ignore[misc]
+        pool, parallel = self.pool, self.host.parallel
+        pool.cancel(cancelled)
+        for i in parallel.share([request.num_tokens for request in requests]):
             try:
-                generation, route_id = self._generation(request)
+                route = self._checked(requests[i])
             except EngineError as exc:
-                pool.finished.append((key, exc))
+                pool.answer(keys[i], exc)
                 continue
-            pool.submit(key, generation, self._namespace(request, route_id))
+            pool.submit(keys[i], requests[i], route, self._namespace(requests[i], route))
         self.samplers.trim()
         try:
-            done = self._on_base(pool.run, slice_s)
-        except OUT_OF_MEMORY as exc:
-            stats = pool.stats()
-            pool.reset(self._out_of_memory(
-                f"a decode slice of {stats.active_rows} rows", "--kv-pool-tokens", exc))
-            done, pool.finished = pool.finished, []
-        return self.parallel.gather_objects(done)
+            done = self.host._on_base(pool.run, slice_s)
+        except Exception as exc:    # a fault the pool could not hold to one request
+            pool.reset(self._fault(exc, "a decode slice"))
+            done = pool.take_finished()
+        return parallel.gather_objects(done)
 
-    @rank_zero_only
-    def decode_stats(self: Engine) -> PoolStats:
-        """The decode pool's counters and state (rank 0's, on several ranks)."""
-        return self.pool.stats()
+    def stats(self) -> PoolStats:
+        return self.pool.stats() if self.pool is not None else PoolStats()
 
-    @replicated
-    def sample_batch(self: Engine, requests: Sequence[SampleRequest]
+    def sample_batch(self, requests: Sequence[SampleRequest]
                      ) -> list[list[SampledSequence] | EngineError]:
-        """Sample every request in one decode batch; failures are per-request values."""
-        from twinkle_server.engine import sampler
-
+        """Sample every request in one static batch; failures are per-request values."""
+        host = self.host
         self.samplers.trim()  # what the last batch routed beyond the cache's size
         results: list[Any] = [None] * len(requests)
-        batch, slots = [], []
+        batch, routes, slots = [], [], []
         for i, request in enumerate(requests):
             try:
-                batch.append(self._generation(request)[0])
+                routes.append(self._checked(request))
+                batch.append(request)
                 slots.append(i)
             except EngineError as exc:
                 results[i] = exc
@@ -192,21 +228,22 @@ class EngineSampling:
             return results
         # Requests of one adapter (two sampling sessions of one checkpoint, say) may
         # arrive with another's between.
-        order = adapter_order([generation.adapter_id for generation in batch])
-        batch, slots = [batch[i] for i in order], [slots[i] for i in order]
-        parallel = self.parallel
+        order = adapter_order(routes)
+        batch, routes, slots = ([batch[i] for i in order], [routes[i] for i in order],
+                                [slots[i] for i in order])
+        parallel = host.parallel
         # On several ranks each samples a token-balanced share of the batch (every rank
         # computed the same `batch`: the same checks on the same state).
-        mine = parallel.share([(r.prompt.size + r.params.max_tokens) * r.num_samples
-                               for r in batch])
+        mine = parallel.share([r.num_tokens for r in batch])
+        base = host.base
         try:
-            outputs = self._on_base(lambda: sampler.generate(
-                self.base.model, self.router.route, [batch[i] for i in mine],
-                eos_token_ids=self.base.eos_token_ids, pad_token_id=self.base.pad_token_id,
-                decode=self.base.decode, together=parallel.any_rank))
+            outputs: list[Any] = host._on_base(lambda: generate(
+                base.model, self.route, [batch[i] for i in mine], [routes[i] for i in mine],
+                eos_token_ids=base.eos_token_ids, pad_token_id=base.pad_token_id,
+                decode=base.decode, together=parallel.any_rank))
         except OUT_OF_MEMORY as exc:
             sequences = sum(r.num_samples for r in batch)
-            outputs = [self._out_of_memory(f"a decode batch of {sequences} sequences",
+            outputs = [host._out_of_memory(f"a decode batch of {sequences} sequences",
                                            "--merge-token-budget (or --max-batch-tokens)",
                                            exc)] * len(mine)
         outputs = parallel.gather_objects(outputs)
@@ -214,32 +251,15 @@ class EngineSampling:
             results[slot] = out
         return results
 
-    @replicated
-    def compute_logprobs(self: Engine, adapter_id: str | None, weights_path: str | None,
-                         tokens: np.ndarray) -> np.ndarray:
-        """Logprob of each token given the ones before it; NaN at position 0."""
-        return self.prompt_logprobs(adapter_id, weights_path, tokens).logprobs
-
-    @replicated
-    def prompt_logprobs(self: Engine, adapter_id: str | None, weights_path: str | None,
-                        tokens: np.ndarray, topk: int = 0) -> Any:
-        """`compute_logprobs` plus, with `topk` > 0, the top-k tokens at each position
-        (a `prompt_scoring.PromptLogprobs`)."""
-        from twinkle_server.engine.prompt_scoring import PromptScoring
-
-        return self.score_prompt(adapter_id, weights_path, tokens,
-                                 PromptScoring(include=True, topk=topk))
-
-    @replicated
-    def score_prompt(self: Engine, adapter_id: str | None, weights_path: str | None,
+    def score_prompt(self, adapter_id: str | None, weights_path: str | None,
                      tokens: np.ndarray, scoring: Any) -> Any:
-        """Everything a `prompt_scoring.PromptScoring` asks about `tokens` (own logprobs,
-        top-k, target ids, alternative draws), in one pass: a `PromptLogprobs`."""
+        """Everything a `prompt_scoring.PromptScoring` asks about `tokens`, in one pass."""
         from twinkle_server.engine import prompt_scoring
 
-        checks.prompt(np.asarray(tokens), self.limits, self.base.vocab_size)
-        prompt_scoring.check(scoring, np.asarray(tokens).size, self.base.vocab_size)
+        host = self.host
+        checks.prompt(np.asarray(tokens), host.limits, host.base.vocab_size)
+        prompt_scoring.check(scoring, np.asarray(tokens).size, host.base.vocab_size)
         self.samplers.trim()
-        route_id = self._sampling_adapter(adapter_id, weights_path)
-        return self._on_base(prompt_scoring.score_prompt, self.base.model, self.router.route,
-                             route_id, np.asarray(tokens), scoring)
+        route = self.route_of(adapter_id, weights_path)
+        return host._on_base(prompt_scoring.score_prompt, host.base.model, self.route,
+                             route, np.asarray(tokens), scoring)

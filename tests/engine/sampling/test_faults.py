@@ -1,0 +1,171 @@
+"""Faults in the decode pool stay with their own request: a diverged adapter, running
+out of memory in a prefill or a step, a device error. Every other request completes as if
+alone, and the pool's accounting stays exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import EngineError, FailedPrecondition, ResourceExhausted
+from twinkle_server.engine.types import EngineLimits, LoraSpec, SampleRequest, SamplingParams
+
+from ...numerics import LOGPROB_ATOL
+from ..faults import failing_forward
+
+MARKER = 4001
+"""A token id no other prompt here uses: a fault fires on forwards that feed it."""
+
+
+def _request(adapter, prompt, n=1, max_tokens=8, seed=1, namespace="", **params):
+    return SampleRequest(adapter, None, np.asarray(prompt, np.int64), n,
+                         SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True,
+                                        **params),
+                         cache_namespace=namespace)
+
+
+def _drain(engine, results, calls=200):
+    for _ in range(calls):
+        stats = engine.decode_stats()
+        if not stats.active_rows and not stats.waiting_requests:
+            return results
+        results.update(engine.decode([], [], 0.0))
+    raise AssertionError("the decode pool never drained")
+
+
+def _alone(engine, request):
+    """The request's sequences sampled by itself in the static batch."""
+    out = engine.sample_batch([request])[0]
+    assert not isinstance(out, Exception), out
+    return out
+
+
+def _same(alone, pooled):
+    assert not isinstance(pooled, Exception), pooled
+    for a, b in zip(alone, pooled.sequences, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
+
+
+def _pool_is_empty(engine):
+    stats = engine.decode_stats()
+    assert (stats.active_rows, stats.waiting_requests) == (0, 0)
+
+
+@pytest.fixture
+def diverged(add, engine):
+    """An adapter whose weights went to 1e30 (what one optim_step at lr=1e30 does): its
+    logits are not finite."""
+    add("diverged", LoraSpec(rank=4, alpha=8, seed=3))
+    with torch.no_grad():
+        for param in engine.adapters["diverged"].parameters():
+            param.fill_(1e30)
+    assert not np.isfinite(engine.compute_logprobs("diverged", None,
+                                                   np.arange(1, 6))[1:]).all()
+    return "diverged"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_diverged_adapter_fails_its_own_request_and_every_other_row_goes_on(
+        engine, add, diverged, temperature):
+    add("healthy", LoraSpec(rank=4, alpha=8, seed=4))
+    first = _request("healthy", [5, 6, 7], n=2, max_tokens=10, seed=1)
+    base = _request(None, [8, 9], max_tokens=6, seed=2)
+    bad = _request(diverged, [10, 11, 12], n=2, seed=3, temperature=temperature)
+    results = dict(engine.decode([first], [0], 0.0))
+    assert not results                     # mid-generation when the others join
+    results.update(engine.decode([bad, base], [1, 2], 0.0))
+    _drain(engine, results)
+    error = results[1]
+    assert isinstance(error, FailedPrecondition), error
+    assert "not finite" in str(error) and "'diverged'" in str(error)
+    _same(_alone(engine, first), results[0])
+    _same(_alone(engine, base), results[2])
+    _pool_is_empty(engine)
+    later = dict(engine.decode([_request("healthy", [3, 4], seed=5)], [3], 0.0))
+    assert not isinstance(_drain(engine, later)[3], Exception)
+
+
+def test_the_static_batch_fails_a_diverged_adapter_alone(engine, add, diverged):
+    add("healthy", LoraSpec(rank=4, alpha=8, seed=4))
+    good = _request("healthy", [5, 6, 7], n=2, seed=1)
+    out = engine.sample_batch([_request(diverged, [1, 2, 3], seed=2), good])
+    assert isinstance(out[0], FailedPrecondition) and "not finite" in str(out[0])
+    assert [s.tokens.tolist() for s in out[1]] == [
+        s.tokens.tolist() for s in _alone(engine, good)]
+
+
+def test_out_of_memory_in_a_prefill_fails_only_the_request_that_caused_it(engine):
+    decoding = _request(None, [5, 6, 7], n=2, max_tokens=10, seed=1)
+    culprit = _request(None, [MARKER, 1, 2, 3], seed=2)
+    beside = _request(None, [20, 21], n=3, seed=3)
+    results = dict(engine.decode([decoding], [0], 0.0))
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with failing_forward(engine.base.model, oom, lambda ids: (ids == MARKER).any(),
+                         times=10) as hits:
+        results.update(engine.decode([culprit, beside], [1, 2], 0.0))
+        _drain(engine, results)
+    assert hits
+    assert isinstance(results[1], ResourceExhausted) and "memory" in str(results[1])
+    _same(_alone(engine, decoding), results[0])
+    _same(_alone(engine, beside), results[2])
+    _pool_is_empty(engine)
+
+
+def test_out_of_memory_in_a_decode_step_fails_the_newest_request_and_the_rest_go_on(engine):
+    older = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
+    newer = _request(None, [30, 31, 32], max_tokens=12, seed=2)
+    results = dict(engine.decode([older], [0], 0.0))
+    results.update(engine.decode([newer], [1], 0.0))
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with failing_forward(engine.base.model, oom, lambda ids: ids.shape[1] == 1) as hits:
+        results.update(engine.decode([], [], 0.0))
+    assert hits
+    _drain(engine, results)
+    assert isinstance(results[1], ResourceExhausted) and "memory" in str(results[1])
+    _same(_alone(engine, older), results[0])
+    _pool_is_empty(engine)
+
+
+def test_a_device_error_in_a_step_fails_that_steps_rows_as_values_and_empties_the_pool(
+        engine):
+    doomed = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
+    results = dict(engine.decode([doomed], [0], 0.0))
+    error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with failing_forward(engine.base.model, error, lambda ids: ids.shape[1] == 1):
+        results.update(engine.decode([], [], 0.0))
+    assert isinstance(results[0], EngineError) and "illegal memory access" in str(results[0])
+    _pool_is_empty(engine)
+    after = _request(None, [9, 9, 9], max_tokens=5, seed=4)
+    later = _drain(engine, dict(engine.decode([after], [1], 0.0)))
+    _same(_alone(engine, after), later[1])
+
+
+@pytest.fixture(scope="module")
+def small_pool(tiny_cache):
+    """An engine whose decode pool holds 1,000 KV positions."""
+    return Engine.load("tiny", cache_dir=str(tiny_cache),
+                       limits=EngineLimits(max_adapters=2, max_seq_len=512,
+                                           max_batch_tokens=4096, kv_pool_tokens=1000))
+
+
+def test_the_prefix_cache_stays_within_the_kv_bound(small_pool):
+    """Two session requests of 400 + 100 tokens fill a 1,000-position pool; their cached
+    prompts and completions must not take it past the bound (once held 1,798)."""
+    engine = small_pool
+    requests = [_request(None, list(range(100 + i, 500 + i)), max_tokens=100, seed=i,
+                         namespace=f"session-{i}") for i in range(2)]
+    results = dict(engine.decode(requests, [0, 1], 0.0))
+    bound = engine.limits.kv_pool_tokens
+    for _ in range(300):
+        stats = engine.decode_stats()
+        assert stats.kv_in_use <= bound + stats.active_rows, stats
+        if not stats.active_rows and not stats.waiting_requests:
+            break
+        results.update(engine.decode([], [], 0.0))
+    assert sorted(results) == [0, 1]
+    assert all(not isinstance(r, Exception) for r in results.values())
+    stats = engine.decode_stats()
+    assert stats.prefix_cache_tokens <= bound and stats.kv_in_use <= bound

@@ -1,0 +1,72 @@
+"""The KV batch: buffered layers write steps in place and record their used width; joins,
+selects and failed steps leave it consistent; sliding-window caches are named."""
+
+from __future__ import annotations
+
+import torch
+
+from twinkle_server.engine.sampling.kv_batch import KVBatch, new_cache, unsupported_layers
+
+from .. import small
+
+
+def _batch(rows=3, width=5, layers=2):
+    cache = new_cache(small.build().config, [(torch.randn(rows, 2, width, 4),
+                                               torch.randn(rows, 2, width, 4))] * layers)
+    batch = KVBatch(torch.device("cpu"))
+    batch.join(cache, torch.ones(rows, width, dtype=torch.long),
+               torch.full((rows,), width), torch.zeros(rows, dtype=torch.long))
+    return batch
+
+
+def test_a_reserved_buffer_takes_steps_in_place_and_records_its_width():
+    batch = _batch()
+    layer = batch.layers()[0]
+    before = layer.keys.clone()
+    assert layer.spare() == 0 and batch.held() == 3 * 5
+    batch.reserve(4)
+    assert layer.spare() == 4 and batch.held() == 3 * 9 and torch.equal(layer.keys, before)
+    pointer = layer.keys.data_ptr()
+    new = torch.randn(3, 2, 1, 4)
+    keys, _ = layer.update(new, new)
+    assert keys.data_ptr() == pointer and layer.spare() == 3
+    assert torch.equal(keys, torch.cat([before, new], dim=-2))
+    batch.reserve(4)                    # room left: nothing moves
+    assert layer.keys.data_ptr() == pointer
+
+
+def test_a_layer_without_room_concatenates_as_transformers_does():
+    layer = _batch().layers()[0]
+    before = layer.keys.clone()
+    new = torch.randn(3, 2, 2, 4)
+    keys, _ = layer.update(new, new)
+    assert torch.equal(keys, torch.cat([before, new], dim=-2)) and layer.spare() == 0
+
+
+def test_restoring_a_snapshot_undoes_a_step_written_in_place():
+    batch = _batch()
+    batch.reserve(4)
+    saved = batch.snapshot()
+    before = [layer.keys.clone() for layer in batch.layers()]
+    batch.step_inputs()
+    batch.layers()[0].update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
+    batch.restore(saved)
+    assert batch.width == 5 and batch.layers()[0].spare() == 4
+    for layer, keys in zip(batch.layers(), before, strict=True):
+        assert torch.equal(layer.keys, keys)
+
+
+def test_selecting_rows_drops_padding_no_kept_row_uses():
+    batch = _batch()
+    batch.mask[0, :3] = 0              # row 0 is left-padded by 3, the others by none
+    batch.select([0])
+    assert batch.rows == 1 and batch.width == 2
+    assert all(layer.keys.shape[-2] == 2 for layer in batch.layers())
+    batch.select([])
+    assert batch.rows == 0 and batch.held() == 0
+
+
+def test_sliding_window_layers_are_named_and_full_attention_is_not():
+    assert unsupported_layers(small.build().config) == []
+    sliding = small.build(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert unsupported_layers(sliding.config) == ["1: DynamicSlidingWindowLayer"]

@@ -1,0 +1,264 @@
+"""The decode pool: continuous batching agrees with the static batch, admission keeps to
+the KV pool, a group's prompt is prefilled once, a session's prefix is reused, and a
+cancelled request leaves at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from twinkle_server.engine.errors import Cancelled, InvalidArgument, ResourceExhausted
+from twinkle_server.engine.parallel import OneRank
+from twinkle_server.engine.sampling import pool as pool_module
+from twinkle_server.engine.sampling.pool import DecodePool
+from twinkle_server.engine.sampling.static import generate
+from twinkle_server.engine.types import SampleRequest, SamplingParams
+
+from ...numerics import LOGPROB_ATOL
+from .. import small
+from ..small import decode as _decode
+from ..small import route as _route
+
+
+def _pool(model, capacity=100_000, prefill_tokens=10_000):
+    return DecodePool(model, _route, eos_token_ids=(299,), pad_token_id=0, decode=_decode,
+                      capacity=capacity, prefill_tokens=prefill_tokens, parallel=OneRank())
+
+
+def _req(prompt, n=1, **params):
+    params = {"max_tokens": 16, **params}
+    return SampleRequest(None, None, np.asarray(prompt, np.int64), n, SamplingParams(**params))
+
+
+def _static(model, *requests):
+    return generate(model, _route, list(requests), [None] * len(requests), eos_token_ids=(299,),
+                    pad_token_id=0, decode=_decode)
+
+
+def _drain(pool, results=None, slice_s=0.0):
+    results = {} if results is None else results
+    for _ in range(1000):
+        if not pool.rows and not pool.waiting and not pool.finished:
+            return results
+        results.update(dict(pool.run(slice_s)))
+    raise AssertionError("the pool never drained")
+
+
+def _same(static, continuous):
+    """Seeded draws are the same numbers on either path; the logits a rounding apart
+    (other padding, other batch): tokens equal unless a draw lands within ~1e-6 of a
+    boundary, logprobs within LOGPROB_ATOL."""
+    assert len(static) == len(continuous)
+    for a, b in zip(static, continuous, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
+        assert a.stop_reason == b.stop_reason
+
+
+def test_rows_joining_mid_generation_get_what_the_static_batch_gives(model):
+    first = _req([5, 6, 7, 8], 2, max_tokens=12, seed=42)
+    late = [_req([1, 2], 1, max_tokens=5, seed=1),
+            _req(list(range(10, 20)), 3, max_tokens=7, seed=2, top_k=20, top_p=0.9)]
+    pool = _pool(model)
+    pool.submit("first", first, None)
+    results = dict(pool.run(0.0))        # one step: the first request is mid-generation
+    assert pool.rows and "first" not in results
+    for i, request in enumerate(late):
+        pool.submit(i, request, None)
+    _drain(pool, results)
+    _same(_static(model, first)[0], results["first"].sequences)
+    for i, request in enumerate(late):
+        _same(_static(model, request)[0], results[i].sequences)
+
+
+def test_a_seeded_request_alone_gives_the_same_tokens_twice(model):
+    outs = []
+    for _ in range(2):
+        pool = _pool(model)
+        pool.submit(0, _req([3, 1, 4], 2, max_tokens=9, seed=7), None)
+        outs.append(_drain(pool)[0].sequences)
+    for a, b in zip(*outs, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.logprobs.tolist() == b.logprobs.tolist()
+
+
+def test_stop_strings_that_span_tokens_end_the_row_where_they_complete(model):
+    free = _static(model, _req([9, 2], max_tokens=10, temperature=0.0))[0][0]
+    stop = _decode(free.tokens)[3:6]     # three letters: spans tokens
+    pool = _pool(model)
+    pool.submit(0, _req([9, 2], max_tokens=10, temperature=0.0, stop_strings=(stop,)), None)
+    seq = _drain(pool)[0].sequences[0]
+    assert seq.stop_reason == "stop"
+    assert stop in _decode(seq.tokens) and stop not in _decode(seq.tokens[:-1])
+
+
+def test_a_group_prefills_its_prompt_once_whatever_num_samples(model):
+    pool = _pool(model)
+    prompt = list(range(20, 60))
+    pool.submit(0, _req(prompt, 16, max_tokens=4, seed=3), None)
+    out = _drain(pool)[0]
+    assert len(out.sequences) == 16
+    assert pool.stats().prompt_tokens_computed == len(prompt)
+
+
+def test_a_full_pool_queues_requests_then_serves_them(model):
+    # Each request needs 2 x (4 + 8) = 24 positions alone; 30 hold one at a time.
+    pool = _pool(model, capacity=30)
+    requests = [_req([1, 2, 3, 4 + i], 2, max_tokens=8, seed=i, ignore_eos=True)
+                for i in range(3)]
+    for i, request in enumerate(requests):
+        pool.submit(i, request, None)
+    results = dict(pool.run(0.0))
+    assert len(pool.waiting) == 2 and pool.rows
+    _drain(pool, results)
+    assert sorted(results) == [0, 1, 2]
+    for i, request in enumerate(requests):
+        _same(_static(model, request)[0], results[i].sequences)
+
+
+def test_a_request_that_can_never_fit_is_refused_and_disturbs_nothing(model):
+    pool = _pool(model, capacity=30)
+    ok = _req([1, 2, 3], 1, max_tokens=8, seed=5)
+    pool.submit("ok", ok, None)
+    pool.submit("big", _req(list(range(1, 11)), 4, max_tokens=8), None)
+    results = _drain(pool)
+    assert isinstance(results["big"], ResourceExhausted)
+    assert "--kv-pool-tokens" in str(results["big"]) and "72" in str(results["big"])
+    _same(_static(model, ok)[0], results["ok"].sequences)
+
+
+def test_an_extended_prompt_reuses_the_session_prefix_with_the_same_logprobs(model):
+    pool = _pool(model)
+    first = list(range(10, 40))
+    pool.submit(0, _req(first, 1, max_tokens=5, seed=3), None, ("session", "v1"))
+    reply = _drain(pool)[0].sequences[0]
+    longer = first + reply.tokens.tolist() + [7, 8]
+    pool.submit(1, _req(longer, 1, max_tokens=6, seed=4), None, ("session", "v1"))
+    reused = _drain(pool)[1]
+    # The first request's prompt and completion, but its last sampled token (never fed).
+    assert reused.prompt_cache_hit_tokens == len(first) + len(reply.tokens) - 1
+    _same(_static(model, _req(longer, 1, max_tokens=6, seed=4))[0], reused.sequences)
+
+
+def test_the_prefix_cache_never_crosses_namespaces_or_weight_versions(model):
+    pool = _pool(model)
+    prompt = list(range(50, 80))
+    pool.submit(0, _req(prompt, 1, max_tokens=2), None, ("alice-session", "v1"))
+    _drain(pool)
+    for key, namespace in ((1, ("bob-session", "v1")), (2, ("alice-session", "v2")),
+                           (3, None)):
+        pool.submit(key, _req(prompt + [1], 1, max_tokens=2), None, namespace)
+        assert _drain(pool)[key].prompt_cache_hit_tokens == 0
+    pool.submit(4, _req(prompt + [1], 1, max_tokens=2), None, ("alice-session", "v1"))
+    assert _drain(pool)[4].prompt_cache_hit_tokens == len(prompt)
+
+
+def test_steps_write_the_cache_in_place_and_still_match_the_static_batch(model, monkeypatch):
+    """With 3 spare columns at a time the cache is rewidened many times, rows join and
+    leave between, and every request still equals its static batch alone."""
+    monkeypatch.setattr(pool_module, "SPARE_COLUMNS", 3)
+    requests = [_req([5, 6, 7, 8], 2, max_tokens=20, seed=1, ignore_eos=True),
+                _req([1, 2], 1, max_tokens=7, seed=2, ignore_eos=True),
+                _req(list(range(30, 45)), 3, max_tokens=13, seed=3, ignore_eos=True)]
+    pool = _pool(model)
+    pool.submit(0, requests[0], None)
+    results = dict(pool.run(0.0))
+    with torch.inference_mode():
+        pool._step()
+        before = pool.batch.cache.layers[0].keys.data_ptr()
+        pool._step()     # within the room _reserve left: no copy of the cache
+    assert pool.batch.cache.layers[0].keys.data_ptr() == before
+    for i, request in enumerate(requests[1:], 1):
+        pool.submit(i, request, None)
+        results.update(pool.run(0.0))
+    _drain(pool, results)
+    for i, request in enumerate(requests):
+        _same(_static(model, request)[0], results[i].sequences)
+
+
+def test_joiners_regrouped_by_adapter_draw_from_their_own_logits(engine, fresh):
+    """Rows of one adapter stay together, so a joiner of an adapter already decoding
+    lands before later rows: each row must still draw from its own logits. Every request
+    equals its static batch alone (tokens, and logprobs to LOGPROB_ATOL)."""
+    from twinkle_server.engine.types import LoraSpec, SampleRequest
+
+    for name, seed in (("dec-a", 1), ("dec-b", 2)):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=seed))
+        fresh.append(name)
+        for param in engine.adapters[name].parameters():   # B starts at zero
+            torch.nn.init.normal_(param, std=0.05)
+
+    def request(adapter, prompt, n, max_tokens, seed):
+        return SampleRequest(adapter, None, np.asarray(prompt, np.int64), n,
+                             SamplingParams(max_tokens=max_tokens, seed=seed,
+                                            ignore_eos=True))
+
+    first = [request("dec-a", [5, 6, 7], 2, 6, 1), request(None, [9, 8], 1, 6, 2)]
+    later = [request("dec-b", [3, 4, 5, 6], 1, 4, 3), request("dec-a", [11, 12], 2, 5, 4),
+             request(None, [20, 21, 22], 1, 3, 5)]
+    results = dict(engine.decode(first, [0, 1], 0.0))
+    assert not results   # still decoding when the others join
+    results.update(engine.decode(later, [2, 3, 4], 0.0))
+    for _ in range(50):
+        if len(results) == 5:
+            break
+        results.update(engine.decode([], [], 0.0))
+    for key, req in enumerate(first + later):
+        _same(engine.sample_batch([req])[0], results[key].sequences)
+
+
+def test_a_model_with_sliding_window_layers_is_refused_when_the_pool_is_made():
+    """The pool's full-width mask over a sliding layer's window once crashed it with a
+    size mismatch mid-generation."""
+    sliding = small.build(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(InvalidArgument, match="DynamicSlidingWindowLayer.*--sampler static"):
+        _pool(sliding)
+
+
+def test_a_cancelled_request_leaves_at_once_and_the_others_finish_as_alone(model):
+    stays = _req([5, 6, 7], 2, max_tokens=30, seed=1, ignore_eos=True)
+    # Width 3: the first two need 2 x (3 + 30) + 3 x (3 + 600) = 1,875 positions, so
+    # the third (8 more) waits.
+    pool = _pool(model, capacity=1880)
+    pool.submit("stays", stays, None)
+    pool.submit("cancelled", _req([8, 9], 3, max_tokens=600, seed=2, ignore_eos=True), None)
+    pool.submit("waiting", _req([1], 1, max_tokens=5, seed=3), None)
+    results = dict(pool.run(0.0))       # the prefill's tokens and one step's
+    assert (pool.stats().active_rows, pool.stats().waiting_requests) == (5, 1)
+    before = pool.stats().tokens_decoded
+    pool.cancel(["cancelled", "waiting", "unknown"])
+    assert (pool.stats().active_rows, pool.stats().waiting_requests) == (2, 0)
+    results.update(_drain(pool))
+    assert isinstance(results["cancelled"], Cancelled)
+    assert isinstance(results["waiting"], Cancelled)
+    # Only the two rows that stayed drew after the cancel: 28 tokens each.
+    assert pool.stats().tokens_decoded - before == 2 * 28
+    _same(_static(model, stays)[0], results["stays"].sequences)
+
+
+def test_stats_are_a_snapshot_any_thread_may_read_while_the_pool_runs(model):
+    import threading
+
+    pool = _pool(model, capacity=400)
+    errors, done = [], threading.Event()
+
+    def scrape():
+        while not done.is_set():
+            try:
+                stats = pool.stats()
+                assert stats.kv_in_use <= stats.kv_capacity + stats.active_rows
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+    reader = threading.Thread(target=scrape)
+    reader.start()
+    try:
+        for i in range(12):
+            pool.submit(i, _req(list(range(10, 30 + i)), 1, max_tokens=6, seed=i),
+                        None, (f"session-{i % 3}", "v1"))
+            _drain(pool)
+    finally:
+        done.set()
+        reader.join()
+    assert not errors

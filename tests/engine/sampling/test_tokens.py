@@ -1,0 +1,75 @@
+"""The one token step: near-tied logits draw the same token, rows whose logits are not
+finite are reported and not drawn from, the stop rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from twinkle_server.engine.errors import FailedPrecondition
+from twinkle_server.engine.sampling import tokens
+from twinkle_server.engine.types import SampleRequest, SamplingParams
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=1, top_p=0.9),
+                                    SamplingParams(max_tokens=1, top_k=5),
+                                    SamplingParams(max_tokens=1, top_k=5, top_p=0.8)])
+def test_near_tied_logits_draw_the_same_token_whichever_rounds_higher(params):
+    """Two logits 4e-7 apart (what another batch's rounding gives) swap places in a
+    sorted draw; drawn by token id, every seed picks the same token either way."""
+    base = torch.linspace(-3, 0, 50)
+    a, b = base.clone(), base.clone()
+    a[[10, 40]] = b[[10, 40]] = 0.5
+    a[10] += 4e-7
+    b[40] += 4e-7
+    for seed in range(64):
+        ga, gb = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert tokens.pick(a[None], params, ga).item() == tokens.pick(b[None], params, gb).item()
+
+
+def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9, -1.0, 3.0]])
+    for seed in range(200):
+        top_k = tokens.pick(logits, SamplingParams(max_tokens=1, top_k=2),
+                            torch.Generator().manual_seed(seed)).item()
+        assert top_k in (1, 3)
+        top_p = tokens.pick(logits, SamplingParams(max_tokens=1, top_p=0.4),
+                            torch.Generator().manual_seed(seed)).item()
+        assert top_p == 1       # token 1 alone holds 48% of the mass
+
+
+def test_rows_whose_logits_are_not_finite_are_reported_and_the_others_drawn():
+    logits = torch.randn(4, 30)
+    logits[1, 3] = math.nan
+    logits[2, 5] = math.inf
+    logits[3, :29] = -math.inf     # a model may mask tokens: one finite logit still draws
+    params = SamplingParams(max_tokens=1, seed=1)
+    segments = [tokens.Segment(i, i + 1, params, torch.Generator().manual_seed(i))
+                for i in range(4)]
+    drawn = tokens.draw(logits, segments, topk=2)
+    assert [drawn.finite(i) for i in range(4)] == [True, False, False, True]
+    assert drawn.tokens[3] == 29 and drawn.logprobs[3] == pytest.approx(0.0)
+    assert math.isfinite(drawn.logprobs[0])
+    everything_masked = torch.full((1, 30), -math.inf)
+    assert not tokens.draw(everything_masked, segments[:1], topk=0).finite(0)
+
+
+def test_the_error_of_non_finite_logits_names_the_model():
+    def request(adapter, path):
+        return SampleRequest(adapter, path, torch.zeros(1).numpy(), 1, SamplingParams())
+    error = tokens.not_finite(request("run-7", None))
+    assert isinstance(error, FailedPrecondition)
+    assert "model 'run-7'" in str(error) and "not finite" in str(error)
+    assert "'step-3'" in str(tokens.not_finite(request(None, "/data/run/sampler/step-3")))
+    assert "the base model" in str(tokens.not_finite(request(None, None)))
+
+
+def test_a_row_stops_at_a_stop_token_a_stop_string_or_max_tokens():
+    params = SamplingParams(max_tokens=4, stop_strings=("cd",))
+    text = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # noqa: E731
+    assert tokens.stop_reason([0, 9], params, {9}, text) == "stop"
+    assert tokens.stop_reason([1, 2, 3], params, set(), text) == "stop"     # 'bcd'
+    assert tokens.stop_reason([0, 0, 0, 0], params, set(), text) == "length"
+    assert tokens.stop_reason([0, 0], params, set(), text) is None

@@ -1,0 +1,70 @@
+"""Admission to the decode pool: which waiting requests join the running batch, within
+the pool's KV bound. Pure functions of sizes; no torch.
+
+A row of a batch of width W with r tokens left to draw occupies at most W + r positions
+until it leaves (the width grows one column per step while r shrinks by one), so the sum
+over rows of W + r (`footprint`) bounds what the batch can come to hold. A request joins
+only while that sum, with the cached session prefixes, stays within the pool's capacity;
+the rest wait, in order. A request that could not fit in an empty pool is refused at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.types import SampleRequest
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What admission needs to know of a waiting request."""
+
+    rows: int
+    cached: int     # prompt tokens its prefix entry already holds
+    suffix: int     # prompt tokens it must compute
+    max_tokens: int
+
+
+def footprint(width: int, remaining: Sequence[int]) -> int:
+    """Most KV positions rows of a batch of `width`, with `remaining[i]` tokens still to
+    draw, can occupy before they leave."""
+    return sum(width + r for r in remaining)
+
+
+def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capacity: int,
+          prefill_tokens: int) -> int:
+    """How many of `waiting`, in order, join a batch of `width` whose rows have
+    `remaining` tokens to draw, within `capacity` KV positions.
+
+    Joiners are prefilled together, padded to their widest cached prefix plus their
+    widest suffix, and the batch takes the wider width. At most `prefill_tokens` prompt
+    tokens are computed per slice, but the first joiner always may (a prompt longer than
+    the budget still runs). Stops at the first request that does not fit: it is next.
+    """
+    count, cached, suffix, computed = 0, 0, 0, 0
+    rows: list[int] = list(remaining)
+    for request in waiting:
+        new_cached, new_suffix = max(cached, request.cached), max(suffix, request.suffix)
+        new_width = max(width, new_cached + new_suffix)
+        new_rows = rows + [request.max_tokens] * request.rows
+        if footprint(new_width, new_rows) > capacity:
+            break
+        if count and computed + request.suffix > prefill_tokens:
+            break
+        count, cached, suffix, rows = count + 1, new_cached, new_suffix, new_rows
+        computed += request.suffix
+    return count
+
+
+def never_fits(request: SampleRequest, capacity: int) -> ResourceExhausted | None:
+    """The refusal of a request too large for an empty pool, else None."""
+    need = request.num_tokens
+    if need <= capacity:
+        return None
+    return ResourceExhausted(
+        f"num_samples x (prompt + max_tokens): {request.num_samples} x "
+        f"({request.prompt.size} + {request.params.max_tokens}) = {need} KV positions, over "
+        f"the sampler's pool of {capacity} (--kv-pool-tokens); ask fewer samples or tokens "
+        "per request")

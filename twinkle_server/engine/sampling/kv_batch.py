@@ -1,0 +1,250 @@
+"""The decode pool's KV batch: every decoding row's cache in one left-padded batch, with
+its attention mask, next positions and pending tokens.
+
+* Layout. Per layer, keys and values `[rows, H, width, D]`, rows left-padded to the
+  batch's width (the mask marks real positions), the rows of one adapter contiguous (the
+  multi-LoRA router slices by row). Each row carries its last sampled token, not yet fed
+  (`pending`): a step feeds that column for every row.
+* Steps in place. Keys and values are columns `start:used` of buffers with spare columns
+  (`_BufferedLayer`, which records both): a step writes its column into the buffer, where
+  transformers' `DynamicLayer` would copy the whole cache. `reserve` gives the batch new
+  buffers when a step would find no spare column.
+* Atomic changes. `join` and `select` build every layer's new tensors before replacing
+  any, and a step is undone by `restore(snapshot())`: a forward that fails (out of memory,
+  a device error) leaves the batch as it was.
+* Only full-attention caches. A model with sliding-window (or other non-growing) cache
+  layers would keep fewer positions than the mask says; `unsupported_layers` names them,
+  and the pool refuses such a model when it is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class _BufferedLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are columns `start:used` of `buffers`
+    (keys, values `[B, H, C, D]`) when it has them: `update` writes new columns into the
+    buffers in place while they have room, and otherwise concatenates (and drops them)."""
+
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    start = used = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if self.buffers is not None and self.used + n <= self.buffers[0].shape[-2]:
+            keys, values = self.buffers
+            keys[..., self.used:self.used + n, :] = key_states
+            values[..., self.used:self.used + n, :] = value_states
+            self.used += n
+            self.keys = keys[..., self.start:self.used, :]
+            self.values = values[..., self.start:self.used, :]
+            return self.keys, self.values
+        self.buffers = None
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def spare(self) -> int:
+        """Columns a step may still write in place."""
+        return 0 if self.buffers is None else self.buffers[0].shape[-2] - self.used
+
+    def columns(self) -> int:
+        """Columns held per row: the buffer's, or the keys' own."""
+        return self.buffers[0].shape[-2] if self.buffers is not None else self.keys.shape[-2]
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
+        """Hold copies of `keys` and `values` as the leading columns of new buffers with
+        `extra` spare columns (no buffers when `extra` is 0: plain tensors)."""
+        if not extra:
+            self.keys, self.values, self.buffers = keys, values, None
+            self.is_initialized = True
+            return
+        batch, heads, width, dim = keys.shape
+        buffers = (keys.new_empty((batch, heads, width + extra, dim)),
+                   values.new_empty((batch, heads, width + extra, values.shape[-1])))
+        buffers[0][..., :width, :] = keys
+        buffers[1][..., :width, :] = values
+        self.buffers, self.start, self.used = buffers, 0, width
+        self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
+        self.is_initialized = True
+
+    def drop_left(self, columns: int) -> None:
+        """Forget the first `columns` columns (padding no row uses any more)."""
+        self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
+        if self.buffers is not None:
+            self.start += columns
+
+    def state(self) -> tuple[Any, ...]:
+        return self.keys, self.values, self.buffers, self.start, self.used
+
+    def set_state(self, state: tuple[Any, ...]) -> None:
+        self.keys, self.values, self.buffers, self.start, self.used = state
+
+
+def unsupported_layers(config: Any) -> list[str]:
+    """The cache layer kinds of `config`'s model the pool cannot hold (sliding-window
+    layers keep only their window), by layer index; empty when every layer is full
+    attention."""
+    cache = DynamicCache(config=config)
+    return [f"{i}: {type(layer).__name__}" for i, layer in enumerate(cache.layers)
+            if type(layer) is not DynamicLayer]
+
+
+def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
+    """A cache of `_BufferedLayer`s for `config`'s layers, holding `layers`' keys and
+    values if any (a prefill's cached prefixes)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [_BufferedLayer() for _ in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, layers, strict=False):
+        layer.hold(keys, values)
+    return cache
+
+
+def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """`tensor` with zero columns before its last-but-one (or, 2-D, last) axis up to
+    `width`: KV `[B, H, W, D]` along W, masks `[B, W]` along W."""
+    axis = tensor.dim() - 2 if tensor.dim() == 4 else tensor.dim() - 1
+    missing = width - tensor.shape[axis]
+    if missing <= 0:
+        return tensor
+    return F.pad(tensor, [0, 0] * (tensor.dim() - 1 - axis) + [missing, 0])
+
+
+class KVBatch:
+    """The decoding rows' cache (`cache`, a `DynamicCache` of `_BufferedLayer`s), mask
+    `[rows, width]`, next positions `[rows]` and pending tokens `[rows]`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        """No rows."""
+        device = self.device
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)
+        self.pending = torch.zeros(0, dtype=torch.long, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def layers(self) -> list[_BufferedLayer]:
+        return [] if self.cache is None else list(self.cache.layers)
+
+    def held(self) -> int:
+        """KV positions the batch holds now: rows x columns of its buffers."""
+        layers = self.layers()
+        return self.rows * layers[0].columns() if layers else 0
+
+    def join(self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor,
+             pending: torch.Tensor, order: Sequence[int] | None = None) -> None:
+        """Append new rows (their cache, mask, next positions, pending tokens), both sides
+        padded to the wider, then put every row in `order` (the pool's grouping)."""
+        if self.cache is None:
+            self.cache, self.mask, self.positions, self.pending = cache, mask, positions, pending
+        else:
+            width = max(self.width, mask.shape[1])
+            merged = [(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
+                       torch.cat([left_pad(old.values, width), left_pad(new.values, width)]))
+                      for old, new in zip(self.layers(), cache.layers, strict=True)]
+            rest = (torch.cat([left_pad(self.mask, width), left_pad(mask, width)]),
+                    torch.cat([self.positions, positions]), torch.cat([self.pending, pending]))
+            self.mask, self.positions, self.pending = rest
+            for layer, (keys, values) in zip(self.layers(), merged, strict=True):
+                layer.hold(keys, values)
+        if order is not None and list(order) != list(range(self.rows)):
+            self.select(order)
+
+    def select(self, keep: Sequence[int]) -> None:
+        """Keep rows `keep`, in that order, and drop padding columns no kept row uses."""
+        if not keep:
+            self.clear()
+            return
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        picked = [(layer.keys[index], layer.values[index]) for layer in self.layers()]
+        mask, positions, pending = self.mask[index], self.positions[index], self.pending[index]
+        for layer, (keys, values) in zip(self.layers(), picked, strict=True):
+            layer.hold(keys, values)
+        self.mask, self.positions, self.pending = mask, positions, pending
+        used = torch.nonzero(self.mask.any(0))
+        first = int(used[0]) if used.numel() else self.width
+        if first:
+            for layer in self.layers():
+                layer.drop_left(first)
+            self.mask = self.mask[:, first:]
+
+    def reserve(self, extra: int) -> None:
+        """Give every layer `extra` spare columns when some layer has none left, so that
+        the next steps write in place."""
+        layers = self.layers()
+        if all(layer.spare() for layer in layers):
+            return
+        for layer in layers:
+            layer.hold(layer.keys, layer.values, extra)
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """What `restore` needs to undo a step."""
+        return (self.mask, self.positions, self.pending,
+                [layer.state() for layer in self.layers()])
+
+    def restore(self, snapshot: tuple[Any, ...]) -> None:
+        self.mask, self.positions, self.pending, layers = snapshot
+        for layer, state in zip(self.layers(), layers, strict=True):
+            layer.set_state(state)
+
+    def step_inputs(self) -> dict[str, torch.Tensor]:
+        """The next step's forward inputs; the mask takes the new column."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=-1)
+        return {"input_ids": self.pending[:, None], "attention_mask": self.mask,
+                "position_ids": self.positions[:, None]}
+
+    def advance(self, chosen: torch.Tensor) -> None:
+        """After a step: every row moves one position on, `chosen` its pending tokens."""
+        self.positions = self.positions + 1
+        self.pending = chosen
+
+    def row_kv(self, row: int, mask_row: torch.Tensor | None = None) -> LayerKV:
+        """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
+        view would keep the whole batch's tensors alive)."""
+        return row_kv(self.cache, row, self.mask[row] if mask_row is None else mask_row)
+
+
+def row_kv(cache: DynamicCache, row: int, mask_row: torch.Tensor) -> LayerKV:
+    """Row `row` of `cache` at the positions `mask_row` keeps, as `[1, H, n, D]` copies."""
+    columns = torch.nonzero(mask_row).squeeze(-1)
+    return [(layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns])
+            for layer in cache.layers]
+
+
+def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep rows `index` of `cache` (a prefill's), in that order."""
+    for layer in cache.layers:
+        layer.hold(layer.keys[index], layer.values[index])
+
+
+def prefix_batch(prefixes: Sequence[LayerKV | None], cached: Sequence[int],
+                 width: int) -> LayerKV:
+    """Per layer, the first `cached[i]` positions of each joiner's cached prefix as one
+    batch `[n, H, width, D]`, right-aligned (a joiner with none is all padding)."""
+    shape = next(p for p, n in zip(prefixes, cached, strict=True) if n and p is not None)
+    layers = []
+    for layer, (keys, values) in enumerate(shape):
+        parts = [[left_pad((own[layer][which] if own is not None and n else like)[..., :n, :],
+                           width) for own, n in zip(prefixes, cached, strict=True)]
+                 for which, like in ((0, keys), (1, values))]
+        layers.append((torch.cat(parts[0]), torch.cat(parts[1])))
+    return layers

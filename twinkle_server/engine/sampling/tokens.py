@@ -1,0 +1,151 @@
+"""One token step, shared by the decode pool and the static batch: each row's next token
+under its request's parameters, its untempered logprob and top-k, the stop rule, and the
+refusal of logits that are not finite.
+
+* Draws walk the vocabulary in token-id order. The kept set (top-k, then top-p) is chosen
+  by sorting, but the draw runs over the kept tokens by id, so two logits a rounding apart
+  (another batch, other padding: within 5e-7 on the tiny model) never trade places in the
+  walk. A seeded request therefore picks the same tokens alone and in company, unless a
+  kept set differs at its very edge or a draw lands within rounding of a boundary.
+* Logprobs are of the sampled token under the untempered distribution (log-softmax of the
+  raw logits), what a teacher-forced forward gives; RL losses use them as `old_logp`.
+* A row whose logits are not finite (NaN, +inf, or all -inf: a diverged adapter) is not
+  drawn from; it is reported, and only its request fails (`not_finite`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+
+import numpy as np
+import torch
+
+from twinkle_server.engine.errors import FailedPrecondition
+from twinkle_server.engine.prompt_scoring import TOPK_MASK_LOGPROB
+from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
+
+
+def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """One stream per request, on the logits' device so sampling copies nothing to the host."""
+    return torch.Generator(device=device).manual_seed(
+        seed if seed is not None else secrets.randbits(63))
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+         ) -> torch.Tensor:
+    """One token per row of finite `logits` `[n, V]` under the request's parameters."""
+    if params.temperature == 0 or params.top_k == 1:
+        return logits.argmax(-1)
+    scores = logits / params.temperature
+    top_k = params.top_k if 0 < params.top_k < scores.shape[-1] else 0
+    if top_k or params.top_p < 1.0:
+        # topk returns its values sorted, so top-p below sorts only k columns, not V.
+        ordered, order = (torch.topk(scores, top_k, dim=-1) if top_k
+                          else torch.sort(scores, dim=-1, descending=True))
+        if params.top_p < 1.0:
+            probs = torch.softmax(ordered, dim=-1)
+            # Drop a token when the mass before it already reaches top_p (the first stays).
+            ordered = ordered.masked_fill((probs.cumsum(-1) - probs) >= params.top_p,
+                                          float("-inf"))
+        # Back to token-id order: the draw below walks the kept tokens by id.
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows `start:end` of a draw belong to one request, drawn by one `pick`."""
+
+    start: int
+    end: int
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass
+class Drawn:
+    """One step's draw: per row its token, its logprob (NaN where the row's logits were
+    not finite: nothing was drawn there) and, when asked, its top-k."""
+
+    chosen: torch.Tensor          # [n] on the logits' device: the next step's input
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: np.ndarray | None    # [n, widest k]
+    top_logprobs: np.ndarray | None
+
+    def finite(self, row: int) -> bool:
+        return not math.isnan(self.logprobs[row])
+
+
+def draw(logits: torch.Tensor, segments: Sequence[Segment], topk: int) -> Drawn:
+    """Draw the next token of every row of `logits` `[n, V]` (float32), one `pick` per
+    segment in order (each request's generator advances by the same calls as alone), and
+    the top `topk` of every row when asked."""
+    top = logits.amax(-1)
+    finite = (top > float("-inf")) & (top < float("inf"))    # NaN compares False
+    safe = torch.where(finite[:, None], logits, 0.0)
+    chosen = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for segment in segments:
+        chosen[segment.start:segment.end] = pick(safe[segment.start:segment.end],
+                                                 segment.params, segment.generator)
+    logp = torch.log_softmax(safe, dim=-1)
+    chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1).masked_fill(~finite, math.nan)
+    top_ids = top_lps = None
+    if topk:
+        best = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+        top_ids, top_lps = best.indices.cpu().numpy(), best.values.cpu().numpy()
+    return Drawn(chosen, chosen.tolist(), chosen_logp.tolist(), top_ids, top_lps)
+
+
+def stop_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
+    """The token ids that end a row: its own stops, and EOS unless `ignore_eos`."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
+def stop_reason(tokens: Sequence[int], params: SamplingParams, stops: set[int],
+                decode: Callable[[Sequence[int]], str]) -> str | None:
+    """Why a row whose tokens are `tokens` stops now ('stop' or 'length'), or None."""
+    if tokens[-1] in stops or (params.stop_strings and any(
+            s in decode(tokens) for s in params.stop_strings)):
+        return "stop"
+    if len(tokens) >= params.max_tokens:
+        return "length"
+    return None
+
+
+def not_finite(request: SampleRequest) -> FailedPrecondition:
+    """The failure of a request whose model gives logits that are not finite."""
+    if request.adapter_id is not None:
+        model = f"model {request.adapter_id!r}"
+    elif request.weights_path is not None:
+        model = f"the sampler checkpoint {PurePath(request.weights_path).name!r}"
+    else:
+        model = "the base model"
+    return FailedPrecondition(
+        f"sampling: the logits of {model} are not finite (NaN or inf), so no token can be "
+        "drawn; its weights have diverged (a learning rate too high?). Load an earlier "
+        "checkpoint; nothing else was affected")
+
+
+def sequence(tokens: Sequence[int], logprobs: Sequence[float],
+             topk: Sequence[tuple[np.ndarray, np.ndarray]], k: int,
+             reason: str | None) -> SampledSequence:
+    """One finished row as a `SampledSequence`: int32 tokens, float32 logprobs, and its
+    per-step top-k as `[n, k]` (a vocabulary narrower than k leaves token 0 and
+    `TOPK_MASK_LOGPROB` in the last columns; None when not asked)."""
+    ids = lps = None
+    if k:
+        ids = np.zeros((len(topk), k), np.int32)
+        lps = np.full((len(topk), k), TOPK_MASK_LOGPROB, np.float32)
+        for i, (step_ids, step_lps) in enumerate(topk):
+            n = min(k, step_ids.size)
+            ids[i, :n], lps[i, :n] = step_ids[:n], step_lps[:n]
+    return SampledSequence(tokens=np.asarray(tokens, dtype=np.int32),
+                           logprobs=np.asarray(logprobs, dtype=np.float32),
+                           stop_reason=reason, topk_token_ids=ids,  # type: ignore[arg-type]
+                           topk_logprobs=lps)
