@@ -14,13 +14,16 @@ matching `twinkle_client.errors` class, so `except tinker.BadRequestError`,
 | failed_precondition (also ALREADY_EXISTS, ABORTED) | ConflictError             | 409  |
 | resource_exhausted                         | RateLimitError                    | 429  |
 | internal (anything else)                   | InternalServerError               | 500  |
-| unavailable (UNAVAILABLE, CANCELLED)       | APIConnectionError                | none |
+| cancelled (CANCELLED)                      | APIStatusError                    | 499  |
+| unavailable (UNAVAILABLE)                  | APIConnectionError                | none |
 | deadline_exceeded                          | APITimeoutError                   | none |
 
 The HTTP codes follow Google's gRPC-to-HTTP table (google/rpc/code.proto), except
 FAILED_PRECONDITION: Google says 400, but a state conflict ("the model was unloaded")
 is not a malformed request, and Tinker's ConflictError (409, "conflicts with the current
 state of the resource") says what happened, so `except BadRequestError` does not catch it.
+CANCELLED is 499 (nginx's "client closed request"), as the server's HTTP front answers
+the stock SDK: a plain `APIStatusError`, which Tinker's retry loops do not retry.
 
 Tinker's status errors carry an `httpx.Response`; ours describe the gRPC call honestly:
 request `POST grpc://<target>/<Method>`, status = the HTTP equivalent above, body =
@@ -104,8 +107,15 @@ class InternalServerError(_StatusMixin, tinker.InternalServerError,
     http_status, category = 500, "internal"
 
 
+class CancelledError(_StatusMixin, tinker.APIStatusError, native.CancelledError):
+    """The call was cancelled before it finished, by this client or because it went away
+    (CANCELLED)."""
+
+    http_status, category = 499, "cancelled"
+
+
 class APIConnectionError(tinker.APIConnectionError, native.UnavailableError):
-    """The server is unreachable or shutting down (UNAVAILABLE, CANCELLED)."""
+    """The server is unreachable or shutting down (UNAVAILABLE)."""
 
     category = "unavailable"
 
@@ -136,7 +146,8 @@ class APITimeoutError(tinker.APITimeoutError, native.DeadlineExceededError):
 CLASSES: dict[str, type[Exception]] = {
     cls.category: cls for cls in (
         BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError,
-        ConflictError, RateLimitError, InternalServerError, APIConnectionError, APITimeoutError)
+        ConflictError, RateLimitError, InternalServerError, CancelledError, APIConnectionError,
+        APITimeoutError)
 }
 """Category (see `twinkle_client.errors.CATEGORIES`) -> exception class."""
 

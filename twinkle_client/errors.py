@@ -75,6 +75,15 @@ class DeadlineExceededError(TwinkleError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class CancelledError(TwinkleError):
+    """The call was cancelled before it finished (CANCELLED): by this client (its call
+    cancelled, its connection closed), or by the server because the caller went away: a
+    retried sample whose first attempt was cancelled keeps that answer, as every seq_id
+    keeps its first outcome; sample again with a new seq_id."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class InternalServerError(TwinkleError):
     """A server bug or an unexpected status (INTERNAL and the rest)."""
 
@@ -92,7 +101,7 @@ CATEGORIES: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.FAILED_PRECONDITION: "failed_precondition",
     grpc.StatusCode.ABORTED: "failed_precondition",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
-    grpc.StatusCode.CANCELLED: "unavailable",
+    grpc.StatusCode.CANCELLED: "cancelled",
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
 }
 """gRPC status -> error category; anything not listed is `internal`."""
@@ -106,6 +115,7 @@ NATIVE_CLASSES: dict[str, type[TwinkleError]] = {
     "failed_precondition": FailedPreconditionError,
     "unavailable": UnavailableError,
     "deadline_exceeded": DeadlineExceededError,
+    "cancelled": CancelledError,
     "internal": InternalServerError,
 }
 

@@ -4,11 +4,13 @@ Ops of merge group `forward` carry a `ForwardRequest` and run as one merged
 `Engine.forward_batch`; group `sample` carries `SampleRequest`s, which join the engine's
 decode pool (`decode`, continuous batching) or, with the static sampler, run as one
 `Engine.sample_batch`; every other op carries a zero-argument callable (optimizer step,
-save, load, ...) run alone. Engine errors come back as values, one per op.
+save, load, ...) run alone. Engine errors come back as values, one per op. Sample ops
+the scheduler cancels leave the pool at the next slice (`decode`'s `cancelled`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +20,7 @@ from twinkle_server.engine.types import Generation
 from twinkle_server.planning import FORWARD, SAMPLE, Op
 
 __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
+log = logging.getLogger(__name__)
 
 
 class EngineExecutor:
@@ -28,6 +31,8 @@ class EngineExecutor:
         # Sample ops in the decode pool, by the key the engine answers them under.
         self._waiting: dict[int, Op] = {}
         self._keys = 0
+        # Keys of ops failed with a raising slice: the next slice has the engine drop them.
+        self._forgotten: list[int] = []
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         group = ops[0].merge_group
@@ -44,14 +49,43 @@ class EngineExecutor:
                 results.append(exc)
         return results
 
-    def decode(self, joining: Sequence[Op], slice_s: float) -> list[tuple[Op, Any]]:
-        """One decode slice with `joining` sample ops new to the pool; returns the sample
-        ops finished (now or in earlier slices' rows) with their results."""
+    def decode(self, joining: Sequence[Op], slice_s: float, cancelled: Sequence[Op] = ()
+               ) -> list[tuple[Op, Any]]:
+        """One decode slice with `joining` sample ops new to the pool and `cancelled` ones
+        to end; returns the sample ops finished (now or in earlier slices' rows) with
+        their results, a cancelled one's `Cancelled`.
+
+        When the engine raises, the scheduler fails every op in the pool: they are
+        forgotten here, and the next slice asks the engine to drop whatever of them it
+        still holds. A key the engine answers that is not (or no longer) known here is
+        passed over, so it can never fail another op.
+        """
         waiting = self._waiting
         keys = []
         for op in joining:
             self._keys += 1
             waiting[self._keys] = op
             keys.append(self._keys)
-        return [(waiting.pop(key), result) for key, result in
-                self.engine.decode([op.payload for op in joining], keys, slice_s)]
+        gone = self._forgotten + _keys_of(waiting, cancelled)
+        self._forgotten = []
+        try:
+            done = self.engine.decode([op.payload for op in joining], keys, slice_s,
+                                      cancelled=gone)
+        except BaseException:
+            self._forgotten = list(waiting)
+            waiting.clear()
+            raise
+        finished = []
+        for key, result in done:
+            op = waiting.pop(key, None)
+            if op is None:   # its op failed with a slice that raised
+                log.debug("decode: key %s answered after its op was failed; passed over", key)
+            else:
+                finished.append((op, result))
+        return finished
+
+
+def _keys_of(waiting: dict[int, Op], ops: Sequence[Op]) -> list[int]:
+    """The keys of `ops` among `waiting` (one answered since is not there any more)."""
+    wanted = {id(op) for op in ops}
+    return [key for key, op in waiting.items() if id(op) in wanted] if wanted else []

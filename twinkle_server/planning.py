@@ -2,9 +2,11 @@
 
 The scheduler (`twinkle_server.scheduler`) keeps the queues and their order; each time its
 worker is free it hands `plan_batch` the ready head of every queue, and runs the batch it
-returns, within a token budget per merged pass that depends on the device. No torch, no
-threads: tests call it directly. `Op`, what both speak of, is defined here, so the
-scheduler imports this module and never the other way.
+returns, within a token budget per merged pass that depends on the device; `plan_work`
+picks between a training batch and a decode slice, and `plan_cancel` what becomes of an
+op nobody waits for any more. No torch, no threads: tests call them directly. `Op`, what
+they speak of, is defined here, so the scheduler imports this module and never the other
+way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ MODES: tuple[str, ...] = ("merged", "timeshare")
 Sampler = Literal["continuous", "static"]
 SAMPLERS: tuple[str, ...] = ("continuous", "static")
 Work = Literal["train", "decode"]
+Place = Literal["queued", "joining", "pool", "running", "done"]
+Cancel = Literal["keep", "drop", "skip", "stop"]
 
 FORWARD = "forward"
 """Merge group of forward and forward_backward ops: one base pass for many."""
@@ -131,3 +135,31 @@ def plan_work(training_ready: bool, decoding: bool, joining: bool, last: Work | 
     if training_ready:
         return "train"
     return "decode" if decoding or joining else None
+
+
+def plan_cancel(decode_op: bool, place: Place, ordered: bool) -> Cancel:
+    """What becomes of an op whose every caller stopped waiting (an HTTP future cancelled
+    by the SDK's `cancel_future`, a gRPC client gone away).
+
+    Only a decode op (a sample op of the continuous sampler's pool) is cancelled. It
+    changes no state, so its result is its only effect, and it holds pool rows and KV for
+    up to `max_tokens` steps that other requests wait for. Every other op runs (`keep`):
+    a training op (forward_backward, optim_step, save, load) changes the model state its
+    later seq_ids were built on, and a client that reconnects and retries its seq_id must
+    find it done; a one-pass read (compute_logprobs) ends within one pass anyway. An op
+    already running as a batch, or finished, is kept too.
+
+    For a decode op:
+    - `drop`: unordered and still queued, or taken off its queue but not yet in the pool
+      (`joining`): answer `Cancelled` now; it never runs;
+    - `skip`: ordered and still queued: answer `Cancelled` now; it still takes its seq_id
+      in its turn (every seq_id is consumed, or the queue's later ops would wait forever);
+    - `stop`: in the pool: the executor ends it at the next decode slice.
+    """
+    if not decode_op or place in ("running", "done"):
+        return "keep"
+    if place == "pool":
+        return "stop"
+    if place == "queued" and ordered:
+        return "skip"
+    return "drop"

@@ -25,13 +25,20 @@ decode, the worker alternates training batches and decode slices
 (`decode_slice_s`), and a stream of training ops gets a slice between each of its
 batches, so neither starves the other; with nothing decoding, new sample ops and
 training ops go in arrival order. Decode batches are sized by the pool's rows and
-KV memory (`engine.decoding`), not by `token_budget`.
+KV memory (`engine.sampling.pool`), not by `token_budget`.
 
-The decisions which ready ops run together and what runs next are the pure functions
-`planning.plan_batch` and `planning.plan_work`; this class adds one lock, one condition
-variable and one thread. Futures are resolved outside the lock, because resolving runs
-the callers' callbacks (asyncio's `wrap_future` among them). This module imports neither
-torch nor grpc.
+A caller that stops waiting (`cancel`: an HTTP future cancelled by the SDK's
+`cancel_future`, a gRPC client gone away) cancels a sample op of the decode pool: still
+queued, it is answered with `Cancelled` and never runs (an ordered one still takes its
+seq_id in its turn); in the pool, the executor ends it at the next slice. Every other op
+runs as if its caller still waited (`planning.plan_cancel` says why).
+
+The decisions which ready ops run together, what runs next and what a cancel does are
+the pure functions `planning.plan_batch`, `planning.plan_work` and
+`planning.plan_cancel`; this class adds one lock, one condition variable and one
+thread. Futures are resolved outside the lock, because resolving runs the callers'
+callbacks (asyncio's `wrap_future` among them). This module imports neither torch nor
+grpc.
 """
 
 from __future__ import annotations
@@ -44,15 +51,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from twinkle_server.engine.errors import (
+    Cancelled,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from twinkle_server.planning import (
     DEFAULT_DECODE_SLICE_S,
     DEFAULT_TOKEN_BUDGET,
     MODES,
     Mode,
     Op,
+    Place,
     Work,
     plan_batch,
+    plan_cancel,
     plan_work,
 )
 
@@ -83,10 +98,13 @@ class Executor(Protocol):
         Raising fails every op of the batch with that exception.
         """
 
-    def decode(self, joining: Sequence[Op], slice_s: float) -> Sequence[tuple[Op, Any]]:
+    def decode(self, joining: Sequence[Op], slice_s: float, cancelled: Sequence[Op] = ()
+               ) -> Sequence[tuple[Op, Any]]:
         """One decode slice of about `slice_s` seconds, `joining` new to the pool; the ops
         finished in it (any earlier joiner's too), each with its result or exception.
-        Only called when the scheduler has a `decode_group`.
+        `cancelled` are ops of earlier calls that must leave the pool now, waiting or
+        decoding: each comes back finished, with a `Cancelled` result unless it had
+        already finished. Only called when the scheduler has a `decode_group`.
 
         Raising fails every op in the pool with that exception.
         """
@@ -97,7 +115,8 @@ class _OpFuture(Future):
 
     An ordered op keeps its place even when the caller stops waiting (an RPC cancelled
     by a disconnect cancels its `wrap_future`): later seq_ids of the queue wait on it, and
-    a retry of the same seq_id shares this future and must get the real result.
+    a retry of the same seq_id shares this future and must get the real result. A caller
+    that stops waiting says so with `Scheduler.cancel`, which decides what to stop.
     """
 
     def cancel(self) -> bool:
@@ -111,6 +130,10 @@ class _Entry:
     # Arrival number: orders a queue's ordered and unordered ops against each other.
     ticket: int
     arrived: float = field(default_factory=time.monotonic)
+    # Callers sharing the future (retries of its seq_id): cancelled when all went away.
+    waiters: int = 1
+    # Answered `Cancelled`; an ordered one still takes its seq_id in its turn.
+    cancelled: bool = False
 
 
 @dataclass(eq=False)
@@ -189,6 +212,8 @@ class Scheduler:
         # Decode ops taken from their queues: not yet handed to the pool, and in it.
         self._joining: list[tuple[_Queue, _Entry]] = []
         self._decoding: dict[int, tuple[_Queue, _Entry]] = {}
+        # Ops in the pool whose callers went away: the next slice ends them.
+        self._stopping: list[Op] = []
         self._last: Work | None = None
         self._slices_run = 0
         # Per op kind: ops started, and their seconds from arrival to start, summed.
@@ -318,6 +343,8 @@ class Scheduler:
                 return OutOfOrder(
                     f"seq_id: {seq} was already used by a {existing.op.kind} op; this "
                     f"{op.kind} needs a new seq_id (the model expects {queue.next_seq})")
+            if not existing.future.done():
+                existing.waiters += 1
             return existing.future
         if seq < 0:
             return InvalidArgument(f"seq_id: {seq} must be at least 0; the model expects "
@@ -331,6 +358,59 @@ class Scheduler:
                 f"seq_id: {seq} is more than {MAX_SEQ_AHEAD} ahead of the expected "
                 f"{queue.next_seq}")
         queue.pending[seq] = entry
+        return None
+
+    def cancel(self, future: Future) -> bool:
+        """One caller of `submit` stops waiting for `future` (what `submit` gave it); call
+        once per caller that goes away. When no caller is left, a sample op of the decode
+        pool is cancelled (`planning.plan_cancel`): still queued, its future is answered
+        with `Cancelled` now and it never runs (an ordered one still takes its seq_id in
+        its turn); in the pool, the executor ends it at the next slice and its future gets
+        `Cancelled` then. Any other op runs as if its caller still waited.
+
+        Returns whether the op was cancelled (False: it runs on, or was already finished,
+        cancelled, or never queued here).
+        """
+        with self._cond:
+            found = self._locate(future)
+            if found is None:
+                return False
+            place, queue, entry = found
+            decode_op = self.decode_group is not None and entry.op.merge_group == self.decode_group
+            action = plan_cancel(decode_op, place, entry.op.seq_id is not None)
+            if action == "keep" or entry.cancelled:
+                return False
+            entry.waiters -= 1
+            if entry.waiters > 0:
+                return False
+            entry.cancelled = True
+            if action == "stop":
+                self._stopping.append(entry.op)
+                return True
+            if place == "joining":
+                self._joining.remove((queue, entry))
+                self._retire(queue, entry)
+            elif action == "drop":
+                queue.unordered.remove(entry)
+            # `skip`: it stays queued, and `_divert` takes its seq_id in its turn.
+            self._cond.notify_all()
+        entry.future.set_exception(_cancelled(entry.op))
+        return True
+
+    def _locate(self, future: Future) -> tuple[Place, _Queue, _Entry] | None:
+        """Where the op of `future` is (call with the lock); None: not here."""
+        for queue, entry in self._decoding.values():
+            if entry.future is future:
+                return "pool", queue, entry
+        for queue, entry in self._joining:
+            if entry.future is future:
+                return "joining", queue, entry
+        for queue in self._queues.values():
+            if queue.running is not None and queue.running.future is future:
+                return "running", queue, queue.running
+            for entry in (*queue.pending.values(), *queue.unordered):
+                if entry.future is future:
+                    return "queued", queue, entry
         return None
 
     def stats(self) -> dict[str, Any]:
@@ -371,9 +451,9 @@ class Scheduler:
                 heads.append(head)
         return heads, start or 0
 
-    def _take(self) -> tuple[Work, list[tuple[_Queue, _Entry]]] | None:
-        """Wait for work and claim it: a training batch or the decode ops joining the
-        next slice; None once closed and drained."""
+    def _take(self) -> tuple[Work, list[tuple[_Queue, _Entry]], list[Op]] | None:
+        """Wait for work and claim it: a training batch, or the decode ops joining the
+        next slice and the pool's ops to stop in it; None once closed and drained."""
         stranded: list[_Entry] = []
         with self._cond:
             while True:
@@ -388,12 +468,15 @@ class Scheduler:
                     break
                 self._cond.wait()
             if work == "train":
-                return work, self._claim(heads, start)
+                return work, self._claim(heads, start), []
             if work == "decode":
                 joining, self._joining = self._joining, []
                 for queue, entry in joining:
                     self._decoding[id(entry.op)] = queue, entry
-                return work, joining
+                # One that finished since its cancel is no longer the pool's.
+                stopping = [op for op in self._stopping if id(op) in self._decoding]
+                self._stopping = []
+                return work, joining, stopping
             # Closed with nothing ready (this worker runs nothing now): what is left
             # waits on a seq_id that never came.
             for queue in self._queues.values():
@@ -404,7 +487,8 @@ class Scheduler:
 
     def _divert(self) -> None:
         """Move every ready head of the decode group off its queue to join the decode pool
-        (call with the lock); an unordered one leaves its queue free for the next."""
+        (call with the lock); an unordered one leaves its queue free for the next. A
+        cancelled ordered head was answered already: it only takes its seq_id."""
         if self.decode_group is None:
             return
         moved = True
@@ -415,14 +499,17 @@ class Scheduler:
                 head = queue.head()
                 if head is None or head.op.merge_group != self.decode_group:
                     continue
+                moved = True
                 if head.op.seq_id is None:
                     queue.unordered.popleft()
                 else:
                     del queue.pending[head.op.seq_id]
+                    if head.cancelled:
+                        self._retire(queue, head)
+                        continue
                     queue.running = head
                 self._started(head)
                 self._joining.append((queue, head))
-                moved = True
 
     def _started(self, entry: _Entry) -> None:
         wait = self._waits.setdefault(entry.op.kind, [0, 0.0])
@@ -453,25 +540,34 @@ class Scheduler:
             taken = self._take()
             if taken is None:
                 return
-            work, chosen = taken
+            work, chosen, stopping = taken
             if work == "train":
                 self._finish(chosen, self._run([entry.op for _, entry in chosen]))
             else:
-                self._finish(*self._run_decode([entry.op for _, entry in chosen]), batch=False)
+                self._finish(*self._run_decode([entry.op for _, entry in chosen], stopping),
+                             batch=False)
             self._last = work
 
-    def _run_decode(self, joining: list[Op]) -> tuple[list[tuple[_Queue, _Entry]], list[Any]]:
+    def _run_decode(self, joining: list[Op], stopping: list[Op]
+                    ) -> tuple[list[tuple[_Queue, _Entry]], list[Any]]:
         """One decode slice: the entries it finished and their results. A slice that
-        raises fails every op in the pool (its state is then unknown)."""
+        raises fails every op in the pool (its state is then unknown); an op the
+        scheduler does not hold (answered already) is passed over."""
         try:
-            finished = [(self._decoding.pop(id(op)), result)
-                        for op, result in self.executor.decode(joining, self.decode_slice_s)]
+            done = [(op, result) for op, result in
+                    self.executor.decode(joining, self.decode_slice_s, stopping)]
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else _wrapped(exc)
-            finished = [(pair, error) for pair in self._decoding.values()]
-            self._decoding.clear()
-        with self._cond:
-            self._slices_run += 1
+            with self._cond:
+                finished = [(pair, error) for pair in self._decoding.values()]
+                self._decoding.clear()
+                self._stopping.clear()
+                self._slices_run += 1
+        else:
+            with self._cond:
+                finished = [(self._decoding.pop(id(op)), result) for op, result in done
+                            if id(op) in self._decoding]
+                self._slices_run += 1
         return [pair for pair, _ in finished], [result for _, result in finished]
 
     def _run(self, ops: list[Op]) -> list[Any]:
@@ -496,6 +592,20 @@ class Scheduler:
             return [error] * n
         return results
 
+    def _retire(self, queue: _Queue, entry: _Entry) -> None:
+        """The op is over: free its queue, and an ordered one takes its seq_id (kept for
+        retries); call with the lock. `queue` may be unregistered by now; updating the
+        orphan is harmless."""
+        if queue.running is entry:
+            queue.running = None
+        seq = entry.op.seq_id
+        if seq is not None:
+            queue.next_seq = seq + 1
+            if self.result_cache_size:
+                queue.done[seq] = entry
+                while len(queue.done) > self.result_cache_size:
+                    queue.done.popitem(last=False)
+
     def _finish(self, chosen: list[tuple[_Queue, _Entry]], results: list[Any],
                 batch: bool = True) -> None:
         """Answer `chosen` with `results`; `batch` False: they finished in a decode slice."""
@@ -506,18 +616,13 @@ class Scheduler:
                 if len(chosen) > 1:
                     self._merged_ops += len(chosen)
             for queue, entry in chosen:
-                # `queue` may be unregistered by now; updating the orphan is harmless.
-                if queue.running is entry:
-                    queue.running = None
-                seq = entry.op.seq_id
-                if seq is not None:
-                    queue.next_seq = seq + 1
-                    if self.result_cache_size:
-                        queue.done[seq] = entry
-                        while len(queue.done) > self.result_cache_size:
-                            queue.done.popitem(last=False)
+                self._retire(queue, entry)
             self._cond.notify_all()
         for (_, entry), result in zip(chosen, results, strict=True):
+            if entry.future.done():
+                continue
+            if entry.cancelled and isinstance(result, Cancelled):
+                result = _cancelled(entry.op, result)   # why, and what a retry gets
             if isinstance(result, Exception):
                 entry.future.set_exception(result)
             elif isinstance(result, BaseException):
@@ -528,6 +633,15 @@ class Scheduler:
 
 def _unknown(queue_id: str) -> str:
     return f"model_id: no model or sampling session {queue_id!r} is registered"
+
+
+def _cancelled(op: Op, cause: BaseException | None = None) -> Cancelled:
+    seq = "" if op.seq_id is None else (f" (seq_id {op.seq_id} is taken: a retry of it gets "
+                                        "this answer)")
+    error = Cancelled(f"{op.kind}: cancelled before it finished: its caller stopped waiting "
+                      f"(cancel_future, or the client went away){seq}")
+    error.__cause__ = cause
+    return error
 
 
 def _wrapped(exc: BaseException) -> RuntimeError:

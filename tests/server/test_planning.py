@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.planning import default_token_budget, plan_batch, plan_work
+from twinkle_server.planning import default_token_budget, plan_batch, plan_cancel, plan_work
 from twinkle_server.scheduler import Op
 
 
@@ -67,3 +67,20 @@ def test_an_accelerator_merges_more_tokens_per_pass_than_a_cpu():
 def test_plan_work_alternates_while_rows_decode_else_goes_by_arrival(
         training, decoding, joining, last, training_first, expected):
     assert plan_work(training, decoding, joining, last, training_first) == expected
+
+
+@pytest.mark.parametrize(("decode_op", "place", "ordered", "action"), [
+    (True, "queued", False, "drop"),     # never runs
+    (True, "queued", True, "skip"),      # answered now; its seq_id is taken in its turn
+    (True, "joining", False, "drop"),
+    (True, "joining", True, "drop"),     # its turn came: it takes its seq_id now
+    (True, "pool", False, "stop"),       # the executor ends it at the next slice
+    (True, "pool", True, "stop"),
+    (True, "done", False, "keep"),
+    (False, "queued", True, "keep"),     # a training op runs: later seq_ids build on it
+    (False, "queued", False, "keep"),
+    (False, "running", True, "keep"),
+])
+def test_plan_cancel_stops_only_sample_ops_of_the_decode_pool(decode_op, place, ordered,
+                                                              action):
+    assert plan_cancel(decode_op, place, ordered) == action

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.errors import Cancelled, InvalidArgument
 from twinkle_server.scheduler import (
     MAX_SEQ_AHEAD,
     Op,
@@ -523,24 +523,32 @@ def test_scheduler_module_imports_neither_torch_nor_grpc():
 
 
 class SlicedDecoder(Recorder):
-    """A decode pool stand-in: a sample op with `tokens` n finishes in its n-th slice;
-    every slice and batch is logged in order."""
+    """A decode pool stand-in: a sample op with `tokens` n finishes in its n-th slice, a
+    cancelled one at the slice it is passed to; every slice and batch is logged in order,
+    and every op decoded or cancelled recorded."""
 
     def __init__(self) -> None:
         super().__init__()
         self.log: list[str] = []
         self.left: dict[int, int] = {}
         self.ops: dict[int, Op] = {}
+        self.joined: list[Op] = []
+        self.cancelled: list[Op] = []
 
     def run_batch(self, ops):
         self.log.append("train:" + ",".join(o.kind for o in ops))
         return super().run_batch(ops)
 
-    def decode(self, joining, slice_s):
+    def decode(self, joining, slice_s, cancelled=()):
         for op in joining:
             self.left[id(op)], self.ops[id(op)] = op.tokens, op
-        self.log.append(f"slice:{len(self.left)}")
+        self.joined += joining
+        self.cancelled += cancelled
         done = []
+        for op in cancelled:
+            if self.left.pop(id(op), None) is not None:
+                done.append((self.ops.pop(id(op)), Cancelled("cancelled in the pool")))
+        self.log.append(f"slice:{len(self.left)}")
         for key in list(self.left):
             self.left[key] -= 1
             if not self.left[key]:
@@ -600,7 +608,7 @@ def test_an_ordered_sample_holds_its_model_queue_until_it_is_answered(make):
 
 def test_a_decode_slice_that_raises_fails_every_op_in_the_pool(make):
     class Broken(SlicedDecoder):
-        def decode(self, joining, slice_s):
+        def decode(self, joining, slice_s, cancelled=()):
             raise RuntimeError("pool lost")
 
     sched = make(Broken(), queues=("samp",), decode_group="sample")
@@ -609,3 +617,92 @@ def test_a_decode_slice_that_raises_fails_every_op_in_the_pool(make):
     with pytest.raises(RuntimeError, match="pool lost"):
         future.result(WAIT_SECONDS)
     assert sched.stats()["decoding"] == 0
+
+
+# ---------------------------------------------------------------- cancel
+
+def test_a_queued_sample_cancelled_is_answered_cancelled_and_never_decodes(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("samp",), decode_group="sample")
+    gone = sched.submit(sample("samp", None, tokens=3))
+    kept = sched.submit(sample("samp", None, tokens=3))
+    assert sched.cancel(gone) is True
+    with pytest.raises(Cancelled, match="stopped waiting"):
+        gone.result(0)
+    sched.start()
+    assert kept.result(WAIT_SECONDS)[0] == "sampled"
+    assert len(decoder.joined) == 1 and decoder.cancelled == []
+
+
+def test_a_queued_ordered_sample_cancelled_still_takes_its_seq_id_in_order(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("run",), decode_group="sample")
+    sched.start()
+    gone = sched.submit(sample("run", 1))   # waits for seq 0
+    assert sched.cancel(gone) is True
+    with pytest.raises(Cancelled):
+        gone.result(0)
+    assert sched.submit(fwd("run", 0)).result(WAIT_SECONDS) == ("run", 0)
+    # Seq 2 runs: the cancelled seq 1 was consumed in its turn, not left as a hole.
+    assert sched.submit(optim("run", 2)).result(WAIT_SECONDS) == ("run", 2)
+    assert decoder.joined == [] and sched.next_seq("run") == 3
+    # A retry of the cancelled seq_id gets its stored answer.
+    with pytest.raises(Cancelled):
+        sched.submit(sample("run", 1)).result(0)
+
+
+def test_a_sample_cancelled_in_the_pool_is_passed_to_the_executor_at_the_next_slice(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("samp",), decode_group="sample")
+    decoder.gate.clear()
+    sched.start()
+    long_run = sched.submit(sample("samp", None, tokens=600))
+    assert decoder.entered.wait(WAIT_SECONDS)   # the first slice holds it in the pool
+    assert sched.cancel(long_run) is True
+    decoder.gate.set()
+    with pytest.raises(Cancelled, match="stopped waiting") as cancelled:
+        long_run.result(WAIT_SECONDS)
+    assert "in the pool" in str(cancelled.value.__cause__)
+    assert [op.kind for op in decoder.cancelled] == ["sample"]
+    assert decoder.log == ["slice:1", "slice:0"]   # left at the next slice, not at 600
+    assert sched.stats()["decoding"] == 0
+
+
+def test_a_sample_shared_with_a_retry_is_cancelled_only_when_every_caller_went_away(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("run",), decode_group="sample")
+    first = sched.submit(sample("run", 1))
+    retry = sched.submit(sample("run", 1))
+    assert retry is first
+    assert sched.cancel(first) is False    # the retry still waits
+    assert sched.cancel(retry) is True
+    assert sched.cancel(retry) is False    # already cancelled
+    with pytest.raises(Cancelled):
+        first.result(0)
+
+
+def test_cancelling_a_training_op_or_a_finished_sample_changes_nothing(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("run",), decode_group="sample")
+    trained = sched.submit(fwd("run", 0))
+    assert sched.cancel(trained) is False   # it changes the model: it runs in its turn
+    sched.start()
+    assert trained.result(WAIT_SECONDS) == ("run", 0)
+    sampled = sched.submit(sample("run", 1, tokens=1))
+    assert sampled.result(WAIT_SECONDS)[0] == "sampled"
+    assert sched.cancel(sampled) is False
+    assert sched.submit(optim("run", 2)).result(WAIT_SECONDS) == ("run", 2)
+
+
+def test_a_pool_op_that_finishes_before_its_cancel_reaches_a_slice_keeps_its_result(make):
+    decoder = SlicedDecoder()
+    sched = make(decoder, queues=("samp",), decode_group="sample")
+    decoder.gate.clear()
+    sched.start()
+    quick = sched.submit(sample("samp", None, tokens=1))
+    assert decoder.entered.wait(WAIT_SECONDS)   # its only slice is running
+    assert sched.cancel(quick) is True          # in the pool as far as the scheduler knows
+    decoder.gate.set()
+    assert quick.result(WAIT_SECONDS)[0] == "sampled"
+    assert sched.submit(sample("samp", None, tokens=2)).result(WAIT_SECONDS)[0] == "sampled"
+    assert decoder.cancelled == []   # never passed on: the pool no longer held it

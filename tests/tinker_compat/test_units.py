@@ -64,6 +64,7 @@ def test_no_base_url_anywhere_names_the_argument_and_both_variables(clean_env):
      429),
     (grpc.StatusCode.INTERNAL, tinker.InternalServerError, native.InternalServerError, 500),
     (grpc.StatusCode.DATA_LOSS, tinker.InternalServerError, native.InternalServerError, 500),
+    (grpc.StatusCode.CANCELLED, tinker.APIStatusError, native.CancelledError, 499),
     (grpc.StatusCode.UNAVAILABLE, tinker.APIConnectionError, native.UnavailableError, None),
     (grpc.StatusCode.DEADLINE_EXCEEDED, tinker.APITimeoutError, native.DeadlineExceededError,
      None),

@@ -44,7 +44,7 @@ def health_check(conn: Connection, timeout: float) -> bool:
     try:
         reply = conn.call(stub.Check, health_pb2.HealthCheckRequest(), timeout=timeout,
                           retry=False)
-    except (errors.UnavailableError, errors.DeadlineExceededError):
+    except (errors.UnavailableError, errors.DeadlineExceededError, errors.CancelledError):
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import EngineError, InvalidArgument, Unauthenticated
+from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, Unauthenticated
 from twinkle_server.engine.types import LoraSpec
 from twinkle_server.http import convert, sampling_options
 from twinkle_server.http.errors import BadBody, failed_response, status_for
@@ -160,7 +160,10 @@ class Front:
     @route
     async def dynamic_config(self, request: Request) -> Any:
         self.tenant(request)
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+        # The SDK sends `cancel_future` for a sample future its caller abandons (cancelled,
+        # or timed out in `result_async`) only when this is on; the sample then leaves
+        # the decode pool at its next step instead of decoding to `max_tokens`.
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
 
     @route
     async def capabilities(self, request: Request) -> Any:
@@ -431,7 +434,8 @@ class Front:
         if not await self.futures.wait(entry):
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         if entry.task.cancelled():
-            return {"error": "the request was cancelled", "category": "user"}
+            return failed_response(Cancelled(f"request_id: {request_id!r} was cancelled "
+                                             "(cancel_future) before it finished"))
         if entry.task.exception() is not None:
             return failed_response(entry.task.exception())
         rendered = entry.render(entry.task.result())

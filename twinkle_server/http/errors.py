@@ -13,7 +13,16 @@ raises the codec's `WireError`/`PathError` or a `BadBody`. Two channels reach th
   raises at once where its own retry loop is not in the way.
 - an op that failed after it was accepted answers `retrieve_future` with
   `RequestFailedResponse` (`{"error", "category"}`), raised by the SDK as
-  `tinker.RequestFailedError` with category `user` (the request was wrong) or `server`.
+  `tinker.RequestFailedError` with category `user` (the request was wrong, or its caller
+  cancelled it) or `server`.
+
+`cancelled` (the caller cancelled the request or went away: a sample op stopped by
+`cancel_future`) is 499, nginx's "client closed request": the client did it, and the SDK
+retries none of it. 499 becomes a plain `APIStatusError`, which neither its base client
+nor `execute_with_retries` retries (they retry 408/409/429/5xx) and its future poll
+raises at once; 400 would say the request was malformed, 409 is retried for minutes,
+410 makes the poll resend the original request. It mostly reaches the SDK through
+`retrieve_future`, as category `user`.
 """
 
 from __future__ import annotations
@@ -33,10 +42,12 @@ STATUS = {
     "not_found": 404,
     "failed_precondition": 412,
     "resource_exhausted": 429,
+    "cancelled": 499,
     "unavailable": 503,
 }
 USER_CATEGORIES = frozenset({"invalid_argument", "unauthenticated", "permission_denied",
-                             "not_found", "failed_precondition", "resource_exhausted"})
+                             "not_found", "failed_precondition", "resource_exhausted",
+                             "cancelled"})
 NO_RETRY_STATUSES = frozenset({429, 503})
 
 

@@ -84,7 +84,8 @@ class Futures:
         return entry.task.done()
 
     def cancel(self, tenant: str, request_id: str) -> None:
-        """Stop waiting for the op; one the scheduler already runs still finishes."""
+        """Stop waiting for the op (`cancel_future`): a sample op leaves its queue or the
+        decode pool at the next step (`Core.run`); any other op still runs, in its turn."""
         self.get(tenant, request_id).task.cancel()
 
     def _sweep(self, table: OrderedDict[str, Entry]) -> None:

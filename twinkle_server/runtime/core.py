@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.errors import (
+    Cancelled,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -209,7 +210,7 @@ class Core:
         return self.scheduler.stats()
 
     def decode_stats(self) -> Any:
-        """The decode pool's counters and state (`engine.decoding.PoolStats`)."""
+        """The decode pool's counters and state (`engine.sampling.pool.PoolStats`)."""
         return self.engine.decode_stats()
 
     # ------------------------------------------------------------------ auth
@@ -272,15 +273,25 @@ class Core:
 
     async def run(self, op: Op) -> Any:
         """Submit to the scheduler and await the result; failures raise. Every op of
-        every front passes here, so this is where it is logged and observed."""
+        every front passes here, so this is where it is logged and observed.
+
+        When the awaiting task is cancelled (the SDK's `cancel_future`, a gRPC client
+        gone away), the scheduler is told nobody waits here any more: a sample op then
+        leaves its queue or the decode pool; any other op runs on (`Scheduler.cancel`).
+        """
         start = time.perf_counter()
         result = error = None
         sampler = self.samplers.get(op.queue_id)
         if sampler is not None:   # in use until it ends (`expire_snapshots`)
             sampler.in_flight += 1
+        future = self.scheduler.submit(op)
         try:
-            result = await asyncio.wrap_future(self.scheduler.submit(op))
+            result = await asyncio.wrap_future(future)
             return result
+        except asyncio.CancelledError:
+            self.scheduler.cancel(future)
+            error = Cancelled(f"{op.kind}: its caller stopped waiting")
+            raise
         except BaseException as exc:
             error = exc
             raise

@@ -25,6 +25,7 @@ _CODES = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "cancelled": grpc.StatusCode.CANCELLED,
 }
 
 
