@@ -418,9 +418,8 @@ class Front:
             work = self.rt.stability.recorded(tenant, target.queue, prompt, ids, work)
         return self.promise(
             tenant, rid, work,
-            lambda result: Response(sampling_options.sample_response(
-                convert.sample_response(result, include), result, options),
-                media_type=convert.PROTOBUF),
+            lambda result: Response(sampling_options.sample_response(result, include, options),
+                                    media_type=convert.PROTOBUF),
             sample_sequence_ids=ids)
 
     # ------------------------------------------------------------------ futures

@@ -244,8 +244,9 @@ def forward_output(result: ForwardOutput) -> bytes:
     return out.SerializeToString()
 
 
-def sample_response(result: Any, include_prompt_logprobs: bool) -> bytes:
-    """`SampleResponse` protobuf from the runtime's `SampleResult`."""
+def sample_response(result: Any, include_prompt_logprobs: bool) -> tpb.SampleResponse:
+    """The plain `SampleResponse` of the runtime's `SampleResult` (sequences, prompt
+    logprobs and their top-k); `sampling_options.sample_response` adds the rest."""
     out = tpb.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
     for seq in result.sequences:
         out.sequences.add(stop_reason=_STOP.get(seq.stop_reason or "length",
@@ -262,7 +263,7 @@ def sample_response(result: Any, include_prompt_logprobs: bool) -> bytes:
                 token_ids=ids.tobytes(),
                 logprobs=np.asarray(scored.topk_logprobs, np.float32).tobytes(),
                 k=ids.shape[1], length=ids.shape[0]))
-    return out.SerializeToString()
+    return out
 
 
 def _time(ts: float) -> str:

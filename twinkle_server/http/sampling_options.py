@@ -108,12 +108,11 @@ def _tensor(array: np.ndarray, dtype: int) -> tpb.Tensor:
                       shape=list(array.shape))
 
 
-def sample_response(base: bytes, result: Any, options: SampleOptions) -> bytes:
-    """`base` (`convert.sample_response`'s bytes) with what `options` asked for added.
-
-    Parsing the base back costs one copy of its bytes fields; it keeps the plain response
-    in one place (`convert`) and these options here."""
-    out = tpb.SampleResponse.FromString(base)
+def sample_response(result: Any, include_prompt_logprobs: bool,
+                    options: SampleOptions) -> bytes:
+    """The `SampleResponse` bytes of `result`: the plain response (`convert`) with what
+    `options` asked for added, serialized once."""
+    out = convert.sample_response(result, include_prompt_logprobs)
     if options.topk_sample_logprobs:
         for msg, seq in zip(out.sequences, result.sequences, strict=True):
             ids = np.asarray(seq.topk_token_ids, np.int32)
