@@ -2,7 +2,7 @@
 within one sampling session a prompt that extends an earlier one (a multi-turn rollout)
 reuses its KV (`prompt_cache_hit_tokens`) and samples what a fresh session samples; a
 new session, and another tenant's session on the same weights, start with nothing
-cached. The pool's own rules are tests/engine/test_decoding.py."""
+cached. The pool's own rules are tests/engine/sampling/test_pool.py."""
 
 from __future__ import annotations
 
