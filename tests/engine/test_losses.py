@@ -41,7 +41,7 @@ _MASKS = {"gspo": "sequence_ratio_mask", "stable_reinforce": "sampled_mask"}
 def _run(name, logp, old, adv, weights, config=None, micro=1, masks=None):
     """compute_loss in float64 and backward; returns loss, metrics, d loss / d logp.
     `masks` (gspo's sequence_ratio_mask, stable_reinforce's sampled_mask) default to
-    every position."""
+    every position; a None entry leaves that datum's mask out."""
     lps = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in logp]
     inputs = []
     masks = masks or [np.ones(len(x)) for x in logp]
@@ -50,7 +50,7 @@ def _run(name, logp, old, adv, weights, config=None, micro=1, masks=None):
                 "logprobs": torch.tensor(o), "advantages": torch.tensor(a)}
         if w is not None:
             item["weights"] = torch.tensor(w)
-        if name in _MASKS:
+        if name in _MASKS and m is not None:  # None: the datum sends no mask
             item[_MASKS[name]] = torch.tensor(m)
         inputs.append(item)
     loss, metrics = compute_loss(LossSpec(name, config or {}), lps, inputs, micro)
@@ -367,6 +367,53 @@ def test_gspo_takes_its_clip_thresholds_from_the_config():
         np.testing.assert_allclose(g, expected, rtol=1e-12, atol=1e-15)
 
 
+def _rl_loop_datum(prompt_len, sampled_logp, advantage, shift):
+    """A datum laid out as tinker-cookbook 0.6.1's recipes/rl_loop.py lays it out: the
+    prompt's positions carry old logprob 0.0 and advantage 0, the sampled tokens their
+    sampler logprobs and the sequence's advantage; with gspo rl_loop sends
+    sequence_ratio_mask = [0] * prompt + [1] * sampled. The prompt's log-ratios are
+    large, so a ratio taken over them would differ. Returns (logp, old, adv, that mask)."""
+    prompt_logp = np.linspace(-4.0, -2.0, prompt_len)
+    logp = np.r_[prompt_logp, sampled_logp]
+    old = np.r_[np.zeros(prompt_len), sampled_logp - shift]
+    adv = np.r_[np.zeros(prompt_len), np.full(len(sampled_logp), advantage)]
+    mask = np.r_[np.zeros(prompt_len), np.ones(len(sampled_logp))]
+    return logp, old, adv, mask
+
+
+def test_gspo_without_a_mask_takes_the_ratio_over_the_positions_with_nonzero_advantage():
+    # cookbook 0.6.1's rl.train sends gspo datums with no sequence_ratio_mask (it strips
+    # its own "mask"); rl_loop.py marks the sampled tokens, which are exactly the positions
+    # with non-zero advantage. Datums: s inside, above and below [0.8, 1.2], and one
+    # sequence whose reward equals its group's mean (advantage 0 everywhere).
+    rows = [_rl_loop_datum(3, np.array([-0.5, -1.2, -0.1, -0.9]), 1.5, 0.05),
+            _rl_loop_datum(2, np.array([-0.3, -0.7, -2.0]), -0.5, np.array([0.6, 0.5, 0.7])),
+            _rl_loop_datum(4, np.array([-1.1, -0.6]), 2.0, -0.45),
+            _rl_loop_datum(2, np.array([-0.8, -1.3, -0.2]), 0.0, 0.3)]
+    logp, old, adv, rl_loop_mask = (list(col) for col in zip(*rows, strict=True))
+    loss, metrics, grads = _run("gspo", logp, old, adv, [None] * 4, masks=[None] * 4)
+    assert all(math.isfinite(v) for v in metrics.values())
+    # The reference is rl_loop's own mask, computed by hand.
+    refs = [_gspo_reference(*args) for args in _zip(logp, old, adv, rl_loop_mask)]
+    assert refs[0][2] == pytest.approx(math.exp(0.05), rel=1e-12)
+    assert refs[1][2] > 1.2 and refs[2][2] < 0.8
+    assert refs[3][0] == 0.0 and not refs[3][1].any()  # advantage 0: nothing to train
+    assert loss == pytest.approx(sum(r[0] for r in refs), rel=1e-12)
+    for g, (_, expected, _) in _zip(grads, refs):
+        np.testing.assert_allclose(g, expected, rtol=1e-12, atol=1e-15)
+    # The same batch with rl_loop's mask sent gives the same loss and gradients; so does
+    # a batch that sends it for some datums only.
+    for masks in (rl_loop_mask, [rl_loop_mask[0], None, rl_loop_mask[2], None]):
+        loss_m, _, grads_m = _run("gspo", logp, old, adv, [None] * 4, masks=masks)
+        assert loss_m == pytest.approx(loss, rel=1e-12)
+        for g, g_m in _zip(grads, grads_m):
+            np.testing.assert_allclose(g, g_m, rtol=1e-12, atol=1e-15)
+    # And validation lets the unmasked datums through, the all-zero-advantage one too.
+    validate_loss(LossSpec("gspo"), [
+        _datum(len(lp), logprobs=o.astype(np.float32), advantages=a.astype(np.float32))
+        for lp, o, a in _zip(logp, old, adv)])
+
+
 # ----------------------------------------------------------------------------- stable_reinforce
 
 
@@ -413,8 +460,6 @@ def test_stable_reinforce_on_policy_is_reinforce():
 
 
 @pytest.mark.parametrize(("spec", "datum", "message"), [
-    (LossSpec("gspo"), _datum(2, **_RL),
-     r"datum\[0\].loss_fn_inputs: gspo needs 'sequence_ratio_mask'"),
     (LossSpec("gspo"), _datum(2, **_RL, sequence_ratio_mask=np.zeros(2, np.float32)),
      r"\['sequence_ratio_mask'\]: marks no position"),
     (LossSpec("gspo"), _datum(2, **_RL, sequence_ratio_mask=np.ones(3, np.float32)),

@@ -22,7 +22,11 @@ mean over no token is undefined), with `sg` the stop-gradient:
 
 summed over every position of every datum (the prompt's zero advantages add nothing).
 The stored copy of Tinker's GSPO page ends before it states defaults, so `lo`/`hi` take
-`ppo`'s.
+`ppo`'s. A datum without `sequence_ratio_mask` takes M = its positions with non-zero
+advantage: tinker-cookbook 0.6.1's `rl.train` sends gspo datums with no mask, and the
+mask its `recipes/rl_loop.py` sends marks the sampled tokens, which are exactly the
+positions carrying its advantage. If that M is empty every A_t is 0, so the datum adds 0
+to the loss and the gradient whatever s is; s is then taken as 1.
 
 `stable_reinforce` is Tinker's StableReinforce (alpha). Its inputs are resolved by the
 runtime from the sampler's own records (`runtime.stability`), not taken from the client:
@@ -89,8 +93,8 @@ LOSSES: dict[str, _LossDef] = {
     "ppo": _LossDef(("target_tokens", *_RATIO), dict(zip(_CLIP, (0.8, 1.2), strict=True))),
     "cispo": _LossDef(("target_tokens", *_RATIO), dict(zip(_CLIP, (0.0, 4.0), strict=True))),
     "dro": _LossDef(("target_tokens", *_RATIO), {"beta": 1.0}),
-    "gspo": _LossDef(("target_tokens", *_RATIO, "sequence_ratio_mask"),
-                     dict(zip(_CLIP, (0.8, 1.2), strict=True))),
+    # sequence_ratio_mask is optional: without it, the positions with non-zero advantage.
+    "gspo": _LossDef(("target_tokens", *_RATIO), dict(zip(_CLIP, (0.8, 1.2), strict=True))),
     "stable_reinforce": _LossDef(("target_tokens", *_RATIO, "sampled_mask"),
                                  {"kl_coeff": 0.0, "clip_high_threshold": 2.0}),
     "CrossEntropyLoss": _LossDef(("target_tokens",), {}, native=True),
@@ -180,7 +184,8 @@ def validate_loss(spec: LossSpec, datums: Sequence[Datum]) -> None:
             raise InvalidArgument(
                 f"datum[{index}].loss_fn_inputs['target_tokens']: {spec.name} takes one "
                 f"target per position ([T]), got shape {list(shape)}")
-        if spec.name == "gspo" and not np.any(inputs["sequence_ratio_mask"]):
+        if spec.name == "gspo" and "sequence_ratio_mask" in inputs \
+                and not np.any(inputs["sequence_ratio_mask"]):
             raise InvalidArgument(
                 f"datum[{index}].loss_fn_inputs['sequence_ratio_mask']: marks no position; "
                 "the sequence ratio is a mean over the marked tokens, so mark at least one "
@@ -246,8 +251,8 @@ def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
         loss = -(logp * adv - 0.5 * config["beta"] * (logp - old) ** 2).sum()
     elif name == "gspo":
         lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
-        mask = _cat(inputs, "sequence_ratio_mask", logp) != 0
-        ratio = _gspo_ratio(logp, old, mask, [lp.numel() for lp in logprobs])
+        ratio = _gspo_ratio(logp, old, _gspo_mask(inputs, logp),
+                            [lp.numel() for lp in logprobs])
         loss = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv).sum()
         metrics["ratio:mean"] = float(ratio.detach()[active].mean()) if active.any() else 1.0
         metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
@@ -278,14 +283,25 @@ def _cat(inputs: Sequence[Mapping[str, torch.Tensor]], key: str, like: torch.Ten
     return torch.cat(parts)
 
 
+def _gspo_mask(inputs: Sequence[Mapping[str, torch.Tensor]], like: torch.Tensor
+               ) -> torch.Tensor:
+    """Each datum's sequence-ratio positions, concatenated: its `sequence_ratio_mask`, or
+    without one its positions with non-zero advantage (what cookbook rl_loop's mask marks)."""
+    key = "sequence_ratio_mask"
+    return torch.cat([(item[key] if key in item else item["advantages"])
+                      .reshape(-1).to(like.device) != 0 for item in inputs])
+
+
 def _gspo_ratio(logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                 lengths: list[int]) -> torch.Tensor:
     """GSPO-token's per-token ratio: each datum's sequence ratio (the mean log-ratio over its
-    masked tokens, no gradient) as the value, each token's own logprob as the gradient."""
+    masked tokens, no gradient) as the value, each token's own logprob as the gradient.
+    A datum with no masked token (only an unmasked one whose advantages are all 0, which
+    then adds nothing to the loss) gets ratio 1, not the mean of nothing (NaN)."""
     parts = []
     for lp, q, keep in zip(logp.split(lengths), old.split(lengths), mask.split(lengths),
                            strict=True):
-        log_ratio = (lp.detach() - q)[keep].mean()
+        log_ratio = (lp.detach() - q)[keep].mean() if keep.any() else lp.new_zeros(())
         parts.append(torch.exp(log_ratio + lp - lp.detach()))
     return torch.cat(parts)
 
