@@ -1,7 +1,8 @@
 """Snapshot sampling sessions (Tinker's ephemeral `save_weights_and_get_sampling_client`)
 in-process: the weights are no checkpoint (never listed, never counted), they sample what
-the model had, and they are deleted with their sampling session: when its client session
-closes, when unused for the session timeout, and at a restart."""
+the model had, and they live as long as their client session (deleted when it closes, and
+at a restart), except those a loop has moved past: superseded by a newer snapshot of the
+same model, neither its first nor its newest, and unused for the session timeout."""
 
 from __future__ import annotations
 
@@ -74,22 +75,58 @@ def test_closing_the_session_ends_its_snapshot_sessions_and_deletes_their_weight
     asyncio.run(scenario())
 
 
-def test_a_snapshot_unused_for_the_session_timeout_is_dropped_and_one_in_use_stays(runtime):
+def test_a_held_reference_outlives_the_timeout_and_superseded_idle_snapshots_go(runtime):
+    """DPO's reference (the model's first snapshot) and the latest weights stay however
+    long they are idle; the snapshots in between go once idle for the timeout."""
     async def scenario():
-        _, model_id, idle = await _snapshot(runtime)
-        _, _, used = await _snapshot(runtime)
-        named = await runtime.sampling.create_session("alice", model_id=model_id)
+        session, model_id, reference = await _snapshot(runtime)
+        between = [await runtime.sampling.snapshot("alice", OpRef(model_id, seq))
+                   for seq in (1, 2)]
+        newest = await runtime.sampling.snapshot("alice", OpRef(model_id, 3))
+        other = await runtime.training.create_model(
+            "alice", spec=LoraSpec(rank=4, alpha=8, seed=1), session_id=session)
+        only = await runtime.sampling.snapshot("alice", OpRef(other.entry.model_id, 0))
+        named = await runtime.sampling.create_session("alice", session, model_id=model_id)
         timeout = runtime.config.session_timeout
-        later = time.monotonic() + timeout / 2
-        runtime.samplers[idle].last_used -= timeout / 2 + 1
-        runtime.sampling.target("alice", None, used)       # a request counts as a use
-        folder = _weights(runtime, idle)
-        await runtime.expire_snapshots(now=later)
-        assert not folder.exists() and idle not in runtime.samplers
-        assert _weights(runtime, used).is_dir()
-        assert named in runtime.samplers      # not a snapshot: not aged out
-        await runtime.expire_snapshots(now=later + timeout)
-        assert used not in runtime.samplers and named in runtime.samplers
+        folders = [_weights(runtime, s) for s in between]
+        await runtime.expire_snapshots(now=time.monotonic() + timeout / 2)
+        assert all(f.is_dir() for f in folders)            # not idle long enough yet
+        await runtime.expire_snapshots(now=time.monotonic() + 10 * timeout)
+        assert not any(f.exists() for f in folders)
+        assert not any(s in runtime.samplers for s in between)
+        for kept in (reference, newest, only):   # first, newest, another model's only
+            assert _weights(runtime, kept).is_dir()
+        assert named in runtime.samplers                    # not a snapshot
+        sampled = await runtime.sampling.sample(
+            runtime.sampling.target("alice", None, reference), PROMPT, 1, GREEDY)
+        assert len(sampled.sequences) == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_rl_loop_of_snapshots_keeps_a_bounded_number_on_disk(runtime):
+    async def scenario():
+        _, model_id, first = await _snapshot(runtime)
+        timeout = runtime.config.session_timeout
+        latest = first
+        for step in range(1, 12):   # one snapshot a step, each step longer than the timeout
+            latest = await runtime.sampling.snapshot("alice", OpRef(model_id, step))
+            await runtime.sampling.sample(runtime.sampling.target("alice", None, latest),
+                                          PROMPT, 1, GREEDY)
+            await runtime.expire_snapshots(now=time.monotonic() + step * (timeout + 1))
+            on_disk = sorted(p.name for p in runtime.snapshot_root.iterdir())
+            assert on_disk == sorted({first, latest})
+
+    asyncio.run(scenario())
+
+
+def test_a_snapshot_outside_any_session_goes_when_unused_for_the_timeout(runtime):
+    async def scenario():
+        info = await runtime.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8))
+        sampler = await runtime.sampling.snapshot("alice", OpRef(info.entry.model_id, 0))
+        folder = _weights(runtime, sampler)
+        await runtime.expire_snapshots(now=time.monotonic() + runtime.config.session_timeout + 1)
+        assert sampler not in runtime.samplers and not folder.exists()
 
     asyncio.run(scenario())
 
@@ -112,7 +149,9 @@ def test_a_restart_deletes_the_snapshots_of_sessions_that_are_gone(engine, runti
 
 def test_a_snapshot_with_a_request_waiting_or_running_is_not_idle(runtime):
     async def scenario():
-        _, _, sampler = await _snapshot(runtime)
+        _, model_id, _ = await _snapshot(runtime)
+        sampler = await runtime.sampling.snapshot("alice", OpRef(model_id, 1))
+        await runtime.sampling.snapshot("alice", OpRef(model_id, 2))   # supersedes it
         gate = threading.Event()
         busy = asyncio.ensure_future(runtime.admin("block", lambda: gate.wait(60)))
         request = asyncio.ensure_future(runtime.sampling.sample(

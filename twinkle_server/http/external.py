@@ -73,7 +73,8 @@ class ExternalRoutes:
     async def download(self, request: Request) -> Any:
         params, query = request.path_params, request.query_params
         path = self.rt.external.open(params["run_id"], params["name"], params["file"],
-                                     query.get("expires"), query.get("signature"))
+                                     query.get("expires"), query.get("signature"),
+                                     query.get("reader"))
         return FileResponse(path, media_type="application/octet-stream")
 
     def routes(self) -> list[Route]:

@@ -1,15 +1,29 @@
 """The audit log: who did what, per tenant, kept in the store (`store/audit.py`).
 
-The runtime's verbs record an entry (`record`) for each state-changing op, named
-`<resource>_<action>` as Tinker names its events:
+The runtime records an entry (`record`) for every change to a tenant's state and every
+read of its stored weights, on either front, named `<resource>_<action>` as Tinker names
+its events:
 
-    session_create, session_close          model_create, model_unload
-    checkpoint_save, checkpoint_delete, checkpoint_publish, checkpoint_unpublish,
-    checkpoint_ttl_set, checkpoint_copy, checkpoint_read (purpose: "load", "sample" or
-    "copy": a checkpoint's weights read into a model, a sampler or a copy)
+    session_create, session_close        (reason "expired" when no heartbeat came)
+    model_create, model_unload           (reason: by its owner, session closed or
+                                          expired, server stopped)
+    sampler_create, sampler_end          (a sampling session: on a checkpoint, the base,
+                                          a live model, a snapshot or inflight target of
+                                          one; ended with its session, its model, its
+                                          snapshot superseded, or the server stopping)
+    checkpoint_save                      (save_state, save_weights_for_sampler,
+                                          save_weights_external)
+    checkpoint_delete                    (by its owner, or reason "expired": its TTL)
+    checkpoint_publish, checkpoint_unpublish, checkpoint_ttl_set, checkpoint_copy
+    checkpoint_read                      (purpose "load", "sample", "copy" or
+                                          "download": into a model, a sampler, a copy, or
+                                          out of the server, over gRPC or a signed URL)
 
-Every entry's details name the tenant that did it (`actor`) and what it was about
-(`model_id`, `tinker_path`, ...). A tenant reads its own entries only, one UTC day at a
+Training ops (forward_backward, optim_step, ...) change a live adapter but are not
+entries: they are counted in `/metrics`, and what they produce is recorded when it is
+saved. Every entry's details name the tenant that did it (`actor`) and what it was about
+(`model_id`, `tinker_path`, ...); one the server did on its own (an expiry) is the
+owning tenant's, with a `reason`. A tenant reads its own entries only, one UTC day at a
 time, as the SDK's `AdminClient.get_audit_log(event_type, day)` asks; an entry about a
 published checkpoint another tenant read is the reader's, not the owner's. Entries are
 written on the store's writer thread after the op (`Core.write_later`): the op never
@@ -19,7 +33,6 @@ waits for its log line.
 from __future__ import annotations
 
 import datetime as dt
-import time
 from typing import Any
 
 from twinkle_server.engine.errors import InvalidArgument
@@ -29,7 +42,7 @@ from twinkle_server.store.checkpoints import CheckpointRow
 
 EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "all": (), "checkpoints": ("checkpoint_",), "models": ("model_",),
-    "sessions": ("session_",),
+    "sessions": ("session_",), "samplers": ("sampler_",),
     # The SDK's other kinds: this server has tenants, not projects, teams or
     # organizations, so these ask for events that never happen here.
     "projects": ("project_",), "teams": ("team_",), "organizations": ("organization_",),
@@ -46,9 +59,9 @@ def checkpoint_details(row: CheckpointRow) -> dict[str, Any]:
 
 
 def record(core: Core, tenant: str, event: str, **details: Any) -> None:
-    """Append `event` to `tenant`'s log, with `details` and the tenant as its actor."""
-    core.write_later(core.store.add_audit,
-                     AuditRow(tenant, time.time(), event, {"actor": tenant, **details}))
+    """Append `event` to `tenant`'s log, with `details` and the tenant as its actor
+    (`Core.record`)."""
+    core.record(tenant, event, **details)
 
 
 class Audit:

@@ -34,7 +34,7 @@ from twinkle_server.engine.types import AUTO_SEQ_LEN
 from twinkle_server.executor import SAMPLE, EngineExecutor
 from twinkle_server.planning import default_token_budget
 from twinkle_server.scheduler import Op, Scheduler
-from twinkle_server.store import CheckpointRow, Store
+from twinkle_server.store import AuditRow, CheckpointRow, Store
 from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server")
@@ -110,6 +110,7 @@ class SamplerEntry:
     weights_path: str | None   # sampler checkpoint directory
     base_model: str
     snapshot: bool = False     # weights_path is its own snapshot, deleted with it
+    snapshot_of: str | None = None  # a snapshot's: the model whose weights it holds
     last_used: float = 0.0     # time.monotonic() of its creation or latest request's end
     in_flight: int = 0         # its requests running or queued now
     inflight_of: str | None = None  # the model whose inflight target it samples
@@ -151,11 +152,23 @@ class Core:
         self.scheduler.register_model(ADMIN_QUEUE)
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
+        self._closed = False
         self.observe_op: OpObserver | None = None
         """Called after every op with (op, seconds, result, error): the metrics hook."""
 
     def close(self) -> None:
-        """Finish the queued store writes; the caller closes the store after."""
+        """Record the models and sampling sessions the process takes with it (they are
+        gone at the next start), finish the queued store writes; the caller closes the
+        store after. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        for entry in self.models.values():
+            self.record(entry.tenant, "model_unload", model_id=entry.model_id,
+                        reason="server stopped")
+        for sampling_id, sampler in self.samplers.items():
+            self.record(sampler.tenant, "sampler_end", sampling_session_id=sampling_id,
+                        reason="server stopped")
         self._writer.shutdown(wait=True)
 
     # ------------------------------------------------------------------ store writes
@@ -168,6 +181,12 @@ class Core:
         """Queue a store write nobody waits for (a run's last request time)."""
         future = self._writer.submit(fn, *args)
         future.add_done_callback(_log_write_failure)
+
+    def record(self, tenant: str, event: str, **details: Any) -> None:
+        """Append `event` to `tenant`'s audit log (`runtime.audit`), with `details` and
+        the tenant as its actor, after the writes queued so far; nobody waits for it."""
+        self.write_later(self.store.add_audit,
+                         AuditRow(tenant, time.time(), event, {"actor": tenant, **details}))
 
     # ------------------------------------------------------------------ names
 
@@ -354,6 +373,7 @@ class Core:
             f"model_id: {model_id!r} was unloaded ({reason})"))
         await self.admin("unload", lambda: self.engine.remove_adapter(model_id))
         log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
+        self.record(entry.tenant, "model_unload", model_id=model_id, reason=reason)
         for sampling_id in [s for s, e in self.samplers.items() if e.inflight_of == model_id]:
             await self.end_sampler(sampling_id, f"its model {model_id!r} was unloaded")
 
@@ -374,23 +394,59 @@ class Core:
             if await self.drop_checkpoint(row, expired_by=now):
                 log.info("expired checkpoint tinker://%s/%s tenant=%s", row.run_id,
                          row.checkpoint_id, row.tenant)
+                self.record(row.tenant, "checkpoint_delete", reason="expired",
+                            model_id=row.run_id,
+                            tinker_path=f"tinker://{row.run_id}/{row.checkpoint_id}",
+                            checkpoint_type=row.kind, owner=row.tenant)
 
     async def expire_sessions(self) -> None:
         for session_id in self.store.expired_sessions(self.config.session_timeout):
+            tenant = self.store.session_tenant(session_id)
             await self.write(self.store.close_session, session_id)
+            if tenant is not None:
+                self.record(tenant, "session_close", session_id=session_id,
+                            reason="expired")
             await self.close_session_models(session_id, "session expired")
 
     async def expire_snapshots(self, now: float | None = None) -> None:
-        """End every snapshot sampling session with no request in flight and none for
-        `--session-timeout` seconds (at `now`, a `time.monotonic()`): an RL loop makes
-        one a step and samples from each for about a step, and its client session may
-        last for thousands of steps."""
+        """Drop the snapshots an RL loop has moved past; a snapshot otherwise lives as
+        long as its client session (`close_session_models`).
+
+        The server cannot know which sampling clients a program still holds, so it
+        keeps, for each model and client session, the snapshots a held client may still
+        need and drops only those superseded. A snapshot is dropped (at `now`, a
+        `time.monotonic()`) when all hold:
+
+        - no request of it is running or queued, and none ended for `--session-timeout`
+          seconds;
+        - it is not the newest snapshot of its model in its session (a loop samples its
+          latest weights: a step longer than the timeout must not lose them);
+        - it is not the first snapshot of its model in its session: that is where a
+          reference is taken (tinker-cookbook's `preference/train_dpo.py` takes
+          `training_client.save_weights_and_get_sampling_client()` right after creating
+          the training client, then trains that same client, snapshotting it again for
+          each sampling evaluation, and reads the reference every step, however long).
+
+        So an RL loop that snapshots every step keeps on disk its first snapshot, its
+        newest, and those used in the last `--session-timeout` seconds (an off-policy
+        loop's few steps behind), whatever the number of steps. A snapshot of a model
+        made outside any client session (gRPC `session_id` unset) has no session to
+        live as long as: it goes when unused for the timeout, as any idle one."""
         now = time.monotonic() if now is None else now
-        idle = [s for s, e in self.samplers.items() if e.snapshot and not e.in_flight
-                and now - e.last_used > self.config.session_timeout]
+        kept: set[str] = set()
+        lines: dict[tuple[str, str | None], list[str]] = {}
+        for sampling_id, entry in self.samplers.items():   # in creation order
+            if entry.snapshot and entry.session_id:
+                lines.setdefault((entry.session_id, entry.snapshot_of), []).append(sampling_id)
+        for line in lines.values():
+            kept.update((line[0], line[-1]))
+        idle = [s for s, e in self.samplers.items() if e.snapshot and s not in kept
+                and not e.in_flight and now - e.last_used > self.config.session_timeout]
         for sampling_id in idle:
-            await self.end_sampler(sampling_id, f"unused for over {self.config.session_timeout:g} "
-                                                "s (--session-timeout)")
+            await self.end_sampler(sampling_id, "a newer snapshot of its model replaced it "
+                                                f"and it was unused for over "
+                                                f"{self.config.session_timeout:g} s "
+                                                "(--session-timeout)")
 
     async def close_session_models(self, session_id: str, reason: str) -> None:
         for model_id in [m for m, e in self.models.items() if e.session_id == session_id]:
@@ -407,6 +463,8 @@ class Core:
             return
         self.scheduler.unregister(sampling_id, FailedPrecondition(
             f"sampling_session_id: {sampling_id!r} has ended ({reason})"))
+        self.record(entry.tenant, "sampler_end", sampling_session_id=sampling_id,
+                    reason=reason)
         if entry.snapshot and entry.weights_path:
             await self.write(shutil.rmtree, entry.weights_path, True)
             log.info("dropped snapshot sampler=%s tenant=%s (%s)", sampling_id, entry.tenant,

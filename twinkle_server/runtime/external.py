@@ -27,6 +27,7 @@ from typing import Any
 
 from twinkle_server.engine.checkpoint import CONFIG_FILE, write_atomically
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound
+from twinkle_server.runtime.audit import checkpoint_details
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef
 from twinkle_server.runtime.runs import check_ttl
 from twinkle_server.runtime.signed_urls import (
@@ -142,6 +143,7 @@ class External:
                                 False, now, {}, expires_at=(
                                     None if ttl_seconds is None else now + ttl_seconds))
             core.store.add_checkpoint(row)
+            core.record(tenant, "checkpoint_save", encrypted=bool(age), **checkpoint_details(row))
             return row
 
         return await core.ordered(tenant, ref, "save_external", save)
@@ -151,28 +153,39 @@ class External:
     def urls(self, tenant: str, ref: CheckpointRef,
              ttl_seconds: int = DEFAULT_URL_TTL_SECONDS) -> SignedUrls:
         """A signed download path for every file of an external checkpoint the tenant
-        may read (its own, or one published)."""
+        may read (its own, or one published). Each URL names the tenant it was signed
+        for (signed with the rest), so a download through it is that tenant's read in
+        the audit log, whoever holds the URL."""
         row, directory = self.core.checkpoint(tenant, ref)   # another's: not found
         if ref.kind != KIND:
             raise InvalidArgument(f"{ref.field}: {ref.text!r} is not external weights; only "
                                   "tinker://<run_id>/external_weights/<name> has download URLs "
                                   "(save one with save_weights_external)")
         now = time.time()
-        signed = {f: self.signer.sign(download_path(row.run_id, row.name, f), ttl_seconds, now)
+        signed = {f: self.signer.sign(download_path(row.run_id, row.name, f), ttl_seconds, now,
+                                      reader=tenant)
                   for f in _files(directory)}
         return SignedUrls(signed, int(now + ttl_seconds))
 
     def open(self, run_id: str, name: str, file: str, expires: str | None,
-             signature: str | None) -> Path:
+             signature: str | None, reader: str | None = None) -> Path:
         """The file a signed download URL names, once its signature and expiry check out
-        and its checkpoint still exists (raises `BadSignature` or `NotFound`)."""
-        self.signer.check(download_path(run_id, name, file), expires, signature)
+        and its checkpoint still exists (raises `BadSignature` or `NotFound`); recorded
+        as a `checkpoint_read` (purpose "download") of the tenant the URL was signed for
+        (`reader`; a URL signed before URLs named one: the owner).
+
+        A reader that could read the checkpoint when the URL was signed may download
+        through it until it expires, even if the owner unpublished it since: the URL is
+        the grant, as it is for whoever holds it."""
+        self.signer.check(download_path(run_id, name, file), expires, signature, reader=reader)
         row = self.core.store.find_checkpoint(run_id, KIND, name)
         if row is None or (row.expires_at is not None and row.expires_at <= time.time()):
             raise NotFound(f"external weights {run_id}/{name}: deleted or expired")
         directory = self.core.store.checkpoint_root / row.rel_path
         if file not in _files(directory):
             raise NotFound(f"external weights {run_id}/{name}: no file {file!r}")
+        self.core.record(reader or row.tenant, "checkpoint_read", purpose="download",
+                         file=file, via="signed_url", **checkpoint_details(row))
         return directory / file
 
     def endpoint(self) -> HttpEndpoint:

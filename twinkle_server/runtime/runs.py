@@ -201,8 +201,11 @@ class Runs:
         return expires_at
 
     def checkpoint_files(self, tenant: str, ref: CheckpointRef) -> tuple[Path, list[str]]:
-        """A checkpoint's directory and the names of its files, for a download."""
-        _, directory = self.core.checkpoint(tenant, ref)
+        """A checkpoint's directory and the names of its files, for a download (recorded
+        as the tenant's `checkpoint_read`, purpose "download")."""
+        row, directory = self.core.checkpoint(tenant, ref)
+        audit.record(self.core, tenant, "checkpoint_read", purpose="download",
+                     **audit.checkpoint_details(row))
         return directory, sorted(p.name for p in directory.iterdir() if p.is_file())
 
     # ------------------------------------------------------------------ the server

@@ -70,6 +70,10 @@ class Sampling:
                                                   weights, core.config.model,
                                                   last_used=time.monotonic())
         core.scheduler.register_model(sampling_id)
+        core.record(tenant, "sampler_create", sampling_session_id=sampling_id,
+                    session_id=session_id or None,
+                    model_path=model_path.text if model_path is not None else None,
+                    base_model=base_model or None, live_model_id=model_id or None)
         return sampling_id
 
     async def snapshot(self, tenant: str, op: OpRef, inflight: bool = False) -> str:
@@ -79,8 +83,10 @@ class Sampling:
 
         The SDK calls these weights ephemeral: they are no checkpoint (never listed, no
         path, nothing counted against the tenant) and are deleted with their sampling
-        session: when its client session closes or expires, when unused for
-        `--session-timeout` seconds (`Core.expire_snapshots`), and at a restart.
+        session: when its client session closes or expires, when a newer snapshot of the
+        model replaced them and they were unused for `--session-timeout` seconds (never
+        the model's first or newest snapshot in the session: `Core.expire_snapshots`),
+        and at a restart.
 
         `inflight` (Tinker's `kind="inflight"`) publishes them instead to the model's one
         mutable inflight target (`Engine.publish_inflight`), shared by all its inflight
@@ -99,9 +105,13 @@ class Sampling:
             await core.ordered(tenant, op, "save_sampler",
                                lambda: core.engine.save_weights(model_id, target))
             entry = SamplerEntry(owner, tenant, None, str(target), core.config.model,
-                                 snapshot=True, last_used=time.monotonic())
+                                 snapshot=True, snapshot_of=model_id,
+                                 last_used=time.monotonic())
         core.samplers[sampling_id] = entry
         core.scheduler.register_model(sampling_id)
+        source = "inflight_of" if inflight else "snapshot_of"
+        core.record(tenant, "sampler_create", sampling_session_id=sampling_id,
+                    session_id=owner or None, **{source: model_id})
         if owner and core.store.session_tenant(owner) is None:
             # Closed while the save ran: `close_session_models` has already passed by.
             await core.end_sampler(sampling_id, "session closed")

@@ -1,6 +1,8 @@
-"""Signed, expiring download URLs: a URL names one path and a time, and carries
-`HMAC-SHA256(secret, path + "\\n" + expires)`; whoever holds it may GET that path, with no
-API key, until it expires, and no other path.
+"""Signed, expiring download URLs: a URL names one path, a time and the tenant it was
+signed for, and carries `HMAC-SHA256(secret, path + "\\n" + expires + "\\n" + tenant)`
+(no tenant: `path + "\\n" + expires`, the form of URLs signed before URLs named one);
+whoever holds it may GET that path, with no API key, until it expires, and no other
+path. The tenant is whose read the download is, in the audit log.
 
 The secret is 32 random bytes in `<data dir>/url_signing.key`, created once with mode
 0600 (owner read/write only): URLs survive a restart, and anyone who can read the data
@@ -45,11 +47,15 @@ class SignedPath:
     path: str        # starts with '/'
     expires: int     # unix seconds
     signature: str   # hex
+    reader: str = ""  # the tenant it was signed for ('': none named)
 
     @property
     def url(self) -> str:
         """The path with its query: put a scheme and host in front to fetch it."""
-        return f"{self.path}?{urlencode({'expires': self.expires, 'signature': self.signature})}"
+        query = {"expires": self.expires, "signature": self.signature}
+        if self.reader:
+            query["reader"] = self.reader
+        return f"{self.path}?{urlencode(query)}"
 
 
 def load_secret(data_dir: str | Path) -> bytes:
@@ -88,27 +94,28 @@ class Signer:
             raise ValueError(f"secret: {len(secret)} bytes; at least {SECRET_BYTES}")
         self._secret = secret
 
-    def _mac(self, path: str, expires: int) -> str:
-        message = f"{path}\n{expires}".encode()
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+    def _mac(self, path: str, expires: int, reader: str = "") -> str:
+        message = f"{path}\n{expires}" + (f"\n{reader}" if reader else "")
+        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
 
     def sign(self, path: str, ttl_seconds: int = DEFAULT_URL_TTL_SECONDS,
-             now: float | None = None) -> SignedPath:
-        """`path` (absolute, no query) signed to work for `ttl_seconds` from `now`."""
+             now: float | None = None, reader: str = "") -> SignedPath:
+        """`path` (absolute, no query) signed to work for `ttl_seconds` from `now`, for
+        the tenant `reader` ('': none named)."""
         if not path.startswith("/") or "?" in path:
             raise ValueError(f"path: {path!r} must start with '/' and carry no query")
         expires = int((time.time() if now is None else now) + ttl_seconds)
-        return SignedPath(path, expires, self._mac(path, expires))
+        return SignedPath(path, expires, self._mac(path, expires, reader), reader)
 
     def check(self, path: str, expires: str | None, signature: str | None,
-              now: float | None = None) -> None:
-        """Raise `BadSignature` unless `signature` signs exactly `path` and `expires`, and
-        `expires` is still ahead of `now`."""
+              now: float | None = None, reader: str | None = None) -> None:
+        """Raise `BadSignature` unless `signature` signs exactly `path`, `expires` and
+        `reader`, and `expires` is still ahead of `now`."""
         try:
             when = int(expires or "")
         except ValueError:
             raise BadSignature("expires: missing or not an integer") from None
-        expected = self._mac(path, when)
+        expected = self._mac(path, when, reader or "")
         if not hmac.compare_digest(expected.encode(), (signature or "").encode()):
             raise BadSignature("signature: does not sign this path and expiry")
         if (time.time() if now is None else now) >= when:

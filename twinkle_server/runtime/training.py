@@ -134,8 +134,7 @@ class Training:
 
     async def unload_model(self, tenant: str, model_id: str) -> None:
         self.core.model_of(tenant, model_id)
-        await self.core.unload(model_id, "unloaded by its owner")
-        audit.record(self.core, tenant, "model_unload", model_id=model_id)
+        await self.core.unload(model_id, "unloaded by its owner")   # records model_unload
 
     # ------------------------------------------------------------------ forward
 

@@ -1,0 +1,77 @@
+"""Audit entries with no stock-SDK call to walk them (issue 31, 3), in-process: a
+checkpoint deleted by its TTL, a download over gRPC (`Runs.checkpoint_files`), the models
+and sampling sessions a stopping server takes with it, and a signed URL bound to the
+tenant it was signed for (the HTTP walk is `tests/http/test_audit_events.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from twinkle_server.engine.types import LoraSpec
+from twinkle_server.runtime import OpRef, Runtime, checkpoint_ref
+from twinkle_server.runtime.signed_urls import BadSignature, Signer
+
+
+def _entries(rt: Runtime, tenant: str = "alice") -> list:
+    rt._writer.submit(lambda: None).result()   # the entries queued so far are written
+    return rt.store.audit_entries(tenant, 0, time.time() + 1)
+
+
+async def _model(rt: Runtime) -> str:
+    info = await rt.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8, seed=0))
+    return info.entry.model_id
+
+
+def test_a_checkpoint_deleted_by_its_ttl_and_a_grpc_download_are_recorded(runtime):
+    async def scenario():
+        model_id = await _model(runtime)
+        row = await runtime.training.save("alice", OpRef(model_id, 0), "sampler", "ttl")
+        path = checkpoint_ref(f"tinker://{model_id}/sampler_weights/ttl")
+        runtime.runs.checkpoint_files("alice", path)
+        await runtime.runs.set_checkpoint_ttl("alice", path, 3600)
+        await runtime.expire_checkpoints(now=time.time() + 7200)
+        return row
+
+    row = asyncio.run(scenario())
+    entries = _entries(runtime)
+    tinker_path = f"tinker://{row.run_id}/sampler_weights/ttl"
+    [read] = [e for e in entries if e.event == "checkpoint_read"]
+    assert read.details["purpose"] == "download" and read.details["tinker_path"] == tinker_path
+    [deleted] = [e for e in entries if e.event == "checkpoint_delete"]
+    assert deleted.details == {"actor": "alice", "reason": "expired", "model_id": row.run_id,
+                               "tinker_path": tinker_path, "checkpoint_type": "sampler",
+                               "owner": "alice"}
+
+
+def test_a_stopping_server_records_the_models_and_samplers_it_takes_with_it(runtime):
+    async def scenario():
+        model_id = await _model(runtime)
+        sampler = await runtime.sampling.create_session("alice", base_model="tiny")
+        return model_id, sampler
+
+    model_id, sampler = asyncio.run(scenario())
+    runtime.scheduler.stop(drain=True, timeout=60)
+    runtime.close()
+    entries = runtime.store.audit_entries("alice", 0, time.time() + 1)
+    assert [(e.details["model_id"], e.details["reason"]) for e in entries
+            if e.event == "model_unload"] == [(model_id, "server stopped")]
+    assert [(e.details["sampling_session_id"], e.details["reason"]) for e in entries
+            if e.event == "sampler_end"] == [(sampler, "server stopped")]
+
+
+def test_a_signed_url_checks_only_for_the_tenant_it_was_signed_for():
+    signer = Signer(b"k" * 32)
+    now = time.time()
+    signed = signer.sign("/f", 600, now, reader="alice")
+    assert signed.url.endswith("&reader=alice")
+    signer.check("/f", str(signed.expires), signed.signature, now, reader="alice")
+    for reader in ("bob", None):
+        with pytest.raises(BadSignature):
+            signer.check("/f", str(signed.expires), signed.signature, now, reader=reader)
+    # A URL signed before URLs named a tenant still checks without one.
+    old = signer.sign("/f", 600, now)
+    assert "reader" not in old.url
+    signer.check("/f", str(old.expires), old.signature, now)
