@@ -13,9 +13,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from twinkle_server.engine import tiny_model
 from twinkle_server.engine.errors import FailedPrecondition
 from twinkle_server.engine.tiny_model import (
+    ADDED_TOKENS,
+    FAMILY_SPECIAL_TOKENS,
     IM_END,
     IM_START,
     PAD_TOKEN,
+    QWEN_TAGS,
     SPECIAL_TOKENS,
     TINY_MODEL_NAME,
     build_tiny_model,
@@ -131,6 +134,47 @@ def test_special_tokens_are_single_ids_and_survive_inside_text(tokenizer):
     assert encoded[0] == 1 and encoded.count(2) == 1
     assert tokenizer.decode(encoded, skip_special_tokens=True) == "user\nhi\n"
     assert tokenizer.bos_token is None  # nothing is prepended to encoded text
+
+
+# What tinker-cookbook 0.6.1's renderers look up or assert is one token (renderers/qwen3.py,
+# qwen3_5.py `_normalize_response_tokens`, llama3.py `_bos_tokens`/`_end_message_token`,
+# gpt_oss.py `_return_token`/`_call_token` and the Harmony headers). cookbook-check's
+# `renderers` part runs the renderers themselves on the tiny tokenizer.
+RENDERER_TOKENS = (
+    "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>", "<|vision_start|>", "<|vision_end|>",
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|end|>", "<|return|>",
+    "<|call|>",
+)
+
+
+def test_every_renderer_token_of_the_cookbook_families_encodes_to_one_id(tokenizer):
+    assert set(RENDERER_TOKENS) <= set(ADDED_TOKENS)
+    ids = [tokenizer.encode(token, add_special_tokens=False) for token in ADDED_TOKENS]
+    assert all(len(one) == 1 for one in ids), dict(zip(ADDED_TOKENS, ids, strict=True))
+    flat = [one[0] for one in ids]
+    extra = len(ADDED_TOKENS) - len(SPECIAL_TOKENS)
+    # pad/im_start/im_end keep ids 0, 1, 2; the family tokens take the vocabulary's last ids.
+    assert flat == [0, 1, 2, *range(4096 - extra, 4096)]
+    assert tokenizer.convert_ids_to_tokens(flat) == list(ADDED_TOKENS)
+
+
+def test_family_tokens_survive_inside_text_and_qwen_tags_survive_skipping_specials(
+        tokenizer):
+    think_open, think_close = (tokenizer.convert_tokens_to_ids(t) for t in QWEN_TAGS[:2])
+    # Qwen3.5's prompt prefill and a sampled reply: `</think>` is one id inside text.
+    encoded = tokenizer.encode("<think>\nstep</think>\n\n4<|im_end|>", add_special_tokens=False)
+    assert encoded[0] == think_open and encoded.count(think_close) == 1
+    assert tokenizer.decode(encoded) == "<think>\nstep</think>\n\n4<|im_end|>"
+    # As in Qwen3: the think/tool tags are not special (the renderers parse them from decoded
+    # text); the other families' control tokens are, like <|im_end|>.
+    assert tokenizer.decode(encoded, skip_special_tokens=True) == "<think>\nstep</think>\n\n4"
+    harmony = "<|start|>assistant<|channel|>final<|message|>hi<|return|>"
+    ids = tokenizer.encode(harmony, add_special_tokens=False)
+    assert sum(tokenizer.convert_ids_to_tokens(i) in FAMILY_SPECIAL_TOKENS for i in ids) == 4
+    assert tokenizer.decode(ids) == harmony
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "assistantfinalhi"
 
 
 def test_config_eos_and_pad_ids_match_the_tokenizer(built, tokenizer):

@@ -34,11 +34,36 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 # Order fixes the ids: pad 0, im_start 1, im_end 2 (the BPE trainer adds them first).
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END)
+# The control tokens of the families whose renderers tinker-cookbook ships, so a recipe that
+# renders for a hosted model runs on `tiny` unchanged: the renderers encode these strings and
+# assert one id each (Qwen3.5's `</think>`, gpt-oss's `<|return|>`/`<|call|>`, Llama 3's
+# `<|eot_id|>`, ...). They take the last ids of the vocabulary, after the BPE merges, so
+# the ids of every merge the trainer learned before they were added stay the same.
+# As in Qwen3's tokenizer, its tags are added tokens that are *not* special: decoding with
+# `skip_special_tokens=True` keeps `<think>...</think>`, which the renderers parse.
+QWEN_TAGS: tuple[str, ...] = (
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+    "</tool_response>",
+)
+# Special (dropped by `skip_special_tokens`) like pad/im_start/im_end.
+FAMILY_SPECIAL_TOKENS: tuple[str, ...] = (
+    # Qwen3-VL / Qwen3.5 image markers.
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    # Llama 3.
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+    "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+    # gpt-oss (Harmony).
+    "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
+    "<|call|>",
+)
+# Every string the tokenizer encodes as one id, in id order: 0, 1, 2, then the last ids.
+ADDED_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS, *QWEN_TAGS, *FAMILY_SPECIAL_TOKENS)
 
 # Qwen3 architecture, about 1.8M parameters (1M of them the two untied 4096 x 128 embeddings):
 # small enough that a CPU test trains it in seconds.
 RECIPE: dict[str, object] = {
-    "vocab_size": 4096,  # BPE trainer target; the shipped corpus has enough merges to reach it
+    # Ids in all, the added tokens included; the shipped corpus has enough merges to fill it.
+    "vocab_size": 4096,
     "hidden_size": 128,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
@@ -48,6 +73,7 @@ RECIPE: dict[str, object] = {
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
     "init_seed": 1234,
+    "added_tokens": list(ADDED_TOKENS[len(SPECIAL_TOKENS):]),  # the last ids, in order
     "format": 2,  # bump when the writer changes the files for the same recipe
 }
 
@@ -128,19 +154,31 @@ def _corpus_records() -> list[str]:
 
 
 def _train_tokenizer() -> Tokenizer:
-    """Byte-level BPE (as GPT-2/Qwen): every string encodes, and decodes back unchanged."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE (as GPT-2/Qwen): every string encodes, and decodes back unchanged.
+
+    The trainer stops `len(ADDED_TOKENS) - len(SPECIAL_TOKENS)` merges short of
+    `vocab_size`; the family tokens then take the last ids, so BPE is a prefix of what it
+    learns with the full budget and the ids of pad/im_start/im_end and every merge kept stay.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    extra = len(ADDED_TOKENS) - len(SPECIAL_TOKENS)
     trainer = trainers.BpeTrainer(
-        vocab_size=int(RECIPE["vocab_size"]),
+        vocab_size=int(RECIPE["vocab_size"]) - extra,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus_records(), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TAGS])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in FAMILY_SPECIAL_TOKENS])
+    if tokenizer.get_vocab_size() != int(RECIPE["vocab_size"]):
+        raise AssertionError(f"tiny tokenizer has {tokenizer.get_vocab_size()} ids, "
+                             f"the recipe {RECIPE['vocab_size']}: the corpus ran out of merges")
     return tokenizer
 
 
@@ -153,7 +191,7 @@ def _write_model(out: Path) -> None:
         tokenizer_object=raw,
         pad_token=PAD_TOKEN,
         eos_token=IM_END,
-        additional_special_tokens=[IM_START],
+        additional_special_tokens=[IM_START, *FAMILY_SPECIAL_TOKENS],
         model_max_length=int(RECIPE["max_position_embeddings"]),
     )
     tokenizer.chat_template = CHAT_TEMPLATE
