@@ -18,8 +18,15 @@ its inputs are made local, through the cookbook's own extension points:
   template; the tokenizer the server names in `get_info` (a local directory) is registered
   under that name with `tokenizer_utils.register_tokenizer`;
 * datasets: `openai/gsm8k` is read from `examples/cookbook_data/gsm8k-*.jsonl` (GSM8K's
-  columns, a few easy problems) through `datasets.load_dataset`, which is replaced, for the
-  check's process only, by a loader of those files that refuses any other name;
+  columns, a few easy problems) and `Anthropic/hh-rlhf` from `hh-rlhf-*.jsonl` (its
+  `chosen`/`rejected` columns, a few made-up pairs) through `datasets.load_dataset`, which is
+  replaced, for the check's process only, by a loader of those files that refuses any other
+  name; the recipes that take a file path get one there: `prophet-arena.csv` (Prophet
+  Arena's columns, five made-up markets either side of the recipe's split date) and
+  `rubric-*.jsonl` (the rubric recipe's datapoint format);
+* the server's model answers under every name a recipe asks for: rubric's grader
+  (`grader_llm_name`) is the same tiny model, and `TINKER_BASE_URL` points the recipes that
+  build a `ServiceClient` without a `base_url` (guess_number, rubric's grader) at the server;
 * HF_HUB_OFFLINE=1 (and the datasets/transformers equivalents): any download fails loudly;
 * a warm start: a random tiny model never writes `\\boxed{...}`, so every group's rewards
   would be equal and `rl_loop` would skip every training step. The check trains an adapter
@@ -47,6 +54,21 @@ Parts (each prints one summary line; `--only` takes a comma-separated list):
   adapter (`adapter_config.json`, LoRA tensors in `adapter_model.safetensors`), and the
   first, loaded by `peft.PeftModel.from_pretrained` in the project's venv, gives the
   server's logprobs.
+* renderers: the cookbook's qwen3, qwen3_disable_thinking, qwen3_instruct, qwen3_5,
+  qwen3_5_disable_thinking, llama3 and gpt-oss renderers built on the tiny tokenizer (their
+  single-token asserts: `</think>`, `<|eot_id|>`, `<|return|>`, `<|call|>`, ...), each
+  rendering a prompt and a supervised example and parsing a reply in its own format.
+* dpo: `recipes/preference/dpo/train.cli_main` (dataset `hhh`), 2 steps of 2 pairs; the
+  reference is the initial weights' sampling client, which the server keeps for the session.
+* decisions_forecasting: `recipes/decisions/forecasting.main` (Brier loss through
+  `forward_backward_custom` on (T, K) choice targets, validation by `sample_decision`),
+  2 steps of 2 markets.
+* rubric: `recipes/rubric/train.cli_main` with its default renderers
+  (`qwen3_5_disable_thinking` for policy and grader), 2 steps of 1 group x 2; the grader
+  is the same tiny model, its reply capped at 48 tokens (the recipe asks 2048 and an
+  untrained grader never stops); it seldom writes `<score>`, so rewards are mostly 0.
+* guess_number: `recipes/multiplayer_rl/guess_number` (`build_config` + `rl.train.main`, as
+  its `__main__`), multi-turn games with `qwen3_5_disable_thinking`, 2 steps.
 * step_column: `rl_loop` (importance_sampling) logs through the cookbook's `ml_log`; the
   `step` column of its `metrics.jsonl` must be the integers 0, 1, 2 (the loop merges the
   server's `optim_step` metrics into its own before logging), and so must that of every
@@ -106,6 +128,15 @@ PARTS: dict[str, tuple[int, str]] = {
                       "max_steps_off_policy=1"),
     "math_rl_gsm8k": (240, "recipes/math_rl/train.py cli_main(), env=gsm8k on local rows"),
     "weights_download": (240, "save_weights_external + tinker_cookbook.weights.download"),
+    "renderers": (120, "the cookbook's Qwen3/3.5, Llama 3 and gpt-oss renderers on the tiny "
+                  "tokenizer: single-token asserts, prompts, supervised examples, parsing"),
+    "dpo": (240, "recipes/preference/dpo/train.py cli_main(), dataset=hhh on local rows"),
+    "decisions_forecasting": (180, "recipes/decisions/forecasting.py main(): Brier loss "
+                              "through forward_backward_custom, local markets"),
+    "rubric": (240, "recipes/rubric/train.py cli_main(): Qwen3.5 renderer, the server's "
+               "model as grader, local rubrics"),
+    "guess_number": (240, "recipes/multiplayer_rl/guess_number: multi-turn env, Qwen3.5 "
+                     "renderer (qwen3_5_disable_thinking)"),
     "step_column": (240, "the `step` column of the recipes' metrics.jsonl is 0, 1, 2, ..."),
 }
 
@@ -284,7 +315,10 @@ def local_inputs(ctx: Ctx) -> None:
     # Datasets: the local GSM8K rows; any other name is refused (no silent download).
     real_load = datasets.load_dataset
     local = {"openai/gsm8k": {"train": DATA / "gsm8k-train.jsonl",
-                              "test": DATA / "gsm8k-test.jsonl"}}
+                              "test": DATA / "gsm8k-test.jsonl"},
+             # hh-rlhf's columns (`chosen`, `rejected`: "\n\nHuman: ...\n\nAssistant: ...").
+             "Anthropic/hh-rlhf": {"train": DATA / "hh-rlhf-train.jsonl",
+                                   "test": DATA / "hh-rlhf-test.jsonl"}}
 
     def load_dataset(path: str, name: str | None = None, *, split: str | None = None,
                      **kwargs: Any):
@@ -637,6 +671,124 @@ def part_weights_download(ctx: Ctx) -> str:
             f"{diff:.1e}); weights via an age-encrypted export: {got_state}")
 
 
+# Renderer name -> a reply in that family's format, ending in its stop token.
+RENDERER_REPLIES = {
+    "qwen3": "<think>\nThe sum is 4.\n</think>\n\n4<|im_end|>",
+    "qwen3_disable_thinking": "4<|im_end|>",
+    "qwen3_instruct": "4<|im_end|>",
+    "qwen3_5": "The sum is 4.\n</think>\n\n4<|im_end|>",
+    "qwen3_5_disable_thinking": "4<|im_end|>",
+    "llama3": "4<|eot_id|>",
+    "gpt_oss_no_sysprompt": "<|channel|>final<|message|>4<|return|>",
+    "gpt_oss_medium_reasoning": "<|channel|>analysis<|message|>The sum is 4.<|end|>"
+                                "<|start|>assistant<|channel|>final<|message|>4<|return|>",
+}
+
+
+def part_renderers(ctx: Ctx) -> str:
+    """Each renderer, as a recipe uses it, on the tiny model's tokenizer (no server call)."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+    tokenizer = get_tokenizer(MODEL)
+    convo = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": "What is 2 + 2?"},
+             {"role": "assistant", "content": "4"}]
+    done = []
+    for name, reply in RENDERER_REPLIES.items():
+        renderer = renderers.get_renderer(name, tokenizer)
+        prompt = renderer.build_generation_prompt(convo[:2]).to_ints()
+        model_input, weights = renderer.build_supervised_example(convo)
+        assert model_input.length == len(weights) and float(weights.sum()) > 0, name
+        stops = renderer.get_stop_sequences()
+        # The stop tokens are single ids (gpt-oss asserts it for <|return|> and <|call|>).
+        assert stops and all(isinstance(t, int) for t in stops), (name, stops)
+        message, _ = renderer.parse_response(tokenizer.encode(reply, add_special_tokens=False))
+        text = renderers.get_text_content(message)
+        assert text.strip() == "4", (name, message)
+        done.append(f"{name} ({len(prompt)} prompt tokens)")
+    return "parsed a reply with each of " + ", ".join(done)
+
+
+def part_dpo(ctx: Ctx) -> str:
+    from tinker_cookbook.recipes.preference.dpo import train as recipe
+    log_path = ctx.work / "dpo"
+    cli = recipe.CLIConfig(model_name=MODEL, dataset="hhh", base_url=ctx.base_url,
+                           log_path=str(log_path), batch_size=2, max_length=512,
+                           learning_rate=1e-4, max_steps=2, behavior_if_log_dir_exists="raise")
+    recipe.cli_main(cli)
+    rows = [r for r in metrics_rows(log_path) if "dpo_loss" in r]
+    assert len(rows) == 2, f"{len(rows)} logged DPO steps, expected 2"
+    assert all(math.isfinite(r["dpo_loss"]) for r in rows), rows
+    # Reference logprobs come from a sampling client of the initial weights, kept by the
+    # server for the whole session (train_dpo's reference_model_name=None).
+    return (f"2 steps of 2 pairs, dpo_loss {rows[0]['dpo_loss']:.4f} -> "
+            f"{rows[-1]['dpo_loss']:.4f}, accuracy {rows[-1]['accuracy']:.2f}")
+
+
+def part_decisions_forecasting(ctx: Ctx) -> str:
+    from tinker_cookbook.recipes.decisions import forecasting as recipe
+    log_path = ctx.work / "decisions_forecasting"
+    cfg = recipe.Config(model_name=MODEL, base_url=ctx.base_url, log_path=str(log_path),
+                        data_path=str(DATA / "prophet-arena.csv"), lora_rank=8,
+                        batch_size=2, max_steps=2, behavior_if_log_dir_exists="raise")
+    asyncio.run(recipe.main(cfg))
+    rows = metrics_rows(log_path)
+    train = [r for r in rows if "train/loss" in r]
+    test = [r for r in rows if "test/brier_reward" in r]
+    assert [r["step"] for r in train] == [1, 2], rows
+    assert len(test) == 2 and all(math.isfinite(r["test/brier_reward"]) for r in test), rows
+    return (f"2 steps, Brier loss {train[0]['train/loss']:.4f} -> {train[-1]['train/loss']:.4f}, "
+            f"validation Brier reward {test[0]['test/brier_reward']:.4f} -> "
+            f"{test[-1]['test/brier_reward']:.4f}")
+
+
+# rubric's grader asks for 2048 tokens a grade; the untrained tiny grader never writes its
+# stop token, and 2048 decode steps cost minutes on 2 CPU cores. The check caps the reply.
+GRADER_MAX_TOKENS = 48
+
+
+def part_rubric(ctx: Ctx) -> str:
+    from tinker_cookbook.completers import TinkerMessageCompleter
+    from tinker_cookbook.recipes.rubric import env as rubric_env
+    from tinker_cookbook.recipes.rubric import train as recipe
+
+    def capped_grader(*, sampling_client, renderer, max_tokens, **kwargs):
+        return TinkerMessageCompleter(sampling_client=sampling_client, renderer=renderer,
+                                      max_tokens=min(max_tokens, GRADER_MAX_TOKENS), **kwargs)
+
+    rubric_env.TinkerMessageCompleter = capped_grader  # imported by name there
+    log_path = ctx.work / "rubric"
+    cli = recipe.CLIConfig(model_name=MODEL, grader_llm_name=MODEL, base_url=ctx.base_url,
+                           log_path=str(log_path), lora_rank=8, groups_per_batch=1,
+                           train_group_size=2, max_tokens=16, max_steps=2, eval_every=0,
+                           save_every=0, train_jsonl_path=str(DATA / "rubric-train.jsonl"),
+                           test_jsonl_path=str(DATA / "rubric-test.jsonl"),
+                           behavior_if_log_dir_exists="raise")
+    assert cli.renderer_name == cli.grader_renderer_name == "qwen3_5_disable_thinking"
+    asyncio.run(recipe.cli_main(cli))
+    rows = [r for r in metrics_rows(log_path) if RL_TRAIN_ROW in r]
+    assert len(rows) == 2, f"{len(rows)} logged training steps, expected 2"
+    return (f"2 steps, renderer {cli.renderer_name}, grader {MODEL}, fwd/bwd {ctx.losses()}, "
+            f"reward per step {', '.join(f'{r[RL_TRAIN_ROW]:.2f}' for r in rows)}")
+
+
+def part_guess_number(ctx: Ctx) -> str:
+    from tinker_cookbook.recipes.multiplayer_rl.guess_number import train as recipe
+    from tinker_cookbook.rl import train
+    log_path = ctx.work / "guess_number"
+    # Each game is up to 10 turns (the env's MAX_TURNS), one sample request each.
+    cli = recipe.CLIConfig(model_name=MODEL, log_path=str(log_path), batch_size=1,
+                           group_size=2, max_tokens=8, eval_every=0, save_every=0,
+                           max_steps=2, behavior_if_log_dir_exists="raise")
+    assert cli.renderer_name == "qwen3_5_disable_thinking", cli.renderer_name
+    config = recipe.build_config(cli)
+    asyncio.run(train.main(config))  # as the recipe's __main__
+    rows = [r for r in metrics_rows(log_path) if RL_TRAIN_ROW in r]
+    assert len(rows) == 2, f"{len(rows)} logged training steps, expected 2"
+    return (f"2 steps of 1 group x 2 games, renderer {cli.renderer_name}, fwd/bwd {ctx.losses()}, "
+            f"reward per step {', '.join(f'{r[RL_TRAIN_ROW]:.2f}' for r in rows)}")
+
+
 def part_step_column(ctx: Ctx) -> str:
     summary, log_path = rl_loop(ctx, "importance_sampling", "step_column")
     steps = check_steps(log_path, RL_LOOP_ROW, RL_LOOP_STEPS)
@@ -647,7 +799,10 @@ def part_step_column(ctx: Ctx) -> str:
                "rl_loop_gspo": (RL_LOOP_ROW, RL_LOOP_STEPS),
                "math_rl_sync": (RL_TRAIN_ROW, MATH_RL_STEPS),
                "math_rl_async": (RL_TRAIN_ROW, MATH_RL_STEPS),
-               "math_rl_gsm8k": (RL_TRAIN_ROW, MATH_RL_STEPS)}
+               "math_rl_gsm8k": (RL_TRAIN_ROW, MATH_RL_STEPS),
+               "dpo": ("dpo_loss", 2),
+               "rubric": (RL_TRAIN_ROW, 2),
+               "guess_number": (RL_TRAIN_ROW, 2)}
     for name, (row_key, n) in earlier.items():
         if (ctx.work / name / "metrics.jsonl").exists():
             check_steps(ctx.work / name, row_key, n)
@@ -659,6 +814,9 @@ def child(name: str, base_url: str, work: Path) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ["TINKER_API_KEY"] = API_KEY
+    # Where a recipe builds a ServiceClient without passing its base_url (guess_number's
+    # train.Config, rubric's grader), the SDK reads this.
+    os.environ["TINKER_BASE_URL"] = base_url
     os.environ["HF_DATASETS_CACHE"] = str(work / "hf-datasets")  # the local rows' arrow cache
     ctx = Ctx(base_url, work)
     result_file = work / f"part-{name}.json"
