@@ -238,6 +238,7 @@ def test_a_cancelled_request_leaves_at_once_and_the_others_finish_as_alone(model
 
 
 def test_stats_are_a_snapshot_any_thread_may_read_while_the_pool_runs(model):
+    import sys
     import threading
 
     pool = _pool(model, capacity=400)
@@ -251,14 +252,19 @@ def test_stats_are_a_snapshot_any_thread_may_read_while_the_pool_runs(model):
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
 
+    # Threads switch every 10 us instead of 5 ms: the reader is preempted mid-read often
+    # (on main this failed within 0.1 s, 2 runs in 2; at the default, 4 requests took 35 s).
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
     reader = threading.Thread(target=scrape)
     reader.start()
     try:
-        for i in range(12):
+        for i in range(4):
             pool.submit(i, _req(list(range(10, 30 + i)), 1, max_tokens=6, seed=i),
                         None, (f"session-{i % 3}", "v1"))
             _drain(pool)
     finally:
         done.set()
         reader.join()
+        sys.setswitchinterval(switch)
     assert not errors
