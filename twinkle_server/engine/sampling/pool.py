@@ -355,11 +355,12 @@ class DecodePool:
             picked = torch.tensor(keep, device=self.device)
             select_rows(kv, index[picked])
             joined = self.rows + [rows[i] for i in keep]
+            order = _grouped([r.request.route for r in joined])
             self.batch.join(kv, mask[index[picked]],
                             torch.tensor([rows[i].request.sample.prompt.size for i in keep],
                                          device=self.device),
-                            drawn.chosen[picked], _grouped([r.request.route for r in joined]))
-            self.rows = [joined[i] for i in _grouped([r.request.route for r in joined])]
+                            drawn.chosen[picked], order)
+            self.rows = [joined[i] for i in order]
         self._count(prompt_tokens_computed=sum(r.sample.prompt.size - r.cached
                                                for r in joiners),
                     prefix_hit_tokens=sum(r.cached for r in joiners))
