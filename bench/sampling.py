@@ -28,6 +28,9 @@ the baseline); one idles while the other works.
    it computed (its /metrics counter `twinkle_prompt_tokens_computed_total`) against the
    prompt's length; then the same session's prompt extended by 8 tokens
    (`prompt_cache_hit_tokens`).
+5. teacher: a third server with two base models (`--models`): the student (the bench's
+   base) and a teacher (`tiny-large`, role sample). The student's forward_backward alone,
+   then while the teacher's sampling client decodes the same load as in 3.
 
 Each section prints its rows as measured and the run ends with one summary table. The
 figures are printed against their targets; nothing here passes or fails on time.
@@ -61,7 +64,7 @@ from bench.server import _data  # noqa: E402
 from tinker_compat import ServiceClient  # noqa: E402
 from twinkle_server.process import ServerProcess, start_server  # noqa: E402
 
-SECTIONS = ("groups", "mixed", "training", "prefill")
+SECTIONS = ("groups", "mixed", "training", "prefill", "teacher")
 LORA_RANK = 16
 WIDE_ALIAS = "bench/wide-qwen3"
 OPEN_KEY = "tml-open"   # the SDK wants a `tml-` key; an open server takes any
@@ -157,10 +160,10 @@ def _params(max_tokens: int, seed: int | None = None) -> types.SamplingParams:
 
 
 def _metric(http_address: str, name: str) -> float:
-    """One unlabelled sample of the server's Prometheus /metrics."""
+    """One sample of the server's Prometheus /metrics, of its one served model."""
     with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=10) as response:
         text = response.read().decode()
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    match = re.search(rf'^{re.escape(name)}{{base_model="[^"]*"}} (\S+)$', text, re.M)
     if match is None:
         raise RuntimeError(f"/metrics has no {name}")
     return float(match.group(1))
@@ -338,13 +341,12 @@ def mixed(servers: dict[str, Served], sizes: Sizes) -> list[tuple]:
              f"{rates['continuous']:.0f} vs {rates['static']:.0f} tokens/s", ratio, ">= 1.5x")]
 
 
-def _training_run(served: Served, sizes: Sizes) -> tuple[list[float], list[float], bool]:
-    """forward_backward seconds alone and during a sampling run, and whether that run was
-    still decoding when the last of them ended."""
+def _training_run(trainer, sampler, sizes: Sizes) -> tuple[list[float], list[float], bool]:
+    """`trainer`'s forward_backward seconds alone and during a run of `sampler`, and
+    whether that run was still decoding when the last of them ended."""
     n, length = sizes.train_batch
     data = [types.Datum(model_input=types.ModelInput.from_ints(ids.tolist()),
                         loss_fn_inputs=inputs) for ids, inputs in _data(n, length, 4096, seed=3)]
-    trainer = served.trainer
 
     def step() -> float:
         start = time.perf_counter()
@@ -354,7 +356,6 @@ def _training_run(served: Served, sizes: Sizes) -> tuple[list[float], list[float
     step()   # warm-up
     alone = [step() for _ in range(sizes.train_calls)]
     requests, samples, tokens = sizes.load
-    sampler = served.grpc.create_sampling_client(model_path=served.weights).result()
     prompts = _prompts(requests, sizes.prompt_tokens, seed=11)
     load_end: list[float] = []
 
@@ -380,7 +381,8 @@ def training(servers: dict[str, Served], sizes: Sizes) -> list[tuple]:
     print(f"  {'server':<14}{'alone':>9}{'during':>9}{'during / alone':>16}  sampling still running")
     summary = []
     for name, served in servers.items():
-        alone, during, running = _training_run(served, sizes)
+        sampler = served.grpc.create_sampling_client(model_path=served.weights).result()
+        alone, during, running = _training_run(served.trainer, sampler, sizes)
         a, d = statistics.median(alone), statistics.median(during)
         print(f"  {name:<14}{a:>7.2f} s{d:>7.2f} s{d / a:>15.2f}x  "
               f"{'yes' if running else 'NO: the sampling run ended first'}")
@@ -388,6 +390,49 @@ def training(servers: dict[str, Served], sizes: Sizes) -> list[tuple]:
                         f"{d:.2f} vs {a:.2f} s", d / a,
                         "<= 1.5x" if name == "continuous" else "(baseline)"))
     return summary
+
+
+TEACHER_MODELS = """
+[[models]]
+name = "{student}"
+path = "{path}"
+
+[[models]]
+name = "teacher"
+path = "tiny-large"
+role = "sample"
+"""
+
+
+def teacher(data_dir: Path, student_path: str, model_name: str, sizes: Sizes) -> list[tuple]:
+    """The student's forward_backward alone and while the teacher, another base model of
+    the same server (`--models`), generates: each model has its own worker, so the
+    student's ops never queue behind the teacher's decode slices; on a CPU the two still
+    share the cores."""
+    n, length = sizes.train_batch
+    requests, samples, tokens = sizes.load
+    data_dir.mkdir(parents=True)
+    models = data_dir / "models.toml"
+    models.write_text(TEACHER_MODELS.format(student=model_name, path=student_path))
+    proc = start_server(data_dir / "data", "--models", str(models))
+    client = ServiceClient(base_url=f"http://{proc.address}")
+    try:
+        trainer = client.create_lora_training_client(model_name, rank=LORA_RANK,
+                                                     seed=0).result()
+        sampler = client.create_sampling_client(base_model="teacher").result()
+        _sample_all(sampler, _prompts(2, 8, seed=97), 2, 8)   # warm-up
+        alone, during, running = _training_run(trainer, sampler, sizes)
+    finally:
+        client.close()
+        proc.stop()
+    a, d = statistics.median(alone), statistics.median(during)
+    print(f"teacher: the student's forward_backward of {n} x {length} tokens, median of "
+          f"{sizes.train_calls}, alone and while the teacher (tiny-large, role sample) "
+          f"samples {requests} requests x {samples} x {tokens} tokens")
+    print(f"  alone {a:.2f} s, during {d:.2f} s, during / alone {d / a:.2f}x, teacher "
+          f"still sampling: {'yes' if running else 'NO: it ended first'}")
+    return [("student training latency while the teacher samples", f"{d:.2f} vs {a:.2f} s",
+             d / a, "(measured)")]
 
 
 def prefill(served: Served, sizes: Sizes) -> list[tuple]:
@@ -465,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 summary += training(servers, sizes)
             if "prefill" in chosen:
                 summary += prefill(servers["continuous"], sizes)
+            if "teacher" in chosen:
+                student = "tiny" if args.model == "tiny" else base_dir
+                summary += teacher(Path(tmp) / "teacher", student, model_name, sizes)
         finally:
             for served in servers.values():
                 served.close()

@@ -7,25 +7,30 @@ Run: `make cookbook-check` (it builds `.venv-cookbook` with tinker-cookbook and 
     .venv-cookbook/bin/python examples/cookbook_check.py --only rl_loop_gspo,step_column
     .venv-cookbook/bin/python examples/cookbook_check.py --list
 
-It starts `.venv/bin/twinkle-server serve --model tiny --model-alias Qwen/Qwen3-4B-Instruct-2507
---http-port 0` (the project's venv; nothing of twinkle is imported here), then runs each part
+It starts `.venv/bin/twinkle-server serve --models models.toml --http-port 0` (the project's
+venv; nothing of twinkle is imported here) with two base models: `tiny` as the students
+(`Qwen/Qwen3-4B-Instruct-2507`, and distillation's default `Qwen/Qwen3.5-9B-Base`) and
+`tiny-large`, another shape, as the teachers and graders (distillation's default teacher
+`Qwen/Qwen3.5-9B`, rubric's default grader `Qwen/Qwen3.6-35B-A3B`; role sample). It then runs each part
 in its own python process against it (a part that hangs is killed after its time limit and
 fails; the others still run). The cookbook's code is imported and called as it ships; only
 its inputs are made local, through the cookbook's own extension points:
 
 * the model: the server's tiny model answers to `Qwen/Qwen3-4B-Instruct-2507`, whose
   recommended renderer (`qwen3_instruct`, ChatML without <think>) is the tiny model's chat
-  template; the tokenizer the server names in `get_info` (a local directory) is registered
-  under that name with `tokenizer_utils.register_tokenizer`;
+  template; the tokenizer the server names in `get_info` (a local directory, shared by both
+  tiny models) is registered under every served name with
+  `tokenizer_utils.register_tokenizer`;
 * datasets: `openai/gsm8k` is read from `examples/cookbook_data/gsm8k-*.jsonl` (GSM8K's
-  columns, a few easy problems) and `Anthropic/hh-rlhf` from `hh-rlhf-*.jsonl` (its
-  `chosen`/`rejected` columns, a few made-up pairs) through `datasets.load_dataset`, which is
+  columns, a few easy problems), `Anthropic/hh-rlhf` from `hh-rlhf-*.jsonl` (its
+  `chosen`/`rejected` columns, a few made-up pairs) and `zwhe99/DeepMath-103K` from
+  `deepmath-train.jsonl` (its columns, eight easy questions) through `datasets.load_dataset`, which is
   replaced, for the check's process only, by a loader of those files that refuses any other
   name; the recipes that take a file path get one there: `prophet-arena.csv` (Prophet
   Arena's columns, five made-up markets either side of the recipe's split date) and
   `rubric-*.jsonl` (the rubric recipe's datapoint format);
-* the server's model answers under every name a recipe asks for: rubric's grader
-  (`grader_llm_name`) is the same tiny model, and `TINKER_BASE_URL` points the recipes that
+* the recipes' default teacher and grader names are answered by `tiny-large`, and
+  `TINKER_BASE_URL` points the recipes that
   build a `ServiceClient` without a `base_url` (guess_number, rubric's grader) at the server;
 * HF_HUB_OFFLINE=1 (and the datasets/transformers equivalents): any download fails loudly;
 * a warm start: a random tiny model never writes `\\boxed{...}`, so every group's rewards
@@ -65,8 +70,12 @@ Parts (each prints one summary line; `--only` takes a comma-separated list):
   2 steps of 2 markets.
 * rubric: `recipes/rubric/train.cli_main` with its default renderers
   (`qwen3_5_disable_thinking` for policy and grader), 2 steps of 1 group x 2; the grader
-  is the same tiny model, its reply capped at 48 tokens (the recipe asks 2048 and an
-  untrained grader never stops); it seldom writes `<score>`, so rewards are mostly 0.
+  is its default name, served by `tiny-large`, its reply capped at 48 tokens (the recipe
+  asks 2048 and an untrained grader never stops); it seldom writes `<score>`, so rewards
+  are mostly 0.
+* distillation: `recipes/distillation/on_policy_distillation.cli_main` with its default
+  student, teacher, dataset (deepmath), loss and KL penalty, 2 steps of 2 prompts x 2; the
+  teacher's logprobs run on `tiny-large`'s own engine (checked in the server log).
 * guess_number: `recipes/multiplayer_rl/guess_number` (`build_config` + `rl.train.main`, as
   its `__main__`), multi-turn games with `qwen3_5_disable_thinking`, 2 steps.
 * step_column: `rl_loop` (importance_sampling) logs through the cookbook's `ml_log`; the
@@ -108,6 +117,24 @@ DATA = ROOT / "examples" / "cookbook_data"
 # A name the cookbook knows whose recommended renderer is the tiny model's chat template.
 MODEL = "Qwen/Qwen3-4B-Instruct-2507"
 RENDERER = "qwen3_instruct"  # model_info's first choice for MODEL
+# The recipes' own default model names, each answered by a local model: the students by
+# `tiny`, the teachers and graders by `tiny-large` (another base, role sample), so a
+# recipe's teacher runs on its own engine beside the student.
+STUDENT_NAMES = (MODEL, "Qwen/Qwen3.5-9B-Base")   # distillation's default student
+TEACHER = "Qwen/Qwen3.5-9B"                        # distillation's default teacher
+GRADER = "Qwen/Qwen3.6-35B-A3B"                    # rubric's default grader_llm_name
+MODELS_FILE = f"""
+[[models]]
+name = "{STUDENT_NAMES[0]}"
+path = "tiny"
+aliases = {list(STUDENT_NAMES[1:])}
+
+[[models]]
+name = "{TEACHER}"
+path = "tiny-large"
+aliases = ["{GRADER}"]
+role = "sample"
+"""
 API_KEY = "tml-local"        # the server is open; the SDK only wants the `tml-` prefix
 
 # --------------------------------------------------------------------------------------
@@ -135,6 +162,8 @@ PARTS: dict[str, tuple[int, str]] = {
                               "through forward_backward_custom, local markets"),
     "rubric": (240, "recipes/rubric/train.py cli_main(): Qwen3.5 renderer, the server's "
                "model as grader, local rubrics"),
+    "distillation": (240, "recipes/distillation/on_policy_distillation cli_main(): its "
+                          "default student and teacher, two bases, dataset deepmath"),
     "guess_number": (240, "recipes/multiplayer_rl/guess_number: multi-turn env, Qwen3.5 "
                      "renderer (qwen3_5_disable_thinking)"),
     "step_column": (240, "the `step` column of the recipes' metrics.jsonl is 0, 1, 2, ..."),
@@ -146,9 +175,10 @@ def start_server(data_dir: Path, timeout_s: float = 180) -> tuple[subprocess.Pop
     log_path = data_dir / "server.log"
     # COOKBOOK_CHECK_SERVER: another server command (e.g. another checkout's), shlex-split.
     server = shlex.split(os.environ.get("COOKBOOK_CHECK_SERVER", "")) or [str(SERVER)]
+    models = data_dir / "models.toml"
+    models.write_text(MODELS_FILE)
     proc = subprocess.Popen(
-        [*server, "serve", "--model", "tiny", "--model-alias", MODEL,
-         "--port", "0", "--http-port", "0", "--data-dir", str(data_dir),
+        [*server, "serve", "--models", str(models), "--port", "0", "--http-port", "0", "--data-dir", str(data_dir),
          # Each part is its own process with its own sessions and adapters.
          "--max-adapters", "64", "--max-adapters-per-tenant", "64"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -310,7 +340,8 @@ def local_inputs(ctx: Ctx) -> None:
         assert tokenizer_id and Path(tokenizer_id).is_dir(), f"tokenizer_id {tokenizer_id!r}"
         tokenizer_dir.write_text(tokenizer_id)
     local_tokenizer = get_tokenizer(tokenizer_dir.read_text())  # a directory: no hub
-    register_tokenizer(MODEL, lambda: local_tokenizer)
+    for name in (*STUDENT_NAMES, TEACHER, GRADER):   # both tiny models share one tokenizer
+        register_tokenizer(name, lambda: local_tokenizer)
 
     # Datasets: the local GSM8K rows; any other name is refused (no silent download).
     real_load = datasets.load_dataset
@@ -318,7 +349,9 @@ def local_inputs(ctx: Ctx) -> None:
                               "test": DATA / "gsm8k-test.jsonl"},
              # hh-rlhf's columns (`chosen`, `rejected`: "\n\nHuman: ...\n\nAssistant: ...").
              "Anthropic/hh-rlhf": {"train": DATA / "hh-rlhf-train.jsonl",
-                                   "test": DATA / "hh-rlhf-test.jsonl"}}
+                                   "test": DATA / "hh-rlhf-test.jsonl"},
+             # DeepMath-103K's columns (`question`, `final_answer`, `difficulty`).
+             "zwhe99/DeepMath-103K": {"train": DATA / "deepmath-train.jsonl"}}
 
     def load_dataset(path: str, name: str | None = None, *, split: str | None = None,
                      **kwargs: Any):
@@ -329,8 +362,10 @@ def local_inputs(ctx: Ctx) -> None:
         return ds[split] if split is not None else ds
 
     datasets.load_dataset = load_dataset
+    from tinker_cookbook.distillation import datasets as distillation_datasets
     from tinker_cookbook.recipes.math_rl import math_env
     math_env.load_dataset = load_dataset  # imported by name there
+    distillation_datasets.load_dataset = load_dataset
 
 
 def install_spy(ctx: Ctx) -> None:
@@ -529,6 +564,7 @@ def write_resume_record(log_path: Path, state_path: str) -> None:
 RL_LOOP_STEPS, MATH_RL_STEPS = 3, 2
 RL_LOOP_ROW = "reward/total"          # a key rl_loop logs once per step
 RL_TRAIN_ROW = "env/all/reward/total"  # a key rl.train logs once per training step
+DISTILL_ROW = "teacher_kl"  # what train_on_policy logs per step: the student-teacher KL
 
 
 def rl_loop(ctx: Ctx, loss_fn: str | None, name: str,
@@ -758,18 +794,44 @@ def part_rubric(ctx: Ctx) -> str:
 
     rubric_env.TinkerMessageCompleter = capped_grader  # imported by name there
     log_path = ctx.work / "rubric"
-    cli = recipe.CLIConfig(model_name=MODEL, grader_llm_name=MODEL, base_url=ctx.base_url,
+    cli = recipe.CLIConfig(model_name=MODEL, base_url=ctx.base_url,
                            log_path=str(log_path), lora_rank=8, groups_per_batch=1,
                            train_group_size=2, max_tokens=16, max_steps=2, eval_every=0,
                            save_every=0, train_jsonl_path=str(DATA / "rubric-train.jsonl"),
                            test_jsonl_path=str(DATA / "rubric-test.jsonl"),
                            behavior_if_log_dir_exists="raise")
     assert cli.renderer_name == cli.grader_renderer_name == "qwen3_5_disable_thinking"
+    assert cli.grader_llm_name == GRADER, cli.grader_llm_name   # the recipe's own default
     asyncio.run(recipe.cli_main(cli))
     rows = [r for r in metrics_rows(log_path) if RL_TRAIN_ROW in r]
     assert len(rows) == 2, f"{len(rows)} logged training steps, expected 2"
-    return (f"2 steps, renderer {cli.renderer_name}, grader {MODEL}, fwd/bwd {ctx.losses()}, "
+    return (f"2 steps, renderer {cli.renderer_name}, grader {GRADER} (tiny-large), "
+            f"fwd/bwd {ctx.losses()}, "
             f"reward per step {', '.join(f'{r[RL_TRAIN_ROW]:.2f}' for r in rows)}")
+
+
+def part_distillation(ctx: Ctx) -> str:
+    from tinker_cookbook.recipes.distillation import on_policy_distillation as recipe
+    log_path = ctx.work / "distillation"
+    # Its defaults (student Qwen3.5-9B-Base, teacher Qwen3.5-9B, dataset deepmath, loss
+    # importance_sampling, KL penalty 1) but the size of a check.
+    cli = recipe.CLIConfig(base_url=ctx.base_url, log_path=str(log_path), lora_rank=8,
+                           group_size=2, groups_per_batch=2, max_tokens=16, max_steps=2,
+                           behavior_if_log_dir_exists="raise")
+    assert (cli.model_name, cli.teacher_model) == (STUDENT_NAMES[1], TEACHER)
+    asyncio.run(recipe.cli_main(cli))
+    rows = [r for r in metrics_rows(log_path) if DISTILL_ROW in r]
+    assert len(rows) == 2, f"{len(rows)} logged training steps, expected 2"
+    kl = [r[DISTILL_ROW] for r in rows]
+    assert all(math.isfinite(k) for k in kl), kl
+    # The teacher's logprobs came from its own engine (the server logs each op's base;
+    # the SDK's compute_logprobs is a sample request with prompt logprobs).
+    server_log = (ctx.work.parent / "server.log").read_text()
+    assert re.search(rf"op=prompt_logprobs .* base={re.escape(TEACHER)}$", server_log,
+                     re.M), "no prompt logprobs ran on the teacher's base"
+    return (f"2 steps of 2 prompts x 2, student {cli.model_name} (tiny), teacher "
+            f"{cli.teacher_model} (tiny-large), fwd/bwd {ctx.losses()}, "
+            f"teacher KL per step {', '.join(f'{k:.2f}' for k in kl)}")
 
 
 def part_guess_number(ctx: Ctx) -> str:

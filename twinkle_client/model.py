@@ -92,7 +92,8 @@ def _served_base(connection: Connection, model_id: str) -> str:
     served = [n for m in caps.models for n in (m.name, *m.aliases)]
     raise errors.InvalidArgumentError(
         f"model_id: {model_id!r} is not served by {connection.base_url}; it serves {served} "
-        "(start the server with --model <it> or --model-alias <it>)")
+        "(start the server with --model <it> or --model-alias <it>, or name it in a "
+        "--models file)")
 
 
 def _loss_config(kwargs: Mapping[str, Any]) -> dict[str, float]:

@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     clean = True
     try:
-        problem = channel.agree(config_problem(cfg) if parallel.rank == 0 else None)
+        problem = channel.agree(config_problem(cfg, parallel.world) if parallel.rank == 0
+                                else None)
         if problem is not None:
             if parallel.rank == 0:
                 print(f"twinkle-server: {problem}", file=sys.stderr)

@@ -11,7 +11,8 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from twinkle_server.engine.types import AUTO_PASS_TOKENS, EngineLimits
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.model_table import ModelConfig, read_models_file, shorthand
 
 
 def _opt(default, help: str, **extra):
@@ -20,8 +21,12 @@ def _opt(default, help: str, **extra):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = _opt("tiny", "base model: 'tiny' (built offline), a local HF directory, or an "
-                              "id already in the local Hugging Face cache")
+    model: str = _opt("", "base model: 'tiny' or 'tiny-large' (built offline), a local HF "
+                          "directory, or an id already in the local Hugging Face cache; "
+                          "empty: tiny, or the models of --models")
+    models: Path | None = _opt(None, "TOML file with one [[models]] table per served base "
+                                     "model (name, path, aliases, role, device, memory_gib, "
+                                     "ranks and the limit flags' names); instead of --model")
     model_alias: tuple[str, ...] = _opt((), "extra name this base model answers to "
                                             "(repeatable), e.g. Qwen/Qwen3-4B", repeat=True)
     host: str = _opt("127.0.0.1", "address to bind; non-loopback needs API keys")
@@ -105,11 +110,21 @@ class ServerConfig:
                                             "before the server gives the group up as lost "
                                             "(answers UNAVAILABLE, exits non-zero)")
 
-    def limits(self) -> EngineLimits:
-        return EngineLimits(max_adapters=self.max_adapters, max_rank=self.max_rank,
-                            max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens,
-                            max_pass_tokens=self.max_pass_tokens or AUTO_PASS_TOKENS,
-                            kv_pool_tokens=self.kv_pool_tokens)
+    def model_configs(self) -> list[ModelConfig]:
+        """The served models: `--models`'s tables, or `--model` alone; the limit flags
+        are each model's defaults. Raises `InvalidArgument` naming what cannot work."""
+        defaults = {name: getattr(self, name) for name in MODEL_DEFAULTS}
+        if self.models is None:
+            return [shorthand(defaults, self.model, self.model_alias)]
+        if self.model or self.model_alias:
+            raise InvalidArgument("--model, --model-alias, --models: give --model (one model) "
+                                  "or --models FILE (its tables name every model), not both")
+        return read_models_file(self.models, defaults)
+
+
+MODEL_DEFAULTS = ("device", "dtype", "max_adapters", "max_rank", "max_seq_len",
+                  "max_batch_tokens", "max_pass_tokens", "kv_pool_tokens")
+"""The flags a `[[models]]` table may set for its own model."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +152,7 @@ def from_args(args: argparse.Namespace) -> ServerConfig:
         value = getattr(args, f.name)
         if f.name == "model_alias":
             value = tuple(value or ())
-        elif f.name in ("data_dir", "tls_cert", "tls_key") and value is not None:
+        elif f.name in ("data_dir", "models", "tls_cert", "tls_key") and value is not None:
             value = Path(value)
         values[f.name] = value
     return ServerConfig(**values)

@@ -18,9 +18,17 @@ import signal
 import torch
 
 from twinkle_server.config import ServerConfig
+from twinkle_server.engine.base_model import model_dir, resolve_device, resolve_dtype
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_server.engine.memory import (
+    available_memory_bytes,
+    checkpoint_weight_bytes,
+    kv_bytes_per_token,
+)
 from twinkle_server.engine.parallel import Parallel, placement_from_env
+from twinkle_server.model_table import ModelConfig
+from twinkle_server.placement import GIB, Demand, Place, place
 from twinkle_server.replication import Channel, follow
 
 log = logging.getLogger(__name__)
@@ -95,12 +103,14 @@ def join(config: ServerConfig) -> tuple[Parallel, Channel]:
     return parallel, Channel.open(config.collective_timeout)
 
 
-def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engine:
-    """The engine `config` asks for, sharded over `parallel`'s ranks when given (each
-    rank then logs the share of the base it holds). A model the decode pool cannot hold
-    is refused here under `--sampler continuous`, naming the cause and `--sampler static`."""
-    engine = Engine.load(config.model, device=config.device, dtype=config.dtype,
-                         cache_dir=None, limits=config.limits(),
+def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | None = None,
+                device: str | None = None) -> Engine:
+    """The engine of served model `model` (on `device`, default its own), sharded over
+    `parallel`'s ranks when given (each rank then logs the share of the base it holds). A
+    model the decode pool cannot hold is refused here under `--sampler continuous`, naming
+    the cause and `--sampler static`."""
+    engine = Engine.load(model.path, device=device or model.device, dtype=model.dtype,
+                         cache_dir=None, limits=model.limits(),
                          packing=config.packing == "on",
                          activation_checkpointing={"on": True, "off": False, "auto": None}[
                              config.activation_checkpointing],
@@ -112,6 +122,62 @@ def load_engine(config: ServerConfig, parallel: Parallel | None = None) -> Engin
     return engine
 
 
+def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
+    """Why `config`'s models cannot run on `world` ranks, or None. Several models are
+    served from one process for now: under torchrun every rank replays one engine's
+    calls (`replication`), so a job serves one model."""
+    models = config.model_configs()
+    if world > 1 and len(models) > 1:
+        return (f"--models: {len(models)} models on {world} ranks; a job of several ranks "
+                "serves one model (its [[models]] table may set its limits), several models "
+                "are served from one process, each on its own device")
+    return None
+
+
+def place_models(models: list[ModelConfig]) -> dict[str, Place]:
+    """Each model's device, checked to fit this host before anything loads
+    (`placement.place`): a model's need is its weights in its dtype, plus its KV pool
+    when the table fixes one."""
+    capacity: dict[str, int | None] = {"cpu": available_memory_bytes(torch.device("cpu"))}
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            device = torch.device("cuda", index)
+            capacity[str(device)] = available_memory_bytes(device)
+    demands = []
+    for model in models:
+        try:
+            asked = resolve_device(model.device)
+        except RuntimeError:
+            raise InvalidArgument(f"models: {model.name!r} asks for device {model.device!r}; "
+                                  "give cpu, cuda, cuda:N or auto") from None
+        dtype = resolve_dtype(model.dtype, asked)
+        where = model_dir(model.path)
+        need = checkpoint_weight_bytes(where, dtype)
+        if model.kv_pool_tokens:
+            from transformers import AutoConfig
+            need += model.kv_pool_tokens * kv_bytes_per_token(
+                AutoConfig.from_pretrained(where, local_files_only=True), dtype)
+        log.info("model %s needs %.1f MiB on its device (weights in %s%s)", model.name,
+                 need / 2**20, str(dtype).removeprefix("torch."),
+                 ", and its KV pool" if model.kv_pool_tokens else "")
+        demands.append(Demand(model.name, model.device, need, int(model.memory_gib * GIB),
+                              model.ranks))
+    return place(demands, capacity)
+
+
+def load_engines(config: ServerConfig) -> list[tuple[ModelConfig, Engine]]:
+    """Every served model's engine in one process, each on the device placement gives it,
+    in the order of the models file."""
+    models = config.model_configs()
+    places = place_models(models)
+    loaded = []
+    for model in models:
+        log.info("model %s (%s) on %s, role %s", model.name, model.path,
+                 places[model.name].device, model.role)
+        loaded.append((model, load_engine(config, model, device=places[model.name].device)))
+    return loaded
+
+
 def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> int:
     """A rank other than 0: load the shard, follow rank 0 until it stops; 0 on a clean
     stop, 2 when the engine cannot load (every rank fails alike), 1 when the group was
@@ -120,7 +186,7 @@ def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        engine = load_engine(config, parallel)
+        engine = load_engine(config, config.model_configs()[0], parallel)
     except EngineError as exc:
         log.error("rank %d: %s", parallel.rank, exc)
         return 2

@@ -15,10 +15,12 @@ from grpc_reflection.v1alpha import reflection
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine import Engine
+from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.http import HTTP_OFF, HttpServer
-from twinkle_server.launch import load_engine
+from twinkle_server.launch import load_engine, load_engines, several_ranks_problem
+from twinkle_server.model_table import ModelConfig
 from twinkle_server.replication import Channel, ReplicatedEngine
 from twinkle_server.runtime import Runtime
 from twinkle_server.runtime.external import HttpEndpoint
@@ -71,11 +73,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def config_problem(config: ServerConfig) -> str | None:
-    """Why `config` cannot serve (the message says how to fix it), or None; checked before
-    anything loads, and on several ranks by rank 0 for all of them."""
+def config_problem(config: ServerConfig, world: int = 1) -> str | None:
+    """Why `config` cannot serve on `world` ranks (the message says how to fix it), or
+    None; checked before anything loads, and on several ranks by rank 0 for all of them."""
     if bool(config.tls_cert) != bool(config.tls_key):
         return "--tls-cert and --tls-key: give both or neither"
+    try:
+        problem = several_ranks_problem(config, world)
+    except EngineError as exc:   # the models file
+        return str(exc)
+    if problem is not None:
+        return problem
     if is_loopback(config.host):
         return None
     store = Store(config.data_dir)
@@ -89,8 +97,10 @@ def config_problem(config: ServerConfig) -> str | None:
     return None
 
 
-async def _load_on_own_thread(config: ServerConfig, parallel: Parallel | None) -> Engine:
-    """`load_engine` on a thread that ends once it has loaded.
+async def _load_on_own_thread(config: ServerConfig, parallel: Parallel | None
+                              ) -> list[tuple[ModelConfig, Engine]]:
+    """Every served model's engine (`launch.load_engines`; on several ranks, the one
+    model's shard), loaded on a thread that ends once it has loaded.
 
     On CPU each thread that runs torch's parallel ops keeps its own OpenMP team (libgomp)
     while it lives. A loading thread left idle in a pool, beside the compute thread's
@@ -99,7 +109,11 @@ async def _load_on_own_thread(config: ServerConfig, parallel: Parallel | None) -
     side by side in one process (BENCHMARKS.md, Sampling). So the compute thread is the one
     thread whose team outlives the load."""
     with ThreadPoolExecutor(1, thread_name_prefix="twinkle-load") as loader:
-        return await asyncio.wrap_future(loader.submit(load_engine, config, parallel))
+        if parallel is None:
+            return await asyncio.wrap_future(loader.submit(load_engines, config))
+        model = config.model_configs()[0]
+        engine = await asyncio.wrap_future(loader.submit(load_engine, config, model, parallel))
+        return [(model, engine)]
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
@@ -109,7 +123,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     With `parallel` (rank 0 of several, `twinkle_server.launch`) the engine is sharded
     and every call replayed on the other ranks through `channel`; when a rank is lost
     the server drains (ops fail UNAVAILABLE), stops, and raises GroupLost."""
-    problem = config_problem(config)
+    problem = config_problem(config, parallel.world if parallel is not None else 1)
     if problem is not None:
         raise ConfigError(problem)
     store = Store(config.data_dir)
@@ -121,27 +135,31 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         lost.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    local = await _load_on_own_thread(config, parallel)
-    engine: EngineAPI = local
+    loaded = await _load_on_own_thread(config, parallel)
+    engines: list[tuple[ModelConfig, EngineAPI]] = list(loaded)
     if parallel is not None and channel is not None:
-        engine = ReplicatedEngine(local, channel, config.collective_timeout, on_lost)
+        model, local = loaded[0]
+        engines = [(model, ReplicatedEngine(local, channel, config.collective_timeout,
+                                            on_lost))]
     try:
-        await _serve_engine(config, engine, store, stop, ready, parallel)
+        await _serve_engines(config, engines, store, stop, ready, parallel)
     finally:
-        if isinstance(engine, ReplicatedEngine):
-            await asyncio.to_thread(engine.close)
+        for _, engine in engines:
+            if isinstance(engine, ReplicatedEngine):
+                await asyncio.to_thread(engine.close)
     if lost:
         raise GroupLost(lost[0])
     log.info("stopped")
 
 
-async def _serve_engine(config: ServerConfig, engine: EngineAPI, store: Store,
-                        stop: asyncio.Event, ready: asyncio.Event | None,
-                        parallel: Parallel | None) -> None:
-    """The fronts, scheduler and sweeps over a loaded engine, until `stop`; then drain."""
+async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, EngineAPI]],
+                         store: Store, stop: asyncio.Event, ready: asyncio.Event | None,
+                         parallel: Parallel | None) -> None:
+    """The fronts, schedulers and sweeps over the loaded engines, until `stop`; then
+    drain."""
     loop = asyncio.get_running_loop()
-    rt = Runtime(config, engine, store)
-    rt.scheduler.start()
+    rt = Runtime(config, engines, store)
+    rt.start()
     server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(rt), server)
@@ -173,8 +191,9 @@ async def _serve_engine(config: ServerConfig, engine: EngineAPI, store: Store,
         print(f"http listening on {config.host}:{http.port}", flush=True)
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
     ranks = f", {parallel.world} ranks" if parallel is not None else ""
-    log.info("serving %s on %s%s, scheduling %s, %s", config.model, engine.base.device, ranks,
-             config.scheduling, mode)
+    for served in rt.bases:
+        log.info("serving %s (role %s) on %s%s, scheduling %s, %s", served.name,
+                 served.model.role, served.engine.base.device, ranks, config.scheduling, mode)
     print(f"listening on {config.host}:{port}", flush=True)
     if ready is not None:
         ready.set()
@@ -193,7 +212,7 @@ async def _serve_engine(config: ServerConfig, engine: EngineAPI, store: Store,
     rt.draining = True
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
-    await asyncio.to_thread(rt.scheduler.stop, True, 60.0)
+    await asyncio.to_thread(rt.stop, 60.0)
     if http is not None:
         await http.stop()
     await server.stop(grace=5.0)

@@ -51,6 +51,7 @@ def test_a_hub_id_loads_from_the_local_cache_and_an_uncached_one_is_not_found(
     assert str(snapshot) in out
 
     missing = _load_in_fresh_process("twinkle-test/not-cached", tmp_path / "hub")
-    assert missing.startswith("NOT FOUND: model: 'twinkle-test/not-cached' is neither 'tiny'"), \
+    assert missing.startswith("NOT FOUND: model: 'twinkle-test/not-cached' is neither a built-in "
+                              "('tiny', 'tiny-large')"), \
         missing
     assert "nothing is downloaded" in missing

@@ -42,8 +42,8 @@ def test_the_runtime_serves_the_length_the_engine_chose(tiny_cache, tmp_path):
     store = Store(tmp_path)
     rt = Runtime(ServerConfig(data_dir=tmp_path, max_batch_tokens=3000), engine, store)
     try:
-        assert rt.config.max_seq_len == 3000
-        assert rt.runs.capabilities()["max_context_length"] == 3000
+        assert rt.bases.default.model.max_seq_len == 3000
+        assert rt.runs.capabilities()["models"][0]["max_context_length"] == 3000
     finally:
         rt.close()
         store.close()

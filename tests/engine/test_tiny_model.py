@@ -20,6 +20,7 @@ from twinkle_server.engine.tiny_model import (
     PAD_TOKEN,
     QWEN_TAGS,
     SPECIAL_TOKENS,
+    TINY_LARGE_NAME,
     TINY_MODEL_NAME,
     build_tiny_model,
     recipe_hash,
@@ -212,12 +213,12 @@ def test_builder_that_loses_the_rename_race_returns_the_winners_dir(tmp_path, mo
     real_write = tiny_model._write_model
     winner = {}
 
-    def concurrent_winner_finishes_first(out):
+    def concurrent_winner_finishes_first(out, recipe):
         # Another builder completes and renames into place while this one is still writing.
         monkeypatch.setattr(tiny_model, "_write_model", real_write)
         winner["path"] = build_tiny_model(tmp_path)
         winner["mtime"] = os.stat(winner["path"] / "model.safetensors").st_mtime_ns
-        real_write(out)
+        real_write(out, recipe)
 
     monkeypatch.setattr(tiny_model, "_write_model", concurrent_winner_finishes_first)
     path = build_tiny_model(tmp_path)
@@ -238,3 +239,15 @@ def test_building_does_not_move_the_callers_torch_random_stream(tmp_path):
     torch.manual_seed(7)
     build_tiny_model(tmp_path)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_tiny_large_shares_the_tokenizer_and_has_its_own_shape(tmp_path):
+    """The second built-in base: a teacher or grader for `tiny` (same ids), not a copy."""
+    small = build_tiny_model(tmp_path)
+    large = build_tiny_model(tmp_path, TINY_LARGE_NAME)
+    assert small != large
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (small / name).read_bytes() == (large / name).read_bytes()
+    config = json.loads((large / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (
+        192, 6, 4096)

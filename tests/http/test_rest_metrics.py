@@ -19,6 +19,11 @@ def _samples(base_url: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def _key(name: str, **labels: str) -> tuple[str, tuple]:
+    """A sample's key: every series carries its served model (`base_model`)."""
+    return name, tuple(sorted({"base_model": "tiny", **labels}.items()))
+
+
 def test_runs_and_checkpoints(service, server, base_url):
     tc = service.create_lora_training_client(base_model="tiny", rank=4,
                                              user_metadata={"team": "a"}).result()
@@ -54,16 +59,16 @@ def test_metrics_move_with_traffic(service, base_url):
     after = _samples(base_url)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
+        key = _key(name, **labels)
         return after.get(key, 0.0) - before.get(key, 0.0)
     assert delta("twinkle_ops_total", kind="forward_backward", outcome="ok") == 1
     assert delta("twinkle_ops_total", kind="optim_step", outcome="ok") == 1
     assert delta("twinkle_tokens_trained_total") == 32
     assert delta("twinkle_op_seconds_count", kind="optim_step") == 1
-    assert after[("twinkle_adapters_loaded", ())] >= 1
-    assert ("twinkle_queue_depth", ()) in after
+    assert after[_key("twinkle_adapters_loaded")] >= 1
+    assert _key("twinkle_queue_depth") in after
     assert not any("tenant" in dict(labels) or "model" in dict(labels)
-                   for _, labels in after)
+                   or "session" in dict(labels) for _, labels in after)
 
 
 def test_metrics_show_the_decode_pool_and_queue_waits(service, base_url):
@@ -76,7 +81,7 @@ def test_metrics_show_the_decode_pool_and_queue_waits(service, base_url):
     after = _samples(base_url)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
+        key = _key(name, **labels)
         return after.get(key, 0.0) - before.get(key, 0.0)
     # Four samples of one 20-token prompt: it is prefilled once.
     assert delta("twinkle_prompt_tokens_computed_total") == 20
@@ -84,5 +89,5 @@ def test_metrics_show_the_decode_pool_and_queue_waits(service, base_url):
     assert delta("twinkle_ops_started_total", kind="sample") == 1
     assert delta("twinkle_ops_started_total", kind="forward_backward") == 1
     assert delta("twinkle_queue_wait_seconds_total", kind="sample") >= 0
-    assert after[("twinkle_kv_pool_positions", ())] > 0
-    assert after[("twinkle_decode_rows_active", ())] == 0
+    assert after[_key("twinkle_kv_pool_positions")] > 0
+    assert after[_key("twinkle_decode_rows_active")] == 0

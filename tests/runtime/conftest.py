@@ -19,9 +19,9 @@ def engine(tiny_cache) -> Engine:
 @pytest.fixture
 def runtime(engine, tmp_path):
     rt = Runtime(ServerConfig(data_dir=tmp_path), engine, Store(tmp_path))
-    rt.scheduler.start()
+    rt.start()
     yield rt
-    rt.scheduler.stop(drain=True, timeout=60)
+    rt.stop(60)
     for model_id in list(rt.models):
         engine.remove_adapter(model_id)
     rt.close()

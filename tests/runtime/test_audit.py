@@ -53,7 +53,7 @@ def test_a_stopping_server_records_the_models_and_samplers_it_takes_with_it(runt
         return model_id, sampler
 
     model_id, sampler = asyncio.run(scenario())
-    runtime.scheduler.stop(drain=True, timeout=60)
+    runtime.stop(60)
     runtime.close()
     entries = runtime.store.audit_entries("alice", 0, time.time() + 1)
     assert [(e.details["model_id"], e.details["reason"]) for e in entries

@@ -246,8 +246,8 @@ def test_a_sliding_window_model_samples_with_the_static_sampler(tmp_path, tiny_c
     from twinkle_server.launch import load_engine
 
     model_dir = _sliding_window_copy(tiny_cache, tmp_path)
-    engine = load_engine(ServerConfig(model=str(model_dir), sampler="static",
-                                      data_dir=tmp_path))
+    config = ServerConfig(model=str(model_dir), sampler="static", data_dir=tmp_path)
+    engine = load_engine(config, config.model_configs()[0])
     request = SampleRequest(None, None, np.arange(1, 30), 2,
                             SamplingParams(max_tokens=12, seed=1, ignore_eos=True))
     out = engine.sample_batch([request])[0]

@@ -9,16 +9,16 @@ from twinkle_server import server
 from twinkle_server.config import ServerConfig
 
 
-def test_the_engine_loads_on_a_thread_that_has_ended_when_serving_begins(monkeypatch):
+def test_the_engines_load_on_a_thread_that_has_ended_when_serving_begins(monkeypatch):
     """A thread that ran torch keeps its OpenMP team while it lives; only the compute
-    thread's may outlive the load (see `server._load_on_own_thread`)."""
+    threads' may outlive the load (see `server._load_on_own_thread`)."""
     seen: list[threading.Thread] = []
 
-    def load(config, parallel):
+    def load(config):
         seen.append(threading.current_thread())
-        return "engine"
+        return "engines"
 
-    monkeypatch.setattr(server, "load_engine", load)
-    assert asyncio.run(server._load_on_own_thread(ServerConfig(), None)) == "engine"
+    monkeypatch.setattr(server, "load_engines", load)
+    assert asyncio.run(server._load_on_own_thread(ServerConfig(), None)) == "engines"
     assert seen[0] is not threading.main_thread()
     assert not seen[0].is_alive()

@@ -21,21 +21,24 @@ def capabilities(conn: Connection, refresh: bool = False) -> Capabilities:
     cached = conn.cache.get("capabilities")
     if cached is None or refresh:
         caps = conn.call(conn.session.GetServerCapabilities, common_pb2.Empty())
-        limits = caps.limits
         cached = conn.cache["capabilities"] = Capabilities(
             models=tuple(ServedModel(m.name, tuple(m.aliases), m.max_context_length,
-                                     m.vocab_size, m.trainable, m.sampleable, m.arch)
+                                     m.vocab_size, m.trainable, m.sampleable, m.arch,
+                                     m.role or "train", _limits(m.limits))
                          for m in caps.models),
-            limits=ServerLimits(limits.max_adapters, limits.max_rank, limits.max_seq_len,
-                                limits.max_batch_tokens, limits.max_message_bytes,
-                                limits.max_sessions_per_tenant,
-                                limits.max_adapters_per_tenant),
+            limits=_limits(caps.limits),
             scheduling=caps.scheduling, server_version=caps.server_version,
             adapters_loaded=caps.adapters_loaded, adapters_free=caps.adapters_free,
             memory_available_bytes=caps.memory_available_bytes,
             loss_functions=tuple(caps.loss_functions), optimizers=tuple(caps.optimizers),
             lr_schedulers=tuple(caps.lr_schedulers))
     return cached
+
+
+def _limits(limits: session_pb2.ServerLimits) -> ServerLimits:
+    return ServerLimits(limits.max_adapters, limits.max_rank, limits.max_seq_len,
+                        limits.max_batch_tokens, limits.max_message_bytes,
+                        limits.max_sessions_per_tenant, limits.max_adapters_per_tenant)
 
 
 def health_check(conn: Connection, timeout: float) -> bool:

@@ -171,6 +171,10 @@ class ServedModel:
     trainable: bool
     sampleable: bool
     arch: str
+    role: str = "train"
+    limits: ServerLimits | None = None
+    """This model's max_adapters, max_rank, max_seq_len and max_batch_tokens (the
+    server-wide fields are 0 here)."""
 
 
 @dataclass(frozen=True)

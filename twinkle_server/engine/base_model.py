@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from twinkle_server.engine.errors import InvalidArgument, NotFound
-from twinkle_server.engine.tiny_model import TINY_MODEL_NAME, build_tiny_model
+from twinkle_server.engine.tiny_model import RECIPES, build_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -175,24 +175,31 @@ def _cached_snapshot(model_id: str) -> Path:
         return Path(snapshot_download(model_id, local_files_only=True))
     except Exception as exc:
         raise NotFound(
-            f"model: {model_id!r} is neither 'tiny', a local model directory, nor in the local "
+            f"model: {model_id!r} is neither a built-in ('tiny', 'tiny-large'), a local "
+            "model directory, nor in the local "
             f"Hugging Face cache (nothing is downloaded): {type(exc).__name__}") from None
+
+
+def model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
+    """Where `model`'s files are: a built-in's cache directory (built first if need be), a
+    local directory, or its snapshot in the local Hugging Face cache (never downloaded)."""
+    if model in RECIPES:
+        return build_tiny_model(cache_dir, model)
+    if Path(model).expanduser().is_dir():
+        return Path(model).expanduser()
+    return _cached_snapshot(model)
 
 
 def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
                     cache_dir: str | Path | None = None) -> BaseModel:
-    """Load `model`: `'tiny'` (built offline), a local HF directory, or an id in the HF cache.
+    """Load `model`: a built-in (`'tiny'`, `'tiny-large'`, built offline), a local HF
+    directory, or an id in the HF cache.
 
     Never downloads: hub ids resolve only from the local cache (`local_files_only`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model == TINY_MODEL_NAME:
-        path: str | Path = build_tiny_model(cache_dir)
-    elif Path(model).expanduser().is_dir():
-        path = Path(model).expanduser()
-    else:
-        path = _cached_snapshot(model)
+    path = model_dir(model, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     log.info("loading base model %s (%s, %s)", model, torch_device, torch_dtype)
@@ -202,7 +209,8 @@ def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
             path, dtype=torch_dtype, local_files_only=True)
     except OSError as exc:
         raise NotFound(
-            f"model: {model!r} is neither 'tiny', a local model directory, nor in the local "
+            f"model: {model!r} is neither a built-in ('tiny', 'tiny-large'), a local model "
+            "directory, nor in the local "
             f"Hugging Face cache (nothing is downloaded): {exc}") from None
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)

@@ -205,8 +205,23 @@ class Engine:
 
     def _free_bytes(self) -> int | None:
         """Free memory for new state, the least over the ranks (every rank holds the
-        adapters, and runs its share of each pass)."""
-        return self.parallel.min_int(available_memory_bytes(self.base.device))
+        adapters, and runs its share of each pass); within `limits.memory_bytes` when the
+        model has a budget on a shared device."""
+        free = available_memory_bytes(self.base.device)
+        budget = self.limits.memory_bytes
+        if budget:
+            left = max(0, budget - self._held_bytes())
+            free = left if free is None else min(free, left)
+        return self.parallel.min_int(free)
+
+    def _held_bytes(self) -> int:
+        """What this engine holds on this rank: its share of the base's weights, every
+        adapter's state and the decode pool's KV bound (once sized)."""
+        adapters = getattr(self, "adapters", {})
+        return (memory.module_bytes(self.base.model)
+                + sum(a.num_params for a in adapters.values()) * 4 * _STATE_COPIES
+                + self.limits.kv_pool_tokens * memory.kv_bytes_per_token(self.base.config,
+                                                                         self.base.dtype))
 
     def _on_base(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` with the base model's weights at hand (gathered, on several ranks)."""

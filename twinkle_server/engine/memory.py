@@ -64,7 +64,9 @@ attention kernel that materialises `[heads, n, n]` scores per datum.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -271,3 +273,34 @@ def auto_kv_pool_tokens(config: Any, dtype: torch.dtype, free: int | None) -> in
     if free is None:
         return KV_POOL_UNKNOWN
     return max(1, min(KV_POOL_MAX, int(free * KV_SHARE) // kv_bytes_per_token(config, dtype)))
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers held on this rank (a sharded
+    parameter's local shard only)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def checkpoint_weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """What a model directory's weights take once loaded in `dtype`, counted from its
+    safetensors headers (nothing is read beyond them): the start-time check that every
+    model fits where it is placed (`twinkle_server.placement`). Floating-point tensors
+    take `dtype`'s size, others their own."""
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            size = _SAFETENSORS_BYTES.get(entry["dtype"], 4)
+            if entry["dtype"].startswith(("F", "BF")):
+                size = torch.finfo(dtype).bits // 8
+            total += math.prod(entry["shape"]) * size
+    return total
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                      "I8": 1, "U8": 1, "BOOL": 1}

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 TINY_MODEL_NAME = "tiny"
+TINY_LARGE_NAME = "tiny-large"
+"""A second built-in base: same tokenizer as `tiny`, another shape and seed, so a test or
+a local recipe has a teacher or grader of a different base beside its student."""
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -76,6 +79,14 @@ RECIPE: dict[str, object] = {
     "added_tokens": list(ADDED_TOKENS[len(SPECIAL_TOKENS):]),  # the last ids, in order
     "format": 2,  # bump when the writer changes the files for the same recipe
 }
+# About 4.4M parameters: wider and deeper than `tiny`, with the same vocabulary.
+RECIPES: dict[str, dict[str, object]] = {
+    TINY_MODEL_NAME: RECIPE,
+    TINY_LARGE_NAME: {**RECIPE, "hidden_size": 192, "num_hidden_layers": 6,
+                      "num_attention_heads": 6, "head_dim": 32, "intermediate_size": 576,
+                      "init_seed": 4321},
+}
+"""Every built-in base by name: `--model tiny`, or `path = "tiny-large"` in a models file."""
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -88,9 +99,10 @@ _CORPUS = Path(__file__).with_name("tiny_corpus.txt")
 _DONE_MARKER = ".complete"
 
 
-def recipe_hash() -> str:
-    """Short hash of everything that determines the files: recipe, template and corpus."""
-    digest = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
+def recipe_hash(name: str = TINY_MODEL_NAME) -> str:
+    """Short hash of everything that determines the files of built-in base `name`: recipe,
+    template and corpus."""
+    digest = hashlib.sha256(json.dumps(RECIPES[name], sort_keys=True).encode())
     digest.update(CHAT_TEMPLATE.encode())
     digest.update(_CORPUS.read_bytes())
     return digest.hexdigest()[:12]
@@ -102,14 +114,17 @@ def default_cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "twinkle"
 
 
-def build_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the directory of the tiny model, building it first if it is not cached.
+def build_tiny_model(cache_dir: str | os.PathLike | None = None,
+                     name: str = TINY_MODEL_NAME) -> Path:
+    """Return the directory of built-in base `name` (a key of `RECIPES`), building it first
+    if it is not cached.
 
     Args:
         cache_dir: parent folder of the model dir; defaults to `default_cache_root()`.
+        name: `tiny` or `tiny-large`.
 
     Returns:
-        `<cache_dir>/tiny-qwen3-<recipe_hash()>`, complete. A cached dir is returned at once
+        `<cache_dir>/tiny-qwen3-<recipe_hash(name)>`, complete. A cached dir is returned at once
         (this runs at every server start); a build takes a few seconds, mostly imports.
 
     Raises:
@@ -120,7 +135,7 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
     the target and renames it into place; a process that loses the race uses the winner's.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    target = root / f"tiny-qwen3-{recipe_hash()}"
+    target = root / f"tiny-qwen3-{recipe_hash(name)}"
     if _is_complete(target):
         return target
     if target.exists():
@@ -130,7 +145,7 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
     try:
-        _write_model(scratch)
+        _write_model(scratch, RECIPES[name])
         (scratch / _DONE_MARKER).write_bytes(b"")
         try:
             os.rename(scratch, target)
@@ -182,7 +197,7 @@ def _train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _write_model(out: Path) -> None:
+def _write_model(out: Path, recipe: dict[str, object]) -> None:
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -192,7 +207,7 @@ def _write_model(out: Path) -> None:
         pad_token=PAD_TOKEN,
         eos_token=IM_END,
         additional_special_tokens=[IM_START, *FAMILY_SPECIAL_TOKENS],
-        model_max_length=int(RECIPE["max_position_embeddings"]),
+        model_max_length=int(recipe["max_position_embeddings"]),
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     # Template inside tokenizer_config.json, where older transformers and other tools look.
@@ -201,14 +216,14 @@ def _write_model(out: Path) -> None:
     pad_id, eos_id = raw.token_to_id(PAD_TOKEN), raw.token_to_id(IM_END)
     config = Qwen3Config(
         vocab_size=raw.get_vocab_size(),
-        hidden_size=RECIPE["hidden_size"],
-        num_hidden_layers=RECIPE["num_hidden_layers"],
-        num_attention_heads=RECIPE["num_attention_heads"],
-        num_key_value_heads=RECIPE["num_key_value_heads"],
-        head_dim=RECIPE["head_dim"],
-        intermediate_size=RECIPE["intermediate_size"],
-        max_position_embeddings=RECIPE["max_position_embeddings"],
-        rope_theta=RECIPE["rope_theta"],
+        hidden_size=recipe["hidden_size"],
+        num_hidden_layers=recipe["num_hidden_layers"],
+        num_attention_heads=recipe["num_attention_heads"],
+        num_key_value_heads=recipe["num_key_value_heads"],
+        head_dim=recipe["head_dim"],
+        intermediate_size=recipe["intermediate_size"],
+        max_position_embeddings=recipe["max_position_embeddings"],
+        rope_theta=recipe["rope_theta"],
         tie_word_embeddings=False,
         # As in Qwen3: bos is <|endoftext|> in the config, and the tokenizer adds no bos.
         bos_token_id=pad_id,
@@ -218,7 +233,7 @@ def _write_model(out: Path) -> None:
     )
     # Seed a forked RNG so building never shifts the caller's random stream.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(RECIPE["init_seed"]))
+        torch.manual_seed(int(recipe["init_seed"]))
         model = Qwen3ForCausalLM(config).to(torch.float32)
     model.generation_config.bos_token_id = pad_id
     model.generation_config.eos_token_id = eos_id

@@ -183,3 +183,6 @@ class EngineLimits:
     kv_pool_tokens: int = 0
     """KV positions the decode pool holds (`engine.sampling.pool`); 0: picked from free memory
     (`memory.auto_kv_pool_tokens`)."""
+    memory_bytes: int = 0
+    """What this engine may hold on its device (base weights, adapter state, KV pool, a
+    pass), so several models can share one device; 0: no budget, what is free."""

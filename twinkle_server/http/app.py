@@ -155,7 +155,7 @@ class Front:
                 "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
                 "use_pyqwest_transport": False, "sample_use_retrieve_futures": False,
                 "custom_loss_server_side": False, "sample_join_sampling_session": False,
-                **fwdbwd_chunking(self.rt.config.max_batch_tokens)}
+                **fwdbwd_chunking(min(s.model.max_batch_tokens for s in self.rt.bases))}
 
     @route
     async def dynamic_config(self, request: Request) -> Any:
@@ -168,10 +168,11 @@ class Front:
     @route
     async def capabilities(self, request: Request) -> Any:
         self.tenant(request)
-        caps = self.rt.runs.capabilities()
         return {"supported_models": [
-            {"model_name": name, "max_context_length": caps["max_context_length"],
-             "trainable": True, "sampleable": True} for name in self.rt.model_names]}
+            {"model_name": name, "max_context_length": model["max_context_length"],
+             "trainable": model["trainable"], "sampleable": model["sampleable"]}
+            for model in self.rt.runs.capabilities()["models"]
+            for name in (model["name"], *model["aliases"])]}
 
     @route
     async def telemetry(self, request: Request) -> Any:
@@ -211,7 +212,7 @@ class Front:
             raise InvalidArgument(f"optimizer_config.type: {optimizer.get('type')!r}; this "
                                   "server runs AdamW only")
         base_model = convert.text(body, "base_model")
-        self.rt.check_base_model(base_model)
+        self.rt.base(base_model).check_trains()
         spec = LoraSpec.from_tinker(convert.integer(lora, "rank", 32), convert.integer(lora, "seed"),
                                     bool(lora.get("train_mlp", True)),
                                     bool(lora.get("train_attn", True)),
@@ -232,7 +233,7 @@ class Front:
         return {"type": "get_info", "model_id": sdk_id, "is_lora": True,
                 "lora_rank": info.spec.rank, "model_name": info.entry.base_model,
                 "model_data": {"arch": info.arch, "model_name": info.entry.base_model,
-                               "tokenizer_id": self.rt.tokenizer_id}}
+                               "tokenizer_id": info.tokenizer_id}}
 
     @route
     async def unload_model(self, request: Request) -> Any:
@@ -251,8 +252,9 @@ class Front:
         if request.headers.get("content-encoding", "identity") != "identity":
             raise BadBody("content-encoding: send the body uncompressed (the server's "
                           "client/config sets proto_compress_fwdbwd false)")
-        msg, datums, loss = convert.forward_request(await request.body(),
-                                                    self.rt.training.check_tokens)
+        msg, datums, loss = convert.forward_request(
+            await request.body(), lambda sdk_id, total: self.rt.training.check_tokens(
+                self.aliases.get((tenant, sdk_id), sdk_id), total))
         ref = self.op_ref(tenant, msg.model_id, msg.seq_id, rid := self._id())
         backward = not msg.forward_only
         kind = "forward_backward" if backward else "forward"
@@ -356,7 +358,7 @@ class Front:
         session_id = convert.text(body, "session_id", required=True)
         alias = f"{session_id}:train:{convert.integer(body, 'model_seq_id', 0)}"
         base_model = convert.text(body, "base_model")
-        self.rt.check_base_model(base_model)
+        self.rt.base(base_model)
         source = checkpoint_ref(text)
 
         async def create() -> str:
@@ -379,7 +381,7 @@ class Front:
         sampler = await self.rt.sampling.create_session(
             tenant, convert.text(body, "session_id"),
             model_path=checkpoint_ref(text, "model_path") if text else None,
-            base_model=convert.text(body, "base_model") if not text else "")
+            base_model=convert.text(body, "base_model"))
         self.sampler_paths[sampler] = text or None
         return {"type": "create_sampling_session", "sampling_session_id": sampler}
 
@@ -407,7 +409,7 @@ class Front:
         include = bool(body.get("prompt_logprobs"))
         topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
         options = sampling_options.read(body, include, topk, params.temperature, prompt.size,
-                                        self.rt.vocab_size)
+                                        self.rt.base_of(target.queue).engine.base.vocab_size)
         work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
                                        topk_sample_logprobs=options.topk_sample_logprobs,
                                        prompt_options=options.prompt)

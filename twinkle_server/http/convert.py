@@ -104,11 +104,11 @@ def _tensor(msg: tpb.Tensor, field: str) -> np.ndarray:
     return flat.reshape(shape)
 
 
-def forward_request(body: bytes, check_tokens: Callable[[int], None]
+def forward_request(body: bytes, check_tokens: Callable[[str, int], None]
                     ) -> tuple[tpb.ForwardBackwardRequest, list[Datum] | Exception, LossSpec]:
     """The SDK's protobuf `forward_backward` body: (message, datums or the reason they are
-    refused, loss). `check_tokens` (`Training.check_tokens`) refuses a running token count
-    over the limit as the datums are read. A body that does not parse at all raises
+    refused, loss). `check_tokens(model_id, total)` (`Training.check_tokens`) refuses a
+    running token count over the model's limit as the datums are read. A body that does not parse at all raises
     `BadBody`."""
     msg = tpb.ForwardBackwardRequest()
     try:
@@ -116,7 +116,7 @@ def forward_request(body: bytes, check_tokens: Callable[[int], None]
     except Exception as exc:  # protobuf's DecodeError
         raise BadBody(f"body: not a tinker ForwardBackwardRequest protobuf ({exc})") from None
     try:
-        return msg, _datums(msg, check_tokens), _loss(msg)
+        return msg, _datums(msg, lambda total: check_tokens(msg.model_id, total)), _loss(msg)
     except (wire.WireError, BadBody, EngineError) as exc:
         return msg, exc, LossSpec(msg.loss_fn)
 

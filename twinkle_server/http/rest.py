@@ -104,7 +104,7 @@ class Rest:
         ref = checkpoint_ref(convert.text(body, "tinker_path", required=True), "tinker_path")
         row, run = self.rt.runs.get_checkpoint(tenant, ref)
         lora = run.lora if run else {}
-        return {"base_model": run.base_model if run else self.rt.config.model,
+        return {"base_model": run.base_model if run else self.rt.bases.default.name,
                 "is_lora": True, "lora_rank": lora.get("rank")}
 
     # ------------------------------------------------------------------ sessions

@@ -12,8 +12,11 @@ imports a protocol: a front maps values and error categories to its own wire.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.protocol import EngineAPI
+from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime.audit import Audit
 from twinkle_server.runtime.copies import Copies
 from twinkle_server.runtime.core import (
@@ -39,8 +42,10 @@ __all__ = ["CheckpointRef", "ModelEntry", "OpRef", "Runtime", "SamplerEntry",
 class Runtime(Core):
     """`Core` plus its verb groups."""
 
-    def __init__(self, config: ServerConfig, engine: EngineAPI, store: Store) -> None:
-        super().__init__(config, engine, store)
+    def __init__(self, config: ServerConfig,
+                 engines: EngineAPI | Sequence[tuple[ModelConfig, EngineAPI]],
+                 store: Store) -> None:
+        super().__init__(config, engines, store)
         self.training = Training(self)
         self.sampling = Sampling(self)
         self.runs = Runs(self)

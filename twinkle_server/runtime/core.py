@@ -14,9 +14,9 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,18 +30,16 @@ from twinkle_server.engine.errors import (
     Unavailable,
 )
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.engine.types import AUTO_SEQ_LEN
-from twinkle_server.executor import SAMPLE, EngineExecutor
-from twinkle_server.planning import default_token_budget
-from twinkle_server.scheduler import Op, Scheduler
+from twinkle_server.model_table import ModelConfig
+from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve
+from twinkle_server.scheduler import Op
 from twinkle_server.store import AuditRow, CheckpointRow, Store
 from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server")
 T = TypeVar("T")
-OpObserver = Callable[[Op, float, Any, "BaseException | None"], None]
+OpObserver = Callable[[str, Op, float, Any, "BaseException | None"], None]
 OPEN_TENANT = "local"
-ADMIN_QUEUE = "__admin__"
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_BYTES = 16 * 1024
 """Caps on user metadata and session tags: they are stored in SQLite and returned with
@@ -94,7 +92,8 @@ class Refusal:
 
 @dataclass
 class ModelEntry:
-    """A loaded adapter: which tenant and session own it."""
+    """A loaded adapter: which tenant and session own it, and its base model as the
+    client named it."""
 
     model_id: str
     tenant: str
@@ -127,15 +126,21 @@ def check_metadata(values: Mapping[str, str], field: str) -> dict[str, str]:
 
 
 class Core:
-    """Config, engine, scheduler and store, and the registry of loaded models and
-    sampling sessions. The verb groups (`runtime.training`, `.sampling`, `.runs`) build
-    on it; fronts call those verbs with an authenticated tenant."""
+    """Config, the served base models (`runtime.bases`: an engine and a scheduler each)
+    and store, and the registry of loaded models and sampling sessions. The verb groups
+    (`runtime.training`, `.sampling`, `.runs`) build on it; fronts call those verbs with
+    an authenticated tenant.
 
-    def __init__(self, config: ServerConfig, engine: EngineAPI, store: Store) -> None:
-        if config.max_seq_len == AUTO_SEQ_LEN:   # the engine chose it (`--max-seq-len 0`)
-            config = replace(config, max_seq_len=engine.limits.max_seq_len)
+    `engines` is one engine (serving the config's one model) or each configured model
+    with its engine (`launch.load_engines`)."""
+
+    def __init__(self, config: ServerConfig,
+                 engines: EngineAPI | Sequence[tuple[ModelConfig, EngineAPI]],
+                 store: Store) -> None:
+        if not isinstance(engines, Sequence):
+            engines = [(config.model_configs()[0], engines)]
         self.config = config
-        self.engine = engine
+        self.bases = Bases([serve(config, model, engine) for model, engine in engines])
         self.store = store
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
@@ -144,17 +149,12 @@ class Core:
         self.snapshot_root = store.data_dir / SNAPSHOT_DIR
         shutil.rmtree(self.snapshot_root, ignore_errors=True)
         self.draining = False
-        budget = config.merge_token_budget or default_token_budget(engine.base.device.type)
-        self.scheduler = Scheduler(
-            EngineExecutor(engine), mode=config.scheduling, token_budget=budget,
-            decode_group=SAMPLE if config.sampler == "continuous" else None,
-            decode_slice_s=config.decode_slice_ms / 1000)
-        self.scheduler.register_model(ADMIN_QUEUE)
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
         self._closed = False
         self.observe_op: OpObserver | None = None
-        """Called after every op with (op, seconds, result, error): the metrics hook."""
+        """Called after every op with (base model name, op, seconds, result, error):
+        the metrics hook."""
 
     def close(self) -> None:
         """Record the models and sampling sessions the process takes with it (they are
@@ -188,49 +188,32 @@ class Core:
         self.write_later(self.store.add_audit,
                          AuditRow(tenant, time.time(), event, {"actor": tenant, **details}))
 
-    # ------------------------------------------------------------------ names
+    # ------------------------------------------------------------------ models
 
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        return (self.config.model, *self.config.model_alias)
+    def base(self, name: str, field: str = "base_model") -> Served:
+        """The served model `name` (a name or alias; empty: the first configured)."""
+        return self.bases.get(name, field)
 
-    def check_base_model(self, name: str) -> str:
-        if name and name not in self.model_names:
-            raise InvalidArgument(f"base_model: {name!r} is not served here; served names are "
-                                  f"{list(self.model_names)}")
-        return self.config.model
+    def base_of(self, queue_id: str) -> Served:
+        """The served model a queue's ops run on: a training model's or a sampling
+        session's base (the first configured for any other queue)."""
+        entry = self.models.get(queue_id) or self.samplers.get(queue_id)
+        return self.bases.get(entry.base_model) if entry is not None else self.bases.default
 
-    @property
-    def tokenizer_id(self) -> str:
-        """The tokenizer a client loads with `AutoTokenizer.from_pretrained`: the model's
-        local directory when served from one (or built: `tiny`), else its hub name."""
-        cfg = self.config
-        model_dir = self.engine.base.model_dir
-        if cfg.model == "tiny" or model_dir.is_dir() and not cfg.model_alias:
-            return str(model_dir)
-        return cfg.model_alias[0] if cfg.model_alias else cfg.model
+    def start(self) -> None:
+        """Start every model's worker."""
+        for served in self.bases:
+            served.scheduler.start()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.base.vocab_size
+    def stop(self, timeout: float) -> None:
+        """Stop every model's worker after its queued ops, each within `timeout` s."""
+        for served in self.bases:
+            served.scheduler.stop(True, timeout)
 
     # ------------------------------------------------------------------ gauges
 
-    @property
-    def device(self) -> Any:
-        """The base model's `torch.device`."""
-        return self.engine.base.device
-
     def models_loaded(self) -> int:
         return len(self.models)
-
-    def op_stats(self) -> dict[str, Any]:
-        """The scheduler's counters: `queued`, `batches_run`, `merged_ops`, ..."""
-        return self.scheduler.stats()
-
-    def decode_stats(self) -> Any:
-        """The decode pool's counters and state (`engine.sampling.pool.PoolStats`)."""
-        return self.engine.decode_stats()
 
     # ------------------------------------------------------------------ auth
 
@@ -276,6 +259,24 @@ class Core:
             raise NotFound(f"{ref.field}: no checkpoint {ref.text!r}")
         return row, self.store.checkpoint_root / row.rel_path
 
+    def checkpoint_base(self, row: CheckpointRow, field: str = "path") -> Served:
+        """The served model a checkpoint was trained on (its run's base); one this
+        server no longer serves is refused naming it."""
+        run = self.store.get_run(row.tenant, row.run_id)
+        name = run.base_model if run is not None else self.bases.default.name
+        return self.bases.of_record(name, f"{field}: checkpoint tinker://{row.run_id}/"
+                                          f"{row.checkpoint_id}")
+
+    def check_same_base(self, row: CheckpointRow, served: Served, field: str = "path"
+                        ) -> None:
+        """Refuse loading a checkpoint into a model of another base, naming both."""
+        trained = self.checkpoint_base(row, field)
+        if trained is not served:
+            raise FailedPrecondition(
+                f"{field}: checkpoint tinker://{row.run_id}/{row.checkpoint_id} was trained "
+                f"on base model {trained.name!r}; it cannot load into a model of "
+                f"{served.name!r}")
+
     async def drop_checkpoint(self, row: CheckpointRow, expired_by: float | None = None
                               ) -> bool:
         """Delete a checkpoint's record, then its files, on the writer thread. With
@@ -290,9 +291,10 @@ class Core:
 
     # ------------------------------------------------------------------ ops
 
-    async def run(self, op: Op) -> Any:
-        """Submit to the scheduler and await the result; failures raise. Every op of
-        every front passes here, so this is where it is logged and observed.
+    async def run(self, op: Op, base: Served | None = None) -> Any:
+        """Submit to the scheduler of the op's model (`base`, else its queue's:
+        `base_of`) and await the result; failures raise. Every op of every front passes
+        here, so this is where it is logged and observed.
 
         When the awaiting task is cancelled (the SDK's `cancel_future`, a gRPC client
         gone away), the scheduler is told nobody waits here any more: a sample op then
@@ -303,12 +305,13 @@ class Core:
         sampler = self.samplers.get(op.queue_id)
         if sampler is not None:   # in use until it ends (`expire_snapshots`)
             sampler.in_flight += 1
-        future = self.scheduler.submit(op)
+        served = base or self.base_of(op.queue_id)
+        future = served.scheduler.submit(op)
         try:
             result = await asyncio.wrap_future(future)
             return result
         except asyncio.CancelledError:
-            self.scheduler.cancel(future)
+            served.scheduler.cancel(future)
             error = Cancelled(f"{op.kind}: its caller stopped waiting")
             raise
         except BaseException as exc:
@@ -319,10 +322,10 @@ class Core:
                 sampler.in_flight -= 1
                 sampler.last_used = time.monotonic()
             seconds = time.perf_counter() - start
-            log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f", op.queue_id, op.seq_id,
-                     op.kind, op.tokens, seconds * 1000)
+            log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f base=%s", op.queue_id,
+                     op.seq_id, op.kind, op.tokens, seconds * 1000, served.name)
             if self.observe_op is not None:
-                self.observe_op(op, seconds, result, error)
+                self.observe_op(served.name, op, seconds, result, error)
 
     async def ordered(self, tenant: str, ref: OpRef, kind: str, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""
@@ -344,7 +347,7 @@ class Core:
         op = Op.failed(queue_id, seq_id, kind, error, request_id)
         now: BaseException = error
         if seq_id is not None:
-            taken = self.scheduler.submit(op)
+            taken = self.base_of(queue_id).scheduler.submit(op)
             # The seq_id could not be taken (used by another op, too far ahead) or already
             # holds an outcome: that is the answer, not `error`.
             if taken.done() and taken.exception() not in (None, error):
@@ -355,9 +358,11 @@ class Core:
         outcome.add_done_callback(_log_refusal)
         return Refusal(now, outcome)
 
-    async def admin(self, kind: str, fn: Callable[[], T]) -> T:
-        """Run an engine mutation (add/remove adapter) on the worker."""
-        return await self.run(Op(ADMIN_QUEUE, None, kind, None, 0, fn))
+    async def admin(self, kind: str, fn: Callable[[], T], base: Served | None = None) -> T:
+        """Run an engine mutation (add/remove adapter) on the worker of `base` (default:
+        the first served model)."""
+        return await self.run(Op(ADMIN_QUEUE, None, kind, None, 0, fn),
+                              base or self.bases.default)
 
     def new_model_id(self) -> str:
         return "run-" + secrets.token_hex(6)
@@ -366,12 +371,13 @@ class Core:
 
     async def unload(self, model_id: str, reason: str) -> None:
         """Free an adapter's slot; its run record and checkpoints stay."""
-        entry = self.models.pop(model_id, None)
-        if entry is None:
+        if model_id not in self.models:
             return
-        self.scheduler.unregister(model_id, FailedPrecondition(
+        served = self.base_of(model_id)
+        entry = self.models.pop(model_id)
+        served.scheduler.unregister(model_id, FailedPrecondition(
             f"model_id: {model_id!r} was unloaded ({reason})"))
-        await self.admin("unload", lambda: self.engine.remove_adapter(model_id))
+        await self.admin("unload", lambda: served.engine.remove_adapter(model_id), served)
         log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
         self.record(entry.tenant, "model_unload", model_id=model_id, reason=reason)
         for sampling_id in [s for s, e in self.samplers.items() if e.inflight_of == model_id]:
@@ -458,10 +464,11 @@ class Core:
         """Forget a sampling session: its waiting requests fail with `reason` (a running
         one finishes, or fails if it had not loaded the weights yet), and the snapshot it
         owns is deleted, on the writer thread."""
-        entry = self.samplers.pop(sampling_id, None)
-        if entry is None:
+        if sampling_id not in self.samplers:
             return
-        self.scheduler.unregister(sampling_id, FailedPrecondition(
+        served = self.base_of(sampling_id)
+        entry = self.samplers.pop(sampling_id)
+        served.scheduler.unregister(sampling_id, FailedPrecondition(
             f"sampling_session_id: {sampling_id!r} has ended ({reason})"))
         self.record(entry.tenant, "sampler_end", sampling_session_id=sampling_id,
                     reason=reason)

@@ -89,15 +89,6 @@ def parse_recipients(values: Sequence[str] | None) -> list[Any]:
     return out
 
 
-def export_name(model: str, aliases: Sequence[str], model_dir: Path) -> str:
-    """The base model an export names in `base_model_name_or_path`: the first alias (a hub
-    id such as Qwen/Qwen3-4B) when there is one, else the served model as named on the
-    command line; `tiny` exists only in the server's data dir, so it names that."""
-    if aliases:
-        return aliases[0]
-    return str(model_dir) if model == "tiny" else model
-
-
 class External:
     def __init__(self, core: Core) -> None:
         self.core = core
@@ -121,8 +112,9 @@ class External:
         except (EngineError, paths.PathError) as exc:
             return await core.refuse(mid, ref.seq_id, "save_external", exc, ref.request_id)
         target = core.store.checkpoint_dir(tenant, mid, KIND, name)
-        base_name = export_name(core.config.model, core.config.model_alias,
-                                core.engine.base.model_dir)
+        served = core.base_of(mid)
+        # What a reader resolves: a hub id when the model has one, else its directory.
+        base_name = served.tokenizer_id
 
         def save() -> CheckpointRow:
             if target.exists():
@@ -132,7 +124,7 @@ class External:
             scratch = Path(tempfile.mkdtemp(prefix=f".{name}.export-", dir=target.parent))
             try:
                 plain = scratch / "plain"
-                core.engine.save_weights(mid, plain)
+                served.engine.save_weights(mid, plain)
                 _name_base_model(plain / CONFIG_FILE, base_name)
                 size = write_atomically(target, lambda out: _fill(out, plain, age))
             finally:

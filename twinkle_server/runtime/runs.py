@@ -6,6 +6,7 @@ download), and only the owner may change or delete them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.runtime import audit
-from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
+from twinkle_server.runtime.bases import Served
+from twinkle_server.runtime.core import CheckpointRef, Core, ModelEntry, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
 DEFAULT_PAGE = 20
@@ -211,23 +213,39 @@ class Runs:
     # ------------------------------------------------------------------ the server
 
     def tokenizer_files(self, model: str) -> tuple[Path, list[str]]:
-        """The served model's tokenizer directory and the names of its files."""
-        self.core.check_base_model(model)
-        root = self.core.engine.base.model_dir
+        """A served model's tokenizer directory and the names of its files (`model`
+        empty: the first served)."""
+        root = self.core.base(model, "model").engine.base.model_dir
         return root, [n for n in TOKENIZER_FILES if (root / n).is_file()]
 
     def capabilities(self) -> dict[str, Any]:
-        """The served model, the limits, free adapter slots and memory, and the names of
-        every loss, optimizer and scheduler."""
+        """Every served model with its role and limits, free adapter slots and memory,
+        and the names of every loss, optimizer and scheduler."""
         core = self.core
-        base, cfg = core.engine.base, core.config
-        loaded = len(core.models)
+        models = [served_model(served, core.models) for served in core.bases]
         return {
-            "model": cfg.model, "aliases": list(cfg.model_alias), "arch": base.arch,
-            "max_context_length": min(cfg.max_seq_len, base.max_seq_len),
-            "vocab_size": base.vocab_size, "adapters_loaded": loaded,
-            "adapters_free": max(0, cfg.max_adapters - loaded),
-            "memory_available_bytes": available_memory_bytes(base.device) or 0,
+            "models": models, "adapters_loaded": len(core.models),
+            "adapters_free": sum(m["adapters_free"] for m in models),
+            "memory_available_bytes": available_memory_bytes(
+                core.bases.default.engine.base.device) or 0,
             "loss_functions": sorted(losses.LOSS_NAMES),
             "optimizers": sorted(optim.OPTIMIZERS), "lr_schedulers": sorted(optim.SCHEDULERS),
         }
+
+
+def served_model(served: Served, models: Mapping[str, ModelEntry]) -> dict[str, Any]:
+    """What the server says of one served model: names, shape, role, limits, and its
+    adapter slots in use."""
+    base, model = served.engine.base, served.model
+    loaded = sum(1 for e in models.values() if e.base_model in model.names)
+    return {
+        "name": model.name, "aliases": list(model.aliases), "arch": base.arch,
+        "role": model.role, "trainable": model.trains, "sampleable": True,
+        "max_context_length": min(model.max_seq_len, base.max_seq_len),
+        "vocab_size": base.vocab_size, "tokenizer_id": served.tokenizer_id,
+        "adapters_loaded": loaded,
+        "adapters_free": max(0, model.max_adapters - loaded) if model.trains else 0,
+        "limits": {"max_adapters": model.max_adapters, "max_rank": model.max_rank,
+                   "max_seq_len": model.max_seq_len,
+                   "max_batch_tokens": model.max_batch_tokens},
+    }

@@ -50,26 +50,40 @@ class Sampling:
     async def create_session(self, tenant: str, session_id: str = "", *,
                              model_path: CheckpointRef | None = None, base_model: str = "",
                              model_id: str = "") -> str:
-        """A sampling session on exactly one of a sampler checkpoint, the base model or a
-        live model; returns its id."""
+        """A sampling session on exactly one of a sampler checkpoint, a base model or a
+        live model; returns its id. It runs on the base model the checkpoint or live
+        model was trained on; `base_model` given beside `model_path` must name that base."""
         core = self.core
-        if sum((model_path is not None, bool(base_model), bool(model_id))) != 1:
-            raise InvalidArgument("model_path, base_model, model_id: give exactly one")
+        if sum((model_path is not None, bool(model_id))) > 1 or not (
+                model_path is not None or base_model or model_id):
+            raise InvalidArgument("model_path, base_model, model_id: give exactly one "
+                                  "(base_model may come with model_path, naming its base)")
+        if model_id and base_model:
+            raise InvalidArgument("model_id, base_model: give one; a live model samples "
+                                  "on its own base")
         weights = None
         if model_path is not None:
             row, source = core.checkpoint(tenant, model_path)
+            served = core.checkpoint_base(row, model_path.field)
+            if base_model and core.base(base_model) is not served:
+                raise InvalidArgument(
+                    f"base_model: {base_model!r}, but {model_path.field} "
+                    f"{model_path.text!r} was trained on {served.name!r}; give that "
+                    "base, or none")
+            base_name = served.name
             weights = str(source)
             audit.record(core, tenant, "checkpoint_read", purpose="sample",
                          **audit.checkpoint_details(row))
         elif model_id:
-            core.model_of(tenant, model_id)
+            entry = core.model_of(tenant, model_id)
+            served, base_name = core.base_of(model_id), entry.base_model
         else:
-            core.check_base_model(base_model)
+            served, base_name = core.base(base_model), base_model
         sampling_id = "samp-" + secrets.token_hex(6)
         core.samplers[sampling_id] = SamplerEntry(session_id, tenant, model_id or None,
-                                                  weights, core.config.model,
+                                                  weights, base_name,
                                                   last_used=time.monotonic())
-        core.scheduler.register_model(sampling_id)
+        served.scheduler.register_model(sampling_id)
         core.record(tenant, "sampler_create", sampling_session_id=sampling_id,
                     session_id=session_id or None,
                     model_path=model_path.text if model_path is not None else None,
@@ -93,22 +107,25 @@ class Sampling:
         sessions, this new one included: rows they are decoding take the new weights at
         their next token. Each session is its own prefix-cache namespace."""
         core, model_id = self.core, op.model_id
-        owner = core.model_of(tenant, op.model_id).session_id or ""
+        model = core.model_of(tenant, op.model_id)
+        owner = model.session_id or ""
+        served = core.base_of(model_id)
+        engine = served.engine
         sampling_id = "samp-" + secrets.token_hex(6)
         if inflight:
             route = await core.ordered(tenant, op, "save_sampler",
-                                       lambda: core.engine.publish_inflight(model_id))
-            entry = SamplerEntry(owner, tenant, route, None, core.config.model,
+                                       lambda: engine.publish_inflight(model_id))
+            entry = SamplerEntry(owner, tenant, route, None, model.base_model,
                                  last_used=time.monotonic(), inflight_of=model_id)
         else:
             target = core.snapshot_root / sampling_id
             await core.ordered(tenant, op, "save_sampler",
-                               lambda: core.engine.save_weights(model_id, target))
-            entry = SamplerEntry(owner, tenant, None, str(target), core.config.model,
+                               lambda: engine.save_weights(model_id, target))
+            entry = SamplerEntry(owner, tenant, None, str(target), model.base_model,
                                  snapshot=True, snapshot_of=model_id,
                                  last_used=time.monotonic())
         core.samplers[sampling_id] = entry
-        core.scheduler.register_model(sampling_id)
+        served.scheduler.register_model(sampling_id)
         source = "inflight_of" if inflight else "snapshot_of"
         core.record(tenant, "sampler_create", sampling_session_id=sampling_id,
                     session_id=owner or None, **{source: model_id})
@@ -145,16 +162,17 @@ class Sampling:
         sampled position's top-k; `prompt_options` (its `last_n`, `targets`, `alt_k`) asks
         the rest of `PromptScoring`, at the request's temperature and seed."""
         core = self.core
+        served = core.base_of(target.queue)
         scoring = replace(prompt_options or PromptScoring(), include=include_prompt_logprobs,
                           topk=topk_prompt_logprobs, temperature=params.temperature,
                           seed=params.seed)
         try:  # before sampling, not after it
             check_topk(topk_sample_logprobs, "topk_sample_logprobs")
-            check(scoring, prompt.size, core.engine.base.vocab_size)
+            check(scoring, prompt.size, served.engine.base.vocab_size)
         except EngineError as exc:
             return await self.refuse(target, "sample", exc)
         if not params.max_tokens:
-            params = replace(params, max_tokens=max(1, core.config.max_seq_len - prompt.size))
+            params = replace(params, max_tokens=max(1, served.model.max_seq_len - prompt.size))
         payload = SampleRequest(target.adapter_id, target.weights_path, prompt,
                                 num_samples or 1, params, topk_sample_logprobs,
                                 target.cache_namespace)
@@ -164,7 +182,7 @@ class Sampling:
         if scoring.wanted:
             scored = await core.run(Op(
                 target.queue, None, "prompt_logprobs", None, prompt.size,
-                lambda: core.engine.score_prompt(target.adapter_id, target.weights_path,
+                lambda: served.engine.score_prompt(target.adapter_id, target.weights_path,
                                                  prompt, scoring)))
         return SampleResult(generation.sequences, scored, generation.prompt_cache_hit_tokens)
 
@@ -172,7 +190,7 @@ class Sampling:
                                last_n: int | None = None) -> np.ndarray:
         """The logprob of each prompt token given the ones before it (NaN at 0); with
         `last_n`, of the last `last_n` tokens only (NaN before them)."""
-        engine = self.core.engine
+        engine = self.core.base_of(target.queue).engine
         scoring = PromptScoring(include=True, last_n=last_n)
         try:
             check(scoring, prompt.size)

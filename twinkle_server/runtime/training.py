@@ -50,6 +50,7 @@ class ModelInfo:
     target_modules: list[str]
     trainable_params: int
     state_bytes: int
+    tokenizer_id: str
 
 
 def spec_to_json(spec: LoraSpec) -> dict[str, Any]:
@@ -69,17 +70,20 @@ class Training:
     def info(self, tenant: str, model_id: str) -> ModelInfo:
         core = self.core
         entry = core.model_of(tenant, model_id)
-        info = core.engine.adapter_info(model_id)
-        return ModelInfo(entry, core.engine.base.arch, info["spec"],
-                         core.scheduler.next_seq(model_id), info["target_modules"],
-                         info["trainable_params"], info["state_bytes"])
+        served = core.base_of(model_id)
+        info = served.engine.adapter_info(model_id)
+        return ModelInfo(entry, served.engine.base.arch, info["spec"],
+                         served.scheduler.next_seq(model_id), info["target_modules"],
+                         info["trainable_params"], info["state_bytes"],
+                         served.tokenizer_id)
 
     async def create_model(self, tenant: str, *, spec: LoraSpec | None,
                            from_checkpoint: CheckpointRef | None = None,
                            load_optimizer: bool = False, session_id: str | None = None,
                            base_model: str = "", user_metadata: Mapping[str, str] = {},
                            gradient_accumulation_steps: int = 0) -> ModelInfo:
-        """A new adapter (a training run) from `spec`, or from a saved checkpoint.
+        """A new adapter (a training run) on base model `base_model` (empty: the first
+        served) from `spec`, or from a saved checkpoint of that base.
 
         `gradient_accumulation_steps` 0 means 1, or the checkpoint's count when loading
         its optimizer.
@@ -91,37 +95,45 @@ class Training:
         if session_id and core.store.session_tenant(session_id) != tenant:
             raise NotFound(f"session_id: no session {session_id!r}")
         metadata = check_metadata(user_metadata, "user_metadata")
-        base_name = base_model or core.config.model
-        core.check_base_model(base_name)
+        source: Path | None = None
+        if from_checkpoint is not None:
+            row, source = core.checkpoint(tenant, from_checkpoint)
+            served = core.checkpoint_base(row, from_checkpoint.field)
+            if base_model:
+                core.check_same_base(row, core.base(base_model), from_checkpoint.field)
+        else:
+            served = core.base(base_model)
+        served.check_trains()
+        base_name = base_model or served.name
         owned = sum(1 for e in core.models.values() if e.tenant == tenant)
         if owned >= core.config.max_adapters_per_tenant:
             raise ResourceExhausted(
                 f"adapters: tenant already has {owned} adapters loaded, the per-tenant limit "
                 f"(--max-adapters-per-tenant {core.config.max_adapters_per_tenant}); "
                 "unload one first")
-        source: Path | None = None
-        if from_checkpoint is not None:
-            _, source = core.checkpoint(tenant, from_checkpoint)
-            spec = core.engine.read_checkpoint_spec(source)
+        if source is not None:
+            spec = served.engine.read_checkpoint_spec(source)
         if spec is None:
             raise InvalidArgument("lora: give a LoRA config or from_checkpoint")
         accum = gradient_accumulation_steps or 1
         model_id = core.new_model_id()
 
+        engine = served.engine
+
         def create() -> None:
-            core.engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum)
+            engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum)
             if source is not None:
                 try:
-                    core.engine.load_state(model_id, source, include_optimizer=load_optimizer,
-                                           adopt_accumulation=not gradient_accumulation_steps)
+                    engine.load_state(model_id, source, include_optimizer=load_optimizer,
+                                      adopt_accumulation=not gradient_accumulation_steps)
                 except EngineError:
-                    core.engine.remove_adapter(model_id)
+                    engine.remove_adapter(model_id)
                     raise
-        await core.admin("create_model", create)
+        await core.admin("create_model", create, served)
         core.models[model_id] = ModelEntry(model_id, tenant, session_id or None, base_name)
-        core.scheduler.register_model(model_id)
+        served.scheduler.register_model(model_id)
         await core.write(core.store.create_run, model_id, tenant, base_name,
-                         spec_to_json(core.engine.adapters[model_id].spec), metadata,
+                         spec_to_json(engine.adapters[model_id].spec), metadata,
                          session_id or None)
         audit.record(core, tenant, "model_create", model_id=model_id, base_model=base_name,
                      session_id=session_id or None,
@@ -151,15 +163,15 @@ class Training:
         if loss is not None and loss.name == STABLE_REINFORCE:
             datums, used = self.stability.resolve(tenant, model_id, datums, provenance)
         request = ForwardRequest(model_id, datums, loss, backward)
-        self.core.engine.check_forward(request)
+        self.core.base_of(model_id).engine.check_forward(request)
         self.stability.touch(tenant, used)
         return request
 
-    def check_tokens(self, total: int) -> None:
-        """A running count of a batch's tokens within `--max-batch-tokens`
+    def check_tokens(self, model_id: str, total: int) -> None:
+        """A running count of a batch's tokens within its model's `max_batch_tokens`
         (`engine.checks.batch_tokens`): a front calls it as it decodes, so a batch far over
         the limit is refused before all of it is held."""
-        checks.batch_tokens(total, self.core.engine.limits)
+        checks.batch_tokens(total, self.core.base_of(model_id).engine.limits)
 
     async def forward(self, tenant: str, ref: OpRef, request: ForwardRequest) -> ForwardOutput:
         """Forward (or forward_backward, by `request.backward`) as op `ref.seq_id`,
@@ -181,51 +193,51 @@ class Training:
     # ------------------------------------------------------------------ optimizer and loop
 
     async def optim_step(self, tenant: str, ref: OpRef, adam: AdamParams) -> dict[str, float]:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         return await self.core.ordered(tenant, ref, "optim_step",
                                        lambda: engine.optim_step(mid, adam))
 
     async def set_optimizer(self, tenant: str, ref: OpRef, name: str,
                             kwargs: dict[str, Any]) -> None:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         await self.core.ordered(tenant, ref, "set_optimizer",
                                 lambda: engine.set_optimizer(mid, name, kwargs))
 
     async def set_lr_scheduler(self, tenant: str, ref: OpRef, name: str,
                                kwargs: dict[str, Any]) -> None:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         await self.core.ordered(tenant, ref, "set_lr_scheduler",
                                 lambda: engine.set_lr_scheduler(mid, name, kwargs))
 
     async def set_loss(self, tenant: str, ref: OpRef, loss: LossSpec) -> None:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         await self.core.ordered(tenant, ref, "set_loss", lambda: engine.set_loss(mid, loss))
 
     async def clip_grad_norm(self, tenant: str, ref: OpRef, max_norm: float) -> float:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         return await self.core.ordered(tenant, ref, "clip_grad_norm",
                                        lambda: engine.clip_grad_norm(mid, max_norm))
 
     async def step(self, tenant: str, ref: OpRef) -> dict[str, float]:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         return await self.core.ordered(tenant, ref, "step", lambda: engine.step(mid))
 
     async def zero_grad(self, tenant: str, ref: OpRef) -> None:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         await self.core.ordered(tenant, ref, "zero_grad", lambda: engine.zero_grad(mid))
 
     async def lr_step(self, tenant: str, ref: OpRef) -> None:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         await self.core.ordered(tenant, ref, "lr_step", lambda: engine.lr_step(mid))
 
     async def calculate_metric(self, tenant: str, ref: OpRef,
                                is_training: bool) -> dict[str, float]:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         return await self.core.ordered(tenant, ref, "calculate_metric",
                                        lambda: engine.calculate_metric(mid, is_training))
 
     async def get_train_configs(self, tenant: str, ref: OpRef) -> dict[str, Any]:
-        engine, mid = self.core.engine, ref.model_id
+        engine, mid = self.core.base_of(ref.model_id).engine, ref.model_id
         return await self.core.ordered(tenant, ref, "get_train_configs",
                                        lambda: engine.get_train_configs(mid))
 
@@ -248,12 +260,13 @@ class Training:
         except EngineError as exc:
             return await self.refuse(tenant, ref, f"save_{kind}", exc)
         target = core.store.checkpoint_dir(tenant, mid, kind, name)
+        engine = core.base_of(mid).engine
 
         def save() -> CheckpointRow:
             if kind == "sampler":
-                size = core.engine.save_weights(mid, target, overwrite=overwrite)
+                size = engine.save_weights(mid, target, overwrite=overwrite)
             else:
-                size = core.engine.save_state(mid, target, include_optimizer=with_optimizer,
+                size = engine.save_state(mid, target, include_optimizer=with_optimizer,
                                               overwrite=overwrite)
             # Recorded inside the op, so the model's next op (a pipelined load of this
             # name) finds it.
@@ -269,11 +282,13 @@ class Training:
     async def load(self, tenant: str, ref: OpRef, source: CheckpointRef,
                    include_optimizer: bool) -> None:
         core, mid = self.core, ref.model_id
+        served = core.base_of(mid)
 
         def load() -> None:
             # Resolved in the op: a save queued before this load has recorded its path.
             row, directory = core.checkpoint(tenant, source)
-            core.engine.load_state(mid, directory, include_optimizer)
+            core.check_same_base(row, served, source.field)
+            served.engine.load_state(mid, directory, include_optimizer)
             audit.record(core, tenant, "checkpoint_read", purpose="load", into=mid,
                          **audit.checkpoint_details(row))
 

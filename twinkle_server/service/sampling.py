@@ -37,8 +37,8 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
         session_id = await self.verbs.create_session(
             tenant, request.session_id, model_path=model_path, base_model=request.base_model,
             model_id=request.model_id)
-        return smp.SamplingSessionInfo(sampling_session_id=session_id,
-                                       base_model=self.rt.config.model,
+        base_model = self.rt.sampler_of(tenant, session_id).base_model
+        return smp.SamplingSessionInfo(sampling_session_id=session_id, base_model=base_model,
                                        model_path=request.model_path)
 
     def _target(self, context, request) -> Target:

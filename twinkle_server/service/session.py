@@ -58,14 +58,20 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
     async def GetServerCapabilities(self, request, context):
         tenant_of(self.rt, context)
         caps, cfg = self.verbs.capabilities(), self.rt.config
+        models = caps["models"]
+        first = models[0]["limits"]
         return spb.ServerCapabilities(
-            models=[spb.ServedModel(name=caps["model"], aliases=caps["aliases"],
-                                    max_context_length=caps["max_context_length"],
-                                    vocab_size=caps["vocab_size"], trainable=True,
-                                    sampleable=True, arch=caps["arch"])],
-            limits=spb.ServerLimits(max_adapters=cfg.max_adapters, max_rank=cfg.max_rank,
-                                    max_seq_len=cfg.max_seq_len,
-                                    max_batch_tokens=cfg.max_batch_tokens,
+            models=[spb.ServedModel(name=m["name"], aliases=m["aliases"],
+                                    max_context_length=m["max_context_length"],
+                                    vocab_size=m["vocab_size"], trainable=m["trainable"],
+                                    sampleable=m["sampleable"], arch=m["arch"], role=m["role"],
+                                    limits=spb.ServerLimits(**m["limits"]))
+                    for m in models],
+            limits=spb.ServerLimits(max_adapters=first["max_adapters"],
+                                    max_rank=first["max_rank"],
+                                    max_seq_len=first["max_seq_len"],
+                                    max_batch_tokens=min(m["limits"]["max_batch_tokens"]
+                                                         for m in models),
                                     max_message_bytes=MAX_MESSAGE_BYTES,
                                     max_sessions_per_tenant=cfg.max_sessions_per_tenant,
                                     max_adapters_per_tenant=cfg.max_adapters_per_tenant),

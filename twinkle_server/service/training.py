@@ -78,7 +78,6 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         A refusal found while reading (a bad chunk, too many datums or tokens) still
         reads the stream to its end, then takes the op's seq_id as its result.
         """
-        cfg = self.rt.config
         tenant = header = None
         datums: list[Datum] = []
         provenance: list[wire.Provenance | None] = []
@@ -95,10 +94,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 if header.num_datums < 0:
                     error = InvalidArgument(f"num_datums: must not be negative, got "
                                             f"{header.num_datums}")
-                elif header.num_datums > cfg.max_batch_tokens:
+                elif header.num_datums > (limit := self.rt.base_of(
+                        header.op.model_id).model.max_batch_tokens):
                     error = InvalidArgument(
                         f"num_datums: {header.num_datums} datums need more than the "
-                        f"{cfg.max_batch_tokens} tokens one request may hold "
+                        f"{limit} tokens one request may hold "
                         "(--max-batch-tokens); split the batch")
             if error is not None:
                 continue
@@ -113,7 +113,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 provenance.extend(wire.read_provenance(chunk, len(datums)))
                 unpacked = wire.unpack_datums(chunk.batch, len(datums))
                 tokens += sum(datum.num_tokens for datum in unpacked)
-                self.verbs.check_tokens(tokens)
+                self.verbs.check_tokens(header.op.model_id, tokens)
                 datums.extend(unpacked)
             except (wire.WireError, EngineError) as exc:
                 error = exc

@@ -51,7 +51,7 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class ServedModel(_message.Message):
-    __slots__ = ("name", "aliases", "max_context_length", "vocab_size", "trainable", "sampleable", "arch")
+    __slots__ = ("name", "aliases", "max_context_length", "vocab_size", "trainable", "sampleable", "arch", "role", "limits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,8 @@ class ServedModel(_message.Message):
     TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLEABLE_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     max_context_length: int
@@ -66,7 +68,9 @@ class ServedModel(_message.Message):
     trainable: bool
     sampleable: bool
     arch: str
-    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., trainable: _Optional[bool] = ..., sampleable: _Optional[bool] = ..., arch: _Optional[str] = ...) -> None: ...
+    role: str
+    limits: ServerLimits
+    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., trainable: _Optional[bool] = ..., sampleable: _Optional[bool] = ..., arch: _Optional[str] = ..., role: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_adapters", "max_rank", "max_seq_len", "max_batch_tokens", "max_message_bytes", "max_sessions_per_tenant", "max_adapters_per_tenant")

@@ -1,0 +1,42 @@
+"""A model with a memory budget (`memory_gib` in a models file: `EngineLimits.memory_bytes`)
+sizes what it takes from free memory within it, so models can share a device."""
+
+from __future__ import annotations
+
+import pytest
+
+from twinkle_server.engine import memory
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.types import EngineLimits, LoraSpec
+
+MIB = 1 << 20
+
+
+def test_the_kv_pool_and_adapters_fit_the_budget_left_by_the_weights(tiny_cache):
+    plain = Engine.load("tiny", cache_dir=str(tiny_cache))
+    weights = memory.module_bytes(plain.base.model)
+    budget = weights + 4 * MIB
+    engine = Engine.load("tiny", cache_dir=str(tiny_cache),
+                         limits=EngineLimits(memory_bytes=budget))
+    per_token = memory.kv_bytes_per_token(engine.base.config, engine.base.dtype)
+    # The pool takes its quarter of the 4 MiB left, not of the host's free memory.
+    assert engine.limits.kv_pool_tokens == int(4 * MIB * memory.KV_SHARE) // per_token
+    assert engine.limits.kv_pool_tokens < plain.limits.kv_pool_tokens
+    engine.add_adapter("small", LoraSpec(rank=4, alpha=8, seed=0))   # ~0.3 MiB of state
+    with pytest.raises(ResourceExhausted, match="MiB are free"):
+        engine.add_adapter("large", LoraSpec(rank=128, alpha=8, seed=0))
+
+
+def test_checkpoint_weight_bytes_counts_the_headers_in_the_dtype_asked(tiny_cache):
+    import torch
+
+    from twinkle_server.engine.base_model import model_dir
+
+    engine = Engine.load("tiny", cache_dir=str(tiny_cache))
+    directory = model_dir("tiny", tiny_cache)
+    assert memory.checkpoint_weight_bytes(directory, torch.float32) == \
+        memory.module_bytes(engine.base.model) - sum(
+            b.numel() * b.element_size() for b in engine.base.model.buffers())
+    assert memory.checkpoint_weight_bytes(directory, torch.bfloat16) * 2 == \
+        memory.checkpoint_weight_bytes(directory, torch.float32)

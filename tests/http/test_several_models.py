@@ -1,0 +1,141 @@
+"""Two base models behind one endpoint (`--models`), driven by the stock `tinker` SDK: a
+student (`tiny`, role train) and a teacher of another shape (`tiny-large`, role sample).
+
+Each model runs on its own engine, so what one returns must not depend on the other being
+there: the teacher's logprobs and seeded samples are compared with a server holding only
+`tiny-large`, the student's loss with the package's one-model `tiny` server. Both are the
+same code on the same shapes on this machine, so they agree to float32 rounding (1e-5 on
+logprobs of order 10); the seeded tokens are equal.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from prometheus_client.parser import text_string_to_metric_families
+from tinker import types
+
+from twinkle_server.process import start_server
+
+from ..service.harness import create_key
+from .conftest import sft_data
+
+pytestmark = pytest.mark.integration
+
+MODELS = """
+[[models]]
+name = "student"
+path = "tiny"
+aliases = ["tiny"]
+
+[[models]]
+name = "teacher"
+path = "tiny-large"
+aliases = ["Teacher/Large"]
+role = "sample"
+"""
+PROMPT = types.ModelInput.from_ints(list(range(5, 29)))
+TOLERANCE = 1e-5
+
+
+def _serve(tmp_path_factory, name: str, *args: str):
+    data_dir = tmp_path_factory.mktemp(name)
+    key = create_key(data_dir, "alice")
+    proc = start_server(data_dir, *args, http=True)
+    client = tinker.ServiceClient(base_url=f"http://{proc.http_address}", api_key=key)
+    return proc, client
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_cache):
+    models = tmp_path_factory.mktemp("models") / "models.toml"
+    models.write_text(MODELS)
+    proc, client = _serve(tmp_path_factory, "pair", "--models", str(models))
+    yield proc, client
+    client.close("success").result()
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def teacher_alone(tmp_path_factory, tiny_cache):
+    proc, client = _serve(tmp_path_factory, "teacher-alone", "--model", "tiny-large")
+    yield client
+    client.close("success").result()
+    proc.stop()
+
+
+def _teacher_outputs(client: tinker.ServiceClient, base_model: str):
+    sampler = client.create_sampling_client(base_model=base_model).result()
+    logprobs = sampler.compute_logprobs(PROMPT).result()
+    sample = sampler.sample(PROMPT, 2, types.SamplingParams(max_tokens=12, seed=7,
+                                                            temperature=1.0)).result()
+    return np.array(logprobs[1:], np.float64), sample.sequences
+
+
+def test_both_models_are_listed_with_their_roles(pair):
+    proc, _ = pair
+    key = create_key(proc.data_dir, "lister")
+    rest = tinker.RestClient(base_url=f"http://{proc.http_address}", api_key=key)
+    caps = rest.get_server_capabilities().result()
+    listed = {m.model_name: (m.trainable, m.sampleable) for m in caps.supported_models}
+    assert listed == {"student": (True, True), "tiny": (True, True),
+                      "teacher": (False, True), "Teacher/Large": (False, True)}
+
+
+def test_the_teacher_gives_what_it_gives_served_alone(pair, teacher_alone):
+    _, client = pair
+    together, together_seqs = _teacher_outputs(client, "teacher")
+    alone, alone_seqs = _teacher_outputs(teacher_alone, "tiny-large")
+    np.testing.assert_allclose(together, alone, atol=TOLERANCE, rtol=0)
+    assert [s.tokens for s in together_seqs] == [s.tokens for s in alone_seqs]
+    for mine, theirs in zip(together_seqs, alone_seqs, strict=True):
+        np.testing.assert_allclose(mine.logprobs, theirs.logprobs, atol=TOLERANCE, rtol=0)
+
+
+def test_the_student_trains_as_on_a_one_model_server(pair, service):
+    _, client = pair
+    losses = []
+    for svc in (client, service):
+        tc = svc.create_lora_training_client(base_model="tiny", rank=4, seed=11)
+        tc = tc.result()
+        out = tc.forward_backward(sft_data(n=2), "cross_entropy").result()
+        losses.append(out.metrics["loss:sum"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_a_sample_model_refuses_training_clients_naming_its_role(pair):
+    _, client = pair
+    with pytest.raises(tinker.APIStatusError, match="role 'sample'") as refused:
+        client.create_lora_training_client(base_model="teacher", rank=4).result()
+    assert refused.value.status_code == 412   # FAILED_PRECONDITION
+
+
+def test_a_checkpoint_samples_on_its_own_base_and_nowhere_else(pair):
+    _, client = pair
+    tc = client.create_lora_training_client(base_model="student", rank=4, seed=3).result()
+    tc.forward_backward(sft_data(n=1), "cross_entropy").result()
+    path = tc.save_weights_for_sampler("s1").result().path
+    sampler = client.create_sampling_client(model_path=path).result()
+    assert sampler.compute_logprobs(PROMPT).result()[1] is not None
+    with pytest.raises(tinker.BadRequestError, match="trained on 'student'"):
+        client.create_sampling_client(model_path=path, base_model="teacher").result()
+    state = tc.save_state("w1").result().path
+    with pytest.raises(Exception, match="trained on base model 'student'"):
+        client.create_training_client_from_state(state, base_model="teacher").result()
+    resumed = client.create_training_client_from_state(state).result()
+    assert resumed.get_info().model_data.model_name in ("student", "tiny")
+
+
+def test_metrics_carry_each_model_name(pair):
+    proc, client = pair
+    sampler = client.create_sampling_client(base_model="teacher").result()
+    sampler.compute_logprobs(PROMPT).result()
+    text = httpx.get(f"http://{proc.http_address}/metrics").text
+    bases = {s.labels.get("base_model") for family in text_string_to_metric_families(text)
+             for s in family.samples if s.name == "twinkle_ops_total"}
+    assert {"student", "teacher"} <= bases
+    kv = {s.labels["base_model"] for family in text_string_to_metric_families(text)
+          for s in family.samples if s.name == "twinkle_kv_pool_positions"}
+    assert kv == {"student", "teacher"}

@@ -1,0 +1,93 @@
+"""Several base models in one runtime: each has its own engine and worker, names resolve
+through every alias, and nothing crosses from one base to another."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
+from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
+from twinkle_server.model_table import ModelConfig
+from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.runtime.training import ForwardRequest
+from twinkle_server.store import Store
+
+STUDENT = ModelConfig("student", "tiny", aliases=("tiny",))
+TEACHER = ModelConfig("teacher", "tiny-large", role="sample")
+
+
+@pytest.fixture(scope="module")
+def teacher_engine(tiny_cache) -> Engine:
+    return Engine.load("tiny-large", cache_dir=str(tiny_cache))
+
+
+@pytest.fixture
+def pair(engine, teacher_engine, tmp_path):
+    rt = Runtime(ServerConfig(data_dir=tmp_path),
+                 [(STUDENT, engine), (TEACHER, teacher_engine)], Store(tmp_path))
+    rt.start()
+    yield rt
+    rt.stop(60)
+    for model_id in list(rt.models):
+        engine.remove_adapter(model_id)
+    rt.close()
+    rt.store.close()
+
+
+def _request(model_id: str) -> ForwardRequest:
+    ids = np.arange(3, 19, dtype=np.int64)
+    datum = Datum(ids[:-1], {"target_tokens": ids[1:],
+                             "weights": np.ones(ids.size - 1, np.float32)})
+    return ForwardRequest(model_id, [datum], LossSpec("cross_entropy"), True)
+
+
+def test_a_busy_model_never_holds_another_models_training(pair):
+    """The teacher's worker is held (as by a long generation); the student's
+    create_model and forward_backward still complete, each on its own worker."""
+    gate = threading.Event()
+
+    async def scenario():
+        held = asyncio.ensure_future(pair.admin("hold", lambda: gate.wait(60),
+                                                pair.base("teacher")))
+        info = await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8, seed=1),
+                                                base_model="tiny")
+        model_id = info.entry.model_id
+        out = await pair.training.forward("alice", OpRef(model_id, 0), _request(model_id))
+        assert np.isfinite(out.metrics["loss:sum"])
+        assert not held.done()
+        gate.set()
+        await held
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+
+
+def test_names_resolve_through_aliases_and_unknown_ones_list_what_is_served(pair):
+    assert pair.base("tiny") is pair.base("student") is pair.bases.default
+    assert pair.base("teacher").engine.base.config.hidden_size == 192
+    with pytest.raises(InvalidArgument, match=r"'nope' is not served here; served names are "
+                                              r"\['student', 'tiny', 'teacher'\]"):
+        pair.base("nope")
+
+
+def test_a_checkpoint_loads_only_into_a_model_of_its_base(pair, tmp_path):
+    async def scenario():
+        info = await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8, seed=1),
+                                                base_model="student")
+        model_id = info.entry.model_id
+        row = await pair.training.save("alice", OpRef(model_id, 0), "training", "w0")
+        assert pair.checkpoint_base(row) is pair.base("student")
+        with pytest.raises(FailedPrecondition, match="trained on base model 'student'; it "
+                                                     "cannot load into a model of 'teacher'"):
+            pair.check_same_base(row, pair.base("teacher"))
+        with pytest.raises(FailedPrecondition, match="role 'sample'"):
+            await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8),
+                                             base_model="teacher")
+    asyncio.run(scenario())

@@ -1,0 +1,86 @@
+"""`--models FILE`: each `[[models]]` table read with the flags as its defaults; a file
+that cannot work is refused before anything loads, naming the table and the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from twinkle_server.config import ServerConfig
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.model_table import SAMPLE, TRAIN
+
+
+def _models(tmp_path, text: str, **flags):
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    return ServerConfig(models=path, **flags).model_configs()
+
+
+def test_each_table_takes_the_flags_as_defaults_and_overrides_its_own(tmp_path):
+    student, teacher = _models(tmp_path, """
+[[models]]
+name = "Qwen/Qwen3-8B"
+path = "tiny"
+aliases = ["student"]
+max_rank = 16
+
+[[models]]
+name = "tiny-large"
+role = "sample"
+device = "cpu"
+memory_gib = 1.5
+kv_pool_tokens = 4096
+""", max_rank=64, max_adapters=5)
+    assert (student.name, student.path, student.aliases) == ("Qwen/Qwen3-8B", "tiny",
+                                                            ("student",))
+    assert (student.role, student.max_rank, student.max_adapters) == (TRAIN, 16, 5)
+    assert (teacher.path, teacher.role, teacher.max_rank) == ("tiny-large", SAMPLE, 64)
+    assert teacher.limits().memory_bytes == int(1.5 * 2**30)
+    assert teacher.limits().kv_pool_tokens == 4096
+
+
+def test_the_one_model_shorthand_is_tiny_with_its_aliases():
+    (model,) = ServerConfig(model_alias=("Qwen/Qwen3-4B",)).model_configs()
+    assert (model.name, model.path, model.aliases, model.role) == (
+        "tiny", "tiny", ("Qwen/Qwen3-4B",), TRAIN)
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("[[models]]\npath = 'tiny'\n", "#1: key 'name' is missing"),
+    ("[[models]]\nname = 'a'\nrank = 3\n", "#1 ('a'): unknown key 'rank'"),
+    ("[[models]]\nname = 'a'\n[[models]]\nname = 'b'\nrole = 'grade'\n",
+     "#2 ('b'): key 'role' is 'grade'"),
+    ("[[models]]\nname = 'a'\nmax_rank = -1\n", "key 'max_rank' is -1; give an integer >= 0"),
+    ("[[models]]\nname = 'a'\nmax_rank = '8'\n", "key 'max_rank' is '8'"),
+    ("[[models]]\nname = 'a'\naliases = 'b'\n", "key 'aliases' is 'b'; give a list"),
+    ("[[models]]\nname = 'a'\nranks = [0, 0]\n", "give a list without repeats"),
+    ("[[models]]\nname = 'a'\nmemory_gib = -2\n", "key 'memory_gib' is -2"),
+    ("[[models]]\nname = 'a'\n[[models]]\nname = 'b'\naliases = ['a']\n",
+     "name 'a' is given to both 'a' and 'b'"),
+    ("[[models]]\nname = 'a'\n[[models]]\nname = 'a'\n", "'a' is listed twice"),
+    ("[server]\nport = 1\n", "unknown top-level key 'server'"),
+    ("models = []\n", "no [[models]] table"),
+    ("[[models]\nname = 'a'\n", "not TOML"),
+])
+def test_a_file_that_cannot_work_is_refused_naming_table_and_key(tmp_path, text, named):
+    with pytest.raises(InvalidArgument, match="--models .*models.toml") as refused:
+        _models(tmp_path, text)
+    assert named in str(refused.value)
+
+
+def test_model_and_models_together_are_refused(tmp_path):
+    with pytest.raises(InvalidArgument, match="--model .* or --models FILE"):
+        _models(tmp_path, "[[models]]\nname = 'a'\n", model="tiny")
+
+
+def test_the_server_refuses_a_bad_file_at_start_with_its_message(tmp_path):
+    models = tmp_path / "models.toml"
+    models.write_text("[[models]]\nname = 'teacher'\nrole = 'judge'\n")
+    run = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "serve", "--models",
+                          str(models), "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "[[models]] #1 ('teacher'): key 'role' is 'judge'" in run.stderr
