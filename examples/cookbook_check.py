@@ -24,7 +24,9 @@ its inputs are made local, through the cookbook's own extension points:
 * datasets: `openai/gsm8k` is read from `examples/cookbook_data/gsm8k-*.jsonl` (GSM8K's
   columns, a few easy problems), `Anthropic/hh-rlhf` from `hh-rlhf-*.jsonl` (its
   `chosen`/`rejected` columns, a few made-up pairs) and `zwhe99/DeepMath-103K` from
-  `deepmath-train.jsonl` (its columns, eight easy questions) through `datasets.load_dataset`, which is
+  `deepmath-train.jsonl` (its columns, eight easy questions) and `hicai-zju/SciKnowEval` from
+  `sciknoweval-test.jsonl` (its columns, twelve made-up chemistry MCQs) through
+  `datasets.load_dataset`, which is
   replaced, for the check's process only, by a loader of those files that refuses any other
   name; the recipes that take a file path get one there: `prophet-arena.csv` (Prophet
   Arena's columns, five made-up markets either side of the recipe's split date) and
@@ -73,6 +75,9 @@ Parts (each prints one summary line; `--only` takes a comma-separated list):
   is its default name, served by `tiny-large`, its reply capped at 48 tokens (the recipe
   asks 2048 and an untrained grader never stops); it seldom writes `<score>`, so rewards
   are mostly 0.
+* sdft: `recipes/sdft/train.cli_main` with its defaults (Qwen3-8B, sciknoweval Chemistry,
+  top-20 self-distillation through `topk_prompt_logprobs`) on twelve local MCQ rows, 2
+  steps of 2 questions.
 * distillation: `recipes/distillation/on_policy_distillation.cli_main` with its default
   student, teacher, dataset (deepmath), loss and KL penalty, 2 steps of 2 prompts x 2; the
   teacher's logprobs run on `tiny-large`'s own engine (checked in the server log).
@@ -120,7 +125,8 @@ RENDERER = "qwen3_instruct"  # model_info's first choice for MODEL
 # The recipes' own default model names, each answered by a local model: the students by
 # `tiny`, the teachers and graders by `tiny-large` (another base, role sample), so a
 # recipe's teacher runs on its own engine beside the student.
-STUDENT_NAMES = (MODEL, "Qwen/Qwen3.5-9B-Base")   # distillation's default student
+# distillation's and sdft's default students
+STUDENT_NAMES = (MODEL, "Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3-8B")
 TEACHER = "Qwen/Qwen3.5-9B"                        # distillation's default teacher
 GRADER = "Qwen/Qwen3.6-35B-A3B"                    # rubric's default grader_llm_name
 MODELS_FILE = f"""
@@ -164,6 +170,8 @@ PARTS: dict[str, tuple[int, str]] = {
                "model as grader, local rubrics"),
     "distillation": (240, "recipes/distillation/on_policy_distillation cli_main(): its "
                           "default student and teacher, two bases, dataset deepmath"),
+    "sdft": (240, "recipes/sdft/train.py cli_main(): its defaults (Qwen3-8B, sciknoweval, "
+                  "top-20 self-distillation) on local rows"),
     "guess_number": (240, "recipes/multiplayer_rl/guess_number: multi-turn env, Qwen3.5 "
                      "renderer (qwen3_5_disable_thinking)"),
     "step_column": (240, "the `step` column of the recipes' metrics.jsonl is 0, 1, 2, ..."),
@@ -351,7 +359,10 @@ def local_inputs(ctx: Ctx) -> None:
              "Anthropic/hh-rlhf": {"train": DATA / "hh-rlhf-train.jsonl",
                                    "test": DATA / "hh-rlhf-test.jsonl"},
              # DeepMath-103K's columns (`question`, `final_answer`, `difficulty`).
-             "zwhe99/DeepMath-103K": {"train": DATA / "deepmath-train.jsonl"}}
+             "zwhe99/DeepMath-103K": {"train": DATA / "deepmath-train.jsonl"},
+             # SciKnowEval's columns (`domain`, `details.level`, `type`, `question`,
+             # `choices`, `answerKey`); sdft filters Chemistry L3 MCQs from its test split.
+             "hicai-zju/SciKnowEval": {"test": DATA / "sciknoweval-test.jsonl"}}
 
     def load_dataset(path: str, name: str | None = None, *, split: str | None = None,
                      **kwargs: Any):
@@ -366,6 +377,8 @@ def local_inputs(ctx: Ctx) -> None:
     from tinker_cookbook.recipes.math_rl import math_env
     math_env.load_dataset = load_dataset  # imported by name there
     distillation_datasets.load_dataset = load_dataset
+    from tinker_cookbook.recipes.sdft import datasets as sdft_datasets
+    sdft_datasets.load_dataset = load_dataset
 
 
 def install_spy(ctx: Ctx) -> None:
@@ -832,6 +845,26 @@ def part_distillation(ctx: Ctx) -> str:
     return (f"2 steps of 2 prompts x 2, student {cli.model_name} (tiny), teacher "
             f"{cli.teacher_model} (tiny-large), fwd/bwd {ctx.losses()}, "
             f"teacher KL per step {', '.join(f'{k:.2f}' for k in kl)}")
+
+
+def part_sdft(ctx: Ctx) -> str:
+    from tinker_cookbook.recipes.sdft import train as recipe
+    log_path = ctx.work / "sdft"
+    # Its defaults (Qwen3-8B, sciknoweval Chemistry, top-20 distillation from the model
+    # conditioned on the answer) but the size of a check.
+    cli = recipe.CLIConfig(base_url=ctx.base_url, log_path=str(log_path), lora_rank=8,
+                           groups_per_batch=2, max_tokens=16, max_steps=2, eval_every=0,
+                           save_every=0, behavior_if_log_dir_exists="raise")
+    assert (cli.model_name, cli.dataset, cli.topk) == (STUDENT_NAMES[2], "sciknoweval", 20)
+    asyncio.run(recipe.cli_main(cli))
+    rows = [r for r in metrics_rows(log_path) if "sdft/num_datums" in r]
+    assert len(rows) == 2, f"{len(rows)} logged training steps, expected 2"
+    # Each step distilled both questions' completions from the top-20 prompt logprobs.
+    assert all(r["sdft/num_datums"] == 2 and r["sdft/topk"] == cli.topk
+               and math.isfinite(r["sdft/mean_teacher_entropy"]) for r in rows), rows
+    entropy = ", ".join(f"{r['sdft/mean_teacher_entropy']:.2f}" for r in rows)
+    return (f"2 steps of 2 questions, top-{cli.topk} teacher logprobs, fwd/bwd "
+            f"{ctx.losses()}, teacher entropy per step {entropy}")
 
 
 def part_guess_number(ctx: Ctx) -> str:

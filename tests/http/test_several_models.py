@@ -139,3 +139,31 @@ def test_metrics_carry_each_model_name(pair):
     kv = {s.labels["base_model"] for family in text_string_to_metric_families(text)
           for s in family.samples if s.name == "twinkle_kv_pool_positions"}
     assert kv == {"student", "teacher"}
+
+
+def test_grpc_clients_route_by_base_model_alike(pair):
+    """`tinker_compat` (gRPC) and the native client see the same two models, and the
+    teacher's logprobs over gRPC are the HTTP front's."""
+    from tinker_compat import ServiceClient
+    from twinkle_client import api
+    from twinkle_client.connection import Connection
+
+    proc, client = pair
+    key = create_key(proc.data_dir, "grpc")
+    grpc = ServiceClient(base_url=f"http://{proc.address}", api_key=key)
+    connection = Connection(f"http://{proc.address}", api_key=key, client_name="test",
+                            open_session=False)
+    try:
+        caps = api.capabilities(connection)
+        roles = {m.name: (m.role, m.limits.max_rank) for m in caps.models}
+        assert roles == {"student": ("train", 128), "teacher": ("sample", 128)}
+        over_grpc = grpc.create_sampling_client(base_model="Teacher/Large").result()
+        over_http = client.create_sampling_client(base_model="teacher").result()
+        np.testing.assert_allclose(over_grpc.compute_logprobs(PROMPT).result()[1:],
+                                   over_http.compute_logprobs(PROMPT).result()[1:],
+                                   atol=TOLERANCE, rtol=0)
+        with pytest.raises(Exception, match="role 'sample'"):
+            grpc.create_lora_training_client(base_model="teacher", rank=4).result()
+    finally:
+        grpc.close()
+        connection.close()

@@ -91,3 +91,22 @@ def test_a_checkpoint_loads_only_into_a_model_of_its_base(pair, tmp_path):
             await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8),
                                              base_model="teacher")
     asyncio.run(scenario())
+
+
+def test_a_restart_without_a_checkpoints_base_refuses_it_naming_the_base(
+        pair, teacher_engine, tmp_path):
+    """The store keeps each run's base: after a restart that no longer serves it, its
+    checkpoints are refused by name, never loaded into whatever the server now holds."""
+    async def save():
+        info = await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8, seed=1),
+                                                base_model="student")
+        return await pair.training.save("alice", OpRef(info.entry.model_id, 0), "sampler", "s0")
+    row = asyncio.run(save())
+    restarted = Runtime(ServerConfig(data_dir=tmp_path), [(TEACHER, teacher_engine)],
+                        pair.store)
+    try:
+        with pytest.raises(FailedPrecondition, match="trained on base model 'student', which "
+                                                     "this server no longer serves"):
+            restarted.checkpoint_base(row)
+    finally:
+        restarted.close()
