@@ -28,9 +28,10 @@ the baseline); one idles while the other works.
    it computed (its /metrics counter `twinkle_prompt_tokens_computed_total`) against the
    prompt's length; then the same session's prompt extended by 8 tokens
    (`prompt_cache_hit_tokens`).
-5. teacher: a third server with two base models (`--models`): the student (the bench's
-   base) and a teacher (`tiny-large`, role sample). The student's forward_backward alone,
-   then while the teacher's sampling client decodes the same load as in 3.
+5. teacher: a third server with two base models (`--models`): the student and a teacher
+   (role sample), both the bench's base, each on its own engine. The student's
+   forward_backward alone, then while the teacher's sampling client decodes the same load
+   as in 3: compare with 3's continuous row, where the load runs on the student's model.
 
 Each section prints its rows as measured and the run ends with one summary table. The
 figures are printed against their targets; nothing here passes or fails on time.
@@ -399,16 +400,17 @@ path = "{path}"
 
 [[models]]
 name = "teacher"
-path = "tiny-large"
+path = "{path}"
 role = "sample"
 """
 
 
 def teacher(data_dir: Path, student_path: str, model_name: str, sizes: Sizes) -> list[tuple]:
     """The student's forward_backward alone and while the teacher, another base model of
-    the same server (`--models`), generates: each model has its own worker, so the
-    student's ops never queue behind the teacher's decode slices; on a CPU the two still
-    share the cores."""
+    the same server (`--models`; the same weights under another name, so its decode
+    costs what the student's own would), generates: each model has its own worker, so
+    the student's ops never queue behind the teacher's decode slices; on a CPU the two
+    still share the cores."""
     n, length = sizes.train_batch
     requests, samples, tokens = sizes.load
     data_dir.mkdir(parents=True)
@@ -427,7 +429,8 @@ def teacher(data_dir: Path, student_path: str, model_name: str, sizes: Sizes) ->
         proc.stop()
     a, d = statistics.median(alone), statistics.median(during)
     print(f"teacher: the student's forward_backward of {n} x {length} tokens, median of "
-          f"{sizes.train_calls}, alone and while the teacher (tiny-large, role sample) "
+          f"{sizes.train_calls}, alone and while the teacher (a second model of the same "
+          f"shape, role sample) "
           f"samples {requests} requests x {samples} x {tokens} tokens")
     print(f"  alone {a:.2f} s, during {d:.2f} s, during / alone {d / a:.2f}x, teacher "
           f"still sampling: {'yes' if running else 'NO: it ended first'}")

@@ -6,11 +6,16 @@ decode pool (`decode`, continuous batching) or, with the static sampler, run as 
 `Engine.sample_batch`; every other op carries a zero-argument callable (optimizer step,
 save, load, ...) run alone. Engine errors come back as values, one per op. Sample ops
 the scheduler cancels leave the pool at the next slice (`decode`'s `cancelled`).
+
+Served models that share a device take `Turns` on it: each batch or decode slice runs
+while its model holds the device, first come first served.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,11 +28,52 @@ __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
 log = logging.getLogger(__name__)
 
 
-class EngineExecutor:
-    """Runs scheduler batches on one engine, from the scheduler's single worker thread."""
+class Turns:
+    """One device's turns among the workers of the models placed on it, first come first
+    served: a worker holds the device for one batch or one decode slice, then queues
+    behind any other that waits. Computing at once, two models contend for the device
+    (on a CPU, two thread teams on the same cores): a student's forward_backward ran
+    1.81x slower while a teacher on the same 2 cores decoded, against 1.14x when the same
+    load decoded in the student's own pool between its passes (BENCHMARKS.md, "Several
+    base models"). Taking turns, a model's op waits at most one batch or slice of the
+    others', as it would behind its own decode slices."""
 
-    def __init__(self, engine: EngineAPI) -> None:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: deque[object] = deque()
+        self._held = False
+
+    def __enter__(self) -> None:
+        me = object()
+        with self._cond:
+            self._waiting.append(me)
+            self._cond.wait_for(lambda: not self._held and self._waiting[0] is me)
+            self._waiting.popleft()
+            self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
+class _Alone:
+    """The turns of a model alone on its device: always its own."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class EngineExecutor:
+    """Runs scheduler batches on one engine, from the scheduler's single worker thread;
+    with `turns`, only while its model holds the device it shares."""
+
+    def __init__(self, engine: EngineAPI, turns: Turns | None = None) -> None:
         self.engine = engine
+        self.turns = turns if turns is not None else _Alone()
         # Sample ops in the decode pool, by the key the engine answers them under.
         self._waiting: dict[int, Op] = {}
         self._keys = 0
@@ -35,6 +81,10 @@ class EngineExecutor:
         self._forgotten: list[int] = []
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
+        with self.turns:
+            return self._run_batch(ops)
+
+    def _run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         group = ops[0].merge_group
         if group == FORWARD:
             return self.engine.forward_batch([op.payload for op in ops])
@@ -69,8 +119,9 @@ class EngineExecutor:
         gone = self._forgotten + _keys_of(waiting, cancelled)
         self._forgotten = []
         try:
-            done = self.engine.decode([op.payload for op in joining], keys, slice_s,
-                                      cancelled=gone)
+            with self.turns:
+                done = self.engine.decode([op.payload for op in joining], keys, slice_s,
+                                          cancelled=gone)
         except BaseException:
             self._forgotten = list(waiting)
             waiting.clear()

@@ -4,7 +4,6 @@ through every alias, and nothing crosses from one base to another."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
@@ -12,14 +11,17 @@ import pytest
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
-from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
+from twinkle_server.engine.types import Datum, LoraSpec, LossSpec, SamplingParams
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.runtime.bases import shared_turns
 from twinkle_server.runtime.training import ForwardRequest
 from twinkle_server.store import Store
 
 STUDENT = ModelConfig("student", "tiny", aliases=("tiny",))
 TEACHER = ModelConfig("teacher", "tiny-large", role="sample")
+PROMPT = np.arange(5, 21, dtype=np.int64)
+LONG_TOKENS = 800
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +49,34 @@ def _request(model_id: str) -> ForwardRequest:
     return ForwardRequest(model_id, [datum], LossSpec("cross_entropy"), True)
 
 
-def test_a_busy_model_never_holds_another_models_training(pair):
-    """The teacher's worker is held (as by a long generation); the student's
-    create_model and forward_backward still complete, each on its own worker."""
-    gate = threading.Event()
-
+def test_a_long_generation_on_the_teacher_never_holds_the_students_training(pair):
+    """While the teacher decodes a long sample, the student's create_model and
+    forward_backward complete (by completion order): on a shared device the two take
+    turns one batch or decode slice at a time."""
     async def scenario():
-        held = asyncio.ensure_future(pair.admin("hold", lambda: gate.wait(60),
-                                                pair.base("teacher")))
+        session = await pair.sampling.create_session("alice", base_model="teacher")
+        long = asyncio.ensure_future(pair.sampling.sample(
+            pair.sampling.target("alice", None, session), PROMPT, 2,
+            SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True, seed=1)))
+        while not pair.base("teacher").engine.decode_stats().active_rows:
+            await asyncio.sleep(0.01)
         info = await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8, seed=1),
                                                 base_model="tiny")
         model_id = info.entry.model_id
         out = await pair.training.forward("alice", OpRef(model_id, 0), _request(model_id))
         assert np.isfinite(out.metrics["loss:sum"])
-        assert not held.done()
-        gate.set()
-        await held
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
+        assert not long.done()
+        result = await long
+        assert [s.tokens.size for s in result.sequences] == [LONG_TOKENS] * 2
+    asyncio.run(scenario())
+
+
+def test_models_take_turns_only_on_a_device_they_share():
+    cpu = shared_turns(["cpu", "cpu"])
+    assert cpu[0] is cpu[1] is not None
+    gpus = shared_turns(["cuda:0", "cuda:1", "cuda:0"])
+    assert gpus[0] is gpus[2] is not None and gpus[1] is None
+    assert shared_turns(["cuda:0"]) == [None]
 
 
 def test_names_resolve_through_aliases_and_unknown_ones_list_what_is_served(pair):

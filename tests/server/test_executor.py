@@ -129,3 +129,33 @@ def test_a_sample_cancelled_through_the_scheduler_leaves_the_engine_pool():
         assert holding == [] and sched.stats()["decoding"] == 0
     finally:
         sched.stop(drain=False, timeout=WAIT_SECONDS)
+
+
+def test_turns_go_first_come_first_served_and_a_releaser_queues_behind_a_waiter():
+    """Two workers on a shared device: the one that releases and asks again goes behind
+    the one already waiting, so neither starves the other."""
+    import threading
+
+    from twinkle_server.executor import Turns
+
+    turns = Turns()
+    order: list[str] = []
+    waiting = threading.Event()
+
+    def other() -> None:
+        waiting.set()
+        with turns:
+            order.append("other")
+
+    with turns:
+        order.append("first")
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert waiting.wait(WAIT_SECONDS)
+        deadline = time.monotonic() + WAIT_SECONDS
+        while not turns._waiting and time.monotonic() < deadline:   # other is queued
+            time.sleep(0.001)
+    with turns:
+        order.append("again")
+    thread.join(WAIT_SECONDS)
+    assert order == ["first", "other", "again"]

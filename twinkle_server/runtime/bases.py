@@ -12,7 +12,7 @@ from twinkle_server.config import ServerConfig
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import AUTO_SEQ_LEN
-from twinkle_server.executor import SAMPLE, EngineExecutor
+from twinkle_server.executor import SAMPLE, EngineExecutor, Turns
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.planning import default_token_budget
 from twinkle_server.scheduler import Scheduler
@@ -46,13 +46,31 @@ class Served:
         return self.model.tokenizer_id(self.engine.base.model_dir)
 
 
-def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI) -> Served:
-    """`model` served by `engine`, under a scheduler of its own (not yet started)."""
+def serve_all(config: ServerConfig, engines: Sequence[tuple[ModelConfig, EngineAPI]]
+              ) -> list[Served]:
+    """Each model served by its engine under a scheduler of its own (not yet started);
+    models whose engines share a device take turns on it (`executor.Turns`)."""
+    turns = shared_turns([str(engine.base.device) for _, engine in engines])
+    return [serve(config, model, engine, t)
+            for (model, engine), t in zip(engines, turns, strict=True)]
+
+
+def shared_turns(devices: Sequence[str]) -> list[Turns | None]:
+    """Each model's turns, given each model's device: one `Turns` shared by the models of
+    a device that holds more than one, None for a model alone on its device."""
+    shared = {d: Turns() for d in set(devices) if devices.count(d) > 1}
+    return [shared.get(d) for d in devices]
+
+
+def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
+          turns: Turns | None = None) -> Served:
+    """`model` served by `engine`, under a scheduler of its own (not yet started), taking
+    `turns` on a device it shares."""
     if model.max_seq_len == AUTO_SEQ_LEN:   # the engine chose it (`max_seq_len` 0)
         model = replace(model, max_seq_len=engine.limits.max_seq_len)
     budget = config.merge_token_budget or default_token_budget(engine.base.device.type)
     scheduler = Scheduler(
-        EngineExecutor(engine), mode=config.scheduling, token_budget=budget,
+        EngineExecutor(engine, turns), mode=config.scheduling, token_budget=budget,
         decode_group=SAMPLE if config.sampler == "continuous" else None,
         decode_slice_s=config.decode_slice_ms / 1000)
     scheduler.register_model(ADMIN_QUEUE)

@@ -31,7 +31,7 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.model_table import ModelConfig
-from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve
+from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve_all
 from twinkle_server.scheduler import Op
 from twinkle_server.store import AuditRow, CheckpointRow, Store
 from twinkle_wire import paths
@@ -140,7 +140,7 @@ class Core:
         if not isinstance(engines, Sequence):
             engines = [(config.model_configs()[0], engines)]
         self.config = config
-        self.bases = Bases([serve(config, model, engine) for model, engine in engines])
+        self.bases = Bases(serve_all(config, engines))
         self.store = store
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, SamplerEntry] = {}
