@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -123,15 +126,58 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
 
 
 def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
-    """Why `config`'s models cannot run on `world` ranks, or None. Several models are
-    served from one process for now: under torchrun every rank replays one engine's
-    calls (`replication`), so a job serves one model."""
+    """Why `config`'s models cannot run on `world` ranks, or None. On several ranks each
+    model is sharded over the ranks its table names (all by default), which must include
+    rank 0 (it serves, and drives every model); each rank runs its shards on its own
+    device, so a table names ranks, not a device."""
     models = config.model_configs()
-    if world > 1 and len(models) > 1:
-        return (f"--models: {len(models)} models on {world} ranks; a job of several ranks "
-                "serves one model (its [[models]] table may set its limits), several models "
-                "are served from one process, each on its own device")
+    if world == 1 or len(models) == 1:
+        return None
+    if config.shard_group_size:
+        return (f"--shard-group-size {config.shard_group_size}: hybrid sharding serves one "
+                f"model; --models names {len(models)}")
+    try:
+        place([Demand(m.name, "cpu", 0, ranks=m.ranks) for m in models], {"cpu": None},
+              world)
+    except EngineError as exc:
+        return str(exc)
+    for model in models:
+        if model.ranks and 0 not in model.ranks:
+            return (f"models: {model.name!r} has ranks {list(model.ranks)}; every model's "
+                    "ranks include rank 0, which serves and drives them")
+        if model.device != config.device:
+            return (f"models: {model.name!r} asks for device {model.device!r}; on several "
+                    "ranks each rank runs its shards on its own device (--device), so a "
+                    "table names ranks, not a device")
     return None
+
+
+@dataclass(frozen=True)
+class Member:
+    """A served model this rank holds a shard of: its table, the `Parallel` of its ranks,
+    and the channel rank 0 sends its engine calls over."""
+
+    model: ModelConfig
+    parallel: Parallel
+    channel: Channel
+
+
+def members(config: ServerConfig, parallel: Parallel, channel: Channel) -> list[Member]:
+    """The models this rank holds a shard of. One model spans the job (`parallel`,
+    `channel`); several each get process groups of their ranks' own, made by every rank
+    of the job in the models' order, so each model's collectives and calls run apart
+    from the others'."""
+    models = config.model_configs()
+    if len(models) == 1:
+        return [Member(models[0], parallel, channel)]
+    held = []
+    for model in models:
+        ranks = model.ranks or tuple(range(parallel.world))
+        shard = parallel.subgroup(ranks)
+        calls = Channel.subgroup(ranks, config.collective_timeout)
+        if shard is not None and calls is not None:
+            held.append(Member(model, shard, calls))
+    return held
 
 
 def place_models(models: list[ModelConfig]) -> dict[str, Place]:
@@ -179,21 +225,35 @@ def load_engines(config: ServerConfig) -> list[tuple[ModelConfig, Engine]]:
 
 
 def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> int:
-    """A rank other than 0: load the shard, follow rank 0 until it stops; 0 on a clean
-    stop, 2 when the engine cannot load (every rank fails alike), 1 when the group was
-    lost. SIGINT and SIGTERM are left to rank 0, whose drain ends with telling this rank
-    to stop."""
+    """A rank other than 0: load its shard of each model it holds, follow rank 0's calls
+    of each until it stops; 0 on a clean stop, 2 when an engine cannot load (every rank
+    fails alike), 1 when the group was lost. SIGINT and SIGTERM are left to rank 0,
+    whose drain ends with telling this rank to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    held = members(config, parallel, channel)
     try:
-        engine = load_engine(config, config.model_configs()[0], parallel)
+        engines = [load_engine(config, m.model, m.parallel) for m in held]
     except EngineError as exc:
         log.error("rank %d: %s", parallel.rank, exc)
         return 2
-    try:
-        follow(engine, channel)
-        log.info("stopping: %s", parallel.describe_share())
-    except Exception as exc:
-        log.error("rank %d: lost the group: %s: %s", parallel.rank, type(exc).__name__, exc)
-        return 1
+    outcomes: queue.Queue[BaseException | None] = queue.Queue()
+
+    def run(engine: Engine, member: Member) -> None:
+        try:
+            follow(engine, member.channel)
+            log.info("stopping: %s", member.parallel.describe_share())
+            outcomes.put(None)
+        except Exception as exc:
+            outcomes.put(exc)
+
+    for engine, member in zip(engines, held, strict=True):
+        threading.Thread(target=run, args=(engine, member), daemon=True,
+                         name=f"twinkle-follow-{member.model.name}").start()
+    for _ in held:
+        exc = outcomes.get()
+        if exc is not None:
+            log.error("rank %d: lost the group: %s: %s", parallel.rank, type(exc).__name__,
+                      exc)
+            return 1
     return 0

@@ -128,6 +128,14 @@ class Channel:
         return cls(dist.new_group(backend="gloo",
                                   timeout=datetime.timedelta(seconds=timeout_s)))
 
+    @classmethod
+    def subgroup(cls, ranks: Sequence[int], timeout_s: float) -> Channel | None:
+        """A channel to the job's `ranks` only (rank 0 among them), over a gloo group of
+        its own: None on a rank outside them. Every rank calls this at the same point."""
+        group = dist.new_group(sorted(ranks), backend="gloo",
+                               timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(group) if dist.get_rank() in ranks else None
+
     def agree(self, value: Any) -> Any:
         """Rank 0's `value` (small and picklable), on every rank."""
         box = [value]
@@ -299,7 +307,7 @@ class ReplicatedEngine:
                 # A collective failed, or rank 0 failed where the others did not (they
                 # may now wait in a collective it will never join): the ranks are no
                 # longer in step, and no later call could be trusted.
-                self.lost = _lost_message(self.engine.parallel.world, exc, self.timeout_s)
+                self.lost = _lost_message(self.engine.parallel.ranks, exc, self.timeout_s)
                 log.error("%s", self.lost)
         if self.on_lost is not None:
             self.on_lost(self.lost)
@@ -379,7 +387,7 @@ class ReplicatedEngine:
                 self.channel.send((_NOOP, (), ()))
                 self._last_send = time.monotonic()
             except Exception as exc:
-                self.lost = _lost_message(self.engine.parallel.world, exc, self.timeout_s)
+                self.lost = _lost_message(self.engine.parallel.ranks, exc, self.timeout_s)
                 log.error("%s", self.lost)
             finally:
                 self._lock.release()
@@ -399,14 +407,16 @@ class ReplicatedEngine:
                     log.warning("could not stop the other ranks: %s", exc)
 
 
-def _lost_message(world: int, exc: BaseException, timeout_s: float) -> str:
-    """Which ranks stopped beating (their heartbeat did not move for three beats)."""
+def _lost_message(ranks: Sequence[int], exc: BaseException, timeout_s: float) -> str:
+    """Which of the job's `ranks` (an engine's) stopped beating (their heartbeat did not
+    move for three beats)."""
     lost: list[int] = []
+    others = [r for r in ranks if r != 0]
     try:
         store = dist.distributed_c10d._get_default_store()
-        first = {r: store.get(_BEAT_KEY.format(r)) for r in range(1, world)}
+        first = {r: store.get(_BEAT_KEY.format(r)) for r in others}
         time.sleep(3 * BEAT_SECONDS)
-        lost = [r for r in range(1, world) if store.get(_BEAT_KEY.format(r)) == first[r]]
+        lost = [r for r in others if store.get(_BEAT_KEY.format(r)) == first[r]]
     except Exception as store_exc:  # the store itself may be gone with the rank
         log.warning("could not read the ranks' heartbeats: %s", store_exc)
     who = (f"rank {', '.join(map(str, lost))} stopped" if lost
@@ -432,7 +442,7 @@ def follow(engine: Engine, channel: Channel) -> None:
 
     Returns normally on stop; raises when the group fails (the process must then exit
     non-zero). Errors the engine raises on purpose are rank 0's to report."""
-    rank = engine.parallel.rank
+    rank = dist.get_rank()   # the job's: the heartbeat and scratch are the process's
     stop = threading.Event()
     threading.Thread(target=_beat, args=(rank, stop), daemon=True,
                      name="twinkle-heartbeat").start()

@@ -7,7 +7,9 @@ import asyncio
 import ipaddress
 import logging
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,7 +21,7 @@ from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.http import HTTP_OFF, HttpServer
-from twinkle_server.launch import load_engine, load_engines, several_ranks_problem
+from twinkle_server.launch import load_engine, load_engines, members, several_ranks_problem
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.replication import Channel, ReplicatedEngine
 from twinkle_server.runtime import Runtime
@@ -46,6 +48,7 @@ from twinkle_wire._proto.twinkle.v1 import (
 )
 
 log = logging.getLogger("twinkle_server")
+T = TypeVar("T")
 SERVICES = tuple(
     module.DESCRIPTOR.services_by_name[name]
     for module, name in ((session_pb2, "SessionService"), (training_pb2, "TrainingService"),
@@ -97,23 +100,24 @@ def config_problem(config: ServerConfig, world: int = 1) -> str | None:
     return None
 
 
-async def _load_on_own_thread(config: ServerConfig, parallel: Parallel | None
-                              ) -> list[tuple[ModelConfig, Engine]]:
-    """Every served model's engine (`launch.load_engines`; on several ranks, the one
-    model's shard), loaded on a thread that ends once it has loaded.
+async def _load_on_own_thread(load: Callable[..., T], *args: Any) -> T:
+    """`load(*args)` (the engines) on a thread that ends once it has loaded.
 
     On CPU each thread that runs torch's parallel ops keeps its own OpenMP team (libgomp)
     while it lives. A loading thread left idle in a pool, beside the compute thread's
     team, makes more OpenMP threads than cores, and libgomp then stops spin-waiting
     between parallel regions: a decode of 8 x 8 x 64 tokens ran 1.37x slower on 2 cores,
-    side by side in one process (BENCHMARKS.md, Sampling). So the compute thread is the one
-    thread whose team outlives the load."""
+    side by side in one process (BENCHMARKS.md, Sampling). So the compute threads are the
+    only threads whose teams outlive the load."""
     with ThreadPoolExecutor(1, thread_name_prefix="twinkle-load") as loader:
-        if parallel is None:
-            return await asyncio.wrap_future(loader.submit(load_engines, config))
-        model = config.model_configs()[0]
-        engine = await asyncio.wrap_future(loader.submit(load_engine, config, model, parallel))
-        return [(model, engine)]
+        return await asyncio.wrap_future(loader.submit(load, *args))
+
+
+def _load_held(config: ServerConfig, parallel: Parallel, channel: Channel
+               ) -> list[tuple[ModelConfig, Engine, Channel]]:
+    """Rank 0's shard of each served model, with the channel of the model's ranks."""
+    return [(m.model, load_engine(config, m.model, m.parallel), m.channel)
+            for m in members(config, parallel, channel)]
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
@@ -135,12 +139,13 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
         lost.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    loaded = await _load_on_own_thread(config, parallel)
-    engines: list[tuple[ModelConfig, EngineAPI]] = list(loaded)
+    engines: list[tuple[ModelConfig, EngineAPI]]
     if parallel is not None and channel is not None:
-        model, local = loaded[0]
-        engines = [(model, ReplicatedEngine(local, channel, config.collective_timeout,
-                                            on_lost))]
+        held = await _load_on_own_thread(_load_held, config, parallel, channel)
+        engines = [(model, ReplicatedEngine(local, calls, config.collective_timeout, on_lost))
+                   for model, local, calls in held]
+    else:
+        engines = await _load_on_own_thread(load_engines, config)
     try:
         await _serve_engines(config, engines, store, stop, ready, parallel)
     finally:

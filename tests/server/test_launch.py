@@ -21,7 +21,7 @@ from tinker import types
 from tinker_compat import RestClient, ServiceClient
 from twinkle_server.process import start_server
 
-from ..numerics import LOGPROB_ATOL
+from ..numerics import LOGPROB_ATOL, LOSS_RTOL
 from ..tinker_compat.conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -252,3 +252,56 @@ def test_a_sliding_window_model_samples_with_the_static_sampler(tmp_path, tiny_c
                             SamplingParams(max_tokens=12, seed=1, ignore_eos=True))
     out = engine.sample_batch([request])[0]
     assert [s.tokens.size for s in out] == [12, 12]
+
+
+SPLIT_MODELS = """
+[[models]]
+name = "tiny"
+
+[[models]]
+name = "teacher"
+path = "tiny-large"
+role = "sample"
+ranks = [0]
+"""
+
+
+def test_two_models_on_two_ranks_each_on_its_own_ranks(tmp_path, tiny_cache):
+    """The student is sharded over both ranks, the teacher held by rank 0 alone, each
+    with its own process groups: the student's loss and the teacher's logprobs equal a
+    one-process server's (float32 rounding: the student's passes are split over ranks),
+    and each rank logs the shares it holds."""
+    models = tmp_path / "models.toml"
+    models.write_text(SPLIT_MODELS)
+    prompt = types.ModelInput.from_ints([5, 17, 29, 3, 88, 41])
+
+    def run(*flags: str) -> tuple[float, list[float], str]:
+        server = start_server(tmp_path / f"data{len(flags)}", "--models", str(models), *flags)
+        service = ServiceClient(base_url=f"http://{server.address}")
+        try:
+            loss = _one_step(server.address)
+            teacher = service.create_sampling_client(base_model="teacher").result()
+            logprobs = teacher.compute_logprobs(prompt).result()[1:]
+        finally:
+            service.close()
+        assert server.stop() == 0, server.log()[-3000:]
+        return loss, logprobs, server.log()
+
+    loss, logprobs, log = run("--nproc-per-node", "2")
+    alone_loss, alone_logprobs, _ = run()
+    assert loss == pytest.approx(alone_loss, rel=LOSS_RTOL)
+    np.testing.assert_allclose(logprobs, alone_logprobs, atol=LOGPROB_ATOL, rtol=0)
+    held = re.findall(r"(loaded|stopping): rank (\d) of (\d) holds", log)
+    # The student: rank 0 and 1 of 2; the teacher: rank 0 of 1.
+    assert sorted(held) == sorted((when, rank, world) for when in ("loaded", "stopping")
+                                  for rank, world in (("0", "2"), ("1", "2"), ("0", "1"))), held
+
+
+def test_a_model_on_ranks_without_rank_0_is_refused_at_start(tmp_path, tiny_cache):
+    models = tmp_path / "models.toml"
+    models.write_text(SPLIT_MODELS.replace("ranks = [0]", "ranks = [1]"))
+    run = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "serve", "--models",
+                          str(models), "--nproc-per-node", "2", "--data-dir",
+                          str(tmp_path / "data")], capture_output=True, text=True, timeout=180)
+    assert run.returncode != 0
+    assert "'teacher' has ranks [1]; every model's ranks include rank 0" in run.stderr

@@ -22,6 +22,7 @@ from tests.numerics import LOGPROB_ATOL, LOSS_RTOL, assert_trained_alike
 from tinker_compat import RestClient, ServiceClient
 from twinkle_client import init_twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_server.engine.tiny_model import build_tiny_model
 from twinkle_server.process import start_server
 
 from ..client.conftest import toy_features
@@ -171,7 +172,7 @@ def test_a_checkpoint_saved_on_two_ranks_gives_the_same_logits_in_peft(servers, 
         folder = RestClient(base_url=f"http://{servers[1].address}").download_checkpoint(path, tmp_path / "a").result()
     finally:
         service.close()
-    base_dir = next(p for p in tiny_cache.iterdir() if p.is_dir())
+    base_dir = build_tiny_model(tiny_cache)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, str(folder)).eval()
     with torch.no_grad():

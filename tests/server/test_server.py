@@ -9,7 +9,7 @@ from twinkle_server import server
 from twinkle_server.config import ServerConfig
 
 
-def test_the_engines_load_on_a_thread_that_has_ended_when_serving_begins(monkeypatch):
+def test_the_engines_load_on_a_thread_that_has_ended_when_serving_begins():
     """A thread that ran torch keeps its OpenMP team while it lives; only the compute
     threads' may outlive the load (see `server._load_on_own_thread`)."""
     seen: list[threading.Thread] = []
@@ -18,7 +18,6 @@ def test_the_engines_load_on_a_thread_that_has_ended_when_serving_begins(monkeyp
         seen.append(threading.current_thread())
         return "engines"
 
-    monkeypatch.setattr(server, "load_engines", load)
-    assert asyncio.run(server._load_on_own_thread(ServerConfig(), None)) == "engines"
+    assert asyncio.run(server._load_on_own_thread(load, ServerConfig())) == "engines"
     assert seen[0] is not threading.main_thread()
     assert not seen[0].is_alive()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,9 +106,14 @@ class Parallel:
     """The input embeddings' output requires grad (`shard`): every rank's backward must
     reach every layer, each of which gathers its weights again with the others."""
 
-    def __init__(self, placement: Placement, mesh: Any) -> None:
+    def __init__(self, placement: Placement, mesh: Any, group: Any = None,
+                 ranks: Sequence[int] | None = None) -> None:
         self.placement = placement
         self.mesh = mesh
+        self.group = group
+        """The process group of this engine's collectives (None: every rank's)."""
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(placement.world))
+        """The job's ranks this engine is sharded over, its own rank `rank` among them."""
         self.root: _Root | None = None
         self.layers: list[nn.Module] = []
 
@@ -147,6 +152,22 @@ class Parallel:
             mesh = init_device_mesh(kind, (world // size, size),
                                     mesh_dim_names=("replicate", "shard"))
         return cls(placement, mesh)
+
+    def subgroup(self, ranks: Sequence[int], backend: str | None = None) -> Parallel | None:
+        """A `Parallel` over the job's `ranks` only (sorted, rank 0 among them), for one
+        of several served models, with its own process group: None on a rank outside
+        them. Every rank of the job calls this, in the same order, for every model."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = sorted(ranks)
+        group = dist.new_group(ranks, backend=backend)
+        me = dist.get_rank()
+        if me not in ranks:
+            return None
+        kind = self.placement.device.type
+        placement = replace(self.placement, rank=ranks.index(me), world=len(ranks))
+        mesh = DeviceMesh.from_group(group, kind, mesh_dim_names=("shard",))
+        return Parallel(placement, mesh, group, ranks)
 
     def close(self, clean: bool = True) -> None:
         """Leave the process group; `clean` (every rank is leaving too) first waits for
@@ -294,7 +315,7 @@ class Parallel:
             mine_flat = torch.cat([t.detach().reshape(-1).float() for t in local])
             flat[:mine_flat.numel()] = mine_flat
         gathered = [torch.empty_like(flat) for _ in range(self.world)]
-        dist.all_gather(gathered, flat)
+        dist.all_gather(gathered, flat, group=self.group)
         rows: list[torch.Tensor] = []
         for rank in range(self.world):
             owned = share_of(lengths, rank, self.world)
@@ -325,24 +346,23 @@ class Parallel:
         if bucket:
             self._reduce_bucket(bucket)
 
-    @staticmethod
-    def _reduce_bucket(bucket: list[torch.Tensor]) -> None:
+    def _reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         for grad, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
             grad.copy_(piece.view_as(grad))
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is true on any rank (every rank gets the same answer)."""
         box = torch.tensor([int(flag)], dtype=torch.int64, device=self.placement.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
         return bool(box)
 
     def gather_objects(self, local: list[Any]) -> list[Any]:
         """Every rank's `local` list (small results: sampled tokens), concatenated in rank
         order, on every rank."""
         found: list[Any] = [None] * self.world
-        dist.all_gather_object(found, local)
+        dist.all_gather_object(found, local, group=self.group)
         return [item for part in found for item in part]
 
     def min_int(self, value: int | None) -> int | None:
@@ -350,7 +370,7 @@ class Parallel:
         that depends on each rank's free memory comes out the same everywhere."""
         box = torch.tensor([-1 if value is None else value], dtype=torch.int64,
                            device=self.placement.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
         return None if int(box) < 0 else int(box)
 
 

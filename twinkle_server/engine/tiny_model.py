@@ -124,7 +124,7 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None,
         name: `tiny` or `tiny-large`.
 
     Returns:
-        `<cache_dir>/tiny-qwen3-<recipe_hash(name)>`, complete. A cached dir is returned at once
+        `<cache_dir>/<name>-qwen3-<recipe_hash(name)>`, complete. A cached dir is returned at once
         (this runs at every server start); a build takes a few seconds, mostly imports.
 
     Raises:
@@ -135,7 +135,7 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None,
     the target and renames it into place; a process that loses the race uses the winner's.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    target = root / f"tiny-qwen3-{recipe_hash(name)}"
+    target = root / f"{name}-qwen3-{recipe_hash(name)}"
     if _is_complete(target):
         return target
     if target.exists():
