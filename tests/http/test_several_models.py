@@ -151,8 +151,7 @@ def test_grpc_clients_route_by_base_model_alike(pair):
     proc, client = pair
     key = create_key(proc.data_dir, "grpc")
     grpc = ServiceClient(base_url=f"http://{proc.address}", api_key=key)
-    connection = Connection(f"http://{proc.address}", api_key=key, client_name="test",
-                            open_session=False)
+    connection = Connection(f"http://{proc.address}", api_key=key, client_name="test")
     try:
         caps = api.capabilities(connection)
         roles = {m.name: (m.role, m.limits.max_rank) for m in caps.models}
@@ -164,6 +163,16 @@ def test_grpc_clients_route_by_base_model_alike(pair):
                                    atol=TOLERANCE, rtol=0)
         with pytest.raises(Exception, match="role 'sample'"):
             grpc.create_lora_training_client(base_model="teacher", rank=4).result()
+        # The native client: its model names a base, its adapters train on that base.
+        from peft import LoraConfig
+
+        from twinkle_client import MultiLoraTransformersModel
+        student = MultiLoraTransformersModel("student", connection)
+        info = student.add_adapter_to_model("a", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), seed=1)
+        assert info.base_model == "student"
+        teacher = MultiLoraTransformersModel("ms://Teacher/Large", connection)
+        with pytest.raises(Exception, match="role 'sample'"):
+            teacher.add_adapter_to_model("a", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     finally:
         grpc.close()
         connection.close()
