@@ -136,11 +136,6 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
     if config.shard_group_size:
         return (f"--shard-group-size {config.shard_group_size}: hybrid sharding serves one "
                 f"model; --models names {len(models)}")
-    try:
-        place([Demand(m.name, "cpu", 0, ranks=m.ranks) for m in models], {"cpu": None},
-              world)
-    except EngineError as exc:
-        return str(exc)
     for model in models:
         if model.ranks and 0 not in model.ranks:
             return (f"models: {model.name!r} has ranks {list(model.ranks)}; every model's "
@@ -149,6 +144,13 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
             return (f"models: {model.name!r} asks for device {model.device!r}; on several "
                     "ranks each rank runs its shards on its own device (--device), so a "
                     "table names ranks, not a device")
+    # Rank 0 holds a shard of every model: about 1/len(ranks) of each one's weights.
+    device = placement_from_env(config.device).device
+    try:
+        place([_demand(m, str(device), len(m.ranks or range(world))) for m in models],
+              {str(device): available_memory_bytes(device)}, world)
+    except EngineError as exc:
+        return f"rank 0: {exc}"
     return None
 
 
@@ -189,26 +191,34 @@ def place_models(models: list[ModelConfig]) -> dict[str, Place]:
         for index in range(torch.cuda.device_count()):
             device = torch.device("cuda", index)
             capacity[str(device)] = available_memory_bytes(device)
-    demands = []
-    for model in models:
-        try:
-            asked = resolve_device(model.device)
-        except RuntimeError:
-            raise InvalidArgument(f"models: {model.name!r} asks for device {model.device!r}; "
-                                  "give cpu, cuda, cuda:N or auto") from None
-        dtype = resolve_dtype(model.dtype, asked)
-        where = model_dir(model.path)
-        need = checkpoint_weight_bytes(where, dtype)
-        if model.kv_pool_tokens:
-            from transformers import AutoConfig
-            need += model.kv_pool_tokens * kv_bytes_per_token(
-                AutoConfig.from_pretrained(where, local_files_only=True), dtype)
-        log.info("model %s needs %.1f MiB on its device (weights in %s%s)", model.name,
-                 need / 2**20, str(dtype).removeprefix("torch."),
-                 ", and its KV pool" if model.kv_pool_tokens else "")
-        demands.append(Demand(model.name, model.device, need, int(model.memory_gib * GIB),
-                              model.ranks))
+    demands = [_demand(model, model.device) for model in models]
     return place(demands, capacity)
+
+
+def _demand(model: ModelConfig, device: str, shards: int = 1) -> Demand:
+    """What `model` asks for on `device` (its own, or a rank's) and needs there: its
+    weights in its dtype, split over `shards` ranks, plus its KV pool when the table
+    fixes one."""
+    try:
+        asked = resolve_device(device)
+    except RuntimeError:
+        raise InvalidArgument(f"models: {model.name!r} asks for device {device!r}; give cpu, "
+                              "cuda, cuda:N or auto") from None
+    try:
+        dtype = resolve_dtype(model.dtype, asked)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"models: {model.name!r}: {exc}") from None
+    where = model_dir(model.path)
+    need = checkpoint_weight_bytes(where, dtype) // shards
+    if model.kv_pool_tokens:
+        from transformers import AutoConfig
+        need += model.kv_pool_tokens * kv_bytes_per_token(
+            AutoConfig.from_pretrained(where, local_files_only=True), dtype)
+    log.info("model %s needs %.1f MiB on %s (weights in %s%s%s)", model.name, need / 2**20,
+             device, str(dtype).removeprefix("torch."),
+             f", a 1/{shards} shard" if shards > 1 else "",
+             ", and its KV pool" if model.kv_pool_tokens else "")
+    return Demand(model.name, device, need, int(model.memory_gib * GIB), model.ranks)
 
 
 def load_engines(config: ServerConfig) -> list[tuple[ModelConfig, Engine]]:
