@@ -35,6 +35,7 @@ from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.app import Front
 from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.metrics import Metrics
+from twinkle_server.http.oai import OpenAIRoutes
 from twinkle_server.http.rest import Rest
 from twinkle_server.runtime import Runtime
 
@@ -47,7 +48,8 @@ def build_app(rt: Runtime) -> tuple[Starlette, Front, Metrics]:
     front = Front(rt)
     metrics = Metrics(rt, front.futures.pending)
     routes = [*front.routes(), *Rest(front).routes(), *ExternalRoutes(front).routes(),
-              *AdminRoutes(front).routes(), *unserved.routes(front), Route("/metrics", metrics.endpoint, methods=["GET"])]
+              *AdminRoutes(front).routes(), *OpenAIRoutes(front).routes(),
+              *unserved.routes(front), Route("/metrics", metrics.endpoint, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: unserved.not_found(front)})
     return app, front, metrics
 

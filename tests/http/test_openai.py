@@ -1,0 +1,244 @@
+"""The OpenAI-compatible routes (`/oai/api/v1`), driven by the real `openai` package (sync,
+async, streaming) against a real server process, and by plain `httpx` for the error
+shapes. A checkpoint the stock `tinker` SDK saves is usable there at once, with the same
+keys and tenant isolation as the Tinker routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from twinkle_server.process import start_server
+
+from ..numerics import LOGPROB_ATOL
+from ..service.harness import create_key
+from .conftest import sft_data
+
+pytestmark = pytest.mark.integration
+
+PROMPT_IDS = [5, 17, 29, 3, 88, 41, 7, 12]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_cache):
+    data_dir = tmp_path_factory.mktemp("oai-server")
+    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
+    proc = start_server(data_dir, "--model-alias", "Qwen/Qwen3-0.6B", http=True)
+    proc.keys = keys
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def base_url(server) -> str:
+    return f"http://{server.http_address}/oai/api/v1"
+
+
+@pytest.fixture(scope="module")
+def client(server, base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=server.keys["alice"], max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(server) -> tuple[str, tinker.SamplingClient]:
+    """A sampler checkpoint alice's stock SDK just saved, and its SDK sampling client."""
+    service = tinker.ServiceClient(base_url=f"http://{server.http_address}",
+                                   api_key=server.keys["alice"])
+    training = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    training.forward_backward(sft_data(n=2), "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = training.save_weights_for_sampler("for-oai").result().path
+    return path, service.create_sampling_client(model_path=path).result()
+
+
+def test_models_lists_the_bases_and_the_callers_sampler_checkpoints(client, checkpoint):
+    path, _ = checkpoint
+    ids = [m.id for m in client.models.list().data]
+    assert ids[:2] == ["tiny", "Qwen/Qwen3-0.6B"]
+    assert path in ids
+
+
+def test_a_completion_counts_its_usage_exactly_and_is_seeded(client):
+    first = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=6,
+                                      temperature=1.0, seed=3)
+    again = client.completions.create(model="Qwen/Qwen3-0.6B", prompt=PROMPT_IDS,
+                                      max_tokens=6, temperature=1.0, seed=3, logprobs=2)
+    assert first.choices[0].text == again.choices[0].text
+    usage = again.usage
+    generated = len(again.choices[0].logprobs.tokens)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), generated)
+    assert usage.total_tokens == len(PROMPT_IDS) + generated
+    assert again.choices[0].finish_reason in ("stop", "length")
+    assert all(len(top) <= 2 for top in again.choices[0].logprobs.top_logprobs)
+
+
+def test_the_checkpoints_logprobs_are_the_tinker_samplers(client, checkpoint):
+    """The same weights through both doors: the sampled tokens' logprobs agree with the
+    SDK's compute_logprobs of prompt + completion (float32 rounding, LOGPROB_ATOL)."""
+    path, sampler = checkpoint
+    out = client.completions.create(model=path, prompt=PROMPT_IDS, max_tokens=5,
+                                    temperature=1.0, seed=1, logprobs=0)
+    tokens = out.choices[0].logprobs.tokens
+    ids = client_token_ids(out, sampler, len(tokens))
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT_IDS + ids)).result()
+    np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs,
+                               scored[len(PROMPT_IDS):], atol=LOGPROB_ATOL, rtol=0)
+    with_base = client.completions.create(model=f"tiny;{path}", prompt=PROMPT_IDS,
+                                          max_tokens=5, temperature=1.0, seed=1)
+    assert with_base.choices[0].text == out.choices[0].text
+
+
+def client_token_ids(out, sampler: tinker.SamplingClient, count: int) -> list[int]:
+    """The completion's token ids: the same seeded sample through the Tinker door."""
+    sample = sampler.sample(types.ModelInput.from_ints(PROMPT_IDS), 1,
+                            types.SamplingParams(max_tokens=5, seed=1,
+                                                 temperature=1.0)).result()
+    ids = list(sample.sequences[0].tokens)
+    assert len(ids) == count
+    return ids
+
+
+def test_chat_goes_through_the_chat_template_and_n_gives_n_choices(client):
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "What is 2 + 2?"}],
+        max_completion_tokens=8, n=3, seed=2, logprobs=True, top_logprobs=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.role == "assistant" for c in out.choices)
+    assert all(len(c.logprobs.content) <= 8 for c in out.choices)
+    assert all(len(t.top_logprobs) == 3 for c in out.choices for t in c.logprobs.content)
+    # The template's prompt: <|im_start|>system ... <|im_start|>assistant\n.
+    assert out.usage.prompt_tokens > 10
+    assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+
+
+def test_a_stream_ends_with_done_and_carries_usage_when_asked(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6,
+        seed=4, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices
+              and c.choices[0].finish_reason]
+    whole = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, seed=4)
+    assert text == whole.choices[0].message.content
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_the_async_client_and_stop_sequences(server, base_url):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=server.keys["alice"],
+                                    max_retries=0)
+        plain = await client.completions.create(model="tiny", prompt="The", max_tokens=12,
+                                                seed=9, temperature=1.0)
+        cut = plain.choices[0].text[3:5] or plain.choices[0].text[-1:]
+        stopped = await client.completions.create(model="tiny", prompt="The", max_tokens=12,
+                                                  seed=9, temperature=1.0, stop=[cut])
+        await client.close()
+        return plain.choices[0].text, stopped.choices[0]
+    text, stopped = asyncio.run(run())
+    assert cut_before(text, stopped.text)
+    assert stopped.finish_reason == "stop"
+
+
+def cut_before(text: str, stopped: str) -> bool:
+    """The stopped text is a prefix of the full one that leaves the stop sequence out."""
+    return text.startswith(stopped) and len(stopped) < len(text)
+
+
+def test_another_tenants_checkpoint_is_not_found_and_a_key_is_needed(server, base_url,
+                                                                      checkpoint):
+    path, _ = checkpoint
+    bob = openai.OpenAI(base_url=base_url, api_key=server.keys["bob"], max_retries=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        bob.completions.create(model=path, prompt=PROMPT_IDS, max_tokens=2)
+    assert missing.value.body["param"] == "model"
+    assert missing.value.body["code"] == "model_not_found"
+    nobody = openai.OpenAI(base_url=base_url, api_key="tml-not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        nobody.models.list()
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "tiny", "prompt": "x", "suffix": "end"}, "suffix"),
+    ({"model": "tiny", "prompt": "x", "n": 99}, "n"),
+    ({"model": "tiny", "prompt": "x", "temperature": 3}, "temperature"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
+    ({"model": "tiny", "prompt": "x", "mystery": 1}, "mystery"),
+    ({"prompt": "x"}, "model"),
+])
+def test_a_field_not_served_is_refused_by_name_in_openais_shape(server, base_url, body,
+                                                               param):
+    reply = httpx.post(f"{base_url}/completions", json=body, timeout=30,
+                       headers={"authorization": f"Bearer {server.keys['alice']}"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_chat_refusals_and_unknown_models(server, base_url):
+    headers = {"authorization": f"Bearer {server.keys['alice']}"}
+    cases = [
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "messages[0].content[0]"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+          "top_logprobs": 2}, 400, "top_logprobs"),
+        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        ({"model": "tinker://run-000000000000/weights/w", "messages": [
+            {"role": "user", "content": "x"}]}, 400, "model"),
+    ]
+    for body, status, param in cases:
+        reply = httpx.post(f"{base_url}/chat/completions", json=body, headers=headers,
+                           timeout=30)
+        assert (reply.status_code, reply.json()["error"]["param"]) == (status, param), \
+            reply.text
+
+
+def test_a_disconnected_stream_frees_its_rows(server, base_url):
+    """A client that drops a long stream: its rows leave the decode pool."""
+    headers = {"authorization": f"Bearer {server.keys['alice']}"}
+    metrics = f"http://{server.http_address}/metrics"
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 3000, "n": 2,
+            "stream": True, "seed": 1}
+    with httpx.stream("POST", f"{base_url}/completions", json=body, headers=headers,
+                      timeout=30):
+        deadline = time.monotonic() + 30
+        while _gauge(metrics, "twinkle_decode_rows_active") < 2:
+            assert time.monotonic() < deadline, "the stream's rows never started"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while _gauge(metrics, "twinkle_decode_rows_active") > 0:
+        assert time.monotonic() < deadline, "the dropped stream's rows still decode"
+        time.sleep(0.05)
+    # Ended by the disconnect, not by running out of tokens.
+    assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") >= 1
+
+
+def _gauge(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url, timeout=30).text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

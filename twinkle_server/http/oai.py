@@ -1,0 +1,359 @@
+"""OpenAI-compatible inference on the HTTP port, as hosted Tinker serves it:
+`GET /oai/api/v1/models`, `POST /oai/api/v1/completions` and
+`POST /oai/api/v1/chat/completions`, streamed (server-sent events) or not.
+
+`model` is a served base model's name or alias, a sampler checkpoint
+(`tinker://<run>/sampler_weights/<name>`, or its `twinkle://` form), or
+`<base name>;<checkpoint path>`. The key is the Tinker API key (`Authorization: Bearer`),
+with the same tenant isolation: another tenant's checkpoint is not found, a published one
+is readable. Each request samples through the runtime's sampling verbs in a sampling
+session of its own, so it runs in the same decode pool, fair with training and with
+Tinker sampling, and a client that goes away (a closed stream, a dropped connection)
+ends its request, freeing its rows.
+
+Logprobs are those of the sampled tokens under the model's own distribution (Tinker's
+sampler logprobs, untempered). A stream carries the completion in one content chunk
+once it is decoded, then its finish reason, the usage when asked, and `data: [DONE]`.
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from twinkle_server.engine.errors import EngineError, InvalidArgument, NotFound
+from twinkle_server.engine.types import SampledSequence, SamplingParams
+from twinkle_server.http import oai_request
+from twinkle_server.http.app import Front, json_body
+from twinkle_server.http.errors import category_of, message_of
+from twinkle_server.http.oai_request import OaiError, OaiRequest
+from twinkle_server.runtime import checkpoint_ref
+from twinkle_server.runtime.bases import Served
+from twinkle_server.runtime.sampling import SampleResult
+
+log = logging.getLogger("twinkle_server.http")
+PREFIX = "/oai/api/v1"
+MODELS_LISTED = 100
+"""Of the caller's own sampler checkpoints, the newest this many are listed by
+`/models` (any of them, and any published one, can be named)."""
+ERRORS = {
+    "invalid_argument": (400, "invalid_request_error"),
+    "failed_precondition": (400, "invalid_request_error"),
+    "unauthenticated": (401, "authentication_error"),
+    "permission_denied": (403, "permission_error"),
+    "not_found": (404, "invalid_request_error"),
+    "resource_exhausted": (429, "rate_limit_error"),
+    "cancelled": (499, "invalid_request_error"),
+    "unavailable": (503, "server_error"),
+}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """OpenAI's error body and the status for `exc`."""
+    category = category_of(exc)
+    status, kind = ERRORS.get(category, (500, "server_error"))
+    param = getattr(exc, "param", None)
+    code = {"unauthenticated": "invalid_api_key",
+            "not_found": "model_not_found" if param == "model" else None}.get(category)
+    return JSONResponse({"error": {"message": message_of(exc), "type": kind,
+                                   "param": param, "code": code}}, status)
+
+
+class OpenAIRoutes:
+    """The OpenAI-compatible routes over the HTTP front's runtime and auth."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.rt = front.rt
+
+    # ------------------------------------------------------------------ models
+
+    async def models(self, request: Request) -> Response:
+        try:
+            tenant = self.front.tenant(request)
+        except Exception as exc:
+            return error_response(exc)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "twinkle",
+                 "root": served.name}
+                for served in self.rt.bases for name in served.model.names]
+        page = self.rt.runs.list_checkpoints(tenant, limit=MODELS_LISTED)
+        for row, _ in page.items:
+            if row.kind != "sampler":
+                continue
+            try:
+                root = self.rt.checkpoint_base(row).name
+            except EngineError:   # trained on a base this server no longer serves
+                continue
+            data.append({"id": f"tinker://{row.run_id}/{row.checkpoint_id}",
+                         "object": "model", "created": int(row.created_at),
+                         "owned_by": tenant, "root": root})
+        return JSONResponse({"object": "list", "data": data})
+
+    # ------------------------------------------------------------------ completions
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: Request, route: str) -> Response:
+        try:
+            tenant = self.front.tenant(request)
+            asked = oai_request.read(route, await json_body(request))
+            served, session = await self._session(tenant, asked)
+        except Exception as exc:
+            return error_response(exc)
+        try:
+            prompts = self._prompts(served, asked)
+        except Exception as exc:
+            await self.rt.end_sampler(session, "its OpenAI request was refused")
+            return error_response(exc)
+        # Started now, so its session ends whatever the client does.
+        work = asyncio.ensure_future(self._run(tenant, session, asked, prompts))
+        reply = _Reply(route, asked, served, prompts)
+        if asked.stream:
+            return StreamingResponse(reply.stream(work), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        try:
+            return JSONResponse(reply.whole(await work))
+        except Exception as exc:
+            return error_response(exc)
+
+    async def _session(self, tenant: str, asked: OaiRequest) -> tuple[Served, str]:
+        """The served model `asked.model` names, and a sampling session on it (a base, a
+        sampler checkpoint, or `<base>;<checkpoint>`) of this request's own."""
+        base, _, path = asked.model.partition(";") if ";" in asked.model \
+            else ("", "", asked.model)
+        if not path.startswith(("tinker://", "twinkle://")):
+            if base:
+                raise OaiError("model", f"{asked.model!r}: after ';' give a checkpoint path "
+                                        "(tinker://<run>/sampler_weights/<name>)")
+            served = self._base(path)
+            session = await self.rt.sampling.create_session(tenant, base_model=path)
+            return served, session
+        try:
+            ref = checkpoint_ref(path, "model")
+        except Exception as exc:
+            raise OaiError("model", str(exc).removeprefix("model: ")) from None
+        if ref.kind != "sampler":
+            raise OaiError("model", f"{path!r} is a training checkpoint; name one saved for "
+                                    "sampling (save_weights_for_sampler: .../sampler_weights/...)")
+        if base:
+            self._base(base)
+        try:
+            session = await self.rt.sampling.create_session(tenant, model_path=ref,
+                                                            base_model=base)
+        except InvalidArgument as exc:   # the checkpoint's base is not `base`
+            raise OaiError("model", str(exc)) from None
+        except NotFound as exc:          # no such checkpoint (or another tenant's)
+            exc.param = "model"          # type: ignore[attr-defined]
+            raise
+        return self.rt.base_of(session), session
+
+    def _base(self, name: str) -> Served:
+        """The served base `name`: not served is OpenAI's 404, model_not_found."""
+        try:
+            return self.rt.base(name, "model")
+        except InvalidArgument as exc:
+            missing = NotFound(str(exc))
+            missing.param = "model"      # type: ignore[attr-defined]
+            raise missing from None
+
+    def _prompts(self, served: Served, asked: OaiRequest) -> list[np.ndarray]:
+        """Each prompt as token ids: text through the model's tokenizer, chat messages
+        through its chat template."""
+        tokenizer = served.engine.base.tokenizer
+        if asked.messages is not None:
+            template = getattr(tokenizer, "chat_template", None)
+            if not template:
+                raise OaiError("messages", f"model {served.name!r} has no chat template; "
+                                           "use /completions")
+            text = tokenizer.apply_chat_template(list(asked.messages), tokenize=False,
+                                                 add_generation_prompt=True)
+            return [np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)]
+        vocab = served.engine.base.vocab_size
+        out = []
+        for i, prompt in enumerate(asked.prompts or ()):
+            ids = (np.asarray(prompt, np.int64) if isinstance(prompt, tuple)
+                   else np.asarray(tokenizer.encode(prompt), np.int64))
+            if ids.size == 0:
+                raise OaiError("prompt", f"item {i} encodes to no tokens")
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise OaiError("prompt", f"item {i}: token ids must be in [0, {vocab})")
+            out.append(ids)
+        return out
+
+    async def _run(self, tenant: str, session: str, asked: OaiRequest,
+                   prompts: Sequence[np.ndarray]) -> list[SampleResult]:
+        """Every prompt's `n` choices, through the session's queue; the session ends
+        after, whatever happens (a client gone away cancels the samples)."""
+        params = SamplingParams(max_tokens=asked.max_tokens or 0,
+                                temperature=asked.temperature, top_p=asked.top_p,
+                                stop_strings=asked.stop, seed=asked.seed)
+        top = asked.top_logprobs or 0
+        try:
+            if asked.user:
+                log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
+                         asked.model)
+            return list(await asyncio.gather(*(
+                self.rt.sampling.sample(
+                    self.rt.sampling.target(tenant, None, session), prompt, asked.n, params,
+                    include_prompt_logprobs=asked.echo and asked.top_logprobs is not None,
+                    topk_sample_logprobs=top)
+                for prompt in prompts)))
+        finally:
+            await self.rt.end_sampler(session, "its OpenAI request ended")
+
+    def routes(self) -> list[Route]:
+        return [Route(f"{PREFIX}/models", self.models, methods=["GET"]),
+                Route(f"{PREFIX}/completions", self.completions, methods=["POST"]),
+                Route(f"{PREFIX}/chat/completions", self.chat_completions, methods=["POST"])]
+
+
+class _Reply:
+    """One request's answer, whole or streamed, in OpenAI's shapes."""
+
+    def __init__(self, route: str, asked: OaiRequest, served: Served,
+                 prompts: Sequence[np.ndarray]) -> None:
+        self.route, self.asked, self.prompts = route, asked, prompts
+        self.tokenizer = served.engine.base.tokenizer
+        self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if route == "chat" else "text_completion"
+
+    def _choices(self, results: Sequence[SampleResult]) -> list[dict[str, Any]]:
+        choices = []
+        for p, result in enumerate(results):
+            for s, seq in enumerate(result.sequences):
+                choices.append(self._choice(p * self.asked.n + s, p, seq, result))
+        return choices
+
+    def _choice(self, index: int, prompt: int, seq: SampledSequence,
+                result: SampleResult) -> dict[str, Any]:
+        text = self.tokenizer.decode(seq.tokens.tolist(), skip_special_tokens=True)
+        text, stopped = oai_request.stop_at(text, self.asked.stop)
+        finish = "stop" if stopped or seq.stop_reason == "stop" else "length"
+        if self.route == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(seq), "finish_reason": finish}
+        logprobs = self._completion_logprobs(seq, prompt, result)
+        if self.asked.echo:
+            text = self._prompt_text(prompt) + text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _prompt_text(self, prompt: int) -> str:
+        return self.tokenizer.decode(self.prompts[prompt].tolist(), skip_special_tokens=True)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([int(token)])
+
+    def _chat_logprobs(self, seq: SampledSequence) -> dict[str, Any] | None:
+        if self.asked.top_logprobs is None:
+            return None
+        content = []
+        for i, (token, logprob) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
+            piece = self._piece(token)
+            top = []
+            if seq.topk_token_ids is not None and seq.topk_logprobs is not None:
+                top = [{"token": self._piece(t), "logprob": float(lp),
+                        "bytes": list(self._piece(t).encode())}
+                       for t, lp in zip(seq.topk_token_ids[i], seq.topk_logprobs[i],
+                                        strict=True)][:self.asked.top_logprobs]
+            content.append({"token": piece, "logprob": float(logprob),
+                            "bytes": list(piece.encode()), "top_logprobs": top})
+        return {"content": content}
+
+    def _completion_logprobs(self, seq: SampledSequence, prompt: int,
+                             result: SampleResult) -> dict[str, Any] | None:
+        if self.asked.top_logprobs is None:
+            return None
+        tokens: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if self.asked.echo and result.prompt_logprobs is not None:
+            ids = self.prompts[prompt].tolist()
+            scored = result.prompt_logprobs.logprobs
+            tokens += ids
+            values += [None] + [float(v) for v in scored[1:]]
+            tops += [None] * len(ids)
+        tokens += seq.tokens.tolist()
+        values += [float(v) for v in seq.logprobs]
+        for i in range(seq.tokens.size):
+            top: dict[str, float] = {}
+            if seq.topk_token_ids is not None and seq.topk_logprobs is not None:
+                for t, lp in list(zip(seq.topk_token_ids[i], seq.topk_logprobs[i],
+                                      strict=True))[:self.asked.top_logprobs]:
+                    top.setdefault(self._piece(t), float(lp))
+            tops.append(top)
+        pieces = [self._piece(t) for t in tokens]
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _usage(self, results: Sequence[SampleResult]) -> dict[str, int]:
+        prompt = sum(int(p.size) for p in self.prompts)
+        completion = sum(int(s.tokens.size) for r in results for s in r.sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def whole(self, results: Sequence[SampleResult]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.asked.model, "choices": self._choices(results),
+                "usage": self._usage(results)}
+
+    async def stream(self, work: asyncio.Future) -> AsyncIterator[str]:
+        """Server-sent events: for chat, each choice's role first; once decoded, each
+        choice's content and its finish reason; the usage when asked; `[DONE]`. A
+        client gone away cancels this, and with it the request's samples."""
+        chunk = {"id": self.id, "object": f"{self.object}.chunk" if self.route == "chat"
+                 else self.object, "created": self.created, "model": self.asked.model}
+        count = len(self.prompts) * self.asked.n
+        task = work
+        try:
+            if self.route == "chat":
+                for index in range(count):
+                    yield _event({**chunk, "choices": [{
+                        "index": index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]})
+            try:
+                results = await task
+            except Exception as exc:
+                yield _event(json.loads(error_response(exc).body))
+                yield "data: [DONE]\n\n"
+                return
+            for choice in self._choices(results):
+                finish = choice.pop("finish_reason")
+                if self.route == "chat":
+                    message = choice.pop("message")
+                    delta = {"index": choice["index"], "delta": {"content": message["content"]},
+                             "logprobs": choice["logprobs"], "finish_reason": None}
+                    yield _event({**chunk, "choices": [delta]})
+                    yield _event({**chunk, "choices": [{"index": choice["index"], "delta": {},
+                                                        "logprobs": None,
+                                                        "finish_reason": finish}]})
+                else:
+                    yield _event({**chunk, "choices": [{**choice, "finish_reason": finish}]})
+            if self.asked.include_usage:
+                yield _event({**chunk, "choices": [], "usage": self._usage(results)})
+            yield "data: [DONE]\n\n"
+        finally:
+            task.cancel()
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"

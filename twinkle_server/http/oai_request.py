@@ -1,0 +1,249 @@
+"""An OpenAI completions or chat-completions request body, read and checked.
+
+Every field a client may send is either served (read here into `OaiRequest`) or refused
+by name (`OaiError`, with the field as OpenAI's `param`): a field we do not serve is
+accepted only at its neutral value (`frequency_penalty` 0, `logit_bias` empty, ...), which
+asks for nothing. Nothing here touches the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from twinkle_server.engine.errors import InvalidArgument
+
+MAX_N = 16
+"""Most choices per prompt (`n`): each is a row of the decode pool."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position (`top_logprobs`, completions' `logprobs`), as the
+Tinker routes' top-k."""
+MAX_STOPS = 4
+"""Most stop sequences, as OpenAI allows."""
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
+          "stream_options", "user"}
+"""Fields both routes serve."""
+SERVED = {
+    "completions": COMMON | {"prompt", "logprobs", "echo", "suffix"},
+    "chat": COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+}
+NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1,
+    "parallel_tool_calls": None, "tool_choice": "none", "tools": [], "functions": [],
+    "function_call": "none", "response_format": {"type": "text"}, "service_tier": "auto",
+    "store": False, "metadata": {}, "modalities": ["text"], "prediction": None,
+    "reasoning_effort": None, "audio": None, "web_search_options": None,
+}
+"""Fields we do not serve, with the one value of each that asks for nothing."""
+
+
+class OaiError(InvalidArgument):
+    """A request refused before it runs, naming its field (OpenAI's `param`)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class OaiRequest:
+    """What a request asks for. `prompts` are texts or token-id lists (completions) or
+    one list of messages (chat); `top_logprobs` None is no logprobs at all."""
+
+    route: str                      # "completions" or "chat"
+    model: str
+    prompts: tuple[str | tuple[int, ...], ...] | None
+    messages: tuple[dict[str, str], ...] | None
+    max_tokens: int | None          # None: up to the context limit
+    temperature: float
+    top_p: float
+    n: int
+    stop: tuple[str, ...]
+    seed: int | None
+    top_logprobs: int | None
+    echo: bool
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
+    """The request `body` of `route` ('completions' or 'chat'), checked."""
+    for key, value in body.items():
+        if key in SERVED[route]:
+            continue
+        if key in NEUTRAL:
+            if value is not None and value != NEUTRAL[key]:
+                raise OaiError(key, f"{value!r} is not served here; leave it out")
+            continue
+        raise OaiError(key, "unknown field; this server serves "
+                            f"{sorted(SERVED[route])}")
+    model = _text(body, "model", required=True)
+    n = _int(body, "n", 1, 1, MAX_N)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise OaiError("stream_options", "only with stream: true")
+    if options is not None and (not isinstance(options, dict)
+                                or set(options) - {"include_usage"}):
+        raise OaiError("stream_options", "give {\"include_usage\": true|false}")
+    include_usage = bool(options and _bool(options, "include_usage"))
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0:
+        raise OaiError("top_p", "must be > 0")
+    seed = body.get("seed")
+    if seed is not None and (type(seed) is not int or seed < 0 or seed >= 2**63):
+        raise OaiError("seed", f"{seed!r}; give an integer in [0, 2^63)")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise OaiError("user", "must be a string")
+    common = dict(route=route, model=model, temperature=temperature, top_p=top_p, n=n,
+                  stop=_stop(body.get("stop")), seed=seed, stream=stream,
+                  include_usage=include_usage, user=user)
+    if route == "completions":
+        if body.get("suffix"):
+            raise OaiError("suffix", "insertion (a suffix after the completion) is not "
+                                     "served; leave it out")
+        logprobs = body.get("logprobs")
+        top = None if logprobs is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        return OaiRequest(prompts=_prompts(body.get("prompt")), messages=None,
+                          max_tokens=_max_tokens(body, "max_tokens", 16), top_logprobs=top,
+                          echo=_bool(body, "echo"), **common)
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise OaiError("max_completion_tokens", "give it or max_tokens, not both")
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if "top_logprobs" in body \
+        else 0
+    if "top_logprobs" in body and not _bool(body, "logprobs"):
+        raise OaiError("top_logprobs", "needs logprobs: true")
+    return OaiRequest(prompts=None, messages=_messages(body.get("messages")),
+                      max_tokens=_max_tokens(body, name, None),
+                      top_logprobs=top if _bool(body, "logprobs") else None, echo=False,
+                      **common)
+
+
+def _text(body: Mapping[str, Any], key: str, required: bool = False) -> str:
+    value = body.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise OaiError(key, "required, a non-empty string" if value is None
+                       else f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OaiError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _int(body: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or not low <= value <= high:
+        raise OaiError(key, f"{value!r}; give an integer in [{low}, {high}]")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, low: float,
+            high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise OaiError(key, f"{value!r}; give a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _max_tokens(body: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or value < 1:
+        raise OaiError(key, f"{value!r}; give an integer >= 1")
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise OaiError("stop", "give a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS:
+        raise OaiError("stop", f"{len(stops)} sequences; at most {MAX_STOPS}")
+    return tuple(stops)
+
+
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A string, a list of token ids, or a list of either: one prompt each."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return (tuple(value),)
+    if isinstance(value, list) and value:
+        prompts: list[str | tuple[int, ...]] = []
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                prompts.append(item)
+            elif isinstance(item, list) and item and all(type(t) is int for t in item):
+                prompts.append(tuple(item))
+            else:
+                raise OaiError("prompt", f"item {i}: give a string or a list of token ids")
+        return tuple(prompts)
+    raise OaiError("prompt", "required: a string, a list of token ids, or a list of either")
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _messages(value: Any) -> tuple[dict[str, str], ...]:
+    """Chat messages with text content (a string, or a list of text parts)."""
+    if not isinstance(value, list) or not value:
+        raise OaiError("messages", "required: a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise OaiError(where, "must be an object with role and content")
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise OaiError(f"{where}.{extra[0]}", "not served here (text messages only)")
+        role = message.get("role")
+        if role not in ROLES:
+            raise OaiError(f"{where}.role", f"{role!r}; give one of {list(ROLES)}")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(message.get("content"), f"{where}.content")})
+    return tuple(out)
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise OaiError(f"{where}[{j}]", "only text parts are served "
+                                                "({\"type\": \"text\", \"text\": ...})")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise OaiError(where, "give a string or a list of text parts")
+
+
+def stop_at(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` cut before the first of `stops` it contains, and whether one was found
+    (OpenAI returns the text without its stop sequence)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
