@@ -8,6 +8,15 @@
 - `GET /api/v1/external_weights/{run_id}/{name}/{file}?expires=&signature=`: the file,
   with no API key, while the signature is good (403 otherwise; 404 once the checkpoint is
   deleted or expired). This is what `tinker_cookbook.weights.download` fetches.
+
+And the way in (`runtime.imports`, Tinker 0.39's `RestClient.external_weights_upload_*`):
+
+- `POST /api/v1/external_weights_upload_start` (`base_model`, `lora_config`): an
+  `upload_id`, one signed PUT URL per file, and when they expire;
+- `PUT /api/v1/external_weights_upload/{upload_id}/{file}?expires=&signature=&reader=`:
+  one file, with no API key, once;
+- `POST /api/v1/external_weights_upload_finish` (`upload_id`): the files checked against
+  the base, and the new checkpoint's `tinker://.../external_weights/imported` path.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.http import convert
 from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
 from twinkle_server.runtime.external import DOWNLOAD_PREFIX, parse_recipients
+from twinkle_server.runtime.imports import UPLOAD_PREFIX
 from twinkle_server.runtime.runs import check_ttl
 from twinkle_wire import paths
 
@@ -77,6 +87,35 @@ class ExternalRoutes:
                                      query.get("reader"))
         return FileResponse(path, media_type="application/octet-stream")
 
+    @route
+    async def upload_start(self, request: Request) -> Any:
+        tenant = self.front.tenant(request)
+        body = await json_body(request)
+        lora = convert._field(body, "lora_config", dict, required=True)
+        started = await self.rt.imports.start(
+            tenant, convert.text(body, "base_model", required=True), lora,
+            convert.text(body, "destination_project_id"))
+        base = str(request.base_url).rstrip("/")
+        return {"upload_id": started.upload_id,
+                "urls": {name: base + s.url for name, s in started.paths.items()},
+                "expires": convert._time(started.expires)}
+
+    @route
+    async def upload(self, request: Request) -> Any:
+        params, query = request.path_params, request.query_params
+        size = await self.rt.imports.receive(
+            params["upload_id"], params["file"], query.get("expires"),
+            query.get("signature"), query.get("reader"), request.stream())
+        return {"size_bytes": size}
+
+    @route
+    async def upload_finish(self, request: Request) -> Any:
+        tenant = self.front.tenant(request)
+        body = await json_body(request)
+        row = await self.rt.imports.finish(
+            tenant, convert.text(body, "upload_id", required=True))
+        return {"tinker_path": convert.tinker_path(row)}
+
     def routes(self) -> list[Route]:
         v1 = "/api/v1"
         table = [
@@ -84,5 +123,8 @@ class ExternalRoutes:
             ("GET", f"{v1}/training_runs/{{run_id}}/checkpoints/{{segment}}/{{name}}"
                     "/external_weights_urls", self.urls),
             ("GET", f"{DOWNLOAD_PREFIX}/{{run_id}}/{{name}}/{{file}}", self.download),
+            ("POST", f"{v1}/external_weights_upload_start", self.upload_start),
+            ("PUT", f"{UPLOAD_PREFIX}/{{upload_id}}/{{file}}", self.upload),
+            ("POST", f"{v1}/external_weights_upload_finish", self.upload_finish),
         ]
         return [Route(path, fn, methods=[method]) for method, path, fn in table]

@@ -3,8 +3,8 @@
 `POST /oai/api/v1/chat/completions`, streamed (server-sent events) or not.
 
 `model` is a served base model's name or alias, a sampler checkpoint
-(`tinker://<run>/sampler_weights/<name>`, or its `twinkle://` form), or
-`<base name>;<checkpoint path>`. The key is the Tinker API key (`Authorization: Bearer`),
+(`tinker://<run>/sampler_weights/<name>`, or its `twinkle://` form) or external weights
+(an export, or an imported adapter), or `<base name>;<checkpoint path>`. The key is the Tinker API key (`Authorization: Bearer`),
 with the same tenant isolation: another tenant's checkpoint is not found, a published one
 is readable. Each request samples through the runtime's sampling verbs in a sampling
 session of its own, so it runs in the same decode pool, fair with training and with
@@ -147,9 +147,9 @@ class OpenAIRoutes:
             ref = checkpoint_ref(path, "model")
         except Exception as exc:
             raise OaiError("model", str(exc).removeprefix("model: ")) from None
-        if ref.kind != "sampler":
+        if ref.kind == "training":
             raise OaiError("model", f"{path!r} is a training checkpoint; name one saved for "
-                                    "sampling (save_weights_for_sampler: .../sampler_weights/...)")
+                                    "sampling (.../sampler_weights/...) or external weights")
         if base:
             self._base(base)
         try:

@@ -29,6 +29,7 @@ from twinkle_server.runtime.core import (
     checkpoint_ref,
 )
 from twinkle_server.runtime.external import External
+from twinkle_server.runtime.imports import Imports
 from twinkle_server.runtime.runs import Runs
 from twinkle_server.runtime.sampling import Sampling
 from twinkle_server.runtime.stability import Stability
@@ -53,3 +54,5 @@ class Runtime(Core):
         self.external = External(self)
         self.audit = Audit(self)           # the audit log (entries written by the verbs)
         self.copies = Copies(self)         # copy_weights
+        self.imports = Imports(self)       # adapters in: uploads
+        self.sweeps.append(self.imports.expire)

@@ -14,7 +14,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +152,9 @@ class Core:
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
         self._closed = False
+        self.sweeps: list[Callable[[], Awaitable[None]]] = [
+            self.expire_sessions, self.expire_checkpoints, self.expire_snapshots]
+        """What the periodic sweep runs (`expire`); verb groups add their own."""
         self.observe_op: OpObserver | None = None
         """Called after every op with (base model name, op, seconds, result, error):
         the metrics hook."""
@@ -384,9 +387,10 @@ class Core:
             await self.end_sampler(sampling_id, f"its model {model_id!r} was unloaded")
 
     async def expire(self) -> None:
-        """The periodic sweep (`server.serve`): idle sessions, then checkpoints past their
-        expiry. A failure is logged, not raised: the next sweep tries again."""
-        for sweep in (self.expire_sessions, self.expire_checkpoints, self.expire_snapshots):
+        """The periodic sweep (`server.serve`): idle sessions, checkpoints past their
+        expiry, superseded snapshots, and each verb group's (`sweeps`). A failure is
+        logged, not raised: the next sweep tries again."""
+        for sweep in self.sweeps:
             try:
                 await sweep()
             except Exception:

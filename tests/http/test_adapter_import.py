@@ -1,0 +1,276 @@
+"""Adapter import over the Tinker 0.39 routes (`external_weights_upload_start`, signed PUTs,
+`external_weights_upload_finish`): an adapter trained with plain `peft` becomes a
+checkpoint of the caller's that samples with `peft`'s own logprobs, trains on, downloads
+again equal, and answers on the OpenAI route; hostile uploads are refused by name and
+leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from safetensors.torch import load_file, save_file
+from tinker import types
+
+from twinkle_server.engine.tiny_model import TINY_LARGE_NAME, build_tiny_model
+from twinkle_server.process import start_server
+
+from ..numerics import LOGPROB_ATOL
+from ..service.harness import create_key
+from .conftest import sft_data
+
+pytestmark = pytest.mark.integration
+
+TOKENS = [5, 17, 29, 3, 88, 41, 7, 12, 60]
+LORA = {"rank": 4, "train_mlp": False, "train_attn": True, "train_unembed": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_cache):
+    data_dir = tmp_path_factory.mktemp("import-server")
+    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
+    proc = start_server(data_dir, "--max-rank", "16", http=True)
+    proc.keys = keys
+    yield proc
+    proc.stop()
+
+
+def _peft_adapter(out: Path, base: str = "tiny", seed: int = 0) -> tuple[Path, np.ndarray]:
+    """A LoRA trained one step with plain peft on a built-in base (q and v projections),
+    saved by peft; and its logprobs of TOKENS[1:], in-process."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(name=base),
+                                                 dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
+                                            target_modules=["q_proj", "v_proj"]))
+    ids = torch.tensor([TOKENS])
+    optimizer = torch.optim.SGD([p for p in peft.parameters() if p.requires_grad], lr=0.5)
+    peft(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    peft.eval()
+    with torch.no_grad():
+        logits = peft(input_ids=ids).logits[0].float()
+    want = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0].numpy()
+    peft.save_pretrained(out)
+    return out, want
+
+
+def _headers(server, tenant: str = "alice") -> dict[str, str]:
+    return {"authorization": f"Bearer {server.keys[tenant]}"}
+
+
+def _upload(server, directory: Path, lora: dict | None = None, base: str = "tiny",
+            tenant: str = "alice") -> httpx.Response:
+    """start, PUT every file, finish: the finish reply (or the first refusal), with the
+    upload's id as `upload_id` (None when refused at the start)."""
+    url = f"http://{server.http_address}/api/v1"
+    started = httpx.post(f"{url}/external_weights_upload_start", headers=_headers(server, tenant),
+                         json={"base_model": base, "lora_config": lora or LORA}, timeout=30)
+    started.upload_id = None
+    if started.status_code != 200:
+        return started
+    body = started.json()
+    for name, signed in body["urls"].items():
+        put = httpx.put(signed, content=(directory / name).read_bytes(), timeout=60)
+        if put.status_code != 200:
+            put.upload_id = body["upload_id"]
+            return put
+    finish = httpx.post(f"{url}/external_weights_upload_finish",
+                        headers=_headers(server, tenant),
+                        json={"upload_id": body["upload_id"]}, timeout=60)
+    finish.upload_id = body["upload_id"]
+    return finish
+
+
+def _checkpoints(server, tenant: str = "alice") -> list[str]:
+    rest = tinker.RestClient(base_url=f"http://{server.http_address}", api_key=server.keys[tenant])
+    return [c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints]
+
+
+def _uploads_left(server) -> list[str]:
+    root = server.data_dir / "uploads"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def imported(server, tmp_path_factory) -> tuple[str, Path, np.ndarray]:
+    directory, want = _peft_adapter(tmp_path_factory.mktemp("peft") / "adapter")
+    reply = _upload(server, directory)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["tinker_path"], directory, want
+
+
+def test_a_peft_adapter_samples_with_pefts_own_logprobs(server, imported):
+    path, _, want = imported
+    assert path.startswith("tinker://") and "/external_weights/" in path
+    assert path in _checkpoints(server)
+    service = tinker.ServiceClient(base_url=f"http://{server.http_address}",
+                                   api_key=server.keys["alice"])
+    sampler = service.create_sampling_client(model_path=path).result()
+    got = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]
+    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_it_trains_on_downloads_equal_and_answers_openai(server, imported, tmp_path):
+    path, directory, _ = imported
+    base_url = f"http://{server.http_address}"
+    service = tinker.ServiceClient(base_url=base_url, api_key=server.keys["alice"])
+    training = service.create_training_client_from_state(path).result()
+    out = training.forward_backward(sft_data(n=2), "cross_entropy").result()
+    assert np.isfinite(out.metrics["loss:sum"])
+    rest = tinker.RestClient(base_url=base_url, api_key=server.keys["alice"])
+    urls = rest.get_external_weights_urls(path).result().urls
+    (tmp_path / "back").mkdir()
+    for name, url in urls.items():
+        (tmp_path / "back" / name).write_bytes(httpx.get(url, timeout=30).content)
+    sent = load_file(str(directory / "adapter_model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
+    assert sorted(sent) == sorted(back)
+    assert all(torch.equal(sent[k], back[k]) for k in sent)
+    reply = httpx.post(f"{base_url}/oai/api/v1/completions", headers=_headers(server),
+                       json={"model": path, "prompt": TOKENS, "max_tokens": 3}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_an_export_imported_back_equals_the_original(server, tmp_path):
+    base_url = f"http://{server.http_address}"
+    service = tinker.ServiceClient(base_url=base_url, api_key=server.keys["alice"])
+    training = service.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+    training.forward_backward(sft_data(n=2), "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    export = training.save_weights_external("out").result().path
+    rest = tinker.RestClient(base_url=base_url, api_key=server.keys["alice"])
+    for name, url in rest.get_external_weights_urls(export).result().urls.items():
+        (tmp_path / name).write_bytes(httpx.get(url, timeout=30).content)
+    lora = {"rank": 4, "train_mlp": True, "train_attn": True, "train_unembed": True}
+    reply = _upload(server, tmp_path, lora)
+    assert reply.status_code == 200, reply.text
+    prompt = types.ModelInput.from_ints(TOKENS)
+    original = training.save_weights_and_get_sampling_client().result()
+    back = service.create_sampling_client(model_path=reply.json()["tinker_path"]).result()
+    np.testing.assert_array_equal(back.compute_logprobs(prompt).result()[1:],
+                                  original.compute_logprobs(prompt).result()[1:])
+
+
+def test_another_tenant_cannot_finish_or_read_an_import(server, imported):
+    path, directory, _ = imported
+    bob = tinker.ServiceClient(base_url=f"http://{server.http_address}", api_key=server.keys["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_sampling_client(model_path=path).result()
+    url = f"http://{server.http_address}/api/v1"
+    started = httpx.post(f"{url}/external_weights_upload_start", headers=_headers(server),
+                         json={"base_model": "tiny", "lora_config": LORA}, timeout=30).json()
+    finish = httpx.post(f"{url}/external_weights_upload_finish",
+                        headers=_headers(server, "bob"),
+                        json={"upload_id": started["upload_id"]}, timeout=30)
+    assert finish.status_code == 404
+
+
+def _tamper(directory: Path, out: Path, how: str) -> Path:
+    """A copy of the adapter in `directory`, made hostile one way."""
+    out.mkdir()
+    config = json.loads((directory / "adapter_config.json").read_text())
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if k.endswith("lora_A.weight"))
+    if how == "pickle":
+        buffer = io.BytesIO()
+        pickle.dump({"x": 1}, buffer)
+        (out / "adapter_model.safetensors").write_bytes(buffer.getvalue())
+    elif how == "non_finite":
+        tensors[key][0, 0] = float("nan")
+    elif how == "shape":
+        tensors[key] = tensors[key][:, :-1].contiguous()
+    elif how == "dtype":
+        tensors[key] = tensors[key].to(torch.int32)
+    elif how == "module":
+        tensors["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(4, 4096)
+    elif how == "dora":
+        config["use_dora"] = True
+    elif how == "rank":
+        config["r"] = 64
+    if not (out / "adapter_model.safetensors").exists():
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(("how", "status", "says"), [
+    ("pickle", 400, "not a safetensors file"),
+    ("non_finite", 400, "not finite"),
+    ("shape", 400, "has shape"),
+    ("dtype", 400, "torch.int32"),
+    ("module", 400, "not a linear layer of this base"),
+    ("dora", 400, "use_dora"),
+    ("rank", 400, "r is 64; give an integer in [1, 16]"),
+])
+def test_a_hostile_upload_is_refused_and_leaves_nothing(server, imported, tmp_path, how,
+                                                        status, says):
+    _, directory, _ = imported
+    before = _checkpoints(server)
+    reply = _upload(server, _tamper(directory, tmp_path / how, how))
+    assert reply.status_code == status, reply.text
+    assert says in reply.json()["detail"], reply.text
+    assert _checkpoints(server) == before
+    assert reply.upload_id not in _uploads_left(server)
+
+
+def test_an_adapter_of_another_base_is_refused(server, tmp_path):
+    directory, _ = _peft_adapter(tmp_path / "large", base=TINY_LARGE_NAME)
+    reply = _upload(server, directory)
+    assert reply.status_code == 400 and "of this base" in reply.json()["detail"], reply.text
+
+
+def test_an_upload_must_be_the_adapter_its_start_announced(server, imported):
+    _, directory, _ = imported
+    reply = _upload(server, directory, {**LORA, "rank": 8})
+    assert reply.status_code == 400
+    assert "r is 4, the upload was started with lora_config.rank 8" in reply.json()["detail"]
+    reply = _upload(server, directory, {**LORA, "train_attn": False})
+    assert reply.status_code == 400 and "lora_config.train_attn false" in reply.json()["detail"]
+
+
+def test_the_start_refuses_what_it_cannot_take(server):
+    url = f"http://{server.http_address}/api/v1/external_weights_upload_start"
+    for body, says in [
+        ({"base_model": "tiny", "lora_config": {**LORA, "rank": 64}}, "lora_config.rank"),
+        ({"base_model": "nope", "lora_config": LORA}, "base_model: 'nope' is not served"),
+        ({"base_model": "tiny", "lora_config": {**LORA, "seed": 3}}, "lora_config.seed"),
+        ({"base_model": "tiny", "lora_config": LORA, "destination_project_id": "p"},
+         "destination_project_id"),
+    ]:
+        reply = httpx.post(url, headers=_headers(server), json=body, timeout=30)
+        assert reply.status_code == 400 and says in reply.json()["detail"], reply.text
+
+
+def test_signed_urls_are_single_use_unforgeable_and_bounded(server, imported):
+    _, directory, _ = imported
+    url = f"http://{server.http_address}/api/v1"
+    started = httpx.post(f"{url}/external_weights_upload_start", headers=_headers(server),
+                         json={"base_model": "tiny", "lora_config": LORA}, timeout=30).json()
+    config_url = started["urls"]["adapter_config.json"]
+    data = (directory / "adapter_config.json").read_bytes()
+    assert httpx.put(config_url, content=data, timeout=30).status_code == 200
+    again = httpx.put(config_url, content=data, timeout=30)
+    assert again.status_code == 412 and "one PUT" in again.json()["detail"]
+    other = config_url.replace("adapter_config.json", "..%2Fupload.json")
+    assert httpx.put(other, content=b"{}", timeout=30).status_code in (403, 404)
+    forged = config_url.replace("signature=", "signature=0")
+    assert httpx.put(forged, content=data, timeout=30).status_code == 403
+    big = httpx.put(started["urls"]["adapter_model.safetensors"].replace(
+        "adapter_model.safetensors", "adapter_config.json"), content=b"x", timeout=30)
+    assert big.status_code == 403   # a URL signs one file
+    finish = httpx.post(f"{url}/external_weights_upload_finish", headers=_headers(server),
+                        json={"upload_id": started["upload_id"]}, timeout=30)
+    assert finish.status_code == 412 and "not uploaded" in finish.json()["detail"]
+    assert started["upload_id"] not in _uploads_left(server)

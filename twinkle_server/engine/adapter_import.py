@@ -1,0 +1,174 @@
+"""An adapter trained elsewhere, checked against a base before it becomes a checkpoint.
+
+An upload is a PEFT LoRA directory: `adapter_config.json` and `adapter_model.safetensors`.
+Nothing in it is trusted: the weights are read as safetensors only (a format that holds
+tensors and no code; never unpickled), every tensor must be the LoRA matrix of a linear
+layer the engine trains, with that layer's shape at the declared rank, and finite; the
+config may ask for nothing the engine does not compute (DoRA, per-layer ranks, biases,
+extra trained modules). What passes is written again in the engine's own checkpoint
+format (`checkpoint.write_peft`), which every other path (sampling, loading to train,
+export) already reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, peft_key, write_peft
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.types import LoraSpec
+
+FILES = (CONFIG_FILE, WEIGHTS_FILE)
+"""The files an import holds, and nothing else."""
+MAX_CONFIG_BYTES = 1 << 20
+UNSERVED_CONFIG: dict[str, Any] = {
+    "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
+    "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+    "fan_in_fan_out": False, "use_qalora": False, "lora_bias": False,
+    "trainable_token_indices": None, "megatron_config": None,
+}
+"""PEFT LoRA options the engine does not compute, each with the value that asks for
+nothing (a missing key is that value)."""
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class ImportedAdapter:
+    """A checked upload: its LoRA shape, the modules it adapts, and its matrices as
+    float32 under their PEFT keys."""
+
+    spec: LoraSpec
+    modules: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+
+    def write(self, out: Path, base_model_path: str) -> None:
+        """The engine's checkpoint files for it, into directory `out`."""
+        write_peft(out, self.spec, self.tensors, list(self.modules), base_model_path)
+
+
+def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """Every linear layer of the base in `model_dir` as `(in_features, out_features)` by
+    module name: the model built from its config on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: (module.in_features, module.out_features)
+            for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+
+
+def read_import(directory: Path, linears: Mapping[str, tuple[int, int]], max_rank: int,
+                max_bytes: int) -> ImportedAdapter:
+    """The adapter in `directory`, checked against a base whose linear layers are
+    `linears`; raises `InvalidArgument` naming the file, the field and the limit."""
+    present = sorted(p.name for p in directory.iterdir())
+    if present != sorted(FILES):
+        raise InvalidArgument(f"files: an adapter is exactly {list(FILES)}; got {present}")
+    for name in FILES:
+        size = (directory / name).stat().st_size
+        limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else max_bytes
+        if size > limit:
+            raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
+    spec = _config(directory / CONFIG_FILE, max_rank)
+    tensors = _weights(directory / WEIGHTS_FILE)
+    modules = _modules(tensors, linears, spec.rank)
+    return ImportedAdapter(spec, tuple(modules), tensors)
+
+
+def _config(path: Path, max_rank: int) -> LoraSpec:
+    where = CONFIG_FILE
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument(f"{where}: not JSON") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument(f"{where}: not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidArgument(f"{where}: peft_type {config.get('peft_type')!r}; only LORA "
+                              "adapters are served")
+    for key, neutral in UNSERVED_CONFIG.items():
+        value = config.get(key, neutral)
+        if not (value == neutral or value is None or value is False or value in ({}, [])):
+            raise InvalidArgument(f"{where}: {key} is {value!r}; the engine does not "
+                                  f"compute it (give {neutral!r})")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if type(rank) is not int or not 1 <= rank <= max_rank:
+        raise InvalidArgument(f"{where}: r is {rank!r}; give an integer in [1, {max_rank}] "
+                              "(the server's max_rank)")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise InvalidArgument(f"{where}: lora_alpha is {alpha!r}; give a number > 0")
+    dropout = config.get("lora_dropout") or 0.0
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        raise InvalidArgument(f"{where}: lora_dropout is {dropout!r}; give a number in [0, 1)")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise InvalidArgument(f"{where}: use_rslora is {rslora!r}; give true or false")
+    return LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors as float32, read as safetensors and nothing else."""
+    from safetensors import SafetensorError, safe_open
+
+    where = WEIGHTS_FILE
+    out = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():   # noqa: SIM118 - safe_open has no __iter__
+                tensor = handle.get_tensor(key)
+                if tensor.dtype not in DTYPES:
+                    raise InvalidArgument(f"{where}: {key} is {tensor.dtype}; give float32, "
+                                          "bfloat16 or float16")
+                tensor = tensor.to(torch.float32)
+                if not bool(torch.isfinite(tensor).all()):
+                    raise InvalidArgument(f"{where}: {key} holds values that are not finite")
+                out[key] = tensor
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidArgument(f"{where}: not a safetensors file ({exc})") from None
+    if not out:
+        raise InvalidArgument(f"{where}: holds no tensors")
+    return out
+
+
+def _modules(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[int, int]],
+             rank: int) -> list[str]:
+    """The modules the tensors adapt: each a linear layer of the base, with both its
+    `lora_A` `[rank, in]` and `lora_B` `[out, rank]`."""
+    where = WEIGHTS_FILE
+    modules = set()
+    for key in tensors:
+        module, which = _split(key)
+        if module is None:
+            raise InvalidArgument(f"{where}: {key!r} is not a LoRA matrix "
+                                  "(base_model.model.<module>.lora_A|lora_B.weight)")
+        if module not in linears:
+            raise InvalidArgument(f"{where}: {key!r} adapts {module!r}, which is not a linear "
+                                  "layer of this base (another architecture?)")
+        modules.add(module)
+    for module in sorted(modules):
+        fan_in, fan_out = linears[module]
+        for which, shape in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
+            key = peft_key(module, which)
+            if key not in tensors:
+                raise InvalidArgument(f"{where}: has {module!r}'s other matrix but not {key!r}")
+            if tuple(tensors[key].shape) != shape:
+                raise InvalidArgument(f"{where}: {key} has shape {list(tensors[key].shape)}; "
+                                      f"this base at rank {rank} needs {list(shape)}")
+    return sorted(modules)
+
+
+def _split(key: str) -> tuple[str | None, str | None]:
+    prefix = "base_model.model."
+    for which in ("lora_A", "lora_B"):
+        suffix = f".{which}.weight"
+        if key.startswith(prefix) and key.endswith(suffix):
+            return key[len(prefix):-len(suffix)], which
+    return None, None
