@@ -12,6 +12,7 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+from pydantic import BaseModel
 from tinker import types
 
 from tinker_compat import convert
@@ -20,6 +21,21 @@ from tinker_compat.futures import APIFuture, deprecated
 from twinkle_client import api
 from twinkle_client.connection import Connection, env_endpoint, parse_base_url
 from twinkle_wire import paths
+
+
+class ExternalWeightsUploadStartResult(BaseModel):
+    """Tinker 0.39's `types.ExternalWeightsUploadStartResult` (the installed SDK may
+    predate it): the upload's id, a signed PUT URL per file, and when they expire."""
+
+    upload_id: str
+    urls: dict[str, str]
+    expires: datetime
+
+
+class ExternalWeightsUploadFinishResult(BaseModel):
+    """Tinker 0.39's `types.ExternalWeightsUploadFinishResult`: the new checkpoint."""
+
+    tinker_path: str
 
 AccessScope = Literal["owned", "accessible"]
 
@@ -346,6 +362,51 @@ class RestClient:
                                               ) -> types.ExternalWeightsUrlsResponse:
         """Deprecated: use `await rest_client.get_external_weights_urls(...)`."""
         return await self.get_external_weights_urls(tinker_path)
+
+    def external_weights_upload_start(self, base_model: str, lora_config: types.LoraConfig,
+                                      destination_project_id: str | None = None
+                                      ) -> APIFuture[ExternalWeightsUploadStartResult]:
+        """Start importing a PEFT LoRA adapter trained elsewhere (Tinker 0.39): one signed
+        URL per file (`adapter_config.json`, `adapter_model.safetensors`); PUT each file
+        to its URL (no API key, once each) before `expires`, then call
+        `external_weights_upload_finish(upload_id)`. `lora_config` says the adapter's rank
+        and the layer groups it adapts; its `seed` must be None (an upload brings its own
+        weights), and `destination_project_id` is refused (tenants, not projects).
+
+        Example:
+        ```python
+        started = rest_client.external_weights_upload_start(
+            "Qwen/Qwen3-8B", types.LoraConfig(rank=16)).result()
+        for name, url in started.urls.items():
+            httpx.put(url, content=open(f"adapter/{name}", "rb").read())
+        path = rest_client.external_weights_upload_finish(started.upload_id).result()
+        ```
+        """
+        if destination_project_id is not None:
+            raise ValueError("destination_project_id: this server has tenants, not projects")
+        if lora_config.seed is not None:
+            raise ValueError("lora_config.seed: an upload brings its own weights; leave it None")
+
+        def run() -> ExternalWeightsUploadStartResult:
+            upload = api.start_upload(self._conn, base_model, lora_config.rank,
+                                      lora_config.train_mlp, lora_config.train_attn,
+                                      lora_config.train_unembed)
+            return ExternalWeightsUploadStartResult(
+                upload_id=upload.upload_id, urls=upload.urls,
+                expires=datetime.fromtimestamp(upload.expires_at, timezone.utc))
+
+        return self._conn.submit(run, future_class=APIFuture)
+
+    def external_weights_upload_finish(self, upload_id: str
+                                       ) -> APIFuture[ExternalWeightsUploadFinishResult]:
+        """Finish an upload once every file is PUT: the adapter, checked against its base,
+        becomes an external weights checkpoint of the caller's; its `tinker_path` samples,
+        trains on (`create_training_client_from_state`) and downloads like any other."""
+        def run() -> ExternalWeightsUploadFinishResult:
+            path = api.finish_upload(self._conn, upload_id)
+            return ExternalWeightsUploadFinishResult(tinker_path=convert.tinker_path(path))
+
+        return self._conn.submit(run, future_class=APIFuture)
 
     def copy_weights(self, path: str, destination_project_id: str | None = None, *,
                      ttl_seconds: int | None = None, weights_access_token: str | None = None

@@ -18,6 +18,7 @@ Listings are oldest first, so the last item a loop sees is the newest:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -260,6 +261,21 @@ class TwinkleClient:
         `adapter_config.json`, plus optimizer state if saved) into `dest_dir`, which
         `peft.PeftModel.from_pretrained(base, dest_dir)` then loads. Returns `dest_dir`."""
         return api.download_checkpoint(self.connection, path, dest_dir)
+
+    def import_adapter(self, directory: str | os.PathLike, base_model: str = "") -> str:
+        """Import a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`
+        in `directory`, as `peft`'s `save_pretrained` writes them) for served model
+        `base_model` (default: the first served); returns the new checkpoint's path,
+        which samples, loads to train on, and serves on the OpenAI route. The server
+        checks it against the base and refuses, naming why, what does not fit."""
+        config = json.loads((Path(directory) / "adapter_config.json").read_text())
+        rank = config.get("r")
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"adapter_config.json: r is {rank!r}, not an integer")
+        base = base_model or api.capabilities(self.connection).models[0].name
+        upload = api.start_upload(self.connection, base, rank)
+        api.put_files(self.connection, upload, directory)
+        return api.finish_upload(self.connection, upload.upload_id)
 
     # ------------------------------------------------------------------ lifetime
 

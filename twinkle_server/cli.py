@@ -129,6 +129,35 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_adapters(args: argparse.Namespace) -> int:
+    """`adapters import DIR --tenant T`: a PEFT adapter on disk, checked against the base
+    it names, as an external_weights checkpoint of the tenant's; beside a running server
+    or without one, as `keys create` is."""
+    from twinkle_server.engine.adapter_import import linear_shapes, read_import
+    from twinkle_server.engine.base_model import model_dir
+    from twinkle_server.runtime.imports import MAX_UPLOAD_BYTES, register
+
+    try:
+        models = config_mod.ServerConfig(
+            model=args.model, models=Path(args.models) if args.models else None,
+            max_rank=args.max_rank).model_configs()
+        wanted = args.base_model or models[0].name
+        model = next((m for m in models if wanted in m.names), None)
+        if model is None:
+            raise EngineError(f"--base-model: {wanted!r} is not one of the models "
+                              f"{[n for m in models for n in m.names]}")
+        base_dir = model_dir(model.path)
+        adapter = read_import(Path(args.directory), linear_shapes(base_dir), model.max_rank,
+                              MAX_UPLOAD_BYTES)
+        row = register(Store(args.data_dir), args.tenant, model.name,
+                       model.tokenizer_id(base_dir), adapter, f"directory {args.directory}")
+    except EngineError as exc:
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 2
+    print(f"tinker://{row.run_id}/{row.checkpoint_id}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinkle-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +188,25 @@ def build_parser() -> argparse.ArgumentParser:
     for p in runs_sub.choices.values():
         _data_dir(p)
     runs.set_defaults(func=cmd_runs)
+
+    adapters = sub.add_parser("adapters", help="import adapters trained elsewhere")
+    adapters_sub = adapters.add_subparsers(dest="action", required=True)
+    imported = adapters_sub.add_parser(
+        "import", help="a PEFT LoRA directory (adapter_config.json, "
+                       "adapter_model.safetensors) as a tenant's checkpoint; prints its path")
+    imported.add_argument("directory")
+    imported.add_argument("--tenant", required=True)
+    imported.add_argument("--base-model", default="",
+                          help="the served model it was trained on (default: the first)")
+    imported.add_argument("--model", default=os.environ.get("TWINKLE_MODEL", ""),
+                          help="the server's --model (env TWINKLE_MODEL; default tiny)")
+    imported.add_argument("--models", default=os.environ.get("TWINKLE_MODELS"),
+                          help="the server's --models file (env TWINKLE_MODELS)")
+    imported.add_argument("--max-rank", type=int,
+                          default=int(os.environ.get("TWINKLE_MAX_RANK", "128")),
+                          help="the server's --max-rank (env TWINKLE_MAX_RANK; default 128)")
+    _data_dir(imported)
+    adapters.set_defaults(func=cmd_adapters)
     return parser
 
 

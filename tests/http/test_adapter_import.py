@@ -267,10 +267,74 @@ def test_signed_urls_are_single_use_unforgeable_and_bounded(server, imported):
     assert httpx.put(other, content=b"{}", timeout=30).status_code in (403, 404)
     forged = config_url.replace("signature=", "signature=0")
     assert httpx.put(forged, content=data, timeout=30).status_code == 403
+    oversized = httpx.put(started["urls"]["adapter_model.safetensors"],
+                          content=b"x" * 10, timeout=30)
+    assert oversized.status_code == 200   # bytes taken; the finish checks what they are
+    fresh = httpx.post(f"{url}/external_weights_upload_start", headers=_headers(server),
+                       json={"base_model": "tiny", "lora_config": LORA}, timeout=30).json()
+    too_big = httpx.put(fresh["urls"]["adapter_config.json"], content=b" " * ((1 << 20) + 1),
+                        timeout=30)
+    assert too_big.status_code == 400 and "1048576-byte limit" in too_big.json()["detail"]
+    left = server.data_dir / "uploads" / fresh["upload_id"] / "files"
+    assert sorted(p.name for p in left.iterdir()) == []   # nothing half-written stays
+    unfinished = httpx.post(f"{url}/external_weights_upload_finish", headers=_headers(server),
+                            json={"upload_id": fresh["upload_id"]}, timeout=30)
+    assert unfinished.status_code == 412 and "not uploaded" in unfinished.json()["detail"]
     big = httpx.put(started["urls"]["adapter_model.safetensors"].replace(
         "adapter_model.safetensors", "adapter_config.json"), content=b"x", timeout=30)
     assert big.status_code == 403   # a URL signs one file
     finish = httpx.post(f"{url}/external_weights_upload_finish", headers=_headers(server),
                         json={"upload_id": started["upload_id"]}, timeout=30)
-    assert finish.status_code == 412 and "not uploaded" in finish.json()["detail"]
+    assert finish.status_code == 400 and "not a safetensors file" in finish.json()["detail"]
     assert started["upload_id"] not in _uploads_left(server)
+
+
+def test_every_door_imports_alike(server, imported, tmp_path):
+    """tinker_compat's RestClient (gRPC + the signed PUTs), the native client, and the
+    CLI beside the running server each make a checkpoint that samples peft's logprobs."""
+    import subprocess
+    import sys
+
+    from tinker_compat import RestClient, ServiceClient
+    from twinkle_client import init_twinkle_client
+
+    _, directory, want = imported
+    grpc_url = f"http://{server.address}"
+    rest = RestClient(base_url=grpc_url, api_key=server.keys["alice"])
+    started = rest.external_weights_upload_start(
+        "tiny", types.LoraConfig(rank=4, train_mlp=False, train_unembed=False)).result()
+    for name, url in started.urls.items():
+        assert httpx.put(url, content=(directory / name).read_bytes(),
+                         timeout=60).status_code == 200
+    via_compat = rest.external_weights_upload_finish(started.upload_id).result().tinker_path
+    native = init_twinkle_client(base_url=grpc_url, api_key=server.keys["alice"])
+    try:
+        via_native = native.import_adapter(directory, base_model="tiny")
+    finally:
+        native.close()
+    cli = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "adapters", "import",
+                          str(directory), "--tenant", "alice", "--data-dir",
+                          str(server.data_dir)], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    via_cli = cli.stdout.strip()
+    service = ServiceClient(base_url=grpc_url, api_key=server.keys["alice"])
+    try:
+        for path in (via_compat, via_native, via_cli):
+            sampler = service.create_sampling_client(model_path=path).result()
+            got = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]
+            np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+    finally:
+        service.close()
+    assert {via_compat, via_cli} <= set(_checkpoints(server))
+
+
+def test_the_cli_refuses_a_hostile_directory_naming_why(server, imported, tmp_path):
+    import subprocess
+    import sys
+
+    _, directory, _ = imported
+    hostile = _tamper(directory, tmp_path / "bad", "non_finite")
+    cli = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "adapters", "import",
+                          str(hostile), "--tenant", "alice", "--data-dir", str(server.data_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "not finite" in cli.stderr

@@ -33,8 +33,12 @@ Example:
 from twinkle_client.api.calls import Call, ForwardCall, OpCall, release, submit
 from twinkle_client.api.external import (
     ExternalWeightsUrls,
+    Upload,
     external_weights_urls,
+    finish_upload,
+    put_files,
     save_weights_external,
+    start_upload,
 )
 from twinkle_client.api.runs import (
     copy_checkpoint,
@@ -97,6 +101,7 @@ __all__ = [
     "AuditEntry", "copy_checkpoint", "get_audit_log",
     "AdamParams", "Call", "Capabilities", "Checkpoint", "Completion", "ExternalWeightsUrls",
     "ForwardCall", "external_weights_urls", "save_weights_external",
+    "Upload", "finish_upload", "put_files", "start_upload",
     "ForwardResult", "LoraSpec", "Loss", "ModelInfo", "Op", "OpCall", "Page", "SampleResult",
     "SamplingParams", "SamplingSession", "ServedModel", "ServerLimits", "TrainingRun",
     "calculate_metric", "capabilities", "clip_grad_norm", "compute_logprobs", "create_model",

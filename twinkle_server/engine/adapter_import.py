@@ -67,11 +67,13 @@ def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
 
 def read_import(directory: Path, linears: Mapping[str, tuple[int, int]], max_rank: int,
                 max_bytes: int) -> ImportedAdapter:
-    """The adapter in `directory`, checked against a base whose linear layers are
-    `linears`; raises `InvalidArgument` naming the file, the field and the limit."""
-    present = sorted(p.name for p in directory.iterdir())
-    if present != sorted(FILES):
-        raise InvalidArgument(f"files: an adapter is exactly {list(FILES)}; got {present}")
+    """The adapter in `directory` (its `FILES`; anything else there, such as the README.md
+    `peft` writes beside them, is not part of it), checked against a base whose linear
+    layers are `linears`; raises `InvalidArgument` naming the file, the field and the
+    limit."""
+    missing = [name for name in FILES if not (directory / name).is_file()]
+    if missing:
+        raise InvalidArgument(f"files: an adapter is {list(FILES)}; {missing} not found")
     for name in FILES:
         size = (directory / name).stat().st_size
         limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else max_bytes

@@ -25,25 +25,37 @@ _sym_db = _symbol_database.Default()
 from twinkle_wire._proto.twinkle.v1 import common_pb2 as twinkle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19twinkle/v1/external.proto\x12\ntwinkle.v1\x1a\x17twinkle/v1/common.proto\"\x99\x01\n\x1aSaveWeightsExternalRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x18\n\x0bttl_seconds\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19\x61ge_encryption_recipients\x18\x04 \x03(\tB\x0e\n\x0c_ttl_seconds\"W\n\x1bSaveWeightsExternalResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\"*\n\x1a\x45xternalWeightsUrlsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xc1\x01\n\x1b\x45xternalWeightsUrlsResponse\x12?\n\x04urls\x18\x01 \x03(\x0b\x32\x31.twinkle.v1.ExternalWeightsUrlsResponse.UrlsEntry\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\x12\x11\n\thttp_port\x18\x03 \x01(\x05\x12\r\n\x05https\x18\x04 \x01(\x08\x1a+\n\tUrlsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xeb\x01\n\x16\x45xternalWeightsService\x12\x66\n\x13SaveWeightsExternal\x12&.twinkle.v1.SaveWeightsExternalRequest\x1a\'.twinkle.v1.SaveWeightsExternalResponse\x12i\n\x16GetExternalWeightsUrls\x12&.twinkle.v1.ExternalWeightsUrlsRequest\x1a\'.twinkle.v1.ExternalWeightsUrlsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19twinkle/v1/external.proto\x12\ntwinkle.v1\x1a\x17twinkle/v1/common.proto\"\xb2\x01\n\x12StartUploadRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x16\n\ttrain_mlp\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ntrain_attn\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1a\n\rtrain_unembed\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\x0c\n\n_train_mlpB\r\n\x0b_train_attnB\x10\n\x0e_train_unembed\"\xc4\x01\n\x13StartUploadResponse\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x37\n\x04urls\x18\x02 \x03(\x0b\x32).twinkle.v1.StartUploadResponse.UrlsEntry\x12\x12\n\nexpires_at\x18\x03 \x01(\x03\x12\x11\n\thttp_port\x18\x04 \x01(\x05\x12\r\n\x05https\x18\x05 \x01(\x08\x1a+\n\tUrlsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"(\n\x13\x46inishUploadRequest\x12\x11\n\tupload_id\x18\x01 \x01(\t\"P\n\x14\x46inishUploadResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\"\x99\x01\n\x1aSaveWeightsExternalRequest\x12 \n\x02op\x18\x01 \x01(\x0b\x32\x14.twinkle.v1.OpHeader\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x18\n\x0bttl_seconds\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19\x61ge_encryption_recipients\x18\x04 \x03(\tB\x0e\n\x0c_ttl_seconds\"W\n\x1bSaveWeightsExternalResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12*\n\ncheckpoint\x18\x02 \x01(\x0b\x32\x16.twinkle.v1.Checkpoint\"*\n\x1a\x45xternalWeightsUrlsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xc1\x01\n\x1b\x45xternalWeightsUrlsResponse\x12?\n\x04urls\x18\x01 \x03(\x0b\x32\x31.twinkle.v1.ExternalWeightsUrlsResponse.UrlsEntry\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\x12\x11\n\thttp_port\x18\x03 \x01(\x05\x12\r\n\x05https\x18\x04 \x01(\x08\x1a+\n\tUrlsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\x8e\x03\n\x16\x45xternalWeightsService\x12\x66\n\x13SaveWeightsExternal\x12&.twinkle.v1.SaveWeightsExternalRequest\x1a\'.twinkle.v1.SaveWeightsExternalResponse\x12i\n\x16GetExternalWeightsUrls\x12&.twinkle.v1.ExternalWeightsUrlsRequest\x1a\'.twinkle.v1.ExternalWeightsUrlsResponse\x12N\n\x0bStartUpload\x12\x1e.twinkle.v1.StartUploadRequest\x1a\x1f.twinkle.v1.StartUploadResponse\x12Q\n\x0c\x46inishUpload\x12\x1f.twinkle.v1.FinishUploadRequest\x1a .twinkle.v1.FinishUploadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'twinkle.v1.external_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STARTUPLOADRESPONSE_URLSENTRY']._loaded_options = None
+  _globals['_STARTUPLOADRESPONSE_URLSENTRY']._serialized_options = b'8\001'
   _globals['_EXTERNALWEIGHTSURLSRESPONSE_URLSENTRY']._loaded_options = None
   _globals['_EXTERNALWEIGHTSURLSRESPONSE_URLSENTRY']._serialized_options = b'8\001'
-  _globals['_SAVEWEIGHTSEXTERNALREQUEST']._serialized_start=67
-  _globals['_SAVEWEIGHTSEXTERNALREQUEST']._serialized_end=220
-  _globals['_SAVEWEIGHTSEXTERNALRESPONSE']._serialized_start=222
-  _globals['_SAVEWEIGHTSEXTERNALRESPONSE']._serialized_end=309
-  _globals['_EXTERNALWEIGHTSURLSREQUEST']._serialized_start=311
-  _globals['_EXTERNALWEIGHTSURLSREQUEST']._serialized_end=353
-  _globals['_EXTERNALWEIGHTSURLSRESPONSE']._serialized_start=356
-  _globals['_EXTERNALWEIGHTSURLSRESPONSE']._serialized_end=549
-  _globals['_EXTERNALWEIGHTSURLSRESPONSE_URLSENTRY']._serialized_start=506
-  _globals['_EXTERNALWEIGHTSURLSRESPONSE_URLSENTRY']._serialized_end=549
-  _globals['_EXTERNALWEIGHTSSERVICE']._serialized_start=552
-  _globals['_EXTERNALWEIGHTSSERVICE']._serialized_end=787
+  _globals['_STARTUPLOADREQUEST']._serialized_start=67
+  _globals['_STARTUPLOADREQUEST']._serialized_end=245
+  _globals['_STARTUPLOADRESPONSE']._serialized_start=248
+  _globals['_STARTUPLOADRESPONSE']._serialized_end=444
+  _globals['_STARTUPLOADRESPONSE_URLSENTRY']._serialized_start=401
+  _globals['_STARTUPLOADRESPONSE_URLSENTRY']._serialized_end=444
+  _globals['_FINISHUPLOADREQUEST']._serialized_start=446
+  _globals['_FINISHUPLOADREQUEST']._serialized_end=486
+  _globals['_FINISHUPLOADRESPONSE']._serialized_start=488
+  _globals['_FINISHUPLOADRESPONSE']._serialized_end=568
+  _globals['_SAVEWEIGHTSEXTERNALREQUEST']._serialized_start=571
+  _globals['_SAVEWEIGHTSEXTERNALREQUEST']._serialized_end=724
+  _globals['_SAVEWEIGHTSEXTERNALRESPONSE']._serialized_start=726
+  _globals['_SAVEWEIGHTSEXTERNALRESPONSE']._serialized_end=813
+  _globals['_EXTERNALWEIGHTSURLSREQUEST']._serialized_start=815
+  _globals['_EXTERNALWEIGHTSURLSREQUEST']._serialized_end=857
+  _globals['_EXTERNALWEIGHTSURLSRESPONSE']._serialized_start=860
+  _globals['_EXTERNALWEIGHTSURLSRESPONSE']._serialized_end=1053
+  _globals['_EXTERNALWEIGHTSURLSRESPONSE_URLSENTRY']._serialized_start=401
+  _globals['_EXTERNALWEIGHTSURLSRESPONSE_URLSENTRY']._serialized_end=444
+  _globals['_EXTERNALWEIGHTSSERVICE']._serialized_start=1056
+  _globals['_EXTERNALWEIGHTSSERVICE']._serialized_end=1454
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,16 @@ class ExternalWeightsServiceStub:
                 request_serializer=twinkle_dot_v1_dot_external__pb2.ExternalWeightsUrlsRequest.SerializeToString,
                 response_deserializer=twinkle_dot_v1_dot_external__pb2.ExternalWeightsUrlsResponse.FromString,
                 _registered_method=True)
+        self.StartUpload = channel.unary_unary(
+                '/twinkle.v1.ExternalWeightsService/StartUpload',
+                request_serializer=twinkle_dot_v1_dot_external__pb2.StartUploadRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_external__pb2.StartUploadResponse.FromString,
+                _registered_method=True)
+        self.FinishUpload = channel.unary_unary(
+                '/twinkle.v1.ExternalWeightsService/FinishUpload',
+                request_serializer=twinkle_dot_v1_dot_external__pb2.FinishUploadRequest.SerializeToString,
+                response_deserializer=twinkle_dot_v1_dot_external__pb2.FinishUploadResponse.FromString,
+                _registered_method=True)
 
 
 class ExternalWeightsServiceServicer:
@@ -65,6 +75,22 @@ class ExternalWeightsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartUpload(self, request, context):
+        """Adapter import (Tinker 0.39's external_weights_upload_start/_finish): one signed PUT
+        URL per file of a PEFT adapter, on the HTTP front (each takes one PUT, no API key),
+        then the finished upload, checked against the base, as an external_weights
+        checkpoint of the caller's. FAILED_PRECONDITION without an HTTP front.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishUpload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExternalWeightsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +103,16 @@ def add_ExternalWeightsServiceServicer_to_server(servicer, server):
                     servicer.GetExternalWeightsUrls,
                     request_deserializer=twinkle_dot_v1_dot_external__pb2.ExternalWeightsUrlsRequest.FromString,
                     response_serializer=twinkle_dot_v1_dot_external__pb2.ExternalWeightsUrlsResponse.SerializeToString,
+            ),
+            'StartUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartUpload,
+                    request_deserializer=twinkle_dot_v1_dot_external__pb2.StartUploadRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_external__pb2.StartUploadResponse.SerializeToString,
+            ),
+            'FinishUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishUpload,
+                    request_deserializer=twinkle_dot_v1_dot_external__pb2.FinishUploadRequest.FromString,
+                    response_serializer=twinkle_dot_v1_dot_external__pb2.FinishUploadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +169,60 @@ class ExternalWeightsService:
             '/twinkle.v1.ExternalWeightsService/GetExternalWeightsUrls',
             twinkle_dot_v1_dot_external__pb2.ExternalWeightsUrlsRequest.SerializeToString,
             twinkle_dot_v1_dot_external__pb2.ExternalWeightsUrlsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.ExternalWeightsService/StartUpload',
+            twinkle_dot_v1_dot_external__pb2.StartUploadRequest.SerializeToString,
+            twinkle_dot_v1_dot_external__pb2.StartUploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/twinkle.v1.ExternalWeightsService/FinishUpload',
+            twinkle_dot_v1_dot_external__pb2.FinishUploadRequest.SerializeToString,
+            twinkle_dot_v1_dot_external__pb2.FinishUploadResponse.FromString,
             options,
             channel_credentials,
             insecure,
