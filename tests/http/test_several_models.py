@@ -44,6 +44,7 @@ def _serve(tmp_path_factory, name: str, *args: str):
     data_dir = tmp_path_factory.mktemp(name)
     key = create_key(data_dir, "alice")
     proc = start_server(data_dir, *args, http=True)
+    proc.key = key
     client = tinker.ServiceClient(base_url=f"http://{proc.http_address}", api_key=key)
     return proc, client
 
@@ -113,7 +114,7 @@ def test_a_sample_model_refuses_training_clients_naming_its_role(pair):
 
 
 def test_a_checkpoint_samples_on_its_own_base_and_nowhere_else(pair):
-    _, client = pair
+    proc, client = pair
     tc = client.create_lora_training_client(base_model="student", rank=4, seed=3).result()
     tc.forward_backward(sft_data(n=1), "cross_entropy").result()
     path = tc.save_weights_for_sampler("s1").result().path
@@ -126,6 +127,11 @@ def test_a_checkpoint_samples_on_its_own_base_and_nowhere_else(pair):
         client.create_training_client_from_state(state, base_model="teacher").result()
     resumed = client.create_training_client_from_state(state).result()
     assert resumed.get_info().model_data.model_name in ("student", "tiny")
+    # The REST checkpoint views say the base (Tinker 0.39's Checkpoint.base_model).
+    run_id = path.split("/")[2]
+    listed = httpx.get(f"http://{proc.http_address}/api/v1/training_runs/{run_id}/checkpoints",
+                       headers={"x-api-key": proc.key}, timeout=30).json()["checkpoints"]
+    assert {c["base_model"] for c in listed} == {"student"}
 
 
 def test_metrics_carry_each_model_name(pair):

@@ -274,12 +274,15 @@ def tinker_path(row: CheckpointRow) -> str:
     return f"tinker://{row.run_id}/{row.checkpoint_id}"
 
 
-def checkpoint(row: CheckpointRow) -> dict[str, Any]:
+def checkpoint(row: CheckpointRow, run: RunRow | None) -> dict[str, Any]:
+    """A checkpoint as the SDK's `Checkpoint`, with the base it was trained on (Tinker
+    0.39's `Checkpoint.base_model`; older SDKs ignore the field)."""
     return {"checkpoint_id": row.checkpoint_id, "checkpoint_type": row.kind,
             "time": _time(row.created_at), "tinker_path": tinker_path(row),
             "size_bytes": row.size_bytes, "public": row.public,
             "user_metadata": dict(row.user_metadata) or None,
-            "expires_at": None if row.expires_at is None else _time(row.expires_at)}
+            "expires_at": None if row.expires_at is None else _time(row.expires_at),
+            "base_model": run.base_model if run is not None else None}
 
 
 def run(view: RunView) -> dict[str, Any]:
@@ -287,8 +290,8 @@ def run(view: RunView) -> dict[str, Any]:
     return {"training_run_id": r.run_id, "base_model": r.base_model, "model_owner": r.tenant,
             "is_lora": True, "corrupted": False, "lora_rank": int(r.lora["rank"]),
             "last_request_time": _time(r.last_request_time or r.created_at),
-            "last_checkpoint": (checkpoint(view.last_checkpoint)
+            "last_checkpoint": (checkpoint(view.last_checkpoint, r)
                                 if view.last_checkpoint else None),
-            "last_sampler_checkpoint": (checkpoint(view.last_sampler_checkpoint)
+            "last_sampler_checkpoint": (checkpoint(view.last_sampler_checkpoint, r)
                                         if view.last_sampler_checkpoint else None),
             "user_metadata": dict(r.user_metadata) or None}

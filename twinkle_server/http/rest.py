@@ -58,14 +58,14 @@ class Rest:
         tenant = self.front.tenant(request)
         run_id = self._run_id(tenant, request.path_params["run_id"])
         page = self.rt.runs.list_checkpoints(tenant, run_id, MAX_PAGE, 0)
-        return {"checkpoints": [convert.checkpoint(row) for row, _ in page.items]}
+        return {"checkpoints": [convert.checkpoint(row, run) for row, run in page.items]}
 
     @route
     async def list_checkpoints(self, request: Request) -> Any:
         tenant = self.front.tenant(request)
         limit, offset = _page_args(request)
         page = self.rt.runs.list_checkpoints(tenant, "", limit, offset)
-        return {"checkpoints": [convert.checkpoint(row) for row, _ in page.items],
+        return {"checkpoints": [convert.checkpoint(row, run) for row, run in page.items],
                 "cursor": {"offset": offset, "limit": limit or len(page.items),
                            "total_count": page.total}}
 
