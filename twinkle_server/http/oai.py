@@ -45,8 +45,9 @@ from twinkle_server.runtime.sampling import SampleResult
 log = logging.getLogger("twinkle_server.http")
 PREFIX = "/oai/api/v1"
 MODELS_LISTED = 100
-"""Of the caller's own sampler checkpoints, the newest this many are listed by
-`/models` (any of them, and any published one, can be named)."""
+"""Of the caller's own checkpoints, the newest this many are looked at by `/models`,
+which lists those that serve (sampler weights, exports, imports); any of them, and any
+published one, can be named."""
 ERRORS = {
     "invalid_argument": (400, "invalid_request_error"),
     "failed_precondition": (400, "invalid_request_error"),
@@ -89,7 +90,7 @@ class OpenAIRoutes:
                 for served in self.rt.bases for name in served.model.names]
         page = self.rt.runs.list_checkpoints(tenant, limit=MODELS_LISTED)
         for row, _ in page.items:
-            if row.kind != "sampler":
+            if row.kind == "training":   # sampler weights, exports and imports serve
                 continue
             try:
                 root = self.rt.checkpoint_base(row).name

@@ -14,6 +14,7 @@ expires (`expire`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -153,7 +154,8 @@ class Imports:
         folder = self.root / upload_id
         try:
             served = self.core.base(record["base_model"])
-            adapter = self._read(folder / "files", served)
+            # Reading and checking gigabytes of tensors: off the event loop.
+            adapter = await asyncio.to_thread(self._read, folder / "files", served)
             _agree(adapter, record["lora_config"])
             row = await self.core.write(register, self.core.store, tenant, served.name,
                                         served.tokenizer_id, adapter, f"upload {upload_id}")
