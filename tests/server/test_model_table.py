@@ -84,3 +84,35 @@ def test_the_server_refuses_a_bad_file_at_start_with_its_message(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "[[models]] #1 ('teacher'): key 'role' is 'judge'" in run.stderr
+
+
+SEVERAL = "[[models]]\nname = 'a'\npath = 'tiny'\n[[models]]\nname = 'b'\npath = 'tiny'\n"
+
+
+@pytest.mark.parametrize(("extra", "flags", "named"), [
+    ("ranks = [1]\n", {}, "'b' has ranks [1]; every model's ranks include rank 0"),
+    ("ranks = [0, 2]\n", {}, "'b' asks for ranks [0, 2], but the job has 2"),
+    ("device = 'cpu'\n", {"device": "auto"}, "'b' asks for device 'cpu'; on several ranks"),
+    ("", {"shard_group_size": 1}, "--shard-group-size 1: hybrid sharding serves one model"),
+])
+def test_several_models_on_several_ranks_refuse_what_cannot_work(tmp_path, monkeypatch, extra,
+                                                                  flags, named):
+    from twinkle_server.launch import several_ranks_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "models.toml"
+    path.write_text(SEVERAL + extra)
+    config = ServerConfig(models=path, **{"device": "cpu", **flags})
+    assert named in several_ranks_problem(config, 2)
+
+
+def test_several_models_on_several_ranks_that_fit_are_accepted(tmp_path, monkeypatch):
+    from twinkle_server.launch import several_ranks_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "models.toml"
+    path.write_text(SEVERAL + "ranks = [0]\n")
+    assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 2) is None
+    assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 1) is None
