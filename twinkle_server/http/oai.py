@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from twinkle_server.engine.checkpoint import WEIGHTS_FILE
 from twinkle_server.engine.errors import EngineError, InvalidArgument, NotFound
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 from twinkle_server.http import oai_request
@@ -90,7 +91,10 @@ class OpenAIRoutes:
                 for served in self.rt.bases for name in served.model.names]
         page = self.rt.runs.list_checkpoints(tenant, limit=MODELS_LISTED)
         for row, _ in page.items:
-            if row.kind == "training":   # sampler weights, exports and imports serve
+            weights = self.rt.store.checkpoint_root / row.rel_path / WEIGHTS_FILE
+            # Sampler weights, plain exports and imports serve; training state and exports
+            # encrypted with age (`<file>.age`) do not.
+            if row.kind == "training" or not weights.is_file():
                 continue
             try:
                 root = self.rt.checkpoint_base(row).name
