@@ -21,6 +21,7 @@ from twinkle_server.http import unserved
 from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.app import Front
 from twinkle_server.http.external import ExternalRoutes
+from twinkle_server.http.oai import OpenAIRoutes
 from twinkle_server.http.rest import Rest
 from twinkle_server.store import hash_key
 
@@ -84,7 +85,9 @@ def alice_objects(service, server, base_url):
         future = http.post("/api/v1/create_model", json={
             "session_id": service.holder.get_session_id(), "model_seq_id": 99,
             "base_model": "tiny", "lora_config": {"rank": 4}}).json()["request_id"]
-    return {"model": tc.model_id, "run": saved.split("/")[2], "saved": saved,
+        upload = http.post("/api/v1/external_weights_upload_start", json={
+            "base_model": "tiny", "lora_config": {"rank": 4}}).json()["upload_id"]
+    return {"upload": upload, "model": tc.model_id, "run": saved.split("/")[2], "saved": saved,
             "sampler_path": sampler_path, "sampler": sampler._sampling_session_id,
             "session": service.holder.get_session_id(), "future": future}
 
@@ -98,12 +101,14 @@ def _forward_body(model_id: str) -> bytes:
 
 PUBLIC = {("GET", "/api/v1/healthz"), ("POST", "/api/v1/client/config"),
           ("POST", "/api/v1/client/dynamic_config"), ("GET", "/api/v1/get_server_capabilities"),
-          ("POST", "/api/v1/telemetry"), ("POST", "/api/v1/create_session")}
+          ("POST", "/api/v1/telemetry"), ("POST", "/api/v1/create_session"),
+          ("POST", "/api/v1/external_weights_upload_start")}
 """Routes that name no tenant object (they answer the caller about the server or itself,
 or create the caller's own session)."""
 UNSERVED = {(method, "/api/v1" + path) for method, path, *_ in unserved.UNSERVED}
 """Routes that answer everyone that the server does not provide them (`test_rest_client`)."""
-SIGNED = {("GET", "/api/v1/external_weights/{run_id}/{name}/{file}")}
+SIGNED = {("GET", "/api/v1/external_weights/{run_id}/{name}/{file}"),
+          ("PUT", "/api/v1/external_weights_upload/{upload_id}/{file}")}
 """Routes opened by a signed URL instead of a key (`test_external_weights`)."""
 CHECKPOINT = "/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}"
 
@@ -157,6 +162,12 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
         ("GET", "/api/v1/checkpoints"): {"listing": "checkpoints"},
         ("GET", "/api/v1/sessions"): {"listing": "sessions"},
         ("GET", "/api/v1/audit"): {"listing": "audit"},
+        ("POST", "/api/v1/external_weights_upload_finish"): {"json": {"upload_id": o["upload"]}},
+        ("GET", "/oai/api/v1/models"): {"listing": "models"},
+        ("POST", "/oai/api/v1/completions"): {"json": {"model": o["sampler_path"],
+                                                       "prompt": [5], "max_tokens": 1}},
+        ("POST", "/oai/api/v1/chat/completions"): {"json": {
+            "model": o["sampler_path"], "messages": [{"role": "user", "content": "x"}]}},
         ("POST", "/api/v1/copy_weights"): {"json": {"source_path": o["saved"],
                                                     "destination_project_id": "proj"}},
     }
@@ -166,7 +177,8 @@ def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
     front = Front(None)
     routes = {(m, r.path) for r in (*front.routes(), *Rest(front).routes(),
                                     *AdminRoutes(front).routes(),
-                                    *ExternalRoutes(front).routes(), *unserved.routes())
+                                    *ExternalRoutes(front).routes(),
+                                    *OpenAIRoutes(front).routes(), *unserved.routes())
               for m in r.methods if m != "HEAD"}
     cases = _cases(alice_objects)
     assert routes == set(cases) | PUBLIC | UNSERVED | SIGNED, "a route without a case"

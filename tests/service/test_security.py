@@ -138,6 +138,11 @@ def _isolation_cases(bob: Connection, o: dict[str, str], tmp: Path
             external_pb2.ExternalWeightsUrlsRequest(path=o["external"])),
         "CopyCheckpoint": lambda: bob.call(r.CopyCheckpoint, runs_pb2.CopyCheckpointRequest(
             source_path=o["saved"]), retry=False),
+        # An upload is its starter's alone (tests/http/test_adapter_import.py finishes
+        # another tenant's real upload over HTTP, where its PUTs go).
+        "FinishUpload": lambda: bob.call(bob.external.FinishUpload,
+                                         external_pb2.FinishUploadRequest(
+                                             upload_id="upl-0123456789abcdef")),
         # Bob's own model may not train on alice's recorded sequence (stable_reinforce).
         "ForwardBackward(stable_reinforce)": lambda: bob.forward(
             bob.op(o["bob_model"]), _stable_reinforce_chunks(o["sequence"], o["sampled"]),
@@ -161,7 +166,7 @@ def _stable_reinforce_chunks(sequence_id: str, sampled: np.ndarray) -> list:
 
 # RPCs that name no other tenant's object: what each returns is checked to be bob's own.
 TENANT_SCOPED = {"CreateSession", "GetServerCapabilities", "GetTokenizer", "ListRuns",
-                 "GetAuditLog"}
+                 "GetAuditLog", "StartUpload"}
 
 
 def test_every_rpc_naming_another_tenants_object_answers_not_found(tenants, tmp_path):
