@@ -31,7 +31,7 @@ from twinkle_server.engine.memory import (
 )
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.model_table import ModelConfig
-from twinkle_server.placement import GIB, Demand, Place, place
+from twinkle_server.placement import Demand, Place, place
 from twinkle_server.replication import Channel, follow
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def _demand(model: ModelConfig, device: str, shards: int = 1) -> Demand:
              device, str(dtype).removeprefix("torch."),
              f", a 1/{shards} shard" if shards > 1 else "",
              ", and its KV pool" if model.kv_pool_tokens else "")
-    return Demand(model.name, device, need, int(model.memory_gib * GIB), model.ranks)
+    return Demand(model.name, device, need, model.memory_bytes, model.ranks)
 
 
 def load_engines(config: ServerConfig) -> list[tuple[ModelConfig, Engine]]:

@@ -18,12 +18,12 @@ import tomllib
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.tiny_model import RECIPES, TINY_MODEL_NAME
 from twinkle_server.engine.types import AUTO_PASS_TOKENS, EngineLimits
+from twinkle_server.placement import GIB
 
 TRAIN, SAMPLE = "train", "sample"
 ROLES = (TRAIN, SAMPLE)
 """`train`: LoRA training and sampling; `sample`: sampling and logprobs only (of the base
 and of sampler checkpoints trained on it), no training clients."""
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,12 @@ class ModelConfig:
                             max_seq_len=self.max_seq_len, max_batch_tokens=self.max_batch_tokens,
                             max_pass_tokens=self.max_pass_tokens or AUTO_PASS_TOKENS,
                             kv_pool_tokens=self.kv_pool_tokens,
-                            memory_bytes=int(self.memory_gib * GIB))
+                            memory_bytes=self.memory_bytes)
+
+    @property
+    def memory_bytes(self) -> int:
+        """`memory_gib` in bytes (0: no budget)."""
+        return int(self.memory_gib * GIB)
 
     def tokenizer_id(self, model_dir: Path) -> str:
         """What a client passes to `AutoTokenizer.from_pretrained`: the local directory
