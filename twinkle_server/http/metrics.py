@@ -97,14 +97,13 @@ class _PerModel:
         for served in self.rt.bases:
             base, stats = served.name, served.scheduler.stats()
             pool, device = served.engine.decode_stats(), served.engine.base.device
-            loaded = sum(1 for e in self.rt.models.values()
-                         if e.base_model in served.model.names)
             gauge("queue_depth", "Ops queued, not yet running", base, stats["queued"])
             gauge("passes", "Batches (passes) the worker has run since start", base,
                   stats["batches_run"])
             gauge("merged_ops", "Ops that ran in batches of two or more", base,
                   stats["merged_ops"])
-            gauge("adapters_loaded", "LoRA adapters loaded", base, loaded)
+            gauge("adapters_loaded", "LoRA adapters loaded", base,
+                  len(served.engine.adapters))
             gauge("adapters_limit", "Most adapters loaded at once (max_adapters)", base,
                   served.model.max_adapters)
             gauge("device_memory_available_bytes", "Free memory on the model's device",

@@ -90,14 +90,14 @@ class OpenAIRoutes:
                  "root": served.name}
                 for served in self.rt.bases for name in served.model.names]
         page = self.rt.runs.list_checkpoints(tenant, limit=MODELS_LISTED)
-        for row, _ in page.items:
+        for row, run in page.items:
             weights = self.rt.store.checkpoint_root / row.rel_path / WEIGHTS_FILE
             # Sampler weights, plain exports and imports serve; training state and exports
             # encrypted with age (`<file>.age`) do not.
             if row.kind == "training" or not weights.is_file():
                 continue
             try:
-                root = self.rt.checkpoint_base(row).name
+                root = self.rt.checkpoint_base(row, run=run).name
             except EngineError:   # trained on a base this server no longer serves
                 continue
             data.append({"id": f"tinker://{row.run_id}/{row.checkpoint_id}",

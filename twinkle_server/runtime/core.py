@@ -33,7 +33,7 @@ from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve_all
 from twinkle_server.scheduler import Op
-from twinkle_server.store import AuditRow, CheckpointRow, Store
+from twinkle_server.store import AuditRow, CheckpointRow, RunRow, Store
 from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server")
@@ -262,10 +262,12 @@ class Core:
             raise NotFound(f"{ref.field}: no checkpoint {ref.text!r}")
         return row, self.store.checkpoint_root / row.rel_path
 
-    def checkpoint_base(self, row: CheckpointRow, field: str = "path") -> Served:
-        """The served model a checkpoint was trained on (its run's base); one this
-        server no longer serves is refused naming it."""
-        run = self.store.get_run(row.tenant, row.run_id)
+    def checkpoint_base(self, row: CheckpointRow, field: str = "path",
+                        run: RunRow | None = None) -> Served:
+        """The served model a checkpoint was trained on (its run's base: `run` when the
+        caller has it, else read); one this server no longer serves is refused naming
+        it."""
+        run = run or self.store.get_run(row.tenant, row.run_id)
         name = run.base_model if run is not None else self.bases.default.name
         return self.bases.of_record(name, f"{field}: checkpoint tinker://{row.run_id}/"
                                           f"{row.checkpoint_id}")

@@ -6,7 +6,6 @@ download), and only the owner may change or delete them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.core import CheckpointRef, Core, ModelEntry, check_metadata
+from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
 DEFAULT_PAGE = 20
@@ -222,7 +221,7 @@ class Runs:
         """Every served model with its role and limits, free adapter slots and memory,
         and the names of every loss, optimizer and scheduler."""
         core = self.core
-        models = [served_model(served, core.models) for served in core.bases]
+        models = [served_model(served) for served in core.bases]
         return {
             "models": models, "adapters_loaded": len(core.models),
             "adapters_free": sum(m["adapters_free"] for m in models),
@@ -233,11 +232,11 @@ class Runs:
         }
 
 
-def served_model(served: Served, models: Mapping[str, ModelEntry]) -> dict[str, Any]:
+def served_model(served: Served) -> dict[str, Any]:
     """What the server says of one served model: names, shape, role, limits, and its
     adapter slots in use."""
     base, model = served.engine.base, served.model
-    loaded = sum(1 for e in models.values() if e.base_model in model.names)
+    loaded = len(served.engine.adapters)
     return {
         "name": model.name, "aliases": list(model.aliases), "arch": base.arch,
         "role": model.role, "trainable": model.trains, "sampleable": True,
