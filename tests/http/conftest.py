@@ -19,15 +19,21 @@ from ..service.harness import create_key  # noqa: E402
 from ..tinker_compat.conftest import sft_data  # noqa: E402, F401 - the same data both fronts get
 
 
+def keyed_server(data_dir, *flags: str):
+    """A server process with its HTTP front on `data_dir`, run with `flags`, and a `tml-`
+    key each for tenants alice and bob (`proc.keys`), made by the CLI before it starts."""
+    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
+    proc = start_server(data_dir, *flags, http=True)
+    proc.keys = keys
+    return proc
+
+
 @pytest.fixture(scope="package")
 def server(tmp_path_factory, tiny_cache):
-    data_dir = tmp_path_factory.mktemp("http-server")
-    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
     # Cases create models the package's server keeps until their session ends: room for
     # all of them, as tests/tinker_compat/conftest.py gives its server.
-    proc = start_server(data_dir, "--max-adapters-per-tenant", "32", "--max-adapters", "64",
-                        http=True)
-    proc.keys = keys
+    proc = keyed_server(tmp_path_factory.mktemp("http-server"),
+                        "--max-adapters-per-tenant", "32", "--max-adapters", "64")
     yield proc
     proc.stop()
 

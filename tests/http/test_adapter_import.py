@@ -21,11 +21,9 @@ from safetensors.torch import load_file, save_file
 from tinker import types
 
 from twinkle_server.engine.tiny_model import TINY_LARGE_NAME, build_tiny_model
-from twinkle_server.process import start_server
 
 from ..numerics import LOGPROB_ATOL
-from ..service.harness import create_key
-from .conftest import sft_data
+from .conftest import keyed_server, sft_data
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +33,7 @@ LORA = {"rank": 4, "train_mlp": False, "train_attn": True, "train_unembed": Fals
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_cache):
-    data_dir = tmp_path_factory.mktemp("import-server")
-    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
-    proc = start_server(data_dir, "--max-rank", "16", http=True)
-    proc.keys = keys
+    proc = keyed_server(tmp_path_factory.mktemp("import-server"), "--max-rank", "16")
     yield proc
     proc.stop()
 

@@ -16,11 +16,8 @@ import pytest
 import tinker
 from tinker import types
 
-from twinkle_server.process import start_server
-
 from ..numerics import LOGPROB_ATOL
-from ..service.harness import create_key
-from .conftest import sft_data
+from .conftest import keyed_server, sft_data
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +26,8 @@ PROMPT_IDS = [5, 17, 29, 3, 88, 41, 7, 12]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_cache):
-    data_dir = tmp_path_factory.mktemp("oai-server")
-    keys = {tenant: create_key(data_dir, tenant) for tenant in ("alice", "bob")}
-    proc = start_server(data_dir, "--model-alias", "Qwen/Qwen3-0.6B", http=True)
-    proc.keys = keys
+    proc = keyed_server(tmp_path_factory.mktemp("oai-server"), "--model-alias",
+                        "Qwen/Qwen3-0.6B")
     yield proc
     proc.stop()
 

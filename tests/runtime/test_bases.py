@@ -18,6 +18,8 @@ from twinkle_server.runtime.bases import shared_turns
 from twinkle_server.runtime.training import ForwardRequest
 from twinkle_server.store import Store
 
+from .conftest import running
+
 STUDENT = ModelConfig("student", "tiny", aliases=("tiny",))
 TEACHER = ModelConfig("teacher", "tiny-large", role="sample")
 PROMPT = np.arange(5, 21, dtype=np.int64)
@@ -31,15 +33,9 @@ def teacher_engine(tiny_cache) -> Engine:
 
 @pytest.fixture
 def pair(engine, teacher_engine, tmp_path):
-    rt = Runtime(ServerConfig(data_dir=tmp_path),
-                 [(STUDENT, engine), (TEACHER, teacher_engine)], Store(tmp_path))
-    rt.start()
-    yield rt
-    rt.stop(60)
-    for model_id in list(rt.models):
-        engine.remove_adapter(model_id)
-    rt.close()
-    rt.store.close()
+    yield from running(Runtime(ServerConfig(data_dir=tmp_path),
+                               [(STUDENT, engine), (TEACHER, teacher_engine)],
+                               Store(tmp_path)))
 
 
 def _request(model_id: str) -> ForwardRequest:
