@@ -25,7 +25,9 @@ decode, the worker alternates training batches and decode slices
 (`decode_slice_s`), and a stream of training ops gets a slice between each of its
 batches, so neither starves the other; with nothing decoding, new sample ops and
 training ops go in arrival order. Decode batches are sized by the pool's rows and
-KV memory (`engine.sampling.pool`), not by `token_budget`.
+KV memory (`engine.sampling.pool`), not by `token_budget`. With `decode_apart` (a
+model whose sampler ranks decode apart from its trainer ranks) a second worker runs the
+decode slices, so neither kind of work waits for the other.
 
 A caller that stops waiting (`cancel`: an HTTP future cancelled by the SDK's
 `cancel_future`, a gRPC client gone away) cancels a sample op of the decode pool: still
@@ -174,6 +176,9 @@ class Scheduler:
         decode_group: the merge group whose ops decode continuously (`Executor.decode`);
             None runs them as batches like any other group.
         decode_slice_s: how long one decode slice runs while training ops wait.
+        decode_apart: decode slices run on a second worker thread, beside training
+            batches instead of between them: for an executor whose decoding runs on
+            other devices than its training (sampler ranks, `twinkle_server.split`).
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
@@ -184,7 +189,8 @@ class Scheduler:
                  token_budget: int = DEFAULT_TOKEN_BUDGET,
                  result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE,
                  decode_group: str | None = None,
-                 decode_slice_s: float = DEFAULT_DECODE_SLICE_S) -> None:
+                 decode_slice_s: float = DEFAULT_DECODE_SLICE_S,
+                 decode_apart: bool = False) -> None:
         if mode not in MODES:
             raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
         if token_budget < 1:
@@ -193,6 +199,8 @@ class Scheduler:
             raise InvalidArgument(f"result_cache_size: {result_cache_size} must be at least 0")
         if not decode_slice_s > 0:
             raise InvalidArgument(f"decode_slice_s: {decode_slice_s} must be above 0")
+        if decode_apart and decode_group is None:
+            raise InvalidArgument("decode_apart: needs a decode_group (continuous sampling)")
         self.executor = executor
         self.mode: Mode = mode
         self.token_budget = token_budget
@@ -203,12 +211,13 @@ class Scheduler:
         self._tickets = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._ops_run = 0
         self._batches_run = 0
         self._merged_ops = 0
         self.decode_group = decode_group
         self.decode_slice_s = decode_slice_s
+        self.decode_apart = decode_apart
         # Decode ops taken from their queues: not yet handed to the pool, and in it.
         self._joining: list[tuple[_Queue, _Entry]] = []
         self._decoding: dict[int, tuple[_Queue, _Entry]] = {}
@@ -222,7 +231,7 @@ class Scheduler:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start the worker thread; a second call does nothing.
+        """Start the worker thread (two with `decode_apart`); a second call does nothing.
 
         Raises:
             SchedulerClosed: the scheduler was already stopped.
@@ -230,11 +239,14 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("start: the scheduler was stopped; build a new one")
-            if self._thread is not None:
+            if self._threads:
                 return
-            self._thread = threading.Thread(target=self._work, name="twinkle-compute",
-                                            daemon=True)
-            self._thread.start()
+            works: list[Work | None] = ["train", "decode"] if self.decode_apart else [None]
+            self._threads = [threading.Thread(target=self._work, args=(only,), daemon=True,
+                                              name=f"twinkle-{only or 'compute'}")
+                             for only in works]
+            for thread in self._threads:
+                thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Refuse new ops with `SchedulerClosed`; with `drain` finish queued ones first.
@@ -246,14 +258,16 @@ class Scheduler:
         """
         with self._cond:
             self._closed = True
-            thread = self._thread
-            failed = [] if drain and thread is not None else self._take_all_waiting()
+            threads = list(self._threads)
+            failed = [] if drain and threads else self._take_all_waiting()
             self._cond.notify_all()
         _fail_all(failed, SchedulerClosed("the server is shutting down; the op was not run"))
-        if thread is None:
+        if not threads:
             return
-        thread.join(timeout)
-        if thread.is_alive():
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
             with self._cond:
                 failed = self._take_all_waiting()
             _fail_all(failed, SchedulerClosed(
@@ -451,20 +465,33 @@ class Scheduler:
                 heads.append(head)
         return heads, start or 0
 
-    def _take(self) -> tuple[Work, list[tuple[_Queue, _Entry]], list[Op]] | None:
+    def _take(self, only: Work | None = None
+              ) -> tuple[Work, list[tuple[_Queue, _Entry]], list[Op]] | None:
         """Wait for work and claim it: a training batch, or the decode ops joining the
-        next slice and the pool's ops to stop in it; None once closed and drained."""
+        next slice and the pool's ops to stop in it; None once closed and drained.
+        `only`: this worker's one kind of work (`decode_apart`)."""
         stranded: list[_Entry] = []
         with self._cond:
             while True:
-                self._divert()
+                if self._divert():
+                    self._cond.notify_all()   # the decode worker may be waiting
                 heads, start = self._ready_heads()
-                first_sample = min((e.ticket for _, e in self._joining), default=None)
-                training_first = bool(heads) and (
-                    first_sample is None or min(e.ticket for e in heads) < first_sample)
-                work = plan_work(bool(heads), bool(self._decoding), bool(self._joining),
-                                 self._last, training_first)
-                if work is not None or self._closed:
+                decoding, joining = bool(self._decoding), bool(self._joining)
+                if only == "train":
+                    work: Work | None = "train" if heads else None
+                    # Sample ops may still free a live model's queue for its next op.
+                    done = self._closed and not (decoding or joining)
+                elif only == "decode":
+                    work = "decode" if decoding or joining else None
+                    done = self._closed
+                else:
+                    first_sample = min((e.ticket for _, e in self._joining), default=None)
+                    training_first = bool(heads) and (
+                        first_sample is None or min(e.ticket for e in heads) < first_sample)
+                    work = plan_work(bool(heads), decoding, joining, self._last,
+                                     training_first)
+                    done = self._closed
+                if work is not None or done:
                     break
                 self._cond.wait()
             if work == "train":
@@ -477,6 +504,8 @@ class Scheduler:
                 stopping = [op for op in self._stopping if id(op) in self._decoding]
                 self._stopping = []
                 return work, joining, stopping
+            if only == "decode":   # the training worker strands what is left
+                return None
             # Closed with nothing ready (this worker runs nothing now): what is left
             # waits on a seq_id that never came.
             for queue in self._queues.values():
@@ -485,13 +514,14 @@ class Scheduler:
                                             "seq_ids arrived; it was not run"))
         return None
 
-    def _divert(self) -> None:
+    def _divert(self) -> bool:
         """Move every ready head of the decode group off its queue to join the decode pool
         (call with the lock); an unordered one leaves its queue free for the next. A
-        cancelled ordered head was answered already: it only takes its seq_id."""
+        cancelled ordered head was answered already: it only takes its seq_id. Returns
+        whether any moved."""
         if self.decode_group is None:
-            return
-        moved = True
+            return False
+        moved, any_moved = True, False
         while moved:
             moved = False
             for queue_id in self._order:
@@ -499,7 +529,7 @@ class Scheduler:
                 head = queue.head()
                 if head is None or head.op.merge_group != self.decode_group:
                     continue
-                moved = True
+                moved = any_moved = True
                 if head.op.seq_id is None:
                     queue.unordered.popleft()
                 else:
@@ -510,6 +540,7 @@ class Scheduler:
                     queue.running = head
                 self._started(head)
                 self._joining.append((queue, head))
+        return any_moved
 
     def _started(self, entry: _Entry) -> None:
         wait = self._waits.setdefault(entry.op.kind, [0, 0.0])
@@ -535,9 +566,9 @@ class Scheduler:
         self._cursor = (self._order.index(ops[0].queue_id) + 1) % len(self._order)
         return chosen
 
-    def _work(self) -> None:
+    def _work(self, only: Work | None = None) -> None:
         while True:
-            taken = self._take()
+            taken = self._take(only)
             if taken is None:
                 return
             work, chosen, stopping = taken

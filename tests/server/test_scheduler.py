@@ -706,3 +706,50 @@ def test_a_pool_op_that_finishes_before_its_cancel_reaches_a_slice_keeps_its_res
     assert quick.result(WAIT_SECONDS)[0] == "sampled"
     assert sched.submit(sample("samp", None, tokens=2)).result(WAIT_SECONDS)[0] == "sampled"
     assert decoder.cancelled == []   # never passed on: the pool no longer held it
+
+
+class HeldDecoder(SlicedDecoder):
+    """A `SlicedDecoder` whose slices wait for `slice_gate` (training batches do not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slice_gate = threading.Event()
+        self.in_slice = threading.Event()
+
+    def decode(self, joining, slice_s, cancelled=()):
+        self.in_slice.set()
+        assert self.slice_gate.wait(WAIT_SECONDS), "test never opened the slice gate"
+        return super().decode(joining, slice_s, cancelled)
+
+
+def test_decode_apart_runs_a_training_op_during_a_decode_slice(make):
+    decoder = HeldDecoder()
+    sched = make(decoder, queues=("samp", "run"), decode_group="sample", decode_apart=True)
+    sched.start()
+    sampled = sched.submit(sample("samp", None, tokens=2))
+    assert decoder.in_slice.wait(WAIT_SECONDS)
+    # The slice still runs (its gate is shut), yet the training op is answered.
+    assert sched.submit(fwd("run", 0)).result(WAIT_SECONDS) == ("run", 0)
+    assert not sampled.done()
+    decoder.slice_gate.set()
+    assert sampled.result(WAIT_SECONDS)[0] == "sampled"
+
+
+def test_decode_apart_drain_runs_an_op_queued_behind_an_ordered_sample(make):
+    decoder = HeldDecoder()
+    sched = make(decoder, queues=("run",), decode_group="sample", decode_apart=True)
+    sched.start()
+    sampled = sched.submit(sample("run", 0, tokens=2))
+    stepped = sched.submit(optim("run", 1))
+    assert decoder.in_slice.wait(WAIT_SECONDS)
+    stopper = threading.Thread(target=sched.stop, kwargs={"timeout": WAIT_SECONDS})
+    stopper.start()
+    decoder.slice_gate.set()
+    stopper.join(WAIT_SECONDS)
+    assert sampled.result(0)[0] == "sampled"
+    assert stepped.result(0) == ("run", 1)
+
+
+def test_decode_apart_without_a_decode_group_is_refused():
+    with pytest.raises(InvalidArgument, match="decode_apart: needs a decode_group"):
+        Scheduler(Recorder(), decode_apart=True)
