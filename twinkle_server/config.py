@@ -106,6 +106,11 @@ class ServerConfig:
     shard_group_size: int = _opt(0, "ranks that shard the base together; the groups "
                                     "replicate it (hybrid sharding: e.g. ranks per node). "
                                     "0: all ranks shard one copy")
+    sampler_ranks: int = _opt(0, "under torchrun, the last K ranks sample apart from the "
+                                 "others, which train (FSDP2); each holds a whole copy of "
+                                 "the base and its own decode pool, and trained adapter "
+                                 "weights reach it in memory. 0: every rank trains and "
+                                 "samples")
     collective_timeout: float = _opt(600.0, "seconds any collective between ranks may take "
                                             "before the server gives the group up as lost "
                                             "(answers UNAVAILABLE, exits non-zero)")
@@ -123,7 +128,7 @@ class ServerConfig:
 
 
 MODEL_DEFAULTS = ("device", "dtype", "max_adapters", "max_rank", "max_seq_len",
-                  "max_batch_tokens", "max_pass_tokens", "kv_pool_tokens")
+                  "max_batch_tokens", "max_pass_tokens", "kv_pool_tokens", "sampler_ranks")
 """The flags a `[[models]]` table may set for its own model."""
 
 

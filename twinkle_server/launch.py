@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.placement import Demand, Place, place
 from twinkle_server.replication import Channel, follow
+from twinkle_server.sampler_rank import Link, SamplerRank
 
 log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 90
@@ -131,6 +133,9 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
     rank 0 (it serves, and drives every model); each rank runs its shards on its own
     device, so a table names ranks, not a device."""
     models = config.model_configs()
+    for model in models:
+        if (problem := _split_problem(config, model, world)) is not None:
+            return problem
     if world == 1 or len(models) == 1:
         return None
     if config.shard_group_size:
@@ -144,42 +149,95 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
             return (f"models: {model.name!r} asks for device {model.device!r}; on several "
                     "ranks each rank runs its shards on its own device (--device), so a "
                     "table names ranks, not a device")
-    # Rank 0 holds a shard of every model: about 1/len(ranks) of each one's weights.
+    # Rank 0 holds a shard of every model: about 1/len(trainer ranks) of its weights.
     device = placement_from_env(config.device).device
     try:
-        place([_demand(m, str(device), len(m.ranks or range(world))) for m in models],
+        place([_demand(m, str(device), len(split_ranks(m, world)[0])) for m in models],
               {str(device): available_memory_bytes(device)}, world)
     except EngineError as exc:
         return f"rank 0: {exc}"
     return None
 
 
+def _split_problem(config: ServerConfig, model: ModelConfig, world: int) -> str | None:
+    """Why `model`'s `sampler_ranks` cannot work on `world` ranks, or None."""
+    count = model.sampler_ranks
+    if not count:
+        return None
+    where = f"sampler_ranks: {model.name!r} asks for {count}"
+    if world == 1:
+        return (f"{where}, but the server runs as one process; launch more ranks than that "
+                f"(--nproc-per-node {count + 1} or more)")
+    if not model.trains:
+        return (f"{where}, but its role is 'sample': with no training it has no trainer "
+                "ranks; name the ranks it samples on with 'ranks'")
+    ranks = model.ranks or range(world)
+    if count >= len(ranks):
+        return (f"{where} of its {len(ranks)} ranks, which leaves none to train; give at "
+                f"most {len(ranks) - 1}")
+    if config.sampler != "continuous":
+        return (f"{where}; sampler ranks decode with the continuous sampler, and "
+                "--sampler static samples on the trainer ranks: drop one of them")
+    if config.shard_group_size:
+        return (f"{where}; --shard-group-size {config.shard_group_size} (hybrid sharding) "
+                "serves colocated ranks only: drop one of them")
+    return None
+
+
 @dataclass(frozen=True)
 class Member:
-    """A served model this rank holds a shard of: its table, the `Parallel` of its ranks,
-    and the channel rank 0 sends its engine calls over."""
+    """A served model this rank holds a shard of: its table, the `Parallel` of its
+    (trainer) ranks, the channel rank 0 sends its engine calls over, and on rank 0 of a
+    split model the links to its sampler ranks."""
 
     model: ModelConfig
     parallel: Parallel
     channel: Channel
+    links: tuple[Link, ...] = ()
 
 
-def members(config: ServerConfig, parallel: Parallel, channel: Channel) -> list[Member]:
-    """The models this rank holds a shard of. One model spans the job (`parallel`,
-    `channel`); several each get process groups of their ranks' own, made by every rank
-    of the job in the models' order, so each model's collectives and calls run apart
-    from the others'."""
+@dataclass(frozen=True)
+class Seat:
+    """A served model this rank samples as one of its sampler ranks, and its link to rank 0."""
+
+    model: ModelConfig
+    link: Link
+
+
+def split_ranks(model: ModelConfig, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`model`'s trainer ranks and sampler ranks (its last `sampler_ranks`)."""
+    ranks = tuple(sorted(model.ranks or range(world)))
+    cut = len(ranks) - model.sampler_ranks
+    return ranks[:cut], ranks[cut:]
+
+
+def members(config: ServerConfig, parallel: Parallel, channel: Channel
+            ) -> tuple[list[Member], list[Seat]]:
+    """The models this rank trains (holds a shard of) and samples (holds a whole copy of,
+    as a sampler rank). One colocated model spans the job (`parallel`, `channel`);
+    otherwise each model's trainer ranks get process groups of their own, and each of its
+    sampler ranks two gloo channels with rank 0 (calls, weights), all made by every rank
+    of the job in the models' order, so each model's collectives run apart from the
+    others'."""
     models = config.model_configs()
-    if len(models) == 1:
-        return [Member(models[0], parallel, channel)]
-    held = []
+    if len(models) == 1 and not models[0].sampler_ranks:
+        return [Member(models[0], parallel, channel)], []
+    held, seats = [], []
+    me = parallel.rank
     for model in models:
-        ranks = model.ranks or tuple(range(parallel.world))
-        shard = parallel.subgroup(ranks)
-        calls = Channel.subgroup(ranks, config.collective_timeout)
+        trainers, samplers = split_ranks(model, parallel.world)
+        shard = parallel.subgroup(trainers)
+        calls = Channel.subgroup(trainers, config.collective_timeout)
+        links = []
+        for rank in samplers:
+            pair = (Channel.subgroup((0, rank), config.collective_timeout),
+                    Channel.subgroup((0, rank), config.collective_timeout))
+            if pair[0] is not None and pair[1] is not None:
+                links.append(Link(rank, *pair))
         if shard is not None and calls is not None:
-            held.append(Member(model, shard, calls))
-    return held
+            held.append(Member(model, shard, calls, tuple(links) if me == 0 else ()))
+        seats += [Seat(model, link) for link in links if link.rank == me]
+    return held, seats
 
 
 def place_models(models: list[ModelConfig]) -> dict[str, Place]:
@@ -235,32 +293,43 @@ def load_engines(config: ServerConfig) -> list[tuple[ModelConfig, Engine]]:
 
 
 def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> int:
-    """A rank other than 0: load its shard of each model it holds, follow rank 0's calls
-    of each until it stops; 0 on a clean stop, 2 when an engine cannot load (every rank
-    fails alike), 1 when the group was lost. SIGINT and SIGTERM are left to rank 0,
-    whose drain ends with telling this rank to stop."""
+    """A rank other than 0: load its shard of each model it trains and its copy of each
+    it samples, then follow rank 0's calls of each until it stops; 0 on a clean stop, 2
+    when an engine cannot load, 1 when the group was lost. SIGINT and SIGTERM are left to
+    rank 0, whose drain ends with telling this rank to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    held = members(config, parallel, channel)
+    held, seats = members(config, parallel, channel)
+    device = str(parallel.placement.device)
     try:
         engines = [load_engine(config, m.model, m.parallel) for m in held]
+        samplers = [SamplerRank(load_engine(config, seat.model, device=device), seat.link,
+                                config.collective_timeout) for seat in seats]
     except EngineError as exc:
         log.error("rank %d: %s", parallel.rank, exc)
         return 2
+    for seat in seats:
+        log.info("loaded: sampler rank %d holds a whole copy of %s on %s", parallel.rank,
+                 seat.model.name, device)
     outcomes: queue.Queue[BaseException | None] = queue.Queue()
 
-    def run(engine: Engine, member: Member) -> None:
+    def run(work: Callable[[], None], done: Callable[[], str]) -> None:
         try:
-            follow(engine, member.channel)
-            log.info("stopping: %s", member.parallel.describe_share())
+            work()
+            log.info("stopping: %s", done())
             outcomes.put(None)
         except Exception as exc:
             outcomes.put(exc)
 
-    for engine, member in zip(engines, held, strict=True):
-        threading.Thread(target=run, args=(engine, member), daemon=True,
-                         name=f"twinkle-follow-{member.model.name}").start()
-    for _ in held:
+    jobs = [(lambda e=engine, m=member: follow(e, m.channel), member.parallel.describe_share,
+             member.model.name) for engine, member in zip(engines, held, strict=True)]
+    jobs += [(sampler.serve, lambda s=seat: f"sampler rank {s.link.rank} of {s.model.name}",
+              f"{seat.model.name}-sampler") for sampler, seat in zip(samplers, seats,
+                                                                     strict=True)]
+    for work, done, name in jobs:
+        threading.Thread(target=run, args=(work, done), daemon=True,
+                         name=f"twinkle-follow-{name}").start()
+    for _ in jobs:
         exc = outcomes.get()
         if exc is not None:
             log.error("rank %d: lost the group: %s: %s", parallel.rank, type(exc).__name__,

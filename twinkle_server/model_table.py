@@ -2,8 +2,8 @@
 the one-model shorthand `--model NAME`.
 
 A table names the model clients send (`name`, `aliases`), where its weights are
-(`path`), what it may do (`role`), where it runs (`device`, `memory_gib`, `ranks`) and
-its limits; every key but `name` defaults to the server's flag of the same meaning. A
+(`path`), what it may do (`role`), where it runs (`device`, `memory_gib`, `ranks`,
+`sampler_ranks`) and its limits; every key but `name` defaults to the server's flag of the same meaning. A
 file that cannot work is refused before anything loads, naming the table and the key.
 """
 
@@ -41,6 +41,10 @@ class ModelConfig:
     several models can share one device; 0: no budget, it may use what is free."""
     ranks: tuple[int, ...] = ()
     """Under torchrun, the ranks it is sharded over; empty: every rank."""
+    sampler_ranks: int = 0
+    """Under torchrun, how many of its ranks (the last ones) sample apart from the others,
+    which train; trained weights reach them in memory (`twinkle_server.split`). 0: every
+    rank trains and samples (colocated)."""
     max_adapters: int = 32
     max_rank: int = 128
     max_seq_len: int = 0
@@ -86,7 +90,7 @@ class ModelConfig:
 KEYS = tuple(f.name for f in fields(ModelConfig))
 """Every key a `[[models]]` table may have."""
 _INTS = ("max_adapters", "max_rank", "max_seq_len", "max_batch_tokens", "max_pass_tokens",
-         "kv_pool_tokens")
+         "kv_pool_tokens", "sampler_ranks")
 
 
 def shorthand(defaults: dict[str, Any], model: str, aliases: tuple[str, ...]) -> ModelConfig:

@@ -114,7 +114,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 class Channel:
-    """Rank 0 -> every rank: engine calls, over the control group (gloo, CPU tensors)."""
+    """Rank 0 -> every rank: engine calls, over the control group (gloo, CPU tensors);
+    on a channel of two ranks, answers come back the same way (`src`)."""
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
@@ -142,26 +143,28 @@ class Channel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def send(self, call: tuple) -> None:
+    def send(self, call: tuple, src: int = 0) -> None:
+        """`call` from this rank (the job's rank `src`) to the channel's others."""
         buffer = io.BytesIO()
         pickler = _Pickler(buffer)
         pickler.dump(call)
         offsets = np.cumsum([0] + [a.nbytes for a in pickler.arrays]).tolist()
         header = [(buffer.getvalue(), offsets)]
-        dist.broadcast_object_list(header, src=0, group=self.group)
+        dist.broadcast_object_list(header, src=src, group=self.group)
         if offsets[-1]:
             blob = torch.from_numpy(np.concatenate(
                 [a.reshape(-1).view(np.uint8) for a in pickler.arrays]))
-            dist.broadcast(blob, src=0, group=self.group)
+            dist.broadcast(blob, src=src, group=self.group)
 
-    def receive(self) -> tuple:
+    def receive(self, src: int = 0) -> tuple:
+        """What the job's rank `src` sends next."""
         header: list[Any] = [None]
-        dist.broadcast_object_list(header, src=0, group=self.group)
+        dist.broadcast_object_list(header, src=src, group=self.group)
         stream, offsets = header[0]
         blob = np.empty(0, np.uint8)
         if offsets[-1]:
             tensor = torch.empty(offsets[-1], dtype=torch.uint8)
-            dist.broadcast(tensor, src=0, group=self.group)
+            dist.broadcast(tensor, src=src, group=self.group)
             blob = tensor.numpy()
         return _Unpickler(io.BytesIO(stream), blob, offsets).load()
 

@@ -330,7 +330,7 @@ class Scheduler:
             if isinstance(error, _OpFuture):
                 return error
             if error is None:
-                self._cond.notify()
+                self._cond.notify_all()   # both workers, with decode_apart
                 return fut
         fut.set_exception(error)
         return fut

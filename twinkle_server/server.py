@@ -21,7 +21,13 @@ from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.http import HTTP_OFF, HttpServer
-from twinkle_server.launch import load_engine, load_engines, members, several_ranks_problem
+from twinkle_server.launch import (
+    Member,
+    load_engine,
+    load_engines,
+    members,
+    several_ranks_problem,
+)
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.replication import Channel, ReplicatedEngine
 from twinkle_server.runtime import Runtime
@@ -32,6 +38,7 @@ from twinkle_server.service.sampling import SamplingServicer
 from twinkle_server.service.session import SessionServicer
 from twinkle_server.service.training import TrainingServicer
 from twinkle_server.service.undecodable import RejectUndecodable
+from twinkle_server.split import SplitEngine
 from twinkle_server.store import Store
 from twinkle_wire import MAX_MESSAGE_BYTES
 from twinkle_wire._proto.twinkle.v1 import (
@@ -114,10 +121,20 @@ async def _load_on_own_thread(load: Callable[..., T], *args: Any) -> T:
 
 
 def _load_held(config: ServerConfig, parallel: Parallel, channel: Channel
-               ) -> list[tuple[ModelConfig, Engine, Channel]]:
-    """Rank 0's shard of each served model, with the channel of the model's ranks."""
-    return [(m.model, load_engine(config, m.model, m.parallel), m.channel)
-            for m in members(config, parallel, channel)]
+               ) -> list[tuple[Member, Engine]]:
+    """Rank 0's shard of each served model (of its trainer ranks, for a split one)."""
+    held, _ = members(config, parallel, channel)
+    return [(m, load_engine(config, m.model, m.parallel)) for m in held]
+
+
+def _rank_zero_engine(config: ServerConfig, member: Member, local: Engine,
+                      on_lost: Callable[[str], None]) -> EngineAPI:
+    """What rank 0 drives a model through: its ranks' replicated engine, and for a split
+    model the sampler ranks beside it (`twinkle_server.split`)."""
+    engine = ReplicatedEngine(local, member.channel, config.collective_timeout, on_lost)
+    if not member.links:
+        return engine
+    return SplitEngine(engine, member.links, config.collective_timeout)
 
 
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
@@ -142,15 +159,15 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
     engines: list[tuple[ModelConfig, EngineAPI]]
     if parallel is not None and channel is not None:
         held = await _load_on_own_thread(_load_held, config, parallel, channel)
-        engines = [(model, ReplicatedEngine(local, calls, config.collective_timeout, on_lost))
-                   for model, local, calls in held]
+        engines = [(member.model, _rank_zero_engine(config, member, local, on_lost))
+                   for member, local in held]
     else:
         engines = await _load_on_own_thread(load_engines, config)
     try:
         await _serve_engines(config, engines, store, stop, ready, parallel)
     finally:
         for _, engine in engines:
-            if isinstance(engine, ReplicatedEngine):
+            if isinstance(engine, (ReplicatedEngine, SplitEngine)):
                 await asyncio.to_thread(engine.close)
     if lost:
         raise GroupLost(lost[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -753,3 +754,15 @@ def test_decode_apart_drain_runs_an_op_queued_behind_an_ordered_sample(make):
 def test_decode_apart_without_a_decode_group_is_refused():
     with pytest.raises(InvalidArgument, match="decode_apart: needs a decode_group"):
         Scheduler(Recorder(), decode_apart=True)
+
+
+def test_decode_apart_wakes_the_training_worker_whichever_worker_waited_first(make):
+    """Both workers wait on one condition: a new op must wake the one it is for, not
+    just whichever waited longest (the training worker once slept through an op)."""
+    sched = make(SlicedDecoder(), queues=("run", "samp"), decode_group="sample",
+                 decode_apart=True)
+    sched.start()
+    for seq in range(40):
+        if seq % 2:
+            sched.submit(sample("samp", None, tokens=1))
+        assert sched.submit(fwd("run", seq)).result(WAIT_SECONDS) == ("run", seq)

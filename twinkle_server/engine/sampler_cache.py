@@ -48,7 +48,8 @@ from twinkle_server.engine.adapter import Adapter
 log = logging.getLogger(__name__)
 
 SAMPLER_CACHE_SIZE = 8
-_PREFIX = "sampler:"
+KEY_PREFIX = "sampler:"
+"""How every sampler checkpoint's key (`sampler_key`) begins."""
 # Digests remembered, by checkpoint directory; an entry is ~200 bytes.
 _DIGEST_MEMO_SIZE = 4096
 # Loads of one route retried while the files keep changing under them; the last one is
@@ -123,13 +124,13 @@ def _identify(weights_path: str | os.PathLike) -> _Identity:
     path = os.path.realpath(weights_path)
     signature = _signature(path)
     if signature[-1] is None:
-        return _Identity(path, f"{_PREFIX}{path}@missing", signature)
+        return _Identity(path, f"{KEY_PREFIX}{path}@missing", signature)
     with _memo_lock:
         known = _memo.get(path)
         if (known is not None and known.signature == signature
                 and (known.recheck_at_ns is None or _clock_ns() < known.recheck_at_ns)):
             _memo.move_to_end(path)
-            return _Identity(path, f"{_PREFIX}{path}@{known.digest}", signature)
+            return _Identity(path, f"{KEY_PREFIX}{path}@{known.digest}", signature)
     hashed_at = _clock_ns()
     digest = _hash_files(path)
     if _signature(path) == signature:  # not rewritten while hashed: the digest holds
@@ -141,7 +142,7 @@ def _identify(weights_path: str | os.PathLike) -> _Identity:
             _memo.move_to_end(path)
             while len(_memo) > _DIGEST_MEMO_SIZE:
                 _memo.popitem(last=False)
-    return _Identity(path, f"{_PREFIX}{path}@{digest}", signature)
+    return _Identity(path, f"{KEY_PREFIX}{path}@{digest}", signature)
 
 
 def sampler_key(weights_path: str | os.PathLike) -> str:

@@ -72,7 +72,8 @@ def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
     scheduler = Scheduler(
         EngineExecutor(engine, turns), mode=config.scheduling, token_budget=budget,
         decode_group=SAMPLE if config.sampler == "continuous" else None,
-        decode_slice_s=config.decode_slice_ms / 1000)
+        decode_slice_s=config.decode_slice_ms / 1000,
+        decode_apart=model.sampler_ranks > 0)
     scheduler.register_model(ADMIN_QUEUE)
     return Served(model, engine, scheduler)
 

@@ -71,10 +71,11 @@ class Sampling:
         self.samplers = SamplerCache(self._load_sampler,
                                      lambda key, adapter: host._detach(key, adapter.weights),
                                      pinned=self._pinned)
-        # Inflight targets by routing id (`publish_inflight`), and how often each was
-        # published: the weights version its sessions' prefix cache is keyed by.
-        self.inflight: dict[str, Adapter] = {}
-        self.inflight_versions: dict[str, int] = {}
+        # Frozen targets by routing id: inflight ones (`publish_inflight`) and weights
+        # published to a sampler rank (`install`), with the version each holds: what its
+        # sessions' prefix cache is keyed by.
+        self.targets: dict[str, Adapter] = {}
+        self.versions: dict[str, int] = {}
         # A model whose cache the pool cannot hold samples only with `--sampler static`.
         self.pool: DecodePool | None = None
         self.pool_refusal: InvalidArgument | None = None
@@ -113,7 +114,7 @@ class Sampling:
     def route_of(self, adapter_id: str | None, weights_path: str | None) -> str | None:
         """The route id of a request, loading a sampler checkpoint if needed."""
         if adapter_id is not None:
-            if adapter_id not in self.inflight:
+            if adapter_id not in self.targets:
                 self.host._adapter(adapter_id)
             return adapter_id
         return None if weights_path is None else self.samplers.route(weights_path)
@@ -144,22 +145,43 @@ class Sampling:
         their next step."""
         source = self.host._adapter(adapter_id)
         key = inflight_key(adapter_id)
-        if key not in self.inflight:
-            self.inflight[key] = self._frozen(key, source.spec)
-            self.host._attach(self.inflight[key])
-        checkpoint.copy_weights(self.inflight[key], checkpoint.peft_tensors(source))
-        self.inflight_versions[key] = self.inflight_versions.get(key, 0) + 1
+        self.install(key, self.versions.get(key, 0) + 1, source.spec,
+                     checkpoint.peft_tensors(source))
         return key
+
+    def install(self, key: str, version: int, spec: LoraSpec,
+                tensors: dict[str, Any]) -> None:
+        """`tensors` (PEFT keys, `spec`'s shape) as the frozen target routed as `key`, at
+        `version`: made on first use, or remade when the shape changed; refused, changing
+        nothing, when they do not match `spec`. Rows decoding from it take the new weights
+        at their next step."""
+        target = self.targets.get(key)
+        if target is None or target.spec != spec:
+            fresh = self._frozen(key, spec)
+            checkpoint.check_weights(fresh, tensors)
+            if target is not None:
+                self.host._detach(key, target.weights)
+            self.targets[key] = target = fresh
+            self.host._attach(target)
+        else:
+            checkpoint.check_weights(target, tensors)
+        checkpoint.copy_weights(target, tensors)
+        self.versions[key] = version
+
+    def release(self, key: str, error: EngineError) -> None:
+        """Drop the target routed as `key`; requests still routed to it end with `error`."""
+        if self.pool is not None:
+            self.pool.fail(key, error)
+        if (target := self.targets.pop(key, None)) is not None:
+            self.host._detach(key, target.weights)
+        self.versions.pop(key, None)
 
     def forget(self, adapter_id: str, error: EngineError) -> None:
         """An adapter is being removed: end the requests routed to it or its inflight
         target with `error`, and drop the target."""
-        for key in (adapter_id, inflight_key(adapter_id)):
-            if self.pool is not None:
-                self.pool.fail(key, error)
-        if (target := self.inflight.pop(inflight_key(adapter_id), None)) is not None:
-            self.host._detach(target.adapter_id, target.weights)
-        self.inflight_versions.pop(inflight_key(adapter_id), None)
+        if self.pool is not None:
+            self.pool.fail(adapter_id, error)
+        self.release(inflight_key(adapter_id), error)
 
     def _namespace(self, request: SampleRequest, route: str | None) -> tuple[str, str] | None:
         """The prefix-cache namespace of a request: its session and its weights' version
@@ -167,8 +189,8 @@ class Sampling:
         adapter, whose weights change under it with every step."""
         if not request.cache_namespace:
             return None
-        if route in self.inflight:
-            version = f"{route}#{self.inflight_versions[route]}"
+        if route in self.targets:
+            version = f"{route}#{self.versions[route]}"
         elif route is not None and route in self.host.adapters:
             return None
         else:
