@@ -17,6 +17,7 @@ from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.protocol import EngineAPI, marked, ranks_of
 from twinkle_server.engine.types import LoraSpec
 from twinkle_server.replication import REPLICATED, ReplicatedEngine
+from twinkle_server.split import SplitEngine
 
 CONSTRUCTORS = {"load"}
 """Public names of `Engine` that build an engine rather than call one."""
@@ -50,18 +51,19 @@ def test_the_protocol_is_the_engines_public_surface():
     assert _protocol_members() == _public_methods(Engine) | PROPERTIES
     for name in _protocol_members() - PROPERTIES:
         want = list(inspect.signature(getattr(EngineAPI, name)).parameters)
-        for cls in (Engine, ReplicatedEngine):
+        for cls in (Engine, ReplicatedEngine, SplitEngine):
             got = list(inspect.signature(getattr(cls, name)).parameters)
             if isinstance(inspect.getattr_static(cls, name), staticmethod):
                 got = ["self", *got]
             assert got == want, f"{cls.__name__}.{name}{got} differs from EngineAPI's {want}"
 
 
-def test_the_replicated_engine_implements_every_call_itself():
+@pytest.mark.parametrize("cls", [ReplicatedEngine, SplitEngine])
+def test_rank_zeros_engines_implement_every_call_themselves(cls):
     """Real methods, no forwarding by name: each member is defined on the class."""
-    missing = sorted(_protocol_members() - set(vars(ReplicatedEngine)))
+    missing = sorted(_protocol_members() - set(vars(cls)))
     assert not missing
-    assert "__getattr__" not in vars(ReplicatedEngine)
+    assert "__getattr__" not in vars(cls)
 
 
 class _Channel:

@@ -116,3 +116,41 @@ def test_several_models_on_several_ranks_that_fit_are_accepted(tmp_path, monkeyp
     path.write_text(SEVERAL + "ranks = [0]\n")
     assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 2) is None
     assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 1) is None
+
+
+def test_sampler_ranks_come_from_the_flag_or_the_table(tmp_path):
+    (model,) = ServerConfig(sampler_ranks=2).model_configs()
+    assert model.sampler_ranks == 2
+    student, teacher = _models(tmp_path, SEVERAL.replace("name = 'b'", "name = 'b'\n"
+                                                         "sampler_ranks = 1"), sampler_ranks=0)
+    assert (student.sampler_ranks, teacher.sampler_ranks) == (0, 1)
+    with pytest.raises(InvalidArgument, match="key 'sampler_ranks' is -1"):
+        _models(tmp_path, "[[models]]\nname = 'a'\nsampler_ranks = -1\n")
+
+
+@pytest.mark.parametrize(("table", "flags", "world", "named"), [
+    ("", {}, 1, "sampler_ranks: 'a' asks for 2, but the server runs as one process"),
+    ("", {}, 2, "asks for 2 of its 2 ranks, which leaves none to train; give at most 1"),
+    ("ranks = [0, 1, 2]\nsampler_ranks = 3\n", {}, 4, "asks for 3 of its 3 ranks"),
+    ("role = 'sample'\n", {}, 4, "but its role is 'sample'"),
+    ("", {"sampler": "static"}, 4, "--sampler static samples on the trainer ranks"),
+    ("", {"shard_group_size": 2}, 4, "--shard-group-size 2 (hybrid sharding) serves colocated"),
+])
+def test_a_split_that_cannot_work_is_refused_before_anything_loads(
+        tmp_path, monkeypatch, table, flags, world, named):
+    from twinkle_server.server import config_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    path = tmp_path / "models.toml"
+    path.write_text("[[models]]\nname = 'a'\npath = 'tiny'\n" + table)
+    config = ServerConfig(models=path, device="cpu", sampler_ranks=2, **flags)
+    assert named in config_problem(config, world)
+
+
+def test_sampler_ranks_on_one_process_are_refused_at_start(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "serve",
+                          "--sampler-ranks", "1", "--data-dir", str(tmp_path / "data")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "sampler_ranks: 'tiny' asks for 1, but the server runs as one process" in run.stderr

@@ -1,0 +1,145 @@
+"""A model split into trainer ranks and sampler ranks (`--sampler-ranks`, issue 34), on 4
+CPU ranks under the real launcher: 2 train (FSDP2), 2 sample, each with a whole copy of
+the base; trained weights reach the sampler ranks in memory.
+
+Tolerances are `tests/numerics.py`'s: the sampler ranks run the whole base in one process
+while the trainer ranks split each pass over two, so logprobs agree to float32 rounding
+(LOGPROB_ATOL), not bit for bit; seeded draws then pick the same tokens (the engine's
+isolation contract: a draw within rounding of a boundary has a chance of about 1e-6 per
+token).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tinker_compat import ServiceClient
+from twinkle_server.process import start_server
+
+from ..numerics import LOGPROB_ATOL
+from ..tinker_compat.conftest import sft_data
+from .test_launch import _rank_pid
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 6
+"""`--collective-timeout` here: a lost sampler rank must be reported within it."""
+SPLIT = ("--nproc-per-node", "4", "--sampler-ranks", "2", "--kv-pool-tokens", "8192",
+         "--collective-timeout", str(TIMEOUT_S))
+PROMPT = types.ModelInput.from_ints([5, 17, 29, 3, 88, 41])
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory, tiny_cache):
+    server = start_server(tmp_path_factory.mktemp("split"), *SPLIT)
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, tiny_cache):
+    server = start_server(tmp_path_factory.mktemp("alone"), "--kv-pool-tokens", "8192")
+    yield server
+    server.stop()
+
+
+def _trainer_logprobs(training, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The trainer ranks' forward logprobs of `tokens` following `prompt`."""
+    ids = prompt + tokens
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": np.asarray(ids[1:]),
+                                        "weights": np.ones(len(ids) - 1, np.float32)})
+    out = training.forward([datum], "cross_entropy").result()
+    return out.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(tokens):]
+
+
+def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_them(
+        split, alone):
+    """After each of 3 steps: a fresh sample's logprobs on the sampler ranks equal the
+    trainer ranks' forward logprobs of the same tokens, and seeded samples equal a
+    one-process (colocated) server's at the same step."""
+    services = [ServiceClient(base_url=f"http://{s.address}") for s in (split, alone)]
+    try:
+        clients = [s.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+                   for s in services]
+        for step in range(3):
+            for training in clients:
+                training.forward_backward(sft_data(n=4, seed=step), "cross_entropy").result()
+                training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            params = types.SamplingParams(max_tokens=10, seed=step + 1, stop=[])
+            got, want = (t.save_weights_and_get_sampling_client().result().sample(
+                PROMPT, 2, params).result().sequences for t in clients)
+            assert [s.tokens for s in got] == [s.tokens for s in want], step
+            for sequence in got:
+                np.testing.assert_allclose(
+                    sequence.logprobs, _trainer_logprobs(clients[0], PROMPT.to_ints(),
+                                                         sequence.tokens),
+                    atol=LOGPROB_ATOL, rtol=0, err_msg=f"step {step}")
+    finally:
+        for service in services:
+            service.close()
+    log = split.log()
+    assert sorted(re.findall(r"loaded: sampler rank (\d) holds a whole copy of tiny",
+                             log)) == ["2", "3"]
+
+
+def test_a_training_op_completes_while_a_long_sample_runs_on_the_sampler_ranks(split):
+    service = ServiceClient(base_url=f"http://{split.address}")
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        order: list[str] = []
+        long = sampler.sample(PROMPT, 16, types.SamplingParams(max_tokens=400, seed=1,
+                                                                stop=[]))
+        long.add_done_callback(lambda _: order.append("sample"))
+        time.sleep(0.5)   # the sample is decoding on a sampler rank
+        trained = training.forward_backward(sft_data(n=2, seed=5), "cross_entropy")
+        trained.add_done_callback(lambda _: order.append("train"))
+        trained.result()
+        stepped = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        stepped.add_done_callback(lambda _: order.append("step"))
+        stepped.result()
+        assert len(long.result().sequences) == 16
+        assert order == ["train", "step", "sample"]
+    finally:
+        service.close()
+
+
+def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path, tiny_cache):
+    """The stock SDK over HTTP (it does not resend a failed sample, as the native client
+    resends an UNAVAILABLE one): the sample on the killed rank fails at once, naming it;
+    the launcher then ends the job, and rank 0's drain lets the other rank's sample end."""
+    server = start_server(tmp_path / "data", *SPLIT, http=True)
+    service = tinker.ServiceClient(base_url=f"http://{server.http_address}",
+                                   api_key="tml-open-mode")
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        # Two long samples: the least busy sampler rank takes each, so one is on rank 3.
+        params = types.SamplingParams(max_tokens=900, seed=1, stop=[])
+        samples = [sampler.sample(PROMPT, 8, params) for _ in range(2)]
+        time.sleep(1.0)
+        os.kill(_rank_pid(server.proc.pid, 3), signal.SIGKILL)
+        killed = time.monotonic()
+        errors = []
+        for future in samples:
+            try:
+                future.result(timeout=TIMEOUT_S + 60)
+            except tinker.TinkerError as exc:
+                errors.append((time.monotonic() - killed, str(exc)))
+        lost = [(after, text) for after, text in errors if "sampler rank 3 is lost" in text]
+        assert lost, errors
+        assert lost[0][0] < TIMEOUT_S + 5
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert "sampler rank 3 is lost" in server.log()
