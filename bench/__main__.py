@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from bench import codec, distributed, engine, sampling, server, tinker_compat, tinker_http
+from bench import codec, distributed, engine, sampling, server, split, tinker_compat, tinker_http
 
 for module in (codec, engine, distributed, server, tinker_compat, tinker_http, sampling):
     print(f"== {module.__name__}")
     module.main()
     print()
+print("== bench.split (its publication table is bench.distributed's)")
+split.main(only="rl")

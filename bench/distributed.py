@@ -9,7 +9,9 @@ at rest. The paths run in interleaved rounds (a loaded 2-core machine slows a 2-
 process several-fold now and then), and the parent prints each path's best round in one
 table, with ratios against the single-process path.
 
-Run: `.venv/bin/python -m bench.distributed` (also part of `make bench`; about 80 s on 2
+Then the cost of publishing adapter weights to a sampler rank (`bench.split.publication`).
+
+Run: `.venv/bin/python -m bench.distributed` (also part of `make bench`; about 90 s on 2
 cores); `--steps N`, `--rounds N`. Every rank makes the same engine calls in the same order.
 """
 
@@ -21,6 +23,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from bench import split
 
 BATCH, LENGTH = 8, 256
 
@@ -101,6 +105,8 @@ def main(steps: int = 8, rounds: int = 2) -> None:
     print("  ratios: against the single-process path. On a 2-core CPU no speed-up is expected "
           "(two ranks\n  share the two cores and add all-gathers); the point is the path and "
           "the per-rank memory.")
+    print()
+    split.publication()
 
 
 if __name__ == "__main__":

@@ -437,6 +437,25 @@ def bench_shape(name: str, path: Path, run: GpuRun, table: Table) -> None:
     free(device)
 
 
+def split_rows(device: torch.device, run: GpuRun) -> bool:
+    """The RL step with sampler ranks beside trainer ranks against colocated ranks, one
+    GPU per rank, through a launched server (`bench.split.rl_step`, the tiny model); it
+    needs 2 GPUs, and says so on a machine with fewer. Returns False when it failed."""
+    from bench import split
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and gpus < 2:
+        print(f"RL step, split vs colocated: not run, it needs 2 GPUs (one per rank); this "
+              f"machine has {gpus}", flush=True)
+        return True
+    try:
+        split.print_rl_step(ranks=2, device=device.type, steps=2 if run.small else run.steps)
+    except Exception as exc:
+        print(f"RL step, split vs colocated: failed: {type(exc).__name__}: {exc}", flush=True)
+        return False
+    return True
+
+
 def run_gpu_tests(run: GpuRun) -> int:
     """`pytest -m gpu tests/gpu` in a subprocess of this interpreter, on this run's device
     and sizes, its output going to ours; returns its exit status."""
@@ -486,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_shape(name, Path(tmp), run, table)
     table.print(run)
     failed = bool(table.failures)
+    if not split_rows(device, run):
+        failed = True
     if args.tests:
         free(device)
         failed = run_gpu_tests(run) != 0 or failed

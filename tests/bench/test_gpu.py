@@ -71,6 +71,7 @@ def test_the_smoke_run_prints_every_row_and_passes_the_gpu_tests(tiny_cache, com
     for row in ROWS:
         assert any(row in line and "out of memory" not in line for line in summary), row
     if "-c" not in command:
+        assert "split, 1 sampler rank" in done.stdout, done.stdout[-3000:]
         tests = "\n".join(summary)
         assert all(test in tests for test in GPU_TESTS) and f"{len(GPU_TESTS)} passed" in tests
 
