@@ -37,7 +37,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -125,9 +124,13 @@ class SplitEngine:
         self._publishing = threading.Lock()    # one publication at a time, in version order
         self._failed: list[tuple[int, EngineError]] = []
         self._closed = threading.Event()
-        self._keepalive = threading.Thread(target=self._keep_alive, daemon=True,
-                                           name="twinkle-sampler-keepalive")
-        self._keepalive.start()
+        # One per sampler rank: a hung one holds up its own no-ops only.
+        self._keepalive = [threading.Thread(target=self._keep_alive, args=(sampler,),
+                                            daemon=True,
+                                            name=f"twinkle-keepalive-{sampler.link.rank}")
+                           for sampler in self.samplers]
+        for thread in self._keepalive:
+            thread.start()
 
     # ------------------------------------------------------------------ the trainer's
 
@@ -352,9 +355,10 @@ class SplitEngine:
             if owner is not None:
                 plans.setdefault(owner.link.rank, ([], [], [], []))[3].append(key)
         busy = [s for s in self._alive() if s.link.rank in plans or s.outstanding]
-        with ExitStack() as held:
-            for sampler in busy:
-                held.enter_context(sampler.calls_lock)
+        held = list(busy)
+        for sampler in held:
+            sampler.calls_lock.acquire()
+        try:
             sent = []
             for sampler in busy:
                 new, new_keys, needs, stop = plans.get(sampler.link.rank, ([], [], [], []))
@@ -362,11 +366,18 @@ class SplitEngine:
                     sent.append(sampler)
             for sampler in sent:
                 reply = self._answer(sampler)
+                # Free its channel at once: while this waits on a hung sampler rank, the
+                # keepalive must still reach the others within their timeout.
+                sampler.calls_lock.release()
+                held.remove(sampler)
                 if reply is not None:
                     with self._lock:
                         for key, _ in reply:
                             sampler.outstanding.pop(key, None)
                     done += reply
+        finally:
+            for sampler in held:
+                sampler.calls_lock.release()
         with self._lock:
             done += self._failed
             self._failed = []
@@ -469,32 +480,32 @@ class SplitEngine:
             sampler.outstanding.clear()
         log.error("%s", sampler.lost)
 
-    def _keep_alive(self) -> None:
-        """No-ops on idle channels, so a sampler rank waiting on either never times out."""
+    def _keep_alive(self, sampler: _Sampler) -> None:
+        """No-ops on `sampler`'s idle channels, so it never times out waiting on either."""
         interval = max(0.05, self.timeout_s / 4)
-        while not self._closed.wait(interval / 2):
-            now = time.monotonic()
-            for sampler in self._alive():
-                for lock, last, channel in (
-                        (sampler.calls_lock, sampler.last_call, sampler.link.calls),
-                        (sampler.weights_lock, sampler.last_weights, sampler.link.weights)):
-                    if now - last < interval or not lock.acquire(blocking=False):
-                        continue
-                    try:
-                        channel.send((NOOP,))
-                        if channel is sampler.link.calls:
-                            sampler.last_call = time.monotonic()
-                        else:
-                            sampler.last_weights = time.monotonic()
-                    except Exception as exc:
-                        self._lose(sampler, exc)
-                    finally:
-                        lock.release()
+        while not self._closed.wait(interval / 2) and sampler.lost is None:
+            for lock, channel in ((sampler.calls_lock, sampler.link.calls),
+                                  (sampler.weights_lock, sampler.link.weights)):
+                last = (sampler.last_call if channel is sampler.link.calls
+                        else sampler.last_weights)
+                if time.monotonic() - last < interval or not lock.acquire(blocking=False):
+                    continue
+                try:
+                    channel.send((NOOP,))
+                    if channel is sampler.link.calls:
+                        sampler.last_call = time.monotonic()
+                    else:
+                        sampler.last_weights = time.monotonic()
+                except Exception as exc:
+                    self._lose(sampler, exc)
+                finally:
+                    lock.release()
 
     def close(self) -> None:
         """Stop the trainer ranks and the sampler ranks (those still reachable)."""
         self._closed.set()
-        self._keepalive.join()
+        for thread in self._keepalive:
+            thread.join()
         close = getattr(self.trainer, "close", None)
         if close is not None:
             close()

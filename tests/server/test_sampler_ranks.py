@@ -143,3 +143,43 @@ def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path,
         if server.proc.poll() is None:
             server.proc.kill()
     assert "sampler rank 3 is lost" in server.log()
+
+
+def test_a_hung_sampler_rank_is_given_up_and_the_others_serve_on(tmp_path, tiny_cache):
+    """A stopped (hung) sampler rank is not a dead process, so the launcher keeps the job:
+    within the collective timeout its sample fails UNAVAILABLE naming it, later samples go
+    to the sampler rank left, and training goes on with its state intact."""
+    server = start_server(tmp_path / "data", *SPLIT, http=True)
+    service = tinker.ServiceClient(base_url=f"http://{server.http_address}",
+                                   api_key="tml-open-mode")
+    hung = _rank_pid(server.proc.pid, 3)
+    try:
+        training = service.create_lora_training_client(base_model="tiny", rank=4,
+                                                       seed=3).result()
+        training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=900, seed=1, stop=[])
+        samples = [sampler.sample(PROMPT, 8, params) for _ in range(2)]
+        time.sleep(1.0)
+        os.kill(hung, signal.SIGSTOP)
+        stopped = time.monotonic()
+        errors = []
+        for future in samples:
+            try:
+                future.result(timeout=TIMEOUT_S + 60)
+            except tinker.TinkerError as exc:
+                errors.append((time.monotonic() - stopped, str(exc)))
+        assert [text for _, text in errors if "sampler rank 3 is lost" in text], errors
+        assert max(after for after, _ in errors) < TIMEOUT_S + 5
+        # Training state is intact, and sampling goes on, on rank 2.
+        out = training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert np.isfinite(out.metrics["loss:sum"])
+        again = training.save_weights_and_get_sampling_client().result().sample(
+            PROMPT, 2, types.SamplingParams(max_tokens=4, seed=2)).result()
+        assert len(again.sequences) == 2
+        assert server.proc.poll() is None
+    finally:
+        os.kill(hung, signal.SIGCONT)
+        server.proc.kill()
+        server.proc.wait(30)
