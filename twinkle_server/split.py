@@ -122,6 +122,10 @@ class SplitEngine:
         self._version = 0
         self._lock = threading.Lock()          # the bookkeeping above and below
         self._publishing = threading.Lock()    # one publication at a time, in version order
+        # Held while the trainer changes adapter weights, and while the decode worker reads
+        # a live model's to publish them (a sampling session on a live model is not
+        # ordered after its training ops), so no publication is torn.
+        self._stepping = threading.Lock()
         self._failed: list[tuple[int, EngineError]] = []
         self._closed = threading.Event()
         # One per sampler rank: a hung one holds up its own no-ops only.
@@ -175,8 +179,9 @@ class SplitEngine:
         return self.trainer.forward_batch(requests)
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
-        out = self.trainer.optim_step(adapter_id, params)
-        self._republish(adapter_id)
+        with self._stepping:
+            out = self.trainer.optim_step(adapter_id, params)
+            self._republish(adapter_id)
         return out
 
     def set_loss(self, adapter_id: str, loss: LossSpec) -> None:
@@ -192,8 +197,9 @@ class SplitEngine:
         return self.trainer.clip_grad_norm(adapter_id, max_norm)
 
     def step(self, adapter_id: str) -> dict[str, float]:
-        out = self.trainer.step(adapter_id)
-        self._republish(adapter_id)
+        with self._stepping:
+            out = self.trainer.step(adapter_id)
+            self._republish(adapter_id)
         return out
 
     def zero_grad(self, adapter_id: str) -> None:
@@ -224,8 +230,9 @@ class SplitEngine:
 
     def load_state(self, adapter_id: str, path: str | os.PathLike, include_optimizer: bool,
                    adopt_accumulation: bool = False) -> None:
-        self.trainer.load_state(adapter_id, path, include_optimizer, adopt_accumulation)
-        self._republish(adapter_id)
+        with self._stepping:
+            self.trainer.load_state(adapter_id, path, include_optimizer, adopt_accumulation)
+            self._republish(adapter_id)
 
     # ------------------------------------------------------------------ publication
 
@@ -270,7 +277,8 @@ class SplitEngine:
         return version
 
     def _republish(self, adapter_id: str) -> None:
-        """A live model's weights changed: publish them again when sampler ranks hold them."""
+        """A live model's weights changed: publish them again when sampler ranks hold them
+        (call with `_stepping`)."""
         with self._lock:
             held = adapter_id in self.published
         if held:
@@ -319,11 +327,12 @@ class SplitEngine:
             version = self.published.get(adapter_id)
         if version is not None:
             return Need(adapter_id, version)
-        adapter = self.trainer.adapters.get(adapter_id)
-        if adapter is None:
-            raise NotFound(f"model_id: no model {adapter_id!r}")
-        return Need(adapter_id, self._publish(adapter_id, adapter.spec,
-                                              checkpoint.peft_tensors(adapter)))
+        with self._stepping:
+            adapter = self.trainer.adapters.get(adapter_id)
+            if adapter is None:
+                raise NotFound(f"model_id: no model {adapter_id!r}")
+            return Need(adapter_id, self._publish(adapter_id, adapter.spec,
+                                                  checkpoint.peft_tensors(adapter)))
 
     # ------------------------------------------------------------------ sampling
 

@@ -11,10 +11,10 @@ token).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import re
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -46,10 +46,30 @@ def split(tmp_path_factory, tiny_cache):
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory, tiny_cache):
-    server = start_server(tmp_path_factory.mktemp("alone"), "--kv-pool-tokens", "8192")
+def colocated(tmp_path_factory, tiny_cache):
+    """The default layout on 2 ranks: both train and sample. Its trainer ranks compute
+    what the split server's do (FSDP2 over 2), so both hold the same weights at each step;
+    a one-process server's would differ by Adam's rounding (1e-2 * lr * steps)."""
+    server = start_server(tmp_path_factory.mktemp("colocated"), "--nproc-per-node", "2",
+                          "--kv-pool-tokens", "8192")
     yield server
-    server.stop()
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def _end(server) -> int:
+    """Stop a split server's job (SIGTERM: rank 0 drains, then the launcher ends every
+    rank); whatever is left after the launcher's own shutdown bound is killed, the
+    ranks before the launcher, so none is orphaned. Returns the launcher's exit status."""
+    try:
+        return server.stop(timeout=120)
+    except subprocess.TimeoutExpired:
+        for rank in range(4):
+            try:
+                os.kill(_rank_pid(server.proc.pid, rank), signal.SIGKILL)
+            except AssertionError:
+                pass
+        server.proc.kill()
+        return server.proc.wait(30)
 
 
 def _trainer_logprobs(training, prompt: list[int], tokens: list[int]) -> np.ndarray:
@@ -63,11 +83,11 @@ def _trainer_logprobs(training, prompt: list[int], tokens: list[int]) -> np.ndar
 
 
 def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_them(
-        split, alone):
+        split, colocated):
     """After each of 3 steps: a fresh sample's logprobs on the sampler ranks equal the
     trainer ranks' forward logprobs of the same tokens, and seeded samples equal a
-    one-process (colocated) server's at the same step."""
-    services = [ServiceClient(base_url=f"http://{s.address}") for s in (split, alone)]
+    colocated server's at the same step."""
+    services = [ServiceClient(base_url=f"http://{s.address}") for s in (split, colocated)]
     try:
         clients = [s.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
                    for s in services]
@@ -90,6 +110,43 @@ def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_
     log = split.log()
     assert sorted(re.findall(r"loaded: sampler rank (\d) holds a whole copy of tiny",
                              log)) == ["2", "3"]
+
+
+def test_a_live_model_samples_each_steps_weights_as_a_colocated_server_does(split, colocated):
+    """The native client's loop samples the live adapter after each step (its weights
+    published on first use, then after every step): the same seeded tokens and logprobs
+    as a colocated server."""
+    from peft import LoraConfig
+
+    from twinkle_client import init_twinkle_client
+    from twinkle_client.model import MultiLoraTransformersModel
+
+    rng = np.random.default_rng(0)
+    batch = [{"input_ids": ids[:-1], "labels": ids[1:]}
+             for ids in (rng.integers(3, 200, 17) for _ in range(4))]
+    runs = []
+    for server in (split, colocated):
+        with init_twinkle_client(base_url=f"http://{server.address}", api_key="EMPTY"):
+            model = MultiLoraTransformersModel("ms://tiny")
+            model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8,
+                                                             target_modules="all-linear"),
+                                       seed=1)
+            model.set_loss("CrossEntropyLoss")
+            model.set_optimizer("AdamW", lr=5e-2)
+            samples = []
+            for _ in range(3):
+                model.forward_backward(inputs=batch)
+                model.step()
+                model.zero_grad()
+                samples.append(model.sample(PROMPT.to_ints(), max_tokens=8, seed=4,
+                                            num_samples=2).sequences)
+            runs.append(samples)
+    for step, (got, want) in enumerate(zip(*runs, strict=True)):
+        assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in want], step
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_ATOL, rtol=0)
+    assert runs[0][0][0].tokens.tolist() != runs[0][2][0].tokens.tolist() or \
+        not np.allclose(runs[0][0][0].logprobs, runs[0][2][0].logprobs)
 
 
 def test_a_training_op_completes_while_a_long_sample_runs_on_the_sampler_ranks(split):
@@ -139,9 +196,9 @@ def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path,
         lost = [(after, text) for after, text in errors if "sampler rank 3 is lost" in text]
         assert lost, errors
         assert lost[0][0] < TIMEOUT_S + 5
+        assert server.proc.wait(120) != 0   # the launcher ends the job
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
+        _end(server)
     assert "sampler rank 3 is lost" in server.log()
 
 
@@ -181,5 +238,4 @@ def test_a_hung_sampler_rank_is_given_up_and_the_others_serve_on(tmp_path, tiny_
         assert server.proc.poll() is None
     finally:
         os.kill(hung, signal.SIGCONT)
-        server.proc.kill()
-        server.proc.wait(30)
+        _end(server)
