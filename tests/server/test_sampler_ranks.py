@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -171,6 +172,25 @@ def test_a_training_op_completes_while_a_long_sample_runs_on_the_sampler_ranks(s
         service.close()
 
 
+def _fail_rank_3_while_sampling(training, fail: Callable[[], None]
+                                ) -> list[tuple[float, str]]:
+    """Start two long samples (the least busy sampler rank takes each, so one is on rank
+    3), then `fail` rank 3; each sample's error, with the seconds it came after."""
+    sampler = training.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=900, seed=1, stop=[])
+    samples = [sampler.sample(PROMPT, 8, params) for _ in range(2)]
+    time.sleep(1.0)
+    fail()
+    failed_at = time.monotonic()
+    errors = []
+    for future in samples:
+        try:
+            future.result(timeout=TIMEOUT_S + 60)
+        except tinker.TinkerError as exc:
+            errors.append((time.monotonic() - failed_at, str(exc)))
+    return errors
+
+
 def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path, tiny_cache):
     """The stock SDK over HTTP (it does not resend a failed sample, as the native client
     resends an UNAVAILABLE one): the sample on the killed rank fails at once, naming it;
@@ -180,19 +200,8 @@ def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path,
                                    api_key="tml-open-mode")
     try:
         training = service.create_lora_training_client(base_model="tiny", rank=4).result()
-        sampler = training.save_weights_and_get_sampling_client().result()
-        # Two long samples: the least busy sampler rank takes each, so one is on rank 3.
-        params = types.SamplingParams(max_tokens=900, seed=1, stop=[])
-        samples = [sampler.sample(PROMPT, 8, params) for _ in range(2)]
-        time.sleep(1.0)
-        os.kill(_rank_pid(server.proc.pid, 3), signal.SIGKILL)
-        killed = time.monotonic()
-        errors = []
-        for future in samples:
-            try:
-                future.result(timeout=TIMEOUT_S + 60)
-            except tinker.TinkerError as exc:
-                errors.append((time.monotonic() - killed, str(exc)))
+        errors = _fail_rank_3_while_sampling(training, lambda: os.kill(
+            _rank_pid(server.proc.pid, 3), signal.SIGKILL))
         lost = [(after, text) for after, text in errors if "sampler rank 3 is lost" in text]
         assert lost, errors
         assert lost[0][0] < TIMEOUT_S + 5
@@ -214,18 +223,7 @@ def test_a_hung_sampler_rank_is_given_up_and_the_others_serve_on(tmp_path, tiny_
         training = service.create_lora_training_client(base_model="tiny", rank=4,
                                                        seed=3).result()
         training.forward_backward(sft_data(n=2, seed=1), "cross_entropy").result()
-        sampler = training.save_weights_and_get_sampling_client().result()
-        params = types.SamplingParams(max_tokens=900, seed=1, stop=[])
-        samples = [sampler.sample(PROMPT, 8, params) for _ in range(2)]
-        time.sleep(1.0)
-        os.kill(hung, signal.SIGSTOP)
-        stopped = time.monotonic()
-        errors = []
-        for future in samples:
-            try:
-                future.result(timeout=TIMEOUT_S + 60)
-            except tinker.TinkerError as exc:
-                errors.append((time.monotonic() - stopped, str(exc)))
+        errors = _fail_rank_3_while_sampling(training, lambda: os.kill(hung, signal.SIGSTOP))
         assert [text for _, text in errors if "sampler rank 3 is lost" in text], errors
         assert max(after for after, _ in errors) < TIMEOUT_S + 5
         # Training state is intact, and sampling goes on, on rank 2.
