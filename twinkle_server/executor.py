@@ -68,12 +68,15 @@ class _Alone:
 
 
 class EngineExecutor:
-    """Runs scheduler batches on one engine, from the scheduler's single worker thread;
-    with `turns`, only while its model holds the device it shares."""
+    """Runs scheduler batches on one engine, from the scheduler's worker thread; with
+    `turns`, only while its model holds the device it shares. `decodes_here` False: the
+    engine decodes on devices of its own (sampler ranks), so decode slices take no turn."""
 
-    def __init__(self, engine: EngineAPI, turns: Turns | None = None) -> None:
+    def __init__(self, engine: EngineAPI, turns: Turns | None = None,
+                 decodes_here: bool = True) -> None:
         self.engine = engine
         self.turns = turns if turns is not None else _Alone()
+        self.decode_turns = self.turns if decodes_here else _Alone()
         # Sample ops in the decode pool, by the key the engine answers them under.
         self._waiting: dict[int, Op] = {}
         self._keys = 0
@@ -119,7 +122,7 @@ class EngineExecutor:
         gone = self._forgotten + _keys_of(waiting, cancelled)
         self._forgotten = []
         try:
-            with self.turns:
+            with self.decode_turns:
                 done = self.engine.decode([op.payload for op in joining], keys, slice_s,
                                           cancelled=gone)
         except BaseException:

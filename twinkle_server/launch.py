@@ -162,9 +162,11 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
 def _split_problem(config: ServerConfig, model: ModelConfig, world: int) -> str | None:
     """Why `model`'s `sampler_ranks` cannot work on `world` ranks, or None."""
     count = model.sampler_ranks
+    where = f"sampler_ranks: {model.name!r} asks for {count}"
+    if count < 0:
+        return f"{where}; give 0 (every rank trains and samples) or more"
     if not count:
         return None
-    where = f"sampler_ranks: {model.name!r} asks for {count}"
     if world == 1:
         return (f"{where}, but the server runs as one process; launch more ranks than that "
                 f"(--nproc-per-node {count + 1} or more)")
@@ -304,7 +306,7 @@ def run_follower(config: ServerConfig, parallel: Parallel, channel: Channel) -> 
     try:
         engines = [load_engine(config, m.model, m.parallel) for m in held]
         samplers = [SamplerRank(load_engine(config, seat.model, device=device), seat.link,
-                                config.collective_timeout) for seat in seats]
+                                config.collective_timeout / 2) for seat in seats]
     except EngineError as exc:
         log.error("rank %d: %s", parallel.rank, exc)
         return 2

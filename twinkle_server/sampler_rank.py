@@ -98,7 +98,8 @@ class Inbox:
         self._cond = threading.Condition()
         self._pending: deque[tuple] = deque()
         self.refused: dict[str, tuple[int, EngineError]] = {}
-        """Key -> the version last refused, and why: requests needing it get the error."""
+        """Key -> the last version refused or let go, and why: requests needing it (or an
+        earlier one) get the error instead of waiting."""
 
     def put(self, message: tuple) -> None:
         with self._cond:
@@ -130,8 +131,10 @@ class Inbox:
                     self.refused[found.key] = (found.version, exc)
             else:
                 _, key, reason = message
+                # Requests for the version let go (or an earlier one) fail with why; a
+                # later publication of the key is a new version, which they may wait for.
+                self.refused[key] = (engine.sampling.versions.get(key, 0), reason)
                 engine.sampling.release(key, reason)
-                self.refused.pop(key, None)
 
     def refusal(self, need: Need) -> EngineError | None:
         """Why `need`'s version will never be live here, if its publication was refused."""
@@ -156,9 +159,10 @@ class _Held:
 
 class SamplerRank:
     """The serving side of one sampler rank: decode slices and prompt scoring on `engine`
-    behind the publish gate. `wait_s` bounds how long a request waits for its weights
-    (the collective timeout: rank 0 sends them before the request, so only a lost link
-    keeps them away)."""
+    behind the publish gate. `wait_s` bounds how long a request waits for its weights:
+    rank 0 posts them before the request, so only a failing link keeps them away; it is
+    under the collective timeout (half of it), so a score waiting on them is answered
+    before rank 0 would give this rank up."""
 
     def __init__(self, engine: Engine, link: Link, wait_s: float) -> None:
         self.engine, self.link, self.wait_s = engine, link, wait_s

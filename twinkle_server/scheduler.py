@@ -218,6 +218,7 @@ class Scheduler:
         self.decode_group = decode_group
         self.decode_slice_s = decode_slice_s
         self.decode_apart = decode_apart
+        self._trained_out = False   # the training worker has stopped (decode_apart)
         # Decode ops taken from their queues: not yet handed to the pool, and in it.
         self._joining: list[tuple[_Queue, _Entry]] = []
         self._decoding: dict[int, tuple[_Queue, _Entry]] = {}
@@ -483,7 +484,9 @@ class Scheduler:
                     done = self._closed and not (decoding or joining)
                 elif only == "decode":
                     work = "decode" if decoding or joining else None
-                    done = self._closed
+                    # The training worker may still move a sample into the pool (one
+                    # queued behind its running op): stop after it.
+                    done = self._closed and self._trained_out
                 else:
                     first_sample = min((e.ticket for _, e in self._joining), default=None)
                     training_first = bool(heads) and (
@@ -510,6 +513,8 @@ class Scheduler:
             # waits on a seq_id that never came.
             for queue in self._queues.values():
                 stranded += queue.take_waiting()
+            self._trained_out = True
+            self._cond.notify_all()
         _fail_all(stranded, SchedulerClosed("the server shut down before this op's earlier "
                                             "seq_ids arrived; it was not run"))
         return None

@@ -159,3 +159,21 @@ def test_turns_go_first_come_first_served_and_a_releaser_queues_behind_a_waiter(
         order.append("again")
     thread.join(WAIT_SECONDS)
     assert order == ["first", "other", "again"]
+
+
+def test_an_engine_decoding_elsewhere_takes_no_turn_for_its_slices():
+    """A split model's decode slices run on its sampler ranks: they never wait for the
+    device its training shares with another model, while its training batches do."""
+    import threading
+
+    from twinkle_server.executor import Turns
+
+    turns = Turns()
+    executor = EngineExecutor(FakeEngine(), turns, decodes_here=False)
+    with turns:   # another model holds the shared device
+        finished = threading.Event()
+        thread = threading.Thread(target=lambda: (executor.decode([], 0.1),
+                                                  finished.set()))
+        thread.start()
+        assert finished.wait(WAIT_SECONDS)
+        thread.join(WAIT_SECONDS)

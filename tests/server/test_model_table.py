@@ -148,6 +148,15 @@ def test_a_split_that_cannot_work_is_refused_before_anything_loads(
     assert named in config_problem(config, world)
 
 
+def test_a_negative_sampler_ranks_flag_is_refused_not_ignored(monkeypatch):
+    from twinkle_server.server import config_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    problem = config_problem(ServerConfig(sampler_ranks=-1, device="cpu"), 4)
+    assert "sampler_ranks: 'tiny' asks for -1; give 0" in problem
+
+
 def test_sampler_ranks_on_one_process_are_refused_at_start(tmp_path):
     run = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "serve",
                           "--sampler-ranks", "1", "--data-dir", str(tmp_path / "data")],

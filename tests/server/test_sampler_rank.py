@@ -13,10 +13,10 @@ import torch
 
 from twinkle_server.engine import checkpoint
 from twinkle_server.engine.engine import Engine
-from twinkle_server.engine.errors import InvalidArgument, Unavailable
+from twinkle_server.engine.errors import InvalidArgument, NotFound, Unavailable
 from twinkle_server.engine.prompt_scoring import PromptScoring
-from twinkle_server.engine.types import EngineLimits, LoraSpec, SamplingParams, SampleRequest
-from twinkle_server.sampler_rank import PUBLISH, Link, Need, Publication, SamplerRank
+from twinkle_server.engine.types import EngineLimits, LoraSpec, SampleRequest, SamplingParams
+from twinkle_server.sampler_rank import PUBLISH, RELEASE, Link, Need, Publication, SamplerRank
 
 from ..numerics import LOGPROB_ATOL
 
@@ -123,3 +123,17 @@ def test_a_publication_carries_its_tensors_bit_for_bit_in_their_dtype(dtype):
     back = found.torch_tensors()
     for name, tensor in tensors.items():
         assert back[name].dtype == dtype and torch.equal(back[name], tensor)
+
+
+def test_a_request_whose_weights_were_let_go_fails_with_why_at_once(engine):
+    rank = SamplerRank(engine, Link(2, None, None), wait_s=30)
+    rank.inbox.put((PUBLISH, Publication.of("gone", 1, SPEC, _tensors(engine, 4))))
+    rank.inbox.put((RELEASE, "gone", NotFound("model_id: model 'gone' was unloaded")))
+    [(key, error)] = rank.decode([_request("gone")], [6], [Need("gone", 1)], 0.05, [])
+    assert key == 6 and isinstance(error, NotFound) and "unloaded" in str(error)
+    # A later version of the key is a new publication: a request for it waits for it.
+    assert rank.decode([_request("gone")], [7], [Need("gone", 2)], 0.05, []) == []
+    rank.inbox.put((PUBLISH, Publication.of("gone", 2, SPEC, _tensors(engine, 5))))
+    [(key, generation)] = _until_done(rank)
+    assert key == 7 and len(generation.sequences[0].tokens) == 8
+    engine.sampling.release("gone", Unavailable("test over"))

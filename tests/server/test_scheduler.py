@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -765,3 +766,21 @@ def test_decode_apart_wakes_the_training_worker_whichever_worker_waited_first(ma
         if seq % 2:
             sched.submit(sample("samp", None, tokens=1))
         assert sched.submit(fwd("run", seq)).result(WAIT_SECONDS) == ("run", seq)
+
+
+def test_decode_apart_drain_decodes_a_sample_queued_behind_a_running_training_op(make):
+    decoder = HeldDecoder()
+    decoder.slice_gate.set()
+    sched = make(decoder, queues=("run",), decode_group="sample", decode_apart=True)
+    decoder.gate.clear()
+    sched.start()
+    trained = sched.submit(fwd("run", 0))
+    sampled = sched.submit(sample("run", 1, tokens=2))
+    assert decoder.entered.wait(WAIT_SECONDS)   # the training op runs; the sample waits
+    stopper = threading.Thread(target=sched.stop, kwargs={"timeout": WAIT_SECONDS})
+    stopper.start()
+    time.sleep(0.1)   # the decode worker sees the stop with nothing to decode
+    decoder.gate.set()
+    stopper.join(2 * WAIT_SECONDS)
+    assert trained.result(0) == ("run", 0)
+    assert sampled.result(0)[0] == "sampled"

@@ -69,11 +69,13 @@ def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
     if model.max_seq_len == AUTO_SEQ_LEN:   # the engine chose it (`max_seq_len` 0)
         model = replace(model, max_seq_len=engine.limits.max_seq_len)
     budget = config.merge_token_budget or default_token_budget(engine.base.device.type)
+    # A split model decodes on its sampler ranks: apart from its training, on no device
+    # it shares.
+    split = model.sampler_ranks > 0
     scheduler = Scheduler(
-        EngineExecutor(engine, turns), mode=config.scheduling, token_budget=budget,
-        decode_group=SAMPLE if config.sampler == "continuous" else None,
-        decode_slice_s=config.decode_slice_ms / 1000,
-        decode_apart=model.sampler_ranks > 0)
+        EngineExecutor(engine, turns, decodes_here=not split), mode=config.scheduling,
+        token_budget=budget, decode_group=SAMPLE if config.sampler == "continuous" else None,
+        decode_slice_s=config.decode_slice_ms / 1000, decode_apart=split)
     scheduler.register_model(ADMIN_QUEUE)
     return Served(model, engine, scheduler)
 
