@@ -40,6 +40,22 @@ def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
         assert top_p == 1       # token 1 alone holds 48% of the mass
 
 
+def test_draws_follow_the_distribution_and_never_pick_a_token_of_probability_zero():
+    """20,000 seeded draws of a 6-token distribution (two tokens at probability 0, one of
+    them the first id, one the last): each frequency within 5 standard errors of its
+    probability (sqrt(p(1-p)/n) <= 0.0036 here), the zero tokens never drawn."""
+    probs = torch.tensor([0.0, 0.5, 0.2, 0.25, 0.05, 0.0])
+    logits = torch.log(probs)[None]
+    n = 20_000
+    counts = torch.zeros(6)
+    generator = torch.Generator().manual_seed(0)
+    for token in tokens.pick(logits.expand(n, 6), SamplingParams(max_tokens=1), generator):
+        counts[token] += 1
+    assert counts[0] == 0 and counts[5] == 0
+    standard_error = (probs * (1 - probs) / n).sqrt()
+    assert ((counts / n - probs).abs() <= 5 * standard_error + 1e-9).all(), counts / n
+
+
 def test_rows_whose_logits_are_not_finite_are_reported_and_the_others_drawn():
     logits = torch.randn(4, 30)
     logits[1, 3] = math.nan

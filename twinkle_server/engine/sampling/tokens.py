@@ -53,8 +53,22 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
                                           float("-inf"))
         # Back to token-id order: the draw below walks the kept tokens by id.
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _inverse_cdf(torch.softmax(scores, dim=-1), generator)
+
+
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` `[n, V]`: the first token, in id order, whose
+    cumulative probability passes a uniform draw from `generator` (one number a row).
+
+    `torch.multinomial` draws an exponential number for every token of every row (on a
+    CPU, a sixth of a decode step's time for 96 rows of a 4,096-token vocabulary); this
+    draws one. A token of probability 0 is never picked: its cumulative sum equals its
+    predecessor's, and the draw stops below the last sum."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=probs.dtype)
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 @dataclass(frozen=True)
