@@ -54,6 +54,7 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampling import tokens as token_step
 from twinkle_server.engine.sampling.admission import Waiting, admit, footprint, never_fits
+from twinkle_server.engine.sampling.decode_attention import decoding
 from twinkle_server.engine.sampling.kv_batch import (
     KVBatch,
     new_cache,
@@ -378,7 +379,7 @@ class DecodePool:
         batch.reserve(min(SPARE_COLUMNS, -(-left // len(self.rows))))
         saved = batch.snapshot()
         try:
-            with self.route([row.request.route for row in self.rows]):
+            with self.route([row.request.route for row in self.rows]), decoding(self.model):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
                                  **{self.cache_kw: batch.cache})
         except Exception as exc:
