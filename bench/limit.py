@@ -1,0 +1,271 @@
+"""How close the engine runs to this machine's limit (issue 35): each row's model FLOP/s
+against the rate this machine multiplies the model's own shapes at, measured in the same
+run.
+
+The model is the sampling bench's random Qwen3 (hidden 512, 8 layers, 8 heads, 4 KV
+heads, vocabulary 4096: `bench.engine`'s wide base) with one LoRA adapter of rank 16 on
+every linear layer, the output layer included, trained one step so its B matrices are not
+zero. Everything runs in this process on the engine itself, no server: the limit is the
+engine's.
+
+Possible: for each linear layer of the model (q, k, v, o, gate, up, down, and the output
+layer), `F.linear` of `rows` rows in the model's dtype, timed over all of them as one step
+runs them; the rate is their FLOPs over their time, best of 5 rounds. `rows` is what the
+row runs at: the RL group's 96 rows for decoding, a pass's 1,024 tokens for training.
+
+Achieved, counted from the config (`ModelFlops`):
+
+- a linear layer of `i` inputs and `o` outputs: 2*i*o per token forward, and its LoRA
+  adapter of rank r 2*r*(i+o) more;
+- attention: 4*q_dim per attended position per layer forward (scores and the weighted
+  sum, 2*q_dim each), a token attending to every position before it and itself;
+- sampling: one forward per prompt token (prefill, once per request, its samples share
+  it) and per sampled token;
+- training (forward_backward): the forward, then the backward through the activations
+  (the same FLOPs again: the base is frozen, so no weight gradients but the adapter's,
+  2*r*(i+o) more per token) and attention's backward (twice its forward).
+
+Rows:
+1. decode, RL group: 24 prompts of 64 tokens x 4 samples x 128 new tokens (EOS off), one
+   adapter, through `Engine.decode` until every request is done;
+2. decode, mixed: 64 requests of one sample, 64-token prompts, `max_tokens` spread over
+   8..256, all at once;
+3. forward_backward of 8 x 128 tokens (packed, cross entropy).
+
+Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores); `--profile`
+also prints where a decode step's time goes (torch's profiler over a few slices of the
+RL group, top operators by self CPU time). Not part of `make test`; figures measure and
+print, nothing passes or fails on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.data import random_datums
+from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.types import (
+    AdamParams,
+    EngineLimits,
+    LoraSpec,
+    LossSpec,
+    SampleRequest,
+    SamplingParams,
+)
+
+SPEC = LoraSpec(rank=16, alpha=32, seed=0)
+ADAPTER = "limit"
+PROMPT = 64
+GROUP_PROMPTS, GROUP_SAMPLES, GROUP_TOKENS = 24, 4, 128
+MIXED_REQUESTS, MIXED_LOW, MIXED_HIGH = 64, 8, 256
+TRAIN_ROWS, TRAIN_LENGTH = 8, 128
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """FLOP counts of one model with one adapter, from its config (module docstring)."""
+
+    linears: tuple[tuple[int, int], ...]   # (inputs, outputs) of every linear layer
+    lora_rank: int
+    layers: int
+    q_dim: int
+
+    @classmethod
+    def of(cls, config, lora_rank: int) -> ModelFlops:
+        h, inter = config.hidden_size, config.intermediate_size
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        layer = ((h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h))
+        return cls(layer * config.num_hidden_layers + ((h, config.vocab_size),), lora_rank,
+                   config.num_hidden_layers, q)
+
+    @property
+    def linear(self) -> int:
+        """Forward FLOPs of the base's linear layers, per token."""
+        return sum(2 * i * o for i, o in self.linears)
+
+    @property
+    def lora(self) -> int:
+        """Forward FLOPs of the adapter, per token."""
+        return sum(2 * self.lora_rank * (i + o) for i, o in self.linears)
+
+    def forward(self, attended: int) -> int:
+        """One token's forward, attending to `attended` positions."""
+        return self.linear + self.lora + 4 * self.q_dim * self.layers * attended
+
+    def forward_sequence(self, start: int, length: int) -> int:
+        """Forwards of `length` tokens following `start` earlier ones (each attends to
+        every position before it and itself)."""
+        attended = length * start + length * (length + 1) // 2
+        return length * (self.linear + self.lora) + 4 * self.q_dim * self.layers * attended
+
+    def train_sequence(self, length: int) -> int:
+        """forward_backward of one datum of `length` tokens."""
+        forward = self.forward_sequence(0, length)
+        attention = forward - length * (self.linear + self.lora)
+        return forward + length * (self.linear + 2 * self.lora) + 2 * attention
+
+
+def gemm_rate(engine: Engine, rows: int, rounds: int = 5) -> float:
+    """FLOP/s of the model's linear layers at `rows` rows (module docstring)."""
+    dtype, device = engine.base.dtype, engine.base.device
+    weights = [(torch.randn(o, i, dtype=dtype, device=device),
+                torch.randn(rows, i, dtype=dtype, device=device))
+               for i, o in ModelFlops.of(engine.base.config, 0).linears]
+    flops = sum(2 * rows * w.shape[0] * w.shape[1] for w, _ in weights)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds + 1):
+            start = time.perf_counter()
+            for weight, x in weights:
+                F.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+    return flops / best
+
+
+def _sample(engine: Engine, requests: list[SampleRequest]) -> float:
+    """Seconds to decode `requests` to the end through the pool."""
+    keys = list(range(len(requests)))
+    start = time.perf_counter()
+    done = dict(engine.decode(requests, keys, 0.5))
+    while len(done) < len(requests):
+        done.update(engine.decode([], [], 0.5))
+    seconds = time.perf_counter() - start
+    failed = [out for out in done.values() if isinstance(out, Exception)]
+    if failed:
+        raise failed[0]
+    return seconds
+
+
+def _group(vocab: int, seed: int) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    return [SampleRequest(ADAPTER, None, rng.integers(3, vocab, PROMPT), GROUP_SAMPLES,
+                          SamplingParams(max_tokens=GROUP_TOKENS, seed=seed * 100 + i,
+                                         ignore_eos=True))
+            for i in range(GROUP_PROMPTS)]
+
+
+def _mixed(vocab: int, seed: int) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(MIXED_LOW, MIXED_HIGH, MIXED_REQUESTS).astype(int)
+    rng.shuffle(lengths)
+    return [SampleRequest(ADAPTER, None, rng.integers(3, vocab, PROMPT), 1,
+                          SamplingParams(max_tokens=int(n), seed=seed * 100 + i,
+                                         ignore_eos=True))
+            for i, n in enumerate(lengths)]
+
+
+def sampling_flops(flops: ModelFlops, requests: list[SampleRequest]) -> tuple[int, int]:
+    """(sampled tokens, model FLOPs) of decoding `requests` to their `max_tokens`."""
+    tokens = total = 0
+    for request in requests:
+        new, prompt = request.params.max_tokens, request.prompt.size
+        total += flops.forward_sequence(0, prompt)
+        total += request.num_samples * flops.forward_sequence(prompt, new)
+        tokens += request.num_samples * new
+    return tokens, total
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    tokens_s: float
+    achieved: float
+    possible: float
+    rows: int
+
+
+def _best(run: Callable[[int], float], rounds: int) -> float:
+    """Best seconds of `rounds` runs after one warm-up (each with its own seed)."""
+    run(0)
+    return min(run(seed) for seed in range(1, rounds + 1))
+
+
+def measure(engine: Engine, rounds: int) -> list[Row]:
+    flops = ModelFlops.of(engine.base.config, SPEC.rank)
+    vocab = engine.base.vocab_size
+    out = []
+    group_rate = gemm_rate(engine, GROUP_PROMPTS * GROUP_SAMPLES)
+    for name, make in (("decode, RL group 24 x 4 x 128", _group),
+                       ("decode, mixed 64 x 8..256", _mixed)):
+        seconds = _best(lambda seed, make=make: _sample(engine, make(vocab, seed)), rounds)
+        tokens, total = sampling_flops(flops, make(vocab, 0))
+        out.append(Row(name, tokens / seconds, total / seconds, group_rate,
+                       GROUP_PROMPTS * GROUP_SAMPLES))
+    batch = random_datums(TRAIN_ROWS, TRAIN_LENGTH, vocab)
+    request = ForwardRequest(ADAPTER, batch, LossSpec("cross_entropy"), True)
+
+    def train(_: int) -> float:
+        start = time.perf_counter()
+        engine.forward_batch([request])
+        engine.zero_grad(ADAPTER)
+        return time.perf_counter() - start
+
+    seconds = statistics.median(train(0) for _ in range(rounds + 2))
+    tokens = TRAIN_ROWS * TRAIN_LENGTH
+    out.append(Row(f"forward_backward {TRAIN_ROWS} x {TRAIN_LENGTH}", tokens / seconds,
+                   TRAIN_ROWS * flops.train_sequence(TRAIN_LENGTH) / seconds,
+                   gemm_rate(engine, tokens), tokens))
+    return out
+
+
+def profile(engine: Engine, slices: int = 6) -> None:
+    """Where a decode slice's time goes: the RL group decoding, top operators."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    requests = _group(engine.base.vocab_size, 7)
+    keys = list(range(len(requests)))
+    done = dict(engine.decode(requests, keys, 0.2))   # prefill and the first steps
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(slices):
+            done.update(engine.decode([], [], 0.2))
+        wall = time.perf_counter() - start
+    steps = engine.decode_stats().decode_steps
+    while len(done) < len(requests):
+        done.update(engine.decode([], [], 0.5))
+    print(f"profile: {slices} decode slices of the RL group ({wall:.2f} s wall, "
+          f"{steps} steps so far); top operators by self CPU time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="achieved over possible FLOP/s")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    from bench.engine import _wider_base
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine.load(_wider_base(f"{tmp}/wide"), device="cpu",
+                             limits=EngineLimits(max_seq_len=1024, kv_pool_tokens=65_536))
+    engine.add_adapter(ADAPTER, SPEC)
+    engine.forward_batch([ForwardRequest(ADAPTER, random_datums(2, 32, engine.base.vocab_size),
+                                         LossSpec("cross_entropy"), True)])
+    engine.optim_step(ADAPTER, AdamParams(learning_rate=1e-2))
+    rows = measure(engine, args.rounds)
+    print(f"limit: achieved model FLOP/s over this machine's GEMM rate on the model's own "
+          f"shapes ({torch.get_num_threads()} threads, {engine.base.dtype}, hidden 512, 8 "
+          f"layers, LoRA rank 16 all-linear)")
+    print(f"  {'row':<34}{'tokens/s':>10}{'achieved GFLOP/s':>18}{'possible':>10}"
+          f"{'at rows':>9}{'fraction':>10}")
+    for row in rows:
+        print(f"  {row.name:<34}{row.tokens_s:>10.0f}{row.achieved / 1e9:>18.1f}"
+              f"{row.possible / 1e9:>10.1f}{row.rows:>9}{row.achieved / row.possible:>9.0%}")
+    if args.profile:
+        profile(engine)
+
+
+if __name__ == "__main__":
+    main()
