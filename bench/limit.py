@@ -10,7 +10,8 @@ engine's.
 
 Possible: for each linear layer of the model (q, k, v, o, gate, up, down, and the output
 layer), `F.linear` of `rows` rows in the model's dtype, timed over all of them as one step
-runs them; the rate is their FLOPs over their time, best of 5 rounds. `rows` is what the
+runs them; the rate is their FLOPs over their time, best of 20 rounds (a round takes
+about 20 ms, so a few rounds leave the rate to the machine's noise). `rows` is what the
 row runs at: the RL group's 96 rows for decoding, a pass's 1,024 tokens for training.
 
 Achieved, counted from the config (`ModelFlops`):
@@ -115,7 +116,7 @@ class ModelFlops:
         return forward + length * (self.linear + 2 * self.lora) + 2 * attention
 
 
-def gemm_rate(engine: Engine, rows: int, rounds: int = 5) -> float:
+def gemm_rate(engine: Engine, rows: int, rounds: int = 20) -> float:
     """FLOP/s of the model's linear layers at `rows` rows (module docstring)."""
     dtype, device = engine.base.dtype, engine.base.device
     weights = [(torch.randn(o, i, dtype=dtype, device=device),
