@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from bench import codec, distributed, engine, sampling, server, split, tinker_compat, tinker_http
+from bench import (
+    codec,
+    distributed,
+    engine,
+    limit,
+    sampling,
+    server,
+    split,
+    tinker_compat,
+    tinker_http,
+)
 
-for module in (codec, engine, distributed, server, tinker_compat, tinker_http, sampling):
+for module in (codec, engine, distributed, server, tinker_compat, tinker_http, sampling,
+               limit):
     print(f"== {module.__name__}")
     module.main()
     print()

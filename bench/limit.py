@@ -33,10 +33,11 @@ Rows:
    8..256, all at once;
 3. forward_backward of 8 x 128 tokens (packed, cross entropy).
 
-Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores); `--profile`
+Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores; also part of
+`make bench`); `--profile`
 also prints where a decode step's time goes (torch's profiler over a few slices of the
-RL group, top operators by self CPU time). Not part of `make test`; figures measure and
-print, nothing passes or fails on time.
+RL group, top operators by self CPU time). Figures measure and print; nothing passes or
+fails on time.
 """
 
 from __future__ import annotations
