@@ -173,6 +173,9 @@ def _split_problem(config: ServerConfig, model: ModelConfig, world: int) -> str 
     if not model.trains:
         return (f"{where}, but its role is 'sample': with no training it has no trainer "
                 "ranks; name the ranks it samples on with 'ranks'")
+    if model.ranks and 0 not in model.ranks:
+        return (f"{where}, on ranks {list(model.ranks)}; rank 0 serves and trains, so a "
+                "split model's ranks include it")
     ranks = model.ranks or range(world)
     if count >= len(ranks):
         return (f"{where} of its {len(ranks)} ranks, which leaves none to train; give at "

@@ -133,6 +133,7 @@ def test_sampler_ranks_come_from_the_flag_or_the_table(tmp_path):
     ("", {}, 2, "asks for 2 of its 2 ranks, which leaves none to train; give at most 1"),
     ("ranks = [0, 1, 2]\nsampler_ranks = 3\n", {}, 4, "asks for 3 of its 3 ranks"),
     ("role = 'sample'\n", {}, 4, "but its role is 'sample'"),
+    ("ranks = [1, 2, 3]\nsampler_ranks = 1\n", {}, 4, "rank 0 serves and trains"),
     ("", {"sampler": "static"}, 4, "--sampler static samples on the trainer ranks"),
     ("", {"shard_group_size": 2}, 4, "--shard-group-size 2 (hybrid sharding) serves colocated"),
 ])
