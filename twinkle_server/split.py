@@ -186,7 +186,7 @@ class SplitEngine:
         """Save on rank 0, then publish the same tensors as the checkpoint's key."""
         written = self.trainer.save_weights(adapter_id, path, overwrite)
         adapter = self.trainer.adapters[adapter_id]
-        self._publish(sampler_key(path), adapter.spec, checkpoint.peft_tensors(adapter))
+        self._publish_adapter(sampler_key(path), adapter)
         return written
 
     def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
@@ -210,7 +210,7 @@ class SplitEngine:
         if adapter is None:
             raise NotFound(f"model_id: no model {adapter_id!r}")
         key = inflight_key(adapter_id)
-        self._publish(key, adapter.spec, checkpoint.peft_tensors(adapter))
+        self._publish_adapter(key, adapter)
         return key
 
     def has_sampler(self, weights_path: str | os.PathLike) -> bool:
@@ -237,6 +237,10 @@ class SplitEngine:
             self._trim()
             return publication.version
 
+    def _publish_adapter(self, key: str, adapter: Adapter) -> int:
+        """Publish `adapter`'s weights as they are now under `key`; returns the version."""
+        return self._publish(key, adapter.spec, checkpoint.peft_tensors(adapter))
+
     def _republish(self, adapter_id: str) -> None:
         """A live model's weights changed: publish them again when sampler ranks hold them
         (call with `_stepping`)."""
@@ -244,7 +248,7 @@ class SplitEngine:
             held = adapter_id in self.published
         if held:
             adapter = self.trainer.adapters[adapter_id]
-            self._publish(adapter_id, adapter.spec, checkpoint.peft_tensors(adapter))
+            self._publish_adapter(adapter_id, adapter)
 
     def _release(self, key: str, reason: EngineError) -> None:
         with self._publishing:
@@ -289,8 +293,7 @@ class SplitEngine:
             adapter = self.trainer.adapters.get(adapter_id)
             if adapter is None:
                 raise NotFound(f"model_id: no model {adapter_id!r}")
-            return Need(adapter_id, self._publish(adapter_id, adapter.spec,
-                                                  checkpoint.peft_tensors(adapter)))
+            return Need(adapter_id, self._publish_adapter(adapter_id, adapter))
 
     def _route(self, adapter_id: str | None, weights_path: str | None, tokens: int,
                key: int | None = None) -> tuple[Need, int, SamplerEnd]:
