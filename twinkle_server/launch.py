@@ -32,7 +32,7 @@ from twinkle_server.engine.memory import (
 )
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.model_table import ModelConfig
-from twinkle_server.placement import Demand, Place, place
+from twinkle_server.placement import Demand, Place, job_ranks, place
 from twinkle_server.replication import Channel, follow
 from twinkle_server.sampler_rank import Link, SamplerRank
 
@@ -130,17 +130,20 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
 def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
     """Why `config`'s models cannot run on `world` ranks, or None. On several ranks each
     model is sharded over the ranks its table names (all by default), which must include
-    rank 0 (it serves, and drives every model); each rank runs its shards on its own
-    device, so a table names ranks, not a device."""
+    rank 0 (it serves, and drives every model), and every rank of the job must be some
+    model's (a rank of none would hold nothing); each rank runs its shards on its own
+    device, so a table names ranks, not a device. One model's table is held to the same
+    rules as several models': its ranks and device are served or refused, never ignored."""
     models = config.model_configs()
     for model in models:
         if (problem := _split_problem(config, model, world)) is not None:
             return problem
-    if world == 1 or len(models) == 1:
+        try:
+            job_ranks(model.name, model.ranks, world)
+        except EngineError as exc:
+            return str(exc)
+    if world == 1:
         return None
-    if config.shard_group_size:
-        return (f"--shard-group-size {config.shard_group_size}: hybrid sharding serves one "
-                f"model; --models names {len(models)}")
     for model in models:
         if model.ranks and 0 not in model.ranks:
             return (f"models: {model.name!r} has ranks {list(model.ranks)}; every model's "
@@ -149,6 +152,17 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
             return (f"models: {model.name!r} asks for device {model.device!r}; on several "
                     "ranks each rank runs its shards on its own device (--device), so a "
                     "table names ranks, not a device")
+    used = {rank for model in models for part in split_ranks(model, world) for rank in part}
+    if idle := [str(rank) for rank in range(world) if rank not in used]:
+        which = (f"rank {idle[0]} is" if len(idle) == 1
+                 else f"ranks {', '.join(idle)} are")
+        return (f"models: {which} in no model's ranks and would hold nothing; name every "
+                "rank in some model's ranks, or launch fewer ranks")
+    if len(models) == 1:
+        return None
+    if config.shard_group_size:
+        return (f"--shard-group-size {config.shard_group_size}: hybrid sharding serves one "
+                f"model; --models names {len(models)}")
     # Rank 0 holds a shard of every model: about 1/len(trainer ranks) of its weights.
     device = placement_from_env(config.device).device
     try:

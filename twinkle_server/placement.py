@@ -65,7 +65,7 @@ def place(demands: Sequence[Demand], capacity: Mapping[str, int | None], world: 
                 "its own")
         charged.setdefault(device, []).append(
             (demand.name, demand.budget_bytes or demand.need_bytes))
-        places[demand.name] = Place(demand.name, device, _ranks(demand, world))
+        places[demand.name] = Place(demand.name, device, job_ranks(demand.name, demand.ranks, world))
     for device, charges in charged.items():
         have = capacity.get(device)
         total = sum(n for _, n in charges)
@@ -104,9 +104,10 @@ def _device(demand: Demand, accelerators: list[str], capacity: Mapping[str, int 
     return asked
 
 
-def _ranks(demand: Demand, world: int) -> tuple[int, ...]:
-    outside = [r for r in demand.ranks if r >= world]
-    if outside:
-        raise InvalidArgument(f"models: {demand.name!r} asks for ranks {list(demand.ranks)}, "
-                              f"but the job has {world} (0..{world - 1})")
-    return demand.ranks or tuple(range(world))
+def job_ranks(name: str, ranks: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """The ranks model `name` runs on in a job of `world` ranks: `ranks`, or all when
+    empty. Raises InvalidArgument naming the model when a rank is outside the job."""
+    if [r for r in ranks if r >= world]:
+        raise InvalidArgument(f"models: {name!r} asks for ranks {list(ranks)}, but the job "
+                              f"has {world} (0..{world - 1})")
+    return ranks or tuple(range(world))

@@ -107,6 +107,46 @@ def test_several_models_on_several_ranks_refuse_what_cannot_work(tmp_path, monke
     assert named in several_ranks_problem(config, 2)
 
 
+ONE = "[[models]]\nname = 'a'\npath = 'tiny'\n"
+
+
+@pytest.mark.parametrize(("text", "flags", "world", "named"), [
+    (ONE + "ranks = [1]\n", {}, 2, "'a' has ranks [1]; every model's ranks include rank 0"),
+    (ONE + "ranks = [0, 2]\n", {}, 2, "'a' asks for ranks [0, 2], but the job has 2"),
+    (ONE + "ranks = [0, 1]\n", {}, 1, "'a' asks for ranks [0, 1], but the job has 1"),
+    (ONE + "device = 'cpu'\n", {"device": "auto"}, 2,
+     "'a' asks for device 'cpu'; on several ranks"),
+    (ONE + "ranks = [0]\n", {}, 2, "rank 1 is in no model's ranks"),
+    (SEVERAL.replace("path = 'tiny'\n", "path = 'tiny'\nranks = [0]\n"), {}, 3,
+     "ranks 1, 2 are in no model's ranks"),
+])
+def test_a_models_ranks_and_device_are_honoured_or_refused_by_name(tmp_path, monkeypatch,
+                                                                   text, flags, world, named):
+    """One model's table is checked as several models' are: its ranks and device are never
+    silently ignored, and a rank no model uses (which would hold nothing) is refused."""
+    from twinkle_server.launch import several_ranks_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    config = ServerConfig(models=path, **{"device": "cpu", **flags})
+    assert named in (several_ranks_problem(config, world) or "")
+
+
+def test_one_model_on_every_rank_of_the_job_is_accepted(tmp_path, monkeypatch):
+    from twinkle_server.launch import several_ranks_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "models.toml"
+    for ranks in ("", "ranks = [0, 1]\n"):
+        path.write_text(ONE + ranks)
+        assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 2) is None
+    path.write_text(ONE + "ranks = [0]\n")
+    assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 1) is None
+
+
 def test_several_models_on_several_ranks_that_fit_are_accepted(tmp_path, monkeypatch):
     from twinkle_server.launch import several_ranks_problem
 
