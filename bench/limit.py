@@ -13,6 +13,10 @@ layer), `F.linear` of `rows` rows in the model's dtype, timed over all of them a
 runs them; the rate is their FLOPs over their time, best of 20 rounds (a round takes
 about 20 ms, so a few rounds leave the rate to the machine's noise). `rows` is what the
 row runs at: the RL group's 96 rows for decoding, a pass's 1,024 tokens for training.
+The rate is measured again just before every round of every row, and a row's fraction is
+the median of its rounds' achieved over their own rate: this machine's speed drifts by a
+quarter from one minute to the next, and a rate from another minute would move the
+fraction with it.
 
 Achieved, counted from the config (`ModelFlops`):
 
@@ -34,8 +38,7 @@ Rows:
 3. forward_backward of 8 x 128 tokens (packed, cross entropy).
 
 Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores; also part of
-`make bench`); `--profile`
-also prints where a decode step's time goes (torch's profiler over a few slices of the
+`make bench`); `--rounds N` (default 3) per row; `--profile` also prints where a decode step's time goes (torch's profiler over a few slices of the
 RL group, top operators by self CPU time). Figures measure and print; nothing passes or
 fails on time.
 """
@@ -179,30 +182,49 @@ def sampling_flops(flops: ModelFlops, requests: list[SampleRequest]) -> tuple[in
 
 @dataclass(frozen=True)
 class Row:
+    """A row's rounds: each run's tokens/s, achieved FLOP/s, and the GEMM rate measured
+    just before it (this machine's speed drifts by a quarter between minutes)."""
+
     name: str
-    tokens_s: float
-    achieved: float
-    possible: float
+    tokens_s: list[float]
+    achieved: list[float]
+    possible: list[float]
     rows: int
 
+    def fraction(self) -> float:
+        """The median of each round's achieved over its own possible."""
+        return statistics.median(a / p for a, p in zip(self.achieved, self.possible,
+                                                         strict=True))
 
-def _best(run: Callable[[int], float], rounds: int) -> float:
-    """Best seconds of `rounds` runs after one warm-up (each with its own seed)."""
+
+def _rounds(run: Callable[[int], float], possible: Callable[[], float], rounds: int
+            ) -> list[tuple[float, float]]:
+    """(seconds, GEMM rate) of `rounds` runs after one warm-up, each run (with its own
+    seed) right after its own measure of the rate."""
     run(0)
-    return min(run(seed) for seed in range(1, rounds + 1))
+    out = []
+    for seed in range(1, rounds + 1):
+        rate = possible()
+        out.append((run(seed), rate))
+    return out
+
+
+def _row(name: str, rows: int, tokens: int, flops: int,
+         rounds: list[tuple[float, float]]) -> Row:
+    return Row(name, [tokens / s for s, _ in rounds], [flops / s for s, _ in rounds],
+               [rate for _, rate in rounds], rows)
 
 
 def measure(engine: Engine, rounds: int) -> list[Row]:
     flops = ModelFlops.of(engine.base.config, SPEC.rank)
     vocab = engine.base.vocab_size
     out = []
-    group_rate = gemm_rate(engine, GROUP_PROMPTS * GROUP_SAMPLES)
+    group_rows = GROUP_PROMPTS * GROUP_SAMPLES
     for name, make in (("decode, RL group 24 x 4 x 128", _group),
                        ("decode, mixed 64 x 8..256", _mixed)):
-        seconds = _best(lambda seed, make=make: _sample(engine, make(vocab, seed)), rounds)
-        tokens, total = sampling_flops(flops, make(vocab, 0))
-        out.append(Row(name, tokens / seconds, total / seconds, group_rate,
-                       GROUP_PROMPTS * GROUP_SAMPLES))
+        timed = _rounds(lambda seed, make=make: _sample(engine, make(vocab, seed)),
+                        lambda: gemm_rate(engine, group_rows), rounds)
+        out.append(_row(name, group_rows, *sampling_flops(flops, make(vocab, 0)), timed))
     batch = random_datums(TRAIN_ROWS, TRAIN_LENGTH, vocab)
     request = ForwardRequest(ADAPTER, batch, LossSpec("cross_entropy"), True)
 
@@ -212,11 +234,10 @@ def measure(engine: Engine, rounds: int) -> list[Row]:
         engine.zero_grad(ADAPTER)
         return time.perf_counter() - start
 
-    seconds = statistics.median(train(0) for _ in range(rounds + 2))
     tokens = TRAIN_ROWS * TRAIN_LENGTH
-    out.append(Row(f"forward_backward {TRAIN_ROWS} x {TRAIN_LENGTH}", tokens / seconds,
-                   TRAIN_ROWS * flops.train_sequence(TRAIN_LENGTH) / seconds,
-                   gemm_rate(engine, tokens), tokens))
+    timed = _rounds(train, lambda: gemm_rate(engine, tokens), rounds + 2)
+    out.append(_row(f"forward_backward {TRAIN_ROWS} x {TRAIN_LENGTH}", tokens, tokens,
+                    TRAIN_ROWS * flops.train_sequence(TRAIN_LENGTH), timed))
     return out
 
 
@@ -263,8 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {'row':<34}{'tokens/s':>10}{'achieved GFLOP/s':>18}{'possible':>10}"
           f"{'at rows':>9}{'fraction':>10}")
     for row in rows:
-        print(f"  {row.name:<34}{row.tokens_s:>10.0f}{row.achieved / 1e9:>18.1f}"
-              f"{row.possible / 1e9:>10.1f}{row.rows:>9}{row.achieved / row.possible:>9.0%}")
+        print(f"  {row.name:<34}{statistics.median(row.tokens_s):>10.0f}"
+              f"{statistics.median(row.achieved) / 1e9:>18.1f}"
+              f"{statistics.median(row.possible) / 1e9:>10.1f}{row.rows:>9}"
+              f"{row.fraction():>9.0%}")
+    print("  (medians over the rounds; fraction: the median of each round's achieved over "
+          "the GEMM rate measured just before it)")
     if args.profile:
         profile(engine)
 

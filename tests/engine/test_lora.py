@@ -125,6 +125,30 @@ def test_rows_are_bit_for_bit_the_same_merged_as_alone_outputs_and_gradients(rou
         assert torch.equal(merged_grads[name][1], w.lora_B.grad)
 
 
+@pytest.mark.parametrize("axis", ["rows", "tokens"])
+def test_without_autograd_deltas_are_added_in_place_as_the_autograd_path_adds_them(axis):
+    """Sampling and scoring add each segment's delta into the base output in place; the
+    result is the autograd path's within float32 rounding (scaled before or after B:
+    1e-6 on these magnitudes), segments without an adapter keep the base exactly."""
+    _, router, layer = _layer()
+    layer.adapters.update({"a": _weights(LoraSpec(rank=3, alpha=5), 1),
+                           "b": _weights(LoraSpec(rank=2, alpha=2), 2)})
+    route = ["a", "a", None, "b"]
+    x = torch.randn(4, 3, IN)
+    if axis == "rows":
+        routed, given = router.route(route), x
+    else:
+        routed, given = router.route_tokens([3, 3, 3, 3], route), x.reshape(1, 12, IN)
+    with routed:
+        graded = layer(given)
+        with torch.inference_mode():
+            in_place = layer(given)
+    torch.testing.assert_close(in_place, graded.detach(), rtol=0, atol=1e-6)
+    base = layer.base_layer(given).detach()
+    rows = slice(2, 3) if axis == "rows" else (slice(None), slice(6, 9))
+    assert torch.equal(in_place[rows], base[rows])
+
+
 def test_rows_outside_any_route_or_of_untargeting_adapters_get_the_base_only():
     _, router, layer = _layer()
     layer.adapters["a"] = _weights(LoraSpec(rank=2, alpha=2), 1)

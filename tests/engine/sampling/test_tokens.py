@@ -56,6 +56,29 @@ def test_draws_follow_the_distribution_and_never_pick_a_token_of_probability_zer
     assert ((counts / n - probs).abs() <= 5 * standard_error + 1e-9).all(), counts / n
 
 
+def test_requests_drawn_in_one_batch_draw_what_each_draws_alone():
+    """Plain requests (no top-k or top-p) are drawn together, filtered and greedy ones
+    each apart; every request's tokens equal its draw alone from the same seed, and its
+    logprobs agree to float32 rounding (log-softmax of the same row: 1e-6)."""
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, top_k=4),
+              SamplingParams(max_tokens=1, temperature=0.6),
+              SamplingParams(max_tokens=1, temperature=0),
+              SamplingParams(max_tokens=1, top_p=0.9), SamplingParams(max_tokens=1)]
+    bounds = [0, 3, 4, 9, 11, 12, 16]
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(3)) * 2
+    for seed in range(20):
+        segments = [tokens.Segment(a, b, p, torch.Generator().manual_seed(seed * 10 + i))
+                    for i, (a, b, p) in enumerate(zip(bounds[:-1], bounds[1:], params, strict=True))]
+        together = tokens.draw(logits, segments, 0)
+        for i, segment in enumerate(segments):
+            alone = tokens.draw(logits[segment.start:segment.end], [tokens.Segment(
+                0, segment.end - segment.start, segment.params,
+                torch.Generator().manual_seed(seed * 10 + i))], 0)
+            assert together.tokens[segment.start:segment.end] == alone.tokens
+            assert together.logprobs[segment.start:segment.end] == pytest.approx(
+                alone.logprobs, abs=1e-6)
+
+
 def test_rows_whose_logits_are_not_finite_are_reported_and_the_others_drawn():
     logits = torch.randn(4, 30)
     logits[1, 3] = math.nan

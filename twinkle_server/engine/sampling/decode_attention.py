@@ -8,7 +8,12 @@ machinery every layer's step. Here, under the name `DECODE_ATTENTION` (`decoding
 - the mask is the pool's own `[rows, width]` padding mask, viewed, not rebuilt: a decode
   step's one query may see every cached position of its row, and padding is all it hides;
 - attention groups the query heads that share a key/value head (GQA) as rows of one
-  matrix product against that head's cache, so no key or value is copied or repeated.
+  matrix product against that head's cache, so no key or value is copied or repeated;
+- the columns a request's samples hold alike (its prompt: `KVBatch.shared_prefix`, given
+  to `decoding`) are read once per request: the queries of all its samples go as rows of
+  one product against them, and each row's own columns follow in a second. A step's
+  attention is bound by reading the cache, and an RL group's 4 samples of a 64-token
+  prompt otherwise read it 4 times.
 
 Anything else (a prefill of several tokens, a mask of another shape) goes to sdpa as
 before. The numbers are sdpa's to float32 rounding: the same softmax(QK^T / sqrt(d))V.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -27,21 +33,26 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from twinkle_server.engine.sampling.kv_batch import SharedPrefix
+
 DECODE_ATTENTION = "twinkle_decode"
 """The attention implementation a decode step runs under (registered below)."""
+
+_SHARED: ContextVar[SharedPrefix | None] = ContextVar("twinkle_shared_prefix", default=None)
 
 
 def decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """A decode step's mask: the 2D padding mask as `[rows, 1, 1, width]` booleans (one
-    query a row, which may see all of its row). Any other call: sdpa's own mask, with the
-    arguments as given (their names changed across transformers 5.x)."""
+    query a row, which may see all of its row), or None when it hides nothing (no row is
+    padded). Any other call: sdpa's own mask, with the arguments as given (their names
+    changed across transformers 5.x)."""
     mask = kwargs.get("attention_mask")
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.numel())
     if (not args and q_length == 1 and not kwargs.get("kv_offset")
             and mask is not None and mask.dim() == 2
             and mask.shape[-1] == kwargs.get("kv_length")):
-        return mask[:, None, None, :].bool()
+        return None if bool(mask.all()) else mask[:, None, None, :].bool()
     return sdpa_mask(*args, **kwargs)
 
 
@@ -60,12 +71,50 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       dropout=dropout, scaling=scaling, **kwargs)
     scale = dim ** -0.5 if scaling is None else scaling
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)
+    shared = _SHARED.get()
+    layer = getattr(module, "layer_idx", None)
+    if shared is None or layer is None or key.shape[-2] < shared.width:
+        scores = torch.matmul(grouped, key.transpose(-1, -2))
+    else:
+        width = shared.width
+        scores = torch.cat([
+            _to_rows(torch.matmul(_to_groups(grouped, shared),
+                                  shared.keys[layer].transpose(-1, -2)), shared),
+            torch.matmul(grouped, key[:, :, width:].transpose(-1, -2))], dim=-1)
+    scores.mul_(scale)
     if attention_mask is not None:
         scores.masked_fill_(~attention_mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    out = torch.matmul(weights, value)   # [rows, kv_heads, group, d]
+    if shared is None or layer is None or key.shape[-2] < shared.width:
+        out = torch.matmul(weights, value)   # [rows, kv_heads, group, d]
+    else:
+        width = shared.width
+        out = _to_rows(torch.matmul(_to_groups(weights[..., :width], shared),
+                                    shared.values[layer]), shared)
+        out += torch.matmul(weights[..., width:], value[:, :, width:])
     return out.reshape(rows, 1, heads, dim), None
+
+
+def _to_groups(x: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
+    """`[rows, kv_heads, group, c]` as `[groups, kv_heads, samples * group, c]`: each
+    request's samples stacked (a slot without a row is zeros)."""
+    rows, kv_heads, group, c = x.shape
+    if shared.slot is not None:
+        slots = x.new_zeros((shared.groups * shared.samples, kv_heads, group, c))
+        slots[shared.slot] = x
+        x = slots
+    return (x.reshape(shared.groups, shared.samples, kv_heads, group, c).transpose(1, 2)
+            .reshape(shared.groups, kv_heads, shared.samples * group, c))
+
+
+def _to_rows(y: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
+    """The inverse of `_to_groups`: `[groups, kv_heads, samples * group, c]` back to each
+    row's `[rows, kv_heads, group, c]`."""
+    groups, kv_heads, stacked, c = y.shape
+    group = stacked // shared.samples
+    y = (y.reshape(groups, kv_heads, shared.samples, group, c).transpose(1, 2)
+         .reshape(groups * shared.samples, kv_heads, group, c))
+    return y if shared.slot is None else y[shared.slot]
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
@@ -73,8 +122,9 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_mask)
 
 
 @contextlib.contextmanager
-def decoding(model: torch.nn.Module) -> Iterator[None]:
-    """Within this block an sdpa or eager `model` runs `decode_attention`. Switches
+def decoding(model: torch.nn.Module, shared: SharedPrefix | None = None) -> Iterator[None]:
+    """Within this block an sdpa or eager `model` runs `decode_attention`, with `shared`
+    the batch's shared prefix (None: each row reads all of its own cache). Switches
     `model.config._attn_implementation` (read by every attention layer on each forward)
     and puts it back after; other implementations are left as they are."""
     config = model.config
@@ -83,7 +133,9 @@ def decoding(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     config._attn_implementation = DECODE_ATTENTION
+    token = _SHARED.set(shared)
     try:
         yield
     finally:
+        _SHARED.reset(token)
         config._attn_implementation = previous

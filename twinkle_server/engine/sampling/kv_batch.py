@@ -12,6 +12,11 @@ its attention mask, next positions and pending tokens.
 * Atomic changes. `join` and `select` build every layer's new tensors before replacing
   any, and a step is undone by `restore(snapshot())`: a forward that fails (out of memory,
   a device error) leaves the batch as it was.
+* Shared prompts. A request's rows (its samples) hold the same columns up to the first
+  one any row wrote in a step (`start`): its prompt, and padding. `shared_prefix` gives
+  those columns once per request, as a copy made after each join or select, so that a
+  decode step's attention reads them once for all of a request's samples
+  (`decode_attention`), not once per sample: the reads a step's attention is bound by.
 * Only full-attention caches. A model with sliding-window (or other non-growing) cache
   layers would keep fewer positions than the mask says; `unsupported_layers` names them,
   and the pool refuses such a model when it is made.
@@ -20,6 +25,7 @@ its attention mask, next positions and pending tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -118,12 +124,34 @@ def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(tensor, [0, 0] * (tensor.dim() - 1 - axis) + [missing, 0])
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Columns `:width` of every row, held once per group of rows (a request's samples),
+    which have them alike. Per layer `keys`/`values` `[groups, H, width, D]`. A group's
+    rows take slots `group * samples + i` (`samples`: the most rows of a group); `slot`
+    `[rows]` gives each row's, or is None when every group has `samples` rows and row r
+    is slot r."""
+
+    width: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    samples: int
+    slot: torch.Tensor | None
+
+    @property
+    def groups(self) -> int:
+        return self.keys[0].shape[0]
+
+
 class KVBatch:
     """The decoding rows' cache (`cache`, a `DynamicCache` of `_BufferedLayer`s), mask
-    `[rows, width]`, next positions `[rows]` and pending tokens `[rows]`."""
+    `[rows, width]`, next positions `[rows]` and pending tokens `[rows]`; per row its
+    group (`group`: a label its request's rows share) and the first column a step wrote
+    to it (`start`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._groups = 0
         self.clear()
 
     def clear(self) -> None:
@@ -133,6 +161,9 @@ class KVBatch:
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
         self.positions = torch.zeros(0, dtype=torch.long, device=device)
         self.pending = torch.zeros(0, dtype=torch.long, device=device)
+        self.group: list[int] = []
+        self.start: list[int] = []
+        self._shared: SharedPrefix | None = None
 
     @property
     def rows(self) -> int:
@@ -151,13 +182,25 @@ class KVBatch:
         return self.rows * layers[0].columns() if layers else 0
 
     def join(self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor,
-             pending: torch.Tensor, order: Sequence[int] | None = None) -> None:
-        """Append new rows (their cache, mask, next positions, pending tokens), both sides
-        padded to the wider, then put every row in `order` (the pool's grouping)."""
+             pending: torch.Tensor, order: Sequence[int] | None = None,
+             groups: Sequence[int] | None = None) -> None:
+        """Append new rows (their cache, mask, next positions, pending tokens, and labels
+        equal for the rows of one request: `groups`, default one group a row), both sides
+        padded to the wider, then put every row in `order` (the pool's grouping, which
+        keeps a group's rows together)."""
+        labels = list(range(len(pending))) if groups is None else list(groups)
+        fresh = {label: self._groups + i for i, label in enumerate(dict.fromkeys(labels))}
+        self._groups += len(fresh)
+        new_groups = [fresh[label] for label in labels]
+        self._shared = None
         if self.cache is None:
             self.cache, self.mask, self.positions, self.pending = cache, mask, positions, pending
+            self.group, self.start = new_groups, [mask.shape[1]] * len(new_groups)
         else:
             width = max(self.width, mask.shape[1])
+            self.start = ([s + width - self.width for s in self.start]
+                          + [width] * len(new_groups))
+            self.group = self.group + new_groups
             merged = [(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
                        torch.cat([left_pad(old.values, width), left_pad(new.values, width)]))
                       for old, new in zip(self.layers(), cache.layers, strict=True)]
@@ -180,12 +223,43 @@ class KVBatch:
         for layer, (keys, values) in zip(self.layers(), picked, strict=True):
             layer.hold(keys, values)
         self.mask, self.positions, self.pending = mask, positions, pending
+        self.group = [self.group[i] for i in keep]
+        self.start = [self.start[i] for i in keep]
+        self._shared = None
         used = torch.nonzero(self.mask.any(0))
         first = int(used[0]) if used.numel() else self.width
         if first:
             for layer in self.layers():
                 layer.drop_left(first)
             self.mask = self.mask[:, first:]
+            self.start = [max(s - first, 0) for s in self.start]
+
+    def shared_prefix(self) -> SharedPrefix | None:
+        """The columns every row's group has alike (up to the first a step wrote to any
+        row), once per group; None when no group has two rows or no such column is left.
+        Made after a join or select, at the next call, and kept until the next."""
+        if self._shared is not None or not self.rows:
+            return self._shared
+        width = min(self.start)
+        runs: list[list[int]] = []
+        for row, label in enumerate(self.group):
+            if runs and self.group[runs[-1][0]] == label:
+                runs[-1].append(row)
+            else:
+                runs.append([row])
+        samples = max(len(run) for run in runs)
+        if samples < 2 or not width:
+            return None
+        lead = torch.tensor([run[0] for run in runs], device=self.device)
+        layers = self.layers()
+        uniform = all(len(run) == samples for run in runs)
+        slot = None if uniform else torch.tensor(
+            [g * samples + i for g, run in enumerate(runs) for i in range(len(run))],
+            device=self.device)
+        self._shared = SharedPrefix(width, [layer.keys[lead, :, :width] for layer in layers],
+                                    [layer.values[lead, :, :width] for layer in layers],
+                                    samples, slot)
+        return self._shared
 
     def reserve(self, extra: int) -> None:
         """Give every layer `extra` spare columns when some layer has none left, so that

@@ -360,7 +360,7 @@ class DecodePool:
             self.batch.join(kv, mask[index[picked]],
                             torch.tensor([rows[i].request.sample.prompt.size for i in keep],
                                          device=self.device),
-                            drawn.chosen[picked], order)
+                            drawn.chosen[picked], order, groups=index[picked].tolist())
             self.rows = [joined[i] for i in order]
         self._count(prompt_tokens_computed=sum(r.sample.prompt.size - r.cached
                                                for r in joiners),
@@ -379,7 +379,8 @@ class DecodePool:
         batch.reserve(min(SPARE_COLUMNS, -(-left // len(self.rows))))
         saved = batch.snapshot()
         try:
-            with self.route([row.request.route for row in self.rows]), decoding(self.model):
+            with self.route([row.request.route for row in self.rows]), \
+                    decoding(self.model, batch.shared_prefix()):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
                                  **{self.cache_kw: batch.cache})
         except Exception as exc:

@@ -1,0 +1,77 @@
+"""Decode attention: reading a request's shared prompt once for all its samples gives each
+row the attention it gets from its own whole cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from twinkle_server.engine.sampling.decode_attention import decode_attention, decoding
+from twinkle_server.engine.sampling.kv_batch import KVBatch, new_cache
+
+from .. import small
+
+HEADS, KV_HEADS, DIM, PROMPT = 4, 2, 8, 6
+
+
+def _batch(samples: list[int], padding: list[int], own: int) -> KVBatch:
+    """Requests of `samples[i]` rows with a `PROMPT`-column prompt, left-padded by
+    `padding[i]` (masked), then `own` columns each row wrote alone."""
+    generator = torch.Generator().manual_seed(0)
+    config = small.build().config
+    layers = config.num_hidden_layers
+    prompts = [[torch.randn(1, KV_HEADS, PROMPT, DIM, generator=generator) for _ in range(2)]
+               for _ in range(layers)]
+    index = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(samples))
+    cache = new_cache(config, [(keys[[0] * len(samples)].clone(),
+                                values[[0] * len(samples)].clone())
+                               for keys, values in prompts])
+    for layer in cache.layers:                 # each request its own prompt
+        layer.keys.copy_(torch.randn(layer.keys.shape, generator=generator))
+        layer.values.copy_(torch.randn(layer.values.shape, generator=generator))
+        layer.hold(layer.keys[index], layer.values[index], extra=own)
+    mask = torch.ones(len(samples), PROMPT, dtype=torch.long)
+    for request, pad in enumerate(padding):
+        mask[request, :pad] = 0
+    batch = KVBatch(torch.device("cpu"))
+    batch.join(cache, mask[index], torch.full((index.numel(),), PROMPT), index,
+               groups=index.tolist())
+    for _ in range(own):
+        batch.step_inputs()
+        for layer in batch.layers():
+            new = torch.randn(batch.rows, KV_HEADS, 1, DIM, generator=generator)
+            layer.update(new, new * 2)
+    return batch
+
+
+@pytest.mark.parametrize(("samples", "padding"), [([2, 2, 2], [0, 0, 0]),
+                                                  ([3, 1, 2], [0, 2, 1])])
+def test_a_shared_prompt_read_once_gives_each_row_its_own_attention(samples, padding):
+    """Uniform groups (views) and uneven ones (slots), with padded prompts: within 1e-6
+    of each row attending to its whole cache (float32 rounding of sums of 6..10 terms)."""
+    batch = _batch(samples, padding, own=3)
+    shared = batch.shared_prefix()
+    assert shared is not None and shared.width == PROMPT
+    assert shared.groups == len(samples) and shared.samples == max(samples)
+    query = torch.randn(batch.rows, HEADS, 1, DIM)
+    mask = batch.mask[:, None, None, :].bool()
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    for index, layer in enumerate(batch.layers()):
+        module = SimpleNamespace(layer_idx=index)
+        whole, _ = decode_attention(module, query, layer.keys, layer.values, mask)
+        with decoding(model, shared):   # type: ignore[arg-type]
+            once, _ = decode_attention(module, query, layer.keys, layer.values, mask)
+        torch.testing.assert_close(once, whole, atol=1e-6, rtol=0)
+
+
+def test_the_shared_columns_end_where_any_row_first_wrote_and_follow_joins_and_selects():
+    batch = _batch([2, 1], [0, 0], own=2)
+    assert batch.shared_prefix().width == PROMPT
+    batch.select([0, 2])                 # one row of each request: nothing to share
+    assert batch.shared_prefix() is None
+    late = _batch([2], [0], own=0)       # a request joins after 2 steps of the others
+    batch.join(late.cache, late.mask, late.positions, late.pending, groups=[7, 7])
+    assert batch.group[2] == batch.group[3] != batch.group[0]
+    assert batch.shared_prefix().width == PROMPT and batch.width == PROMPT + 2
