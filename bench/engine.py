@@ -135,20 +135,23 @@ def pass_sizes(engine: Engine, rounds: int = 8) -> None:
 def packing(engine: Engine, tenants: int = 8, per_tenant: int = 2, rounds: int = 7) -> None:
     """One merged forward_backward pass of `tenants` adapters, packed (the default) vs
     padded (`--packing off`): real tokens per second, each path's best of `rounds`
-    interleaved rounds. Datums of lengths uniform in 32..1024, then every datum 528 tokens
-    (the same mean, so padded computes no padding: packing must not cost there)."""
+    interleaved rounds. Datums of lengths uniform in 32..1024 and in 32..512, then every
+    datum 528 tokens (the first's mean, so padded computes no padding: packing must not
+    cost there)."""
     ids = [f"k{i}" for i in range(tenants)]
     for adapter_id in ids:
         engine.add_adapter(adapter_id, SPEC)
     vocab = engine.base.vocab_size
     mixed = [mixed_datums(per_tenant, 32, 1024, vocab, seed=i) for i in range(tenants)]
+    shorter = [mixed_datums(per_tenant, 32, 512, vocab, seed=i) for i in range(tenants)]
     uniform = [random_datums(per_tenant, 528, vocab, seed=i) for i in range(tenants)]
     print(f"packing: {tenants} adapters x {per_tenant} datums, one merged forward_backward "
           f"pass, best of {rounds} interleaved rounds")
     print(f"  {'datum lengths':<20}{'real tokens':>12}{'padded positions':>18}"
           f"{'padded tok/s':>14}{'packed tok/s':>14}{'ratio':>8}")
     previous = engine.packing
-    for label, batches in (("uniform 32..1024", mixed), ("all 528", uniform)):
+    for label, batches in (("uniform 32..1024", mixed), ("uniform 32..512", shorter),
+                           ("all 528", uniform)):
         requests = [ForwardRequest(a, batch, CE, True) for a, batch in zip(ids, batches,
                                                                             strict=True)]
         lengths = [d.num_tokens for batch in batches for d in batch]
