@@ -46,15 +46,14 @@ def _batch(samples: list[int], padding: list[int], own: int) -> KVBatch:
     return batch
 
 
-@pytest.mark.parametrize(("samples", "padding"), [([2, 2, 2], [0, 0, 0]),
-                                                  ([3, 1, 2], [0, 2, 1])])
-def test_a_shared_prompt_read_once_gives_each_row_its_own_attention(samples, padding):
-    """Uniform groups (views) and uneven ones (slots), with padded prompts: within 1e-6
-    of each row attending to its whole cache (float32 rounding of sums of 6..10 terms)."""
-    batch = _batch(samples, padding, own=3)
+@pytest.mark.parametrize("padding", [[0, 0, 0], [0, 2, 1]])
+def test_a_shared_prompt_read_once_gives_each_row_its_own_attention(padding):
+    """Three requests of 2 samples, prompts padded or not: within 1e-6 of each row
+    attending to its whole cache (float32 rounding of sums of 6..9 terms)."""
+    batch = _batch([2, 2, 2], padding, own=3)
     shared = batch.shared_prefix()
     assert shared is not None and shared.width == PROMPT
-    assert shared.groups == len(samples) and shared.samples == max(samples)
+    assert (shared.groups, shared.samples) == (3, 2)
     query = torch.randn(batch.rows, HEADS, 1, DIM)
     mask = batch.mask[:, None, None, :].bool()
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
@@ -67,11 +66,16 @@ def test_a_shared_prompt_read_once_gives_each_row_its_own_attention(samples, pad
 
 
 def test_the_shared_columns_end_where_any_row_first_wrote_and_follow_joins_and_selects():
-    batch = _batch([2, 1], [0, 0], own=2)
+    """Shared while every request has as many rows (two or more), up to the first column
+    a step wrote to any row; uneven or single rows read their own caches."""
+    batch = _batch([2, 2], [0, 0], own=2)
     assert batch.shared_prefix().width == PROMPT
-    batch.select([0, 2])                 # one row of each request: nothing to share
-    assert batch.shared_prefix() is None
     late = _batch([2], [0], own=0)       # a request joins after 2 steps of the others
     batch.join(late.cache, late.mask, late.positions, late.pending, groups=[7, 7])
-    assert batch.group[2] == batch.group[3] != batch.group[0]
+    assert batch.group[4] == batch.group[5] != batch.group[0]
     assert batch.shared_prefix().width == PROMPT and batch.width == PROMPT + 2
+    batch.select([0, 1, 2, 4, 5])        # one request's sample stops: uneven
+    assert batch.shared_prefix() is None
+    batch.select([0, 2, 3])              # one row each
+    assert batch.shared_prefix() is None
+    assert _batch([3, 1], [0, 0], own=1).shared_prefix() is None

@@ -10,10 +10,10 @@ machinery every layer's step. Here, under the name `DECODE_ATTENTION` (`decoding
 - attention groups the query heads that share a key/value head (GQA) as rows of one
   matrix product against that head's cache, so no key or value is copied or repeated;
 - the columns a request's samples hold alike (its prompt: `KVBatch.shared_prefix`, given
-  to `decoding`) are read once per request: the queries of all its samples go as rows of
-  one product against them, and each row's own columns follow in a second. A step's
-  attention is bound by reading the cache, and an RL group's 4 samples of a 64-token
-  prompt otherwise read it 4 times.
+  to `decoding` while every request has as many rows) are read once per request: the
+  queries of all its samples go as rows of one product against them, and each row's own
+  columns follow in a second. A step's attention is bound by reading the cache, and an
+  RL group's 4 samples of a 64-token prompt otherwise read it 4 times.
 
 Anything else (a prefill of several tokens, a mask of another shape) goes to sdpa as
 before. The numbers are sdpa's to float32 rounding: the same softmax(QK^T / sqrt(d))V.
@@ -97,12 +97,8 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def _to_groups(x: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
     """`[rows, kv_heads, group, c]` as `[groups, kv_heads, samples * group, c]`: each
-    request's samples stacked (a slot without a row is zeros)."""
-    rows, kv_heads, group, c = x.shape
-    if shared.slot is not None:
-        slots = x.new_zeros((shared.groups * shared.samples, kv_heads, group, c))
-        slots[shared.slot] = x
-        x = slots
+    request's samples stacked."""
+    _, kv_heads, group, c = x.shape
     return (x.reshape(shared.groups, shared.samples, kv_heads, group, c).transpose(1, 2)
             .reshape(shared.groups, kv_heads, shared.samples * group, c))
 
@@ -112,9 +108,8 @@ def _to_rows(y: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
     row's `[rows, kv_heads, group, c]`."""
     groups, kv_heads, stacked, c = y.shape
     group = stacked // shared.samples
-    y = (y.reshape(groups, kv_heads, shared.samples, group, c).transpose(1, 2)
-         .reshape(groups * shared.samples, kv_heads, group, c))
-    return y if shared.slot is None else y[shared.slot]
+    return (y.reshape(groups, kv_heads, shared.samples, group, c).transpose(1, 2)
+            .reshape(groups * shared.samples, kv_heads, group, c))
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)

@@ -13,9 +13,10 @@ its attention mask, next positions and pending tokens.
   any, and a step is undone by `restore(snapshot())`: a forward that fails (out of memory,
   a device error) leaves the batch as it was.
 * Shared prompts. A request's rows (its samples) hold the same columns up to the first
-  one any row wrote in a step (`start`): its prompt, and padding. `shared_prefix` gives
-  those columns once per request, as a copy made after each join or select, so that a
-  decode step's attention reads them once for all of a request's samples
+  one any row wrote in a step (`start`): its prompt, and padding. While every request
+  has the same number of rows (an RL group before any sample stops), `shared_prefix`
+  gives those columns once per request, as a copy made after each join or select, so
+  that a decode step's attention reads them once for all of a request's samples
   (`decode_attention`), not once per sample: the reads a step's attention is bound by.
 * Only full-attention caches. A model with sliding-window (or other non-growing) cache
   layers would keep fewer positions than the mask says; `unsupported_layers` names them,
@@ -127,16 +128,13 @@ def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class SharedPrefix:
     """Columns `:width` of every row, held once per group of rows (a request's samples),
-    which have them alike. Per layer `keys`/`values` `[groups, H, width, D]`. A group's
-    rows take slots `group * samples + i` (`samples`: the most rows of a group); `slot`
-    `[rows]` gives each row's, or is None when every group has `samples` rows and row r
-    is slot r."""
+    which have them alike: per layer `keys`/`values` `[groups, H, width, D]`. Every group
+    has `samples` rows, and rows `g * samples ...` are group g's."""
 
     width: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     samples: int
-    slot: torch.Tensor | None
 
     @property
     def groups(self) -> int:
@@ -236,29 +234,30 @@ class KVBatch:
 
     def shared_prefix(self) -> SharedPrefix | None:
         """The columns every row's group has alike (up to the first a step wrote to any
-        row), once per group; None when no group has two rows or no such column is left.
-        Made after a join or select, at the next call, and kept until the next."""
+        row), once per group; None unless every group has the same number of rows, two
+        or more, and such columns are left. Made after a join or select, at the next
+        call, and kept until the next.
+
+        Uneven groups (once some request's samples have stopped) read their own caches:
+        there the rows' selection has just copied the whole cache, so it is read warm,
+        and stacking uneven groups cost more than the reads it saved (BENCHMARKS.md,
+        "Limits")."""
         if self._shared is not None or not self.rows:
             return self._shared
         width = min(self.start)
-        runs: list[list[int]] = []
-        for row, label in enumerate(self.group):
-            if runs and self.group[runs[-1][0]] == label:
-                runs[-1].append(row)
-            else:
-                runs.append([row])
-        samples = max(len(run) for run in runs)
-        if samples < 2 or not width:
+        size = 1
+        while size < self.rows and self.group[size] == self.group[0]:
+            size += 1
+        if size < 2 or not width or self.rows % size:
             return None
-        lead = torch.tensor([run[0] for run in runs], device=self.device)
+        groups = self.group[::size]
+        if len(set(groups)) != len(groups) or any(
+                self.group[i] != groups[i // size] for i in range(self.rows)):
+            return None
+        lead = torch.arange(0, self.rows, size, device=self.device)
         layers = self.layers()
-        uniform = all(len(run) == samples for run in runs)
-        slot = None if uniform else torch.tensor(
-            [g * samples + i for g, run in enumerate(runs) for i in range(len(run))],
-            device=self.device)
         self._shared = SharedPrefix(width, [layer.keys[lead, :, :width] for layer in layers],
-                                    [layer.values[lead, :, :width] for layer in layers],
-                                    samples, slot)
+                                    [layer.values[lead, :, :width] for layer in layers], size)
         return self._shared
 
     def reserve(self, extra: int) -> None:
