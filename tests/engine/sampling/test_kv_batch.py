@@ -66,6 +66,24 @@ def test_selecting_rows_drops_padding_no_kept_row_uses():
     assert batch.rows == 0 and batch.held() == 0
 
 
+def test_selected_rows_keep_their_spare_columns_so_the_next_step_writes_in_place():
+    """A select copies the kept rows once, into buffers with the spare columns the layer
+    had; the next step's reserve then moves nothing."""
+    batch = _batch()
+    batch.reserve(4)
+    before = [layer.keys.clone() for layer in batch.layers()]
+    batch.select([2, 0])
+    layer = batch.layers()[0]
+    assert layer.spare() == 4 and torch.equal(layer.keys, before[0][[2, 0]])
+    pointer = layer.keys.data_ptr()
+    batch.reserve(4)
+    assert layer.keys.data_ptr() == pointer
+    new = torch.randn(2, 2, 1, 4)
+    keys, _ = layer.update(new, new)
+    assert keys.data_ptr() == pointer
+    assert torch.equal(keys, torch.cat([before[0][[2, 0]], new], dim=-2))
+
+
 def test_sliding_window_layers_are_named_and_full_attention_is_not():
     assert unsupported_layers(small.build().config) == []
     sliding = small.build(use_sliding_window=True, sliding_window=8, max_window_layers=1)

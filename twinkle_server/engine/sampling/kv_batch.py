@@ -83,6 +83,21 @@ class _BufferedLayer(DynamicLayer):
         self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
         self.is_initialized = True
 
+    def picked(self, index: torch.Tensor) -> tuple[Any, ...]:
+        """This layer's state (for `set_state`) with only rows `index`, in that order,
+        gathered straight into new buffers with as many spare columns as it had: the next
+        step writes in place, where holding the rows bare made it copy them all again."""
+        keys, values = self.keys, self.values
+        extra = self.spare()
+        if not extra:
+            return keys[index], values[index], None, 0, 0
+        width = keys.shape[-2]
+        buffers = tuple(t.new_empty((index.numel(), *t.shape[1:-2], width + extra,
+                                     t.shape[-1])) for t in (keys, values))
+        for source, buffer in zip((keys, values), buffers, strict=True):
+            torch.index_select(source, 0, index, out=buffer[..., :width, :])
+        return buffers[0][..., :width, :], buffers[1][..., :width, :], buffers, 0, width
+
     def drop_left(self, columns: int) -> None:
         """Forget the first `columns` columns (padding no row uses any more)."""
         self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
@@ -216,10 +231,10 @@ class KVBatch:
             self.clear()
             return
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        picked = [(layer.keys[index], layer.values[index]) for layer in self.layers()]
         mask, positions, pending = self.mask[index], self.positions[index], self.pending[index]
-        for layer, (keys, values) in zip(self.layers(), picked, strict=True):
-            layer.hold(keys, values)
+        states = [layer.picked(index) for layer in self.layers()]
+        for layer, state in zip(self.layers(), states, strict=True):
+            layer.set_state(state)
         self.mask, self.positions, self.pending = mask, positions, pending
         self.group = [self.group[i] for i in keep]
         self.start = [self.start[i] for i in keep]
