@@ -211,14 +211,14 @@ class KVBatch:
             self.group, self.start = new_groups, [mask.shape[1]] * len(new_groups)
         else:
             width = max(self.width, mask.shape[1])
-            self.start = ([s + width - self.width for s in self.start]
-                          + [width] * len(new_groups))
-            self.group = self.group + new_groups
             merged = [(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
                        torch.cat([left_pad(old.values, width), left_pad(new.values, width)]))
                       for old, new in zip(self.layers(), cache.layers, strict=True)]
             rest = (torch.cat([left_pad(self.mask, width), left_pad(mask, width)]),
                     torch.cat([self.positions, positions]), torch.cat([self.pending, pending]))
+            self.start = ([s + width - self.width for s in self.start]
+                          + [width] * len(new_groups))
+            self.group = self.group + new_groups
             self.mask, self.positions, self.pending = rest
             for layer, (keys, values) in zip(self.layers(), merged, strict=True):
                 layer.hold(keys, values)
