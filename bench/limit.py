@@ -25,7 +25,8 @@ Achieved, counted from the config (`ModelFlops`):
 - attention: 4*q_dim per attended position per layer forward (scores and the weighted
   sum, 2*q_dim each), a token attending to every position before it and itself;
 - sampling: one forward per prompt token (prefill, once per request, its samples share
-  it) and per sampled token;
+  it) and per sampled token but the last (drawn, never fed), at the lengths the samples
+  reached;
 - training (forward_backward): the forward, then the backward through the activations
   (the same FLOPs again: the base is frozen, so no weight gradients but the adapter's,
   2*r*(i+o) more per token) and attention's backward (twice its forward).
@@ -33,9 +34,11 @@ Achieved, counted from the config (`ModelFlops`):
 Rows:
 1. decode, RL group: 24 prompts of 64 tokens x 4 samples x 128 new tokens (EOS off), one
    adapter, through `Engine.decode` until every request is done;
-2. decode, mixed: 64 requests of one sample, 64-token prompts, `max_tokens` spread over
+2. the same with 40 stop tokens, which the random model draws about once in 100 tokens:
+   samples stop at uneven lengths and leave the batch, as in RL with real stops;
+3. decode, mixed: 64 requests of one sample, 64-token prompts, `max_tokens` spread over
    8..256, all at once;
-3. forward_backward of 8 x 128 tokens (packed, cross entropy).
+4. forward_backward of 8 x 128 tokens (packed, cross entropy).
 
 Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores; also part of
 `make bench`); `--rounds N` (default 3) per row; `--profile` also prints where a decode step's time goes (torch's profiler over a few slices of the
@@ -50,7 +53,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -73,6 +76,7 @@ PROMPT = 64
 GROUP_PROMPTS, GROUP_SAMPLES, GROUP_TOKENS = 24, 4, 128
 MIXED_REQUESTS, MIXED_LOW, MIXED_HIGH = 64, 8, 256
 TRAIN_ROWS, TRAIN_LENGTH = 8, 128
+STOPS = tuple(range(100, 140))
 
 
 @dataclass(frozen=True)
@@ -137,8 +141,13 @@ def gemm_rate(engine: Engine, rows: int, rounds: int = 20) -> float:
     return flops / best
 
 
-def _sample(engine: Engine, requests: list[SampleRequest]) -> float:
-    """Seconds to decode `requests` to the end through the pool."""
+Run = tuple[float, int, int]
+"""One round of a row: seconds, tokens (sampled, or trained), model FLOPs."""
+
+
+def _sample(engine: Engine, flops: ModelFlops, requests: list[SampleRequest]) -> Run:
+    """Decode `requests` to the end through the pool: seconds, sampled tokens, and the
+    FLOPs of the forwards that drew them (from the lengths the samples reached)."""
     keys = list(range(len(requests)))
     start = time.perf_counter()
     done = dict(engine.decode(requests, keys, 0.5))
@@ -148,7 +157,16 @@ def _sample(engine: Engine, requests: list[SampleRequest]) -> float:
     failed = [out for out in done.values() if isinstance(out, Exception)]
     if failed:
         raise failed[0]
-    return seconds
+    tokens = total = 0
+    for key, request in zip(keys, requests, strict=True):
+        prompt = request.prompt.size
+        total += flops.forward_sequence(0, prompt)
+        for sequence in done[key].sequences:
+            # The prefill drew the first token; each later one took a forward of the one
+            # before it (the last token drawn is never fed).
+            total += flops.forward_sequence(prompt, sequence.tokens.size - 1)
+            tokens += sequence.tokens.size
+    return seconds, tokens, total
 
 
 def _group(vocab: int, seed: int) -> list[SampleRequest]:
@@ -159,6 +177,13 @@ def _group(vocab: int, seed: int) -> list[SampleRequest]:
             for i in range(GROUP_PROMPTS)]
 
 
+def _group_stopping(vocab: int, seed: int) -> list[SampleRequest]:
+    """The RL group with `STOPS` stop tokens: the random model draws one about once in
+    100 tokens, so samples end at uneven lengths and rows leave the batch as they stop."""
+    return [replace(r, params=replace(r.params, stop_token_ids=STOPS))
+            for r in _group(vocab, seed)]
+
+
 def _mixed(vocab: int, seed: int) -> list[SampleRequest]:
     rng = np.random.default_rng(seed)
     lengths = np.linspace(MIXED_LOW, MIXED_HIGH, MIXED_REQUESTS).astype(int)
@@ -167,17 +192,6 @@ def _mixed(vocab: int, seed: int) -> list[SampleRequest]:
                           SamplingParams(max_tokens=int(n), seed=seed * 100 + i,
                                          ignore_eos=True))
             for i, n in enumerate(lengths)]
-
-
-def sampling_flops(flops: ModelFlops, requests: list[SampleRequest]) -> tuple[int, int]:
-    """(sampled tokens, model FLOPs) of decoding `requests` to their `max_tokens`."""
-    tokens = total = 0
-    for request in requests:
-        new, prompt = request.params.max_tokens, request.prompt.size
-        total += flops.forward_sequence(0, prompt)
-        total += request.num_samples * flops.forward_sequence(prompt, new)
-        tokens += request.num_samples * new
-    return tokens, total
 
 
 @dataclass(frozen=True)
@@ -197,10 +211,10 @@ class Row:
                                                          strict=True))
 
 
-def _rounds(run: Callable[[int], float], possible: Callable[[], float], rounds: int
-            ) -> list[tuple[float, float]]:
-    """(seconds, GEMM rate) of `rounds` runs after one warm-up, each run (with its own
-    seed) right after its own measure of the rate."""
+def _rounds(run: Callable[[int], Run], possible: Callable[[], float], rounds: int
+            ) -> list[tuple[Run, float]]:
+    """`rounds` runs after one warm-up, each (with its own seed) right after its own
+    measure of the GEMM rate, with that rate."""
     run(0)
     out = []
     for seed in range(1, rounds + 1):
@@ -209,10 +223,9 @@ def _rounds(run: Callable[[int], float], possible: Callable[[], float], rounds: 
     return out
 
 
-def _row(name: str, rows: int, tokens: int, flops: int,
-         rounds: list[tuple[float, float]]) -> Row:
-    return Row(name, [tokens / s for s, _ in rounds], [flops / s for s, _ in rounds],
-               [rate for _, rate in rounds], rows)
+def _row(name: str, rows: int, rounds: list[tuple[Run, float]]) -> Row:
+    return Row(name, [tokens / s for (s, tokens, _), _ in rounds],
+               [flops / s for (s, _, flops), _ in rounds], [rate for _, rate in rounds], rows)
 
 
 def measure(engine: Engine, rounds: int) -> list[Row]:
@@ -221,23 +234,25 @@ def measure(engine: Engine, rounds: int) -> list[Row]:
     out = []
     group_rows = GROUP_PROMPTS * GROUP_SAMPLES
     for name, make in (("decode, RL group 24 x 4 x 128", _group),
+                       ("decode, RL group, stop tokens", _group_stopping),
                        ("decode, mixed 64 x 8..256", _mixed)):
-        timed = _rounds(lambda seed, make=make: _sample(engine, make(vocab, seed)),
+        timed = _rounds(lambda seed, make=make: _sample(engine, flops, make(vocab, seed)),
                         lambda: gemm_rate(engine, group_rows), rounds)
-        out.append(_row(name, group_rows, *sampling_flops(flops, make(vocab, 0)), timed))
+        out.append(_row(name, group_rows, timed))
     batch = random_datums(TRAIN_ROWS, TRAIN_LENGTH, vocab)
     request = ForwardRequest(ADAPTER, batch, LossSpec("cross_entropy"), True)
 
-    def train(_: int) -> float:
+    tokens = TRAIN_ROWS * TRAIN_LENGTH
+
+    def train(_: int) -> Run:
         start = time.perf_counter()
         engine.forward_batch([request])
         engine.zero_grad(ADAPTER)
-        return time.perf_counter() - start
+        return (time.perf_counter() - start, tokens,
+                TRAIN_ROWS * flops.train_sequence(TRAIN_LENGTH))
 
-    tokens = TRAIN_ROWS * TRAIN_LENGTH
     timed = _rounds(train, lambda: gemm_rate(engine, tokens), rounds + 2)
-    out.append(_row(f"forward_backward {TRAIN_ROWS} x {TRAIN_LENGTH}", tokens, tokens,
-                    TRAIN_ROWS * flops.train_sequence(TRAIN_LENGTH), timed))
+    out.append(_row(f"forward_backward {TRAIN_ROWS} x {TRAIN_LENGTH}", tokens, timed))
     return out
 
 
