@@ -3,6 +3,7 @@ selects and failed steps leave it consistent; sliding-window caches are named.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from twinkle_server.engine.sampling.kv_batch import KVBatch, new_cache, unsupported_layers
@@ -82,6 +83,21 @@ def test_selected_rows_keep_their_spare_columns_so_the_next_step_writes_in_place
     keys, _ = layer.update(new, new)
     assert keys.data_ptr() == pointer
     assert torch.equal(keys, torch.cat([before[0][[2, 0]], new], dim=-2))
+
+
+def test_a_join_that_fails_while_ordering_its_rows_leaves_the_batch_as_it_was():
+    """Out of memory while a join puts the rows in order must not leave the new rows in
+    the batch (the pool then fails the joiner and decodes on without them). Simulated
+    by an order the gather cannot take."""
+    batch = _batch(rows=2)
+    before = (batch.rows, batch.width, list(batch.group), list(batch.start),
+              [layer.keys.clone() for layer in batch.layers()])
+    late = _batch(rows=1, width=7)
+    with pytest.raises(IndexError):
+        batch.join(late.cache, late.mask, late.positions, late.pending, order=[0, 5, 1])
+    assert (batch.rows, batch.width, batch.group, batch.start) == before[:4]
+    for layer, keys in zip(batch.layers(), before[4], strict=True):
+        assert torch.equal(layer.keys, keys)
 
 
 def test_sliding_window_layers_are_named_and_full_attention_is_not():

@@ -199,31 +199,41 @@ class KVBatch:
              groups: Sequence[int] | None = None) -> None:
         """Append new rows (their cache, mask, next positions, pending tokens, and labels
         equal for the rows of one request: `groups`, default one group a row), both sides
-        padded to the wider, then put every row in `order` (the pool's grouping, which
-        keeps a group's rows together)."""
+        padded to the wider, with every row in `order` (the pool's grouping, which keeps a
+        group's rows together). All of it is built before anything changes."""
         labels = list(range(len(pending))) if groups is None else list(groups)
         fresh = {label: self._groups + i for i, label in enumerate(dict.fromkeys(labels))}
-        self._groups += len(fresh)
         new_groups = [fresh[label] for label in labels]
-        self._shared = None
         if self.cache is None:
-            self.cache, self.mask, self.positions, self.pending = cache, mask, positions, pending
-            self.group, self.start = new_groups, [mask.shape[1]] * len(new_groups)
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            rest = (mask, positions, pending)
+            group, start = new_groups, [mask.shape[1]] * len(new_groups)
         else:
             width = max(self.width, mask.shape[1])
-            merged = [(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
+            layers = [(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
                        torch.cat([left_pad(old.values, width), left_pad(new.values, width)]))
                       for old, new in zip(self.layers(), cache.layers, strict=True)]
             rest = (torch.cat([left_pad(self.mask, width), left_pad(mask, width)]),
                     torch.cat([self.positions, positions]), torch.cat([self.pending, pending]))
-            self.start = ([s + width - self.width for s in self.start]
-                          + [width] * len(new_groups))
-            self.group = self.group + new_groups
-            self.mask, self.positions, self.pending = rest
-            for layer, (keys, values) in zip(self.layers(), merged, strict=True):
-                layer.hold(keys, values)
-        if order is not None and list(order) != list(range(self.rows)):
-            self.select(order)
+            group = self.group + new_groups
+            start = [s + width - self.width for s in self.start] + [width] * len(new_groups)
+        if order is not None and list(order) != list(range(len(group))):
+            index = torch.tensor(list(order), dtype=torch.long, device=self.device)
+            layers = [(keys[index], values[index]) for keys, values in layers]
+            rest = tuple(t[index] for t in rest)
+            group, start = [group[i] for i in order], [start[i] for i in order]
+        unused = _unused_left(rest[0])
+        # Everything is built: from here on nothing allocates, so a failure above left the
+        # batch as it was.
+        if self.cache is None:
+            self.cache = cache
+        self._groups += len(fresh)
+        self._shared = None
+        self.mask, self.positions, self.pending = rest
+        self.group, self.start = group, start
+        for layer, (keys, values) in zip(self.layers(), layers, strict=True):
+            layer.hold(keys, values)
+        self._drop_left(unused)
 
     def select(self, keep: Sequence[int]) -> None:
         """Keep rows `keep`, in that order, and drop padding columns no kept row uses."""
@@ -239,13 +249,15 @@ class KVBatch:
         self.group = [self.group[i] for i in keep]
         self.start = [self.start[i] for i in keep]
         self._shared = None
-        used = torch.nonzero(self.mask.any(0))
-        first = int(used[0]) if used.numel() else self.width
-        if first:
+        self._drop_left(_unused_left(self.mask))
+
+    def _drop_left(self, columns: int) -> None:
+        """Forget the first `columns` columns, which no row uses (views: nothing copied)."""
+        if columns:
             for layer in self.layers():
-                layer.drop_left(first)
-            self.mask = self.mask[:, first:]
-            self.start = [max(s - first, 0) for s in self.start]
+                layer.drop_left(columns)
+            self.mask = self.mask[:, columns:]
+            self.start = [max(s - columns, 0) for s in self.start]
 
     def shared_prefix(self) -> SharedPrefix | None:
         """The columns every row's group has alike (up to the first a step wrote to any
@@ -309,6 +321,12 @@ class KVBatch:
         """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
         view would keep the whole batch's tensors alive)."""
         return row_kv(self.cache, row, self.mask[row] if mask_row is None else mask_row)
+
+
+def _unused_left(mask: torch.Tensor) -> int:
+    """How many leading columns of `mask` `[rows, width]` no row uses."""
+    used = torch.nonzero(mask.any(0))
+    return int(used[0]) if used.numel() else mask.shape[1]
 
 
 def row_kv(cache: DynamicCache, row: int, mask_row: torch.Tensor) -> LayerKV:
