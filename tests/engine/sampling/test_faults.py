@@ -129,6 +129,33 @@ def test_out_of_memory_in_a_decode_step_fails_the_newest_request_and_the_rest_go
     _pool_is_empty(engine)
 
 
+def test_out_of_memory_giving_the_cache_new_columns_fails_the_newest_request_alone(
+        engine, monkeypatch):
+    """Before a step the pool may give every row's cache new spare columns (a copy of the
+    whole cache): running out of memory there is the step's fault, as in its forward."""
+    from twinkle_server.engine.sampling import kv_batch
+
+    older = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
+    newer = _request(None, [30, 31, 32], max_tokens=12, seed=2)
+    results = dict(engine.decode([older], [0], 0.0))
+    real, hits = kv_batch._BufferedLayer.hold, []
+
+    def hold(self, keys, values, extra=0):
+        if extra and not hits:
+            hits.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, keys, values, extra)
+
+    monkeypatch.setattr(kv_batch._BufferedLayer, "hold", hold)
+    # The newer request joins bare (no spare columns): the next step reserves.
+    results.update(engine.decode([newer], [1], 0.0))
+    assert hits
+    _drain(engine, results)
+    assert isinstance(results[1], ResourceExhausted) and "memory" in str(results[1])
+    _same(_alone(engine, older), results[0])
+    _pool_is_empty(engine)
+
+
 def test_a_device_error_in_a_step_fails_that_steps_rows_as_values_and_empties_the_pool(
         engine):
     doomed = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)

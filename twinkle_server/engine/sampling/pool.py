@@ -376,9 +376,10 @@ class DecodePool:
         undone and fails the requests it can be held to."""
         batch = self.batch
         left = sum(self._remaining())
-        batch.reserve(min(SPARE_COLUMNS, -(-left // len(self.rows))))
         saved = batch.snapshot()
         try:
+            # New spare columns copy the whole cache: out of memory there is the step's.
+            batch.reserve(min(SPARE_COLUMNS, -(-left // len(self.rows))))
             with self.route([row.request.route for row in self.rows]), \
                     decoding(self.model, batch.shared_prefix()):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
