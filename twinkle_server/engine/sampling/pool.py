@@ -349,9 +349,6 @@ class DecodePool:
             request.rows = [row for row in rows if row.request is request]
             request.left = len(request.rows)
         keep = [i for i, row in enumerate(rows) if row.request.error is None]
-        for request in joiners:
-            if request.error is not None:
-                self._answer(request, request.error)
         if keep:
             picked = torch.tensor(keep, device=self.device)
             select_rows(kv, index[picked])
@@ -362,6 +359,9 @@ class DecodePool:
                                          device=self.device),
                             drawn.chosen[picked], order, groups=index[picked].tolist())
             self.rows = [joined[i] for i in order]
+        for request in joiners:     # after the join: a join that fails answers nobody
+            if request.error is not None:
+                self._answer(request, request.error)
         self._count(prompt_tokens_computed=sum(r.sample.prompt.size - r.cached
                                                for r in joiners),
                     prefix_hit_tokens=sum(r.cached for r in joiners))
