@@ -73,7 +73,9 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     shared = _SHARED.get()
     layer = getattr(module, "layer_idx", None)
-    if shared is None or layer is None or key.shape[-2] < shared.width:
+    if layer is None or (shared is not None and key.shape[-2] < shared.width):
+        shared = None
+    if shared is None:
         scores = torch.matmul(grouped, key.transpose(-1, -2))
     else:
         width = shared.width
@@ -85,7 +87,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if attention_mask is not None:
         scores.masked_fill_(~attention_mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    if shared is None or layer is None or key.shape[-2] < shared.width:
+    if shared is None:
         out = torch.matmul(weights, value)   # [rows, kv_heads, group, d]
     else:
         width = shared.width

@@ -41,7 +41,7 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     if greedy(params):
         return logits.argmax(-1)
     scores = logits / params.temperature
-    top_k = params.top_k if 0 < params.top_k < scores.shape[-1] else 0
+    top_k = _top_k(params, scores.shape[-1])
     if top_k or params.top_p < 1.0:
         # topk returns its values sorted, so top-p below sorts only k columns, not V.
         ordered, order = (torch.topk(scores, top_k, dim=-1) if top_k
@@ -65,8 +65,12 @@ def greedy(params: SamplingParams) -> bool:
 def plain(params: SamplingParams, vocab: int) -> bool:
     """Whether `params` draw from the whole tempered distribution (no top-k or top-p):
     such rows of several requests are drawn in one batch (`draw`)."""
-    return (not greedy(params) and params.top_p >= 1.0
-            and not 0 < params.top_k < vocab)
+    return not greedy(params) and params.top_p >= 1.0 and not _top_k(params, vocab)
+
+
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    """The top-k `params` keep over a `vocab`-token vocabulary; 0 when they keep all."""
+    return params.top_k if 0 < params.top_k < vocab else 0
 
 
 def uniforms(rows: int, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
@@ -146,10 +150,11 @@ def draw(logits: torch.Tensor, segments: Sequence[Segment], topk: int) -> Drawn:
 def _draw_together(logits: torch.Tensor, segments: Sequence[Segment],
                    chosen: torch.Tensor) -> None:
     """Draw the rows of `segments` (all `plain`) into `chosen`, as one batch."""
-    spans = [(s.start, s.end) for s in segments]
-    whole = spans == [(0, logits.shape[0])]
-    rows = None if whole else torch.cat([torch.arange(a, b, device=logits.device)
-                                         for a, b in spans])
+    # Segments are disjoint and in order: covering as many rows as there are, they are
+    # all of them (the common case: every request plain), and no gather is needed.
+    whole = sum(s.end - s.start for s in segments) == logits.shape[0]
+    rows = None if whole else torch.cat([torch.arange(s.start, s.end, device=logits.device)
+                                         for s in segments])
     temperature = torch.tensor([s.params.temperature for s in segments
                                 for _ in range(s.start, s.end)],
                                dtype=logits.dtype, device=logits.device)[:, None]
