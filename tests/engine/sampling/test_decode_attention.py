@@ -51,7 +51,7 @@ def test_a_shared_prompt_read_once_gives_each_row_its_own_attention(padding):
     """Three requests of 2 samples, prompts padded or not: within 1e-6 of each row
     attending to its whole cache (float32 rounding of sums of 6..9 terms)."""
     batch = _batch([2, 2, 2], padding, own=3)
-    shared = batch.shared_prefix()
+    shared = batch.shared_prefix(room=10**6)
     assert shared is not None and shared.width == PROMPT
     assert (shared.groups, shared.samples) == (3, 2)
     query = torch.randn(batch.rows, HEADS, 1, DIM)
@@ -69,13 +69,26 @@ def test_the_shared_columns_end_where_any_row_first_wrote_and_follow_joins_and_s
     """Shared while every request has as many rows (two or more), up to the first column
     a step wrote to any row; uneven or single rows read their own caches."""
     batch = _batch([2, 2], [0, 0], own=2)
-    assert batch.shared_prefix().width == PROMPT
+    assert batch.shared_prefix(room=10**6).width == PROMPT
     late = _batch([2], [0], own=0)       # a request joins after 2 steps of the others
     batch.join(late.cache, late.mask, late.positions, late.pending, groups=[7, 7])
     assert batch.group[4] == batch.group[5] != batch.group[0]
-    assert batch.shared_prefix().width == PROMPT and batch.width == PROMPT + 2
+    assert batch.shared_prefix(room=10**6).width == PROMPT and batch.width == PROMPT + 2
     batch.select([0, 1, 2, 4, 5])        # one request's sample stops: uneven
-    assert batch.shared_prefix() is None
+    assert batch.shared_prefix(room=10**6) is None
     batch.select([0, 2, 3])              # one row each
-    assert batch.shared_prefix() is None
-    assert _batch([3, 1], [0, 0], own=1).shared_prefix() is None
+    assert batch.shared_prefix(room=10**6) is None
+    assert _batch([3, 1], [0, 0], own=1).shared_prefix(room=10**6) is None
+
+
+def test_the_shared_copy_counts_in_what_the_batch_holds_and_is_made_only_within_its_room():
+    """Two requests of 3 samples: the copy is 2 groups x PROMPT columns, held beside the
+    rows' own; with less room than that the rows read their own caches."""
+    tight = _batch([3, 3], [0, 0], own=1)
+    own = tight.held()
+    assert tight.shared_prefix(room=2 * PROMPT - 1) is None and tight.held() == own
+    batch = _batch([3, 3], [0, 0], own=1)
+    assert batch.shared_prefix(room=2 * PROMPT).width == PROMPT
+    assert batch.held() == own + 2 * PROMPT
+    batch.select([0, 1, 2, 3, 4])           # uneven: the copy is dropped
+    assert batch.shared_prefix(room=10**6) is None and batch.held() == 5 * own // 6

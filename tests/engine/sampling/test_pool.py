@@ -102,6 +102,24 @@ def test_a_group_prefills_its_prompt_once_whatever_num_samples(model):
     assert pool.stats().prompt_tokens_computed == len(prompt)
 
 
+@pytest.mark.parametrize("capacity", [4 * (20 + 10), 4 * (20 + 10) + 20])
+def test_a_groups_shared_prompt_copy_is_held_within_the_pool(model, capacity):
+    """4 samples of a 20-token prompt, 10 tokens each, fill 120 positions: the prompt's
+    shared copy (20 more) is made only where the pool has room for it, and what the
+    pool holds stays within its bound every step."""
+    request = _req(list(range(20, 40)), 4, max_tokens=10, seed=5, ignore_eos=True)
+    pool = _pool(model, capacity=capacity)
+    pool.submit(0, request, None)
+    results, shared = {}, []
+    while not results:
+        results.update(pool.run(0.0))
+        stats = pool.stats()
+        assert stats.kv_in_use <= capacity + stats.active_rows, stats
+        shared.append(pool.batch.shared_prefix(room=0) is not None)
+    assert any(shared) == (capacity > 4 * (20 + 10))
+    _same(_static(model, request)[0], results[0].sequences)
+
+
 def test_a_full_pool_queues_requests_then_serves_them(model):
     # Each request needs 2 x (4 + 8) = 24 positions alone; 30 hold one at a time.
     pool = _pool(model, capacity=30)

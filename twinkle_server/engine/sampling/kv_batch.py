@@ -15,9 +15,10 @@ its attention mask, next positions and pending tokens.
 * Shared prompts. A request's rows (its samples) hold the same columns up to the first
   one any row wrote in a step (`start`): its prompt, and padding. While every request
   has the same number of rows (an RL group before any sample stops), `shared_prefix`
-  gives those columns once per request, as a copy made after each join or select, so
-  that a decode step's attention reads them once for all of a request's samples
-  (`decode_attention`), not once per sample: the reads a step's attention is bound by.
+  gives those columns once per request, as a copy made after each join or select when
+  the pool has room for it (the copy counts in `held`), so that a decode step's
+  attention reads them once for all of a request's samples (`decode_attention`), not
+  once per sample: the reads a step's attention is bound by.
 * Only full-attention caches. A model with sliding-window (or other non-growing) cache
   layers would keep fewer positions than the mask says; `unsupported_layers` names them,
   and the pool refuses such a model when it is made.
@@ -176,7 +177,7 @@ class KVBatch:
         self.pending = torch.zeros(0, dtype=torch.long, device=device)
         self.group: list[int] = []
         self.start: list[int] = []
-        self._shared: SharedPrefix | None = None
+        self._forget_shared()
 
     @property
     def rows(self) -> int:
@@ -190,9 +191,18 @@ class KVBatch:
         return [] if self.cache is None else list(self.cache.layers)
 
     def held(self) -> int:
-        """KV positions the batch holds now: rows x columns of its buffers."""
+        """KV positions the batch holds now: rows x columns of its buffers, and the
+        shared copy's groups x columns."""
         layers = self.layers()
-        return self.rows * layers[0].columns() if layers else 0
+        if not layers:
+            return 0
+        shared = self._shared.groups * self._shared.width if self._shared else 0
+        return self.rows * layers[0].columns() + shared
+
+    def _forget_shared(self) -> None:
+        """Drop the shared copy: the rows changed, `shared_prefix` decides again."""
+        self._shared: SharedPrefix | None = None
+        self._shared_decided = False
 
     def join(self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor,
              pending: torch.Tensor, order: Sequence[int] | None = None,
@@ -228,7 +238,7 @@ class KVBatch:
         if self.cache is None:
             self.cache = cache
         self._groups += len(fresh)
-        self._shared = None
+        self._forget_shared()
         self.mask, self.positions, self.pending = rest
         self.group, self.start = group, start
         for layer, (keys, values) in zip(self.layers(), layers, strict=True):
@@ -248,7 +258,7 @@ class KVBatch:
         self.mask, self.positions, self.pending = mask, positions, pending
         self.group = [self.group[i] for i in keep]
         self.start = [self.start[i] for i in keep]
-        self._shared = None
+        self._forget_shared()
         self._drop_left(_unused_left(self.mask))
 
     def _drop_left(self, columns: int) -> None:
@@ -259,23 +269,28 @@ class KVBatch:
             self.mask = self.mask[:, columns:]
             self.start = [max(s - columns, 0) for s in self.start]
 
-    def shared_prefix(self) -> SharedPrefix | None:
+    def shared_prefix(self, room: int) -> SharedPrefix | None:
         """The columns every row's group has alike (up to the first a step wrote to any
         row), once per group; None unless every group has the same number of rows, two
-        or more, and such columns are left. Made after a join or select, at the next
-        call, and kept until the next.
+        or more, such columns are left, and their copy (groups x columns) fits in `room`
+        KV positions. Decided at the first call after a join or select, and kept until
+        the next.
 
         Uneven groups (once some request's samples have stopped) read their own caches:
         there the rows' selection has just copied the whole cache, so it is read warm,
         and stacking uneven groups cost more than the reads it saved (BENCHMARKS.md,
         "Limits")."""
-        if self._shared is not None or not self.rows:
-            return self._shared
+        if not self._shared_decided and self.rows:
+            self._shared_decided = True
+            self._shared = self._make_shared(room)
+        return self._shared
+
+    def _make_shared(self, room: int) -> SharedPrefix | None:
         width = min(self.start)
         size = 1
         while size < self.rows and self.group[size] == self.group[0]:
             size += 1
-        if size < 2 or not width or self.rows % size:
+        if size < 2 or not width or self.rows % size or self.rows // size * width > room:
             return None
         groups = self.group[::size]
         if len(set(groups)) != len(groups) or any(
@@ -283,9 +298,8 @@ class KVBatch:
             return None
         lead = torch.arange(0, self.rows, size, device=self.device)
         layers = self.layers()
-        self._shared = SharedPrefix(width, [layer.keys[lead, :, :width] for layer in layers],
-                                    [layer.values[lead, :, :width] for layer in layers], size)
-        return self._shared
+        return SharedPrefix(width, [layer.keys[lead, :, :width] for layer in layers],
+                            [layer.values[lead, :, :width] for layer in layers], size)
 
     def reserve(self, extra: int) -> None:
         """Give every layer `extra` spare columns when some layer has none left, so that

@@ -9,8 +9,10 @@ batch between decode steps.
   a request is answered when its last row has left.
 * Memory. The batch's footprint (`admission.footprint`) plus the prefix cache stays
   within `capacity`: admission keeps to it, and the prefix cache gives up entries
-  whenever what it stored would pass it. Held positions (rows x buffer columns, plus the
-  cache) are at most `capacity` plus one column a row.
+  whenever what it stored would pass it. A request's samples share one copy of their
+  prompt's columns (`KVBatch.shared_prefix`) only when it fits beside both. Held
+  positions (rows x buffer columns, the shared copy, the cache) are at most `capacity`
+  plus one column a row.
 * Prefix reuse. A request may name a namespace (its sampling session and the version of
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
@@ -375,13 +377,14 @@ class DecodePool:
         """Feed every row's pending token and draw each row's next; a failed forward is
         undone and fails the requests it can be held to."""
         batch = self.batch
-        left = sum(self._remaining())
+        remaining = self._remaining()
+        room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining)
         saved = batch.snapshot()
         try:
             # New spare columns copy the whole cache: out of memory there is the step's.
-            batch.reserve(min(SPARE_COLUMNS, -(-left // len(self.rows))))
+            batch.reserve(min(SPARE_COLUMNS, -(-sum(remaining) // len(self.rows))))
             with self.route([row.request.route for row in self.rows]), \
-                    decoding(self.model, batch.shared_prefix()):
+                    decoding(self.model, batch.shared_prefix(room)):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
                                  **{self.cache_kw: batch.cache})
         except Exception as exc:
