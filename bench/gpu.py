@@ -43,12 +43,11 @@ interpreter, on this run's device and sizes (`TWINKLE_GPU_TESTS_DEVICE`,
 and activation checkpointing on and off training alike; their tolerances, and why, are
 in `tests/gpu/test_cuda_numerics.py`.
 
-Model FLOPs per token, frozen base + LoRA: forward 2N and backward 2N (input gradients
-only; no weight gradients for the base), N the linear layers' weights (lm_head included),
-plus causal attention 6 x layers x Q x seq (QK^T and AV forward, twice that backward, half
-the positions masked). LoRA's own FLOPs (rank 16) are under 1% and not counted; neither
-is the forward that activation checkpointing, or a pass in pieces, runs again, so MFU is
-the useful share.
+Model FLOPs come from the config (`bench.flops.ModelFlops`, the count `bench.limit` uses
+too): the linear layers (the output layer's included) and the rank-16 adapter's, forward
+and backward to the inputs (no weight gradients for the frozen base), and causal
+attention per attended position; the forward that activation checkpointing, or a pass
+in pieces, runs again is not counted, so MFU is the useful share.
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ import numpy as np
 import torch
 
 from bench.data import mixed_datums, random_datums
+from bench.flops import ModelFlops
 from bench.gpu_shapes import (
     ADAM,
     CE,
@@ -194,18 +194,11 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int) -> float
     return best
 
 
-def flops_per_token(config, seq: int) -> float:
-    """Model FLOPs of one trained token of a `seq`-token datum (module docstring)."""
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * config.vocab_size
-    return 4 * linear + 6 * layers * q * seq
-
-
 def step_flops(config, datums: list[Datum]) -> float:
-    """Model FLOPs of one forward_backward over `datums` (attention by each one's length)."""
-    return sum(flops_per_token(config, d.num_tokens) * d.num_tokens for d in datums)
+    """Model FLOPs of one forward_backward over `datums`, each attending within itself
+    (`bench.flops`)."""
+    flops = ModelFlops.of(config, SPEC.rank)
+    return sum(flops.train_sequence(d.num_tokens) for d in datums)
 
 
 def _peak(device: torch.device) -> float | None:
@@ -388,8 +381,8 @@ def distributed_row(name: str, path: Path, run: GpuRun, table: Table) -> None:
 def sampling_row(name: str, path: Path, run: GpuRun, table: Table) -> None:
     """The RL group pattern through the decode pool (continuous batching): 8 prompts x
     8 samples x 128 new tokens (2 x 2 x 8 in the smoke run), at temperature 1 with EOS
-    ignored, one LoRA adapter. Tokens/s counts sampled tokens; the FLOPs are half a
-    trained token's (a forward only) at the prompt-plus-completion length."""
+    ignored, one LoRA adapter. Tokens/s counts sampled tokens; the FLOPs are the prefills'
+    and the decode steps' forwards (`bench.flops`)."""
     from twinkle_server.engine.types import SampleRequest, SamplingParams
 
     engine = load_engine(path, run)
@@ -411,7 +404,8 @@ def sampling_row(name: str, path: Path, run: GpuRun, table: Table) -> None:
                 raise out
 
     tokens = prompts * samples * new
-    flops = tokens * flops_per_token(engine.base.config, prompt_len + new) / 2
+    flops = prompts * ModelFlops.of(engine.base.config, SPEC.rank).sampled(prompt_len,
+                                                                            [new] * samples)
     table.time(name, f"sample {prompts} x {samples} x {new} (RL group, decode pool)", group,
                tokens, flops, run.steps)
 

@@ -4,7 +4,7 @@ run.
 
 The model is the sampling bench's random Qwen3 (hidden 512, 8 layers, 8 heads, 4 KV
 heads, vocabulary 4096: `bench.engine`'s wide base) with one LoRA adapter of rank 16 on
-every linear layer, the output layer included, trained one step so its B matrices are not
+every decoder linear layer (`'all-linear'`), trained one step so its B matrices are not
 zero. Everything runs in this process on the engine itself, no server: the limit is the
 engine's.
 
@@ -18,18 +18,8 @@ the median of its rounds' achieved over their own rate: this machine's speed dri
 quarter from one minute to the next, and a rate from another minute would move the
 fraction with it.
 
-Achieved, counted from the config (`ModelFlops`):
-
-- a linear layer of `i` inputs and `o` outputs: 2*i*o per token forward, and its LoRA
-  adapter of rank r 2*r*(i+o) more;
-- attention: 4*q_dim per attended position per layer forward (scores and the weighted
-  sum, 2*q_dim each), a token attending to every position before it and itself;
-- sampling: one forward per prompt token (prefill, once per request, its samples share
-  it) and per sampled token but the last (drawn, never fed), at the lengths the samples
-  reached;
-- training (forward_backward): the forward, then the backward through the activations
-  (the same FLOPs again: the base is frozen, so no weight gradients but the adapter's,
-  2*r*(i+o) more per token) and attention's backward (twice its forward).
+Achieved, counted from the config (`bench.flops.ModelFlops`, which says how), sampling at
+the lengths the samples reached.
 
 Rows:
 1. decode, RL group: 24 prompts of 64 tokens x 4 samples x 128 new tokens (EOS off), one
@@ -60,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.data import random_datums
+from bench.flops import ModelFlops
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import (
     AdamParams,
@@ -79,57 +70,13 @@ TRAIN_ROWS, TRAIN_LENGTH = 8, 128
 STOPS = tuple(range(100, 140))
 
 
-@dataclass(frozen=True)
-class ModelFlops:
-    """FLOP counts of one model with one adapter, from its config (module docstring)."""
-
-    linears: tuple[tuple[int, int], ...]   # (inputs, outputs) of every linear layer
-    lora_rank: int
-    layers: int
-    q_dim: int
-
-    @classmethod
-    def of(cls, config, lora_rank: int) -> ModelFlops:
-        h, inter = config.hidden_size, config.intermediate_size
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
-        layer = ((h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h))
-        return cls(layer * config.num_hidden_layers + ((h, config.vocab_size),), lora_rank,
-                   config.num_hidden_layers, q)
-
-    @property
-    def linear(self) -> int:
-        """Forward FLOPs of the base's linear layers, per token."""
-        return sum(2 * i * o for i, o in self.linears)
-
-    @property
-    def lora(self) -> int:
-        """Forward FLOPs of the adapter, per token."""
-        return sum(2 * self.lora_rank * (i + o) for i, o in self.linears)
-
-    def forward(self, attended: int) -> int:
-        """One token's forward, attending to `attended` positions."""
-        return self.linear + self.lora + 4 * self.q_dim * self.layers * attended
-
-    def forward_sequence(self, start: int, length: int) -> int:
-        """Forwards of `length` tokens following `start` earlier ones (each attends to
-        every position before it and itself)."""
-        attended = length * start + length * (length + 1) // 2
-        return length * (self.linear + self.lora) + 4 * self.q_dim * self.layers * attended
-
-    def train_sequence(self, length: int) -> int:
-        """forward_backward of one datum of `length` tokens."""
-        forward = self.forward_sequence(0, length)
-        attention = forward - length * (self.linear + self.lora)
-        return forward + length * (self.linear + 2 * self.lora) + 2 * attention
-
-
 def gemm_rate(engine: Engine, rows: int, rounds: int = 20) -> float:
     """FLOP/s of the model's linear layers at `rows` rows (module docstring)."""
     dtype, device = engine.base.dtype, engine.base.device
+    flops = ModelFlops.of(engine.base.config, 0)
     weights = [(torch.randn(o, i, dtype=dtype, device=device),
                 torch.randn(rows, i, dtype=dtype, device=device))
-               for i, o in ModelFlops.of(engine.base.config, 0).linears]
+               for i, o in (*flops.linears, flops.head)]
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w, _ in weights)
     best = float("inf")
     with torch.inference_mode():
@@ -159,13 +106,9 @@ def _sample(engine: Engine, flops: ModelFlops, requests: list[SampleRequest]) ->
         raise failed[0]
     tokens = total = 0
     for key, request in zip(keys, requests, strict=True):
-        prompt = request.prompt.size
-        total += flops.forward_sequence(0, prompt)
-        for sequence in done[key].sequences:
-            # The prefill drew the first token; each later one took a forward of the one
-            # before it (the last token drawn is never fed).
-            total += flops.forward_sequence(prompt, sequence.tokens.size - 1)
-            tokens += sequence.tokens.size
+        lengths = [sequence.tokens.size for sequence in done[key].sequences]
+        total += flops.sampled(request.prompt.size, lengths)
+        tokens += sum(lengths)
     return seconds, tokens, total
 
 
