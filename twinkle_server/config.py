@@ -82,10 +82,10 @@ class ServerConfig:
                                          "while both wait: about what a training op waits "
                                          "behind sampling")
     kv_pool_tokens: int = _opt(0, "KV-cache positions the sampler holds (rows x width of its "
-                                  "decode batch, plus cached prefixes); requests wait for "
-                                  "room, one that can never fit is refused. 0 picks a "
-                                  "quarter of the memory free after the base loads, at most "
-                                  "1,048,576")
+                                  "decode batch, shared prompt copies and cached prefixes); "
+                                  "requests wait for room, one that can never fit is "
+                                  "refused. 0 picks a quarter of the memory free after the "
+                                  "base loads, at most 1,048,576")
     session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
                                          "adapters are unloaded (checkpoints stay)")
     max_stability_records: int = _opt(

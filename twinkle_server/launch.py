@@ -111,16 +111,18 @@ def join(config: ServerConfig) -> tuple[Parallel, Channel]:
 def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | None = None,
                 device: str | None = None) -> Engine:
     """The engine of served model `model` (on `device`, default its own), sharded over
-    `parallel`'s ranks when given (each rank then logs the share of the base it holds). A
+    `parallel`'s ranks when given (each rank then logs the share of the base it holds); on
+    a split model's trainer ranks it trains only (its sampler ranks' copies sample). A
     model the decode pool cannot hold is refused here under `--sampler continuous`, naming
     the cause and `--sampler static`."""
+    samples = parallel is None or not model.sampler_ranks
     engine = Engine.load(model.path, device=device or model.device, dtype=model.dtype,
                          cache_dir=None, limits=model.limits(),
                          packing=config.packing == "on",
                          activation_checkpointing={"on": True, "off": False, "auto": None}[
                              config.activation_checkpointing],
-                         parallel=parallel)
-    if config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
+                         parallel=parallel, samples=samples)
+    if samples and config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
         raise engine.sampling.pool_refusal
     if parallel is not None:
         log.info("loaded: %s", parallel.describe_share())

@@ -101,9 +101,12 @@ class Engine:
 
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
                  packing: bool = True, activation_checkpointing: bool | None = False,
-                 parallel: Parallel | None = None) -> None:
+                 parallel: Parallel | None = None, samples: bool = True) -> None:
         self.base = base
-        self.limits = limits
+        # False: a split model's trainer ranks, whose sampler ranks sample; no decode pool
+        # is sized here or counted against the memory its adapters and passes take.
+        self.samples = samples
+        self.limits = limits if samples else replace(limits, kv_pool_tokens=0)
         # Merged passes pack their datums into one sequence; False pads them (the baseline).
         self.packing = packing
         self.router = Router()
@@ -116,7 +119,8 @@ class Engine:
         parallel.shard(base.model)
         # On several ranks a pass also gathers the base's weights, beside its activations.
         gathered = parallel.gathered_bytes()
-        limits = self.limits = self._resolve_seq_len(limits, activation_checkpointing, gathered)
+        limits = self.limits = self._resolve_seq_len(self.limits, activation_checkpointing,
+                                                     gathered)
         # Decoder layers recomputed in backward (`engine.activations`); None picks by
         # the memory free once the base is in place (`memory.auto_checkpointing`).
         if activation_checkpointing is None:
@@ -151,7 +155,7 @@ class Engine:
         # CPU (17.9 GiB at 262,144 tokens) would refuse adapters on ordinary machines, so
         # there it is reported, not reserved.
         self.reserve_pass_memory = base.device.type != "cpu" or limits.max_pass_tokens > 0
-        if not limits.kv_pool_tokens:
+        if samples and not limits.kv_pool_tokens:
             self.limits = limits = replace(limits, kv_pool_tokens=memory.auto_kv_pool_tokens(
                 base.config, base.dtype, self._free_bytes()))
             log.info("the sampler's KV pool holds %d positions (--kv-pool-tokens)",
@@ -162,15 +166,16 @@ class Engine:
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
              cache_dir: str | None = None, limits: EngineLimits = EngineLimits(),
              packing: bool = True, activation_checkpointing: bool | None = False,
-             parallel: Parallel | None = None) -> Engine:
+             parallel: Parallel | None = None, samples: bool = True) -> Engine:
         """An engine on `model` (a local dir, a hub name in the cache, or `tiny`);
         `packing` False pads merged passes instead of packing them (`--packing off`);
         `activation_checkpointing` recomputes decoder layers in backward
         (`--activation-checkpointing on`; None: `auto`); `parallel` shards it over ranks (on the
-        rank's own device, whatever `device` says; `Parallel.load_base`)."""
+        rank's own device, whatever `device` says; `Parallel.load_base`); `samples` False
+        trains only (a split model's trainer ranks: no decode pool)."""
         parallel = parallel if parallel is not None else OneRank()
         base = parallel.load_base(model, device=device, dtype=dtype, cache_dir=cache_dir)
-        return cls(base, limits, packing, activation_checkpointing, parallel)
+        return cls(base, limits, packing, activation_checkpointing, parallel, samples)
 
     def _resolve_seq_len(self, limits: EngineLimits, checkpointing: bool | None,
                          gathered: int) -> EngineLimits:

@@ -182,7 +182,7 @@ class EngineLimits:
     cap; `AUTO_PASS_TOKENS`: picked by the engine (`memory.auto_pass_tokens`)."""
     kv_pool_tokens: int = 0
     """KV positions the decode pool holds (`engine.sampling.pool`); 0: picked from free memory
-    (`memory.auto_kv_pool_tokens`)."""
+    (`memory.auto_kv_pool_tokens`), or none on an engine that does not sample."""
     memory_bytes: int = 0
     """What this engine may hold on its device (base weights, adapter state, KV pool, a
     pass), so several models can share one device; 0: no budget, what is free."""

@@ -119,7 +119,7 @@ class _PerModel:
                     ("kv_pool_positions", "KV positions the pool may hold (kv_pool_tokens)",
                      pool.kv_capacity),
                     ("kv_pool_positions_used", "KV positions held now: rows x batch width, "
-                     "plus cached prefixes", pool.kv_in_use),
+                     "shared prompt copies and cached prefixes", pool.kv_in_use),
                     ("prefix_cache_positions", "KV positions held by cached session "
                      "prefixes", pool.prefix_cache_tokens)):
                 gauge(name, help_text, base, value)

@@ -19,7 +19,7 @@ import numpy as np
 from twinkle_server.engine import checkpoint, checks
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
-from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
 from twinkle_server.engine.lora import LoraWeights, adapter_order
 from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.parallel import Parallel
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+TRAINS_ONLY = ("sampling: this engine holds a split model's trainer ranks, which do not "
+               "sample; its sampler ranks do")
+
+
 def inflight_key(adapter_id: str) -> str:
     """The routing id of a model's inflight target (`Sampling.publish_inflight`)."""
     return f"inflight:{adapter_id}"
@@ -50,6 +54,7 @@ class SamplingHost(Protocol):
     limits: EngineLimits
     parallel: Parallel
     adapters: dict[str, Adapter]
+    samples: bool
 
     @property
     def pass_tokens(self) -> int: ...
@@ -78,7 +83,10 @@ class Sampling:
         self.versions: dict[str, int] = {}
         # A model whose cache the pool cannot hold samples only with `--sampler static`.
         self.pool: DecodePool | None = None
-        self.pool_refusal: InvalidArgument | None = None
+        self.pool_refusal: EngineError | None = None
+        if not host.samples:
+            self.pool_refusal = FailedPrecondition(TRAINS_ONLY)
+            return
         try:
             self.pool = DecodePool(
                 base.model, route, eos_token_ids=base.eos_token_ids,
@@ -236,6 +244,8 @@ class Sampling:
                      ) -> list[list[SampledSequence] | EngineError]:
         """Sample every request in one static batch; failures are per-request values."""
         host = self.host
+        if not host.samples:
+            raise FailedPrecondition(TRAINS_ONLY)
         self.samplers.trim()  # what the last batch routed beyond the cache's size
         results: list[Any] = [None] * len(requests)
         batch, routes, slots = [], [], []
