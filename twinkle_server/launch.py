@@ -134,7 +134,8 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
     model is sharded over the ranks its table names (all by default), which must include
     rank 0 (it serves, and drives every model), and every rank of the job must be some
     model's (a rank of none would hold nothing); each rank runs its shards on its own
-    device, so a table names ranks, not a device. One model's table is held to the same
+    device, so a table names ranks, and a device only of the job's kind, never an index
+    (`_rank_device_kind`). One model's table is held to the same
     rules as several models': its ranks and device are served or refused, never ignored."""
     models = config.model_configs()
     for model in models:
@@ -146,14 +147,22 @@ def several_ranks_problem(config: ServerConfig, world: int) -> str | None:
             return str(exc)
     if world == 1:
         return None
+    try:
+        kind = _rank_device_kind(config.device)
+    except InvalidArgument as exc:
+        return f"--device {config.device}: {exc}"
     for model in models:
         if model.ranks and 0 not in model.ranks:
             return (f"models: {model.name!r} has ranks {list(model.ranks)}; every model's "
                     "ranks include rank 0, which serves and drives them")
-        if model.device != config.device:
-            return (f"models: {model.name!r} asks for device {model.device!r}; on several "
-                    "ranks each rank runs its shards on its own device (--device), so a "
-                    "table names ranks, not a device")
+        try:
+            asked = _rank_device_kind(model.device)
+        except InvalidArgument as exc:
+            return f"models: {model.name!r} asks for device {model.device!r}; {exc}"
+        if asked != kind:
+            return (f"models: {model.name!r} asks for device {model.device!r}, but the job's "
+                    f"ranks run on {kind} (--device {config.device}); a table names its "
+                    "ranks, and a device only of the job's kind")
     used = {rank for model in models for part in split_ranks(model, world) for rank in part}
     if idle := [str(rank) for rank in range(world) if rank not in used]:
         which = (f"rank {idle[0]} is" if len(idle) == 1
@@ -259,6 +268,20 @@ def members(config: ServerConfig, parallel: Parallel, channel: Channel
             held.append(Member(model, shard, calls, tuple(links) if me == 0 else ()))
         seats += [Seat(model, link) for link in links if link.rank == me]
     return held, seats
+
+
+def _rank_device_kind(device: str) -> str:
+    """The kind of device a rank of a several-rank job runs `device` on ('auto': cuda
+    where present); refuses a device index, which a rank never takes (it runs on its own,
+    `cuda:LOCAL_RANK`)."""
+    try:
+        resolved = resolve_device(device)
+    except RuntimeError:
+        raise InvalidArgument("give cpu, cuda or auto") from None
+    if resolved.index is not None:
+        raise InvalidArgument(f"on several ranks each rank runs on its own "
+                              f"{resolved.type}:LOCAL_RANK; give {resolved.type} or auto")
+    return resolved.type
 
 
 def place_models(models: list[ModelConfig]) -> dict[str, Place]:

@@ -92,7 +92,7 @@ SEVERAL = "[[models]]\nname = 'a'\npath = 'tiny'\n[[models]]\nname = 'b'\npath =
 @pytest.mark.parametrize(("extra", "flags", "named"), [
     ("ranks = [1]\n", {}, "'b' has ranks [1]; every model's ranks include rank 0"),
     ("ranks = [0, 2]\n", {}, "'b' asks for ranks [0, 2], but the job has 2"),
-    ("device = 'cpu'\n", {"device": "auto"}, "'b' asks for device 'cpu'; on several ranks"),
+    ("device = 'cuda'\n", {}, "'b' asks for device 'cuda', but the job's ranks run on cpu"),
     ("", {"shard_group_size": 1}, "--shard-group-size 1: hybrid sharding serves one model"),
 ])
 def test_several_models_on_several_ranks_refuse_what_cannot_work(tmp_path, monkeypatch, extra,
@@ -114,8 +114,12 @@ ONE = "[[models]]\nname = 'a'\npath = 'tiny'\n"
     (ONE + "ranks = [1]\n", {}, 2, "'a' has ranks [1]; every model's ranks include rank 0"),
     (ONE + "ranks = [0, 2]\n", {}, 2, "'a' asks for ranks [0, 2], but the job has 2"),
     (ONE + "ranks = [0, 1]\n", {}, 1, "'a' asks for ranks [0, 1], but the job has 1"),
-    (ONE + "device = 'cpu'\n", {"device": "auto"}, 2,
-     "'a' asks for device 'cpu'; on several ranks"),
+    (ONE + "device = 'cuda'\n", {}, 2,
+     "'a' asks for device 'cuda', but the job's ranks run on cpu"),
+    (ONE + "device = 'cuda:0'\n", {"device": "cuda"}, 2,
+     "'a' asks for device 'cuda:0'; on several ranks each rank runs on its own"),
+    (ONE, {"device": "cuda:1"}, 2,
+     "--device cuda:1: on several ranks each rank runs on its own"),
     (ONE + "ranks = [0]\n", {}, 2, "rank 1 is in no model's ranks"),
     (SEVERAL.replace("path = 'tiny'\n", "path = 'tiny'\nranks = [0]\n"), {}, 3,
      "ranks 1, 2 are in no model's ranks"),
@@ -145,6 +149,23 @@ def test_one_model_on_every_rank_of_the_job_is_accepted(tmp_path, monkeypatch):
         assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 2) is None
     path.write_text(ONE + "ranks = [0]\n")
     assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 1) is None
+
+
+def test_a_device_that_resolves_to_the_jobs_kind_is_accepted_on_several_ranks(
+        tmp_path, monkeypatch):
+    """'auto' is the kind it resolves to here (cuda where present, else cpu), in a table
+    or as the flag: compared by what it means, not by its spelling."""
+    from twinkle_server.engine.base_model import resolve_device
+    from twinkle_server.launch import several_ranks_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    here = resolve_device("auto").type
+    path = tmp_path / "models.toml"
+    path.write_text(ONE + f"device = '{here}'\n")
+    assert several_ranks_problem(ServerConfig(models=path, device="auto"), 2) is None
+    path.write_text(ONE + "device = 'auto'\n")
+    assert several_ranks_problem(ServerConfig(models=path, device=here), 2) is None
 
 
 def test_several_models_on_several_ranks_that_fit_are_accepted(tmp_path, monkeypatch):
