@@ -40,10 +40,10 @@ def publication_worker(repeats: int) -> None:
     import numpy as np
     import torch
 
+    from twinkle_server.channel import Channel
     from twinkle_server.engine.engine import Engine
     from twinkle_server.engine.parallel import Parallel, placement_from_env
     from twinkle_server.engine.types import LoraSpec
-    from twinkle_server.replication import Channel
     from twinkle_server.sampler_rank import Link, SamplerRank
     from twinkle_server.split import SplitEngine
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from twinkle_server.channel import Channel
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine.base_model import model_dir, resolve_device, resolve_dtype
 from twinkle_server.engine.engine import Engine
@@ -33,7 +34,7 @@ from twinkle_server.engine.memory import (
 from twinkle_server.engine.parallel import Parallel, placement_from_env
 from twinkle_server.model_table import ModelConfig
 from twinkle_server.placement import Demand, Place, job_ranks, place
-from twinkle_server.replication import Channel, follow
+from twinkle_server.replication import follow
 from twinkle_server.sampler_rank import Link, SamplerRank
 
 log = logging.getLogger(__name__)

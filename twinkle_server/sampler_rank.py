@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from twinkle_server.channel import Channel
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import Cancelled, EngineError, Unavailable
 from twinkle_server.engine.types import LoraSpec, SampleRequest
-from twinkle_server.replication import Channel
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from twinkle_server.channel import Channel
 from twinkle_server.config import ServerConfig
 from twinkle_server.engine import Engine
 from twinkle_server.engine.errors import EngineError
@@ -29,7 +30,7 @@ from twinkle_server.launch import (
     several_ranks_problem,
 )
 from twinkle_server.model_table import ModelConfig
-from twinkle_server.replication import Channel, ReplicatedEngine
+from twinkle_server.replication import ReplicatedEngine
 from twinkle_server.runtime import Runtime
 from twinkle_server.runtime.external import HttpEndpoint
 from twinkle_server.service.external import ExternalWeightsServicer
