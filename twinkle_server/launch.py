@@ -123,7 +123,7 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
                          activation_checkpointing={"on": True, "off": False, "auto": None}[
                              config.activation_checkpointing],
                          parallel=parallel, samples=samples)
-    if samples and config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
+    if config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
         raise engine.sampling.pool_refusal
     if parallel is not None:
         log.info("loaded: %s", parallel.describe_share())

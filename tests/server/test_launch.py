@@ -254,6 +254,21 @@ def test_a_sliding_window_model_samples_with_the_static_sampler(tmp_path, tiny_c
     assert [s.tokens.size for s in out] == [12, 12]
 
 
+def test_a_split_models_trainer_ranks_refuse_a_model_the_sampler_ranks_pool_cannot_hold(
+        tmp_path, tiny_cache):
+    """Trainer ranks hold no decode pool, but rank 0 (a trainer) starts first and is what
+    refuses a model its sampler ranks could not sample, naming the cure."""
+    from twinkle_server.config import ServerConfig
+    from twinkle_server.engine.errors import InvalidArgument
+    from twinkle_server.engine.parallel import OneRank
+    from twinkle_server.launch import load_engine
+
+    model_dir = _sliding_window_copy(tiny_cache, tmp_path)
+    config = ServerConfig(model=str(model_dir), sampler_ranks=1, data_dir=tmp_path)
+    with pytest.raises(InvalidArgument, match="DynamicSlidingWindowLayer.*--sampler static"):
+        load_engine(config, config.model_configs()[0], OneRank())
+
+
 SPLIT_MODELS = """
 [[models]]
 name = "tiny"

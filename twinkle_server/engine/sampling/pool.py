@@ -123,6 +123,16 @@ class PoolStats:
     decode_steps: int = 0
 
 
+def refusal(config: Any) -> InvalidArgument | None:
+    """Why the pool cannot hold the cache of a model of `config`, or None."""
+    if unsupported := unsupported_layers(config):
+        return InvalidArgument(
+            f"--sampler continuous: the model has cache layers the decode pool cannot "
+            f"hold ({', '.join(unsupported)}; sliding-window attention keeps only its "
+            "window); serve it with --sampler static")
+    return None
+
+
 class DecodePool:
     """Rows being decoded, requests waiting to join, and the prefix cache of one rank.
 
@@ -146,11 +156,8 @@ class DecodePool:
                  pad_token_id: int, decode: Callable[[Sequence[int]], str], capacity: int,
                  prefill_tokens: int, parallel: Parallel, fault: Fault = _strict,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if unsupported := unsupported_layers(model.config):
-            raise InvalidArgument(
-                f"--sampler continuous: the model has cache layers the decode pool cannot "
-                f"hold ({', '.join(unsupported)}; sliding-window attention keeps only its "
-                "window); serve it with --sampler static")
+        if (refused := refusal(model.config)) is not None:
+            raise refused
         self.model, self.route, self.decode = model, route, decode
         self.eos = tuple(eos_token_ids)
         self.pad = pad_token_id

@@ -19,12 +19,13 @@ import numpy as np
 from twinkle_server.engine import checkpoint, checks
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
-from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
+from twinkle_server.engine.errors import EngineError, FailedPrecondition
 from twinkle_server.engine.lora import LoraWeights, adapter_order
 from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
 from twinkle_server.engine.sampling.pool import DecodePool, PoolStats
+from twinkle_server.engine.sampling.pool import refusal as pool_refusal
 from twinkle_server.engine.sampling.static import Route, generate
 from twinkle_server.engine.types import (
     EngineLimits,
@@ -81,20 +82,16 @@ class Sampling:
         # sessions' prefix cache is keyed by.
         self.targets: dict[str, Adapter] = {}
         self.versions: dict[str, int] = {}
-        # A model whose cache the pool cannot hold samples only with `--sampler static`.
+        # A model whose cache the pool cannot hold samples only with `--sampler static`
+        # (said on a split model's trainer ranks too, which hold no pool: they start first).
         self.pool: DecodePool | None = None
-        self.pool_refusal: EngineError | None = None
-        if not host.samples:
-            self.pool_refusal = FailedPrecondition(TRAINS_ONLY)
-            return
-        try:
+        self.pool_refusal = pool_refusal(base.model.config)
+        if host.samples and self.pool_refusal is None:
             self.pool = DecodePool(
                 base.model, route, eos_token_ids=base.eos_token_ids,
                 pad_token_id=base.pad_token_id, decode=base.decode,
                 capacity=host.limits.kv_pool_tokens, prefill_tokens=host.pass_tokens,
                 parallel=host.parallel, fault=self._fault)
-        except InvalidArgument as exc:
-            self.pool_refusal = exc
 
     def _pinned(self) -> set[str]:
         return self.pool.routes() if self.pool is not None else set()
@@ -219,7 +216,7 @@ class Sampling:
                cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError]]:
         """One slice of continuous batching; see `Engine.decode`."""
         if self.pool is None:
-            raise self.pool_refusal  # type: ignore[misc]
+            raise self.pool_refusal or FailedPrecondition(TRAINS_ONLY)
         pool, parallel = self.pool, self.host.parallel
         pool.cancel(cancelled)
         for i in parallel.share([request.num_tokens for request in requests]):
