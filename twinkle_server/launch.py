@@ -301,7 +301,8 @@ def place_models(models: list[ModelConfig]) -> dict[str, Place]:
 def _demand(model: ModelConfig, device: str, shards: int = 1) -> Demand:
     """What `model` asks for on `device` (its own, or a rank's) and needs there: its
     weights in its dtype, split over `shards` ranks, plus its KV pool when the table
-    fixes one."""
+    fixes one and the model samples there (a split model's pool is its sampler ranks',
+    not on its trainer ranks)."""
     try:
         asked = resolve_device(device)
     except RuntimeError:
@@ -313,14 +314,15 @@ def _demand(model: ModelConfig, device: str, shards: int = 1) -> Demand:
         raise InvalidArgument(f"models: {model.name!r}: {exc}") from None
     where = model_dir(model.path)
     need = checkpoint_weight_bytes(where, dtype) // shards
-    if model.kv_pool_tokens:
+    pool = model.kv_pool_tokens if not model.sampler_ranks else 0
+    if pool:
         from transformers import AutoConfig
-        need += model.kv_pool_tokens * kv_bytes_per_token(
+        need += pool * kv_bytes_per_token(
             AutoConfig.from_pretrained(where, local_files_only=True), dtype)
     log.info("model %s needs %.1f MiB on %s (weights in %s%s%s)", model.name, need / 2**20,
              device, str(dtype).removeprefix("torch."),
              f", a 1/{shards} shard" if shards > 1 else "",
-             ", and its KV pool" if model.kv_pool_tokens else "")
+             ", and its KV pool" if pool else "")
     return Demand(model.name, device, need, model.memory_bytes, model.ranks)
 
 

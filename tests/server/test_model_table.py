@@ -179,6 +179,23 @@ def test_several_models_on_several_ranks_that_fit_are_accepted(tmp_path, monkeyp
     assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 1) is None
 
 
+def test_rank_0_counts_a_models_kv_pool_only_where_rank_0_holds_it(tmp_path, monkeypatch,
+                                                                    tiny_cache):
+    """A pool larger than any host: refused for a model rank 0 samples, not for one whose
+    sampler ranks hold the pool (rank 0 is among its trainer ranks, which hold none)."""
+    from twinkle_server.launch import several_ranks_problem
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    huge = "kv_pool_tokens = 17179869184\n"            # 2^34 positions
+    path = tmp_path / "models.toml"
+    path.write_text(SEVERAL + huge + "sampler_ranks = 1\n")
+    assert several_ranks_problem(ServerConfig(models=path, device="cpu"), 3) is None
+    path.write_text(SEVERAL + huge)
+    assert "'b' 32768.00 GiB" in several_ranks_problem(ServerConfig(models=path, device="cpu"),
+                                                     3)
+
+
 def test_sampler_ranks_come_from_the_flag_or_the_table(tmp_path):
     (model,) = ServerConfig(sampler_ranks=2).model_configs()
     assert model.sampler_ranks == 2
