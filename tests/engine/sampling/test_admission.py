@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from twinkle_server.engine.sampling.admission import Waiting, admit, footprint
+from twinkle_server.engine.sampling.admission import Waiting, admit, copies, footprint
 
 
 def test_admission_keeps_the_worst_case_footprint_within_capacity():
@@ -25,3 +25,33 @@ def test_admission_stops_at_the_prefill_budget_but_always_takes_the_first():
     # A cached prefix counts toward the width, not the prefill.
     assert admit(0, [], [Waiting(1, 40, 10, 1), Waiting(1, 0, 10, 1)], capacity=10_000,
                  prefill_tokens=20) == 2
+
+
+def test_admission_leaves_room_for_the_copies_of_prompts_that_samples_share():
+    # Requests of 4 samples each share their prompts' columns: one copy a request.
+    assert copies([4, 4], 20) == 40
+    assert copies([4, 2], 20) == copies([1], 20) == copies([], 20) == 0
+    group = Waiting(rows=4, cached=0, suffix=20, max_tokens=10)
+    # An empty pool: 4 x 30 positions, and 20 for the copy; alone, one joins without it.
+    assert admit(0, [], [group, group], capacity=140, prefill_tokens=100) == 1
+    assert admit(0, [], [group, group], capacity=120, prefill_tokens=100) == 1
+    assert admit(0, [], [group, group], capacity=280, prefill_tokens=100) == 2
+    assert admit(0, [], [group, group], capacity=279, prefill_tokens=100) == 1
+    # A running group of width 25 (4 x (25 + 5) = 120) whose rows hold 20 columns alike:
+    # a joiner of 20 is padded to 25 (4 x 35 = 140), and two copies of 20 columns.
+    running = dict(samples=[4], shared=20)
+    assert admit(25, [5] * 4, [group], capacity=120 + 140 + 40, prefill_tokens=100,
+                 **running) == 1
+    assert admit(25, [5] * 4, [group], capacity=120 + 140 + 39, prefill_tokens=100,
+                 **running) == 0
+    # A joiner of another size: no copy is made, none is kept room for.
+    pair = Waiting(rows=2, cached=0, suffix=20, max_tokens=10)
+    assert admit(25, [5] * 4, [pair], capacity=120 + 70, prefill_tokens=100,
+                 **running) == 1
+    # A wider joiner (30) pads the running rows by 5 more columns alike: two copies of
+    # 25 (the columns all rows then have alike), beside 4 x 35 and 4 x 40.
+    wide = Waiting(rows=4, cached=0, suffix=30, max_tokens=10)
+    assert admit(25, [5] * 4, [wide], capacity=4 * 35 + 4 * 40 + 2 * 25,
+                 prefill_tokens=100, **running) == 1
+    assert admit(25, [5] * 4, [wide], capacity=4 * 35 + 4 * 40 + 2 * 25 - 1,
+                 prefill_tokens=100, **running) == 0

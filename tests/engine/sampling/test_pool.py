@@ -115,9 +115,49 @@ def test_a_groups_shared_prompt_copy_is_held_within_the_pool(model, capacity):
         results.update(pool.run(0.0))
         stats = pool.stats()
         assert stats.kv_in_use <= capacity + stats.active_rows, stats
-        shared.append(pool.batch.shared_prefix(room=0) is not None)
+        shared.append(pool.batch.shared is not None)
     assert any(shared) == (capacity > 4 * (20 + 10))
     _same(_static(model, request)[0], results[0].sequences)
+
+
+@pytest.mark.parametrize(("groups", "capacity", "most_rows"), [(6, 380, 8), (1, 140, 4)])
+def test_a_full_pool_keeps_room_for_its_groups_shared_prompt_copies(model, groups, capacity,
+                                                                     most_rows):
+    """Groups of 4 samples of 20-token prompts (10 tokens each), each taking 4 x 30
+    positions and a copy of 20: six queue for 380, so two decode at a time (admitting
+    three, 360, left the copies no room: never made); one alone fills 140, its session's
+    cached prompt giving the copy its room. Every step reads the prompts once, and what
+    the pool and its session prefixes hold stays within the bound."""
+    requests = [_req(list(range(20 + i, 40 + i)), 4, max_tokens=10, seed=i, ignore_eos=True)
+                for i in range(groups)]
+    pool = _pool(model, capacity=capacity)
+    for i, request in enumerate(requests):
+        pool.submit(i, request, None, (f"session-{i}", "v1"))
+    results, shared, rows = {}, [], []
+    while len(results) < len(requests):
+        results.update(pool.run(0.0))
+        stats = pool.stats()
+        assert stats.kv_in_use <= capacity + stats.active_rows, stats
+        if pool.rows:
+            rows.append(len(pool.rows))
+            shared.append(pool.batch.shared is not None)
+    assert max(rows) == most_rows and all(shared), (rows, shared)
+    for i, request in enumerate(requests):
+        _same(_static(model, request)[0], results[i].sequences)
+
+
+def test_a_request_that_cannot_fit_even_without_cached_prefixes_leaves_them_cached(model):
+    """Two groups fill the pool (as above) and a third waits: the sessions' cached
+    prompts could not make room for it, so they stay for the sessions' next requests
+    (they were all given up, one by one, at every slice the third waited)."""
+    pool = _pool(model, capacity=380)
+    for i in range(3):
+        pool.submit(i, _req(list(range(20 + i, 40 + i)), 4, max_tokens=10, seed=i,
+                            ignore_eos=True), None, (f"session-{i}", "v1"))
+    pool.run(0.0)
+    for _ in range(3):
+        assert (len(pool.rows), len(pool.waiting), pool.prefixes.tokens) == (8, 1, 40)
+        pool.run(0.0)
 
 
 def test_a_full_pool_queues_requests_then_serves_them(model):

@@ -3,9 +3,14 @@ the pool's KV bound. Pure functions of sizes; no torch.
 
 A row of a batch of width W with r tokens left to draw occupies at most W + r positions
 until it leaves (the width grows one column per step while r shrinks by one), so the sum
-over rows of W + r (`footprint`) bounds what the batch can come to hold. A request joins
-only while that sum, with the cached session prefixes, stays within the pool's capacity;
-the rest wait, in order. A request that could not fit in an empty pool is refused at once.
+over rows of W + r (`footprint`) bounds what the batch can come to hold. While every
+request has the same number of samples, two or more, the batch may also hold one copy
+per request of the columns its rows share (`copies`: `KVBatch.shared_prefix`, which
+saves reading a prompt once per sample); that stays the same from step to step. A request
+joins only while both, with the cached session prefixes, stay within the pool's capacity;
+the rest wait, in order. A request that could not fit in an empty pool is refused at
+once; one that fits there without its copy joins an empty pool, and its rows then read
+their own caches.
 """
 
 from __future__ import annotations
@@ -33,27 +38,43 @@ def footprint(width: int, remaining: Sequence[int]) -> int:
     return sum(width + r for r in remaining)
 
 
+def copies(samples: Sequence[int], shared: int) -> int:
+    """Most KV positions the shared copies of a batch whose requests have `samples[i]`
+    samples each, and whose rows hold `shared` columns alike, may take: `shared` a
+    request while every request has as many samples, two or more; none otherwise."""
+    if len(set(samples)) == 1 and samples[0] >= 2:
+        return len(samples) * shared
+    return 0
+
+
 def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capacity: int,
-          prefill_tokens: int) -> int:
+          prefill_tokens: int, samples: Sequence[int] = (), shared: int = 0) -> int:
     """How many of `waiting`, in order, join a batch of `width` whose rows have
-    `remaining` tokens to draw, within `capacity` KV positions.
+    `remaining` tokens to draw, within `capacity` KV positions, with room for the shared
+    copies (`copies`) of its requests of `samples[i]` samples and `shared` columns alike.
 
     Joiners are prefilled together, padded to their widest cached prefix plus their
-    widest suffix, and the batch takes the wider width. At most `prefill_tokens` prompt
+    widest suffix, and the batch takes the wider width: the rows there already hold that
+    many more columns alike, the joiners all of theirs. At most `prefill_tokens` prompt
     tokens are computed per slice, but the first joiner always may (a prompt longer than
     the budget still runs). Stops at the first request that does not fit: it is next.
     """
     count, cached, suffix, computed = 0, 0, 0, 0
-    rows: list[int] = list(remaining)
+    rows, groups = list(remaining), list(samples)
     for request in waiting:
         new_cached, new_suffix = max(cached, request.cached), max(suffix, request.suffix)
         new_width = max(width, new_cached + new_suffix)
         new_rows = rows + [request.max_tokens] * request.rows
-        if footprint(new_width, new_rows) > capacity:
+        new_groups = groups + [request.rows]
+        alike = min(shared + new_width - width, new_width) if remaining else new_width
+        need = footprint(new_width, new_rows)
+        alone = not remaining and not count     # an empty pool takes one without its copy
+        if need > capacity or (need + copies(new_groups, alike) > capacity and not alone):
             break
         if count and computed + request.suffix > prefill_tokens:
             break
-        count, cached, suffix, rows = count + 1, new_cached, new_suffix, new_rows
+        count, cached, suffix, rows, groups = (count + 1, new_cached, new_suffix, new_rows,
+                                               new_groups)
         computed += request.suffix
     return count
 

@@ -10,7 +10,8 @@ machinery every layer's step. Here, under the name `DECODE_ATTENTION` (`decoding
 - attention groups the query heads that share a key/value head (GQA) as rows of one
   matrix product against that head's cache, so no key or value is copied or repeated;
 - the columns a request's samples hold alike (its prompt: `KVBatch.shared_prefix`, given
-  to `decoding` while every request has as many rows) are read once per request: the
+  to `decoding` while every request has as many rows and the pool has room for the
+  copy, which admission keeps for it) are read once per request: the
   queries of all its samples go as rows of one product against them, and each row's own
   columns follow in a second. A step's attention is bound by reading the cache, and an
   RL group's 4 samples of a 64-token prompt otherwise read it 4 times.

@@ -199,6 +199,16 @@ class KVBatch:
         shared = self._shared.groups * self._shared.width if self._shared else 0
         return self.rows * layers[0].columns() + shared
 
+    @property
+    def shared(self) -> SharedPrefix | None:
+        """The shared copy held now, if any (`shared_prefix` makes it)."""
+        return self._shared
+
+    def shared_width(self) -> int:
+        """Columns every row has alike: those before the first a step wrote to any row
+        (what a shared copy holds of each group)."""
+        return min(self.start, default=0)
+
     def _forget_shared(self) -> None:
         """Drop the shared copy: the rows changed, `shared_prefix` decides again."""
         self._shared: SharedPrefix | None = None
@@ -286,7 +296,7 @@ class KVBatch:
         return self._shared
 
     def _make_shared(self, room: int) -> SharedPrefix | None:
-        width = min(self.start)
+        width = self.shared_width()
         size = 1
         while size < self.rows and self.group[size] == self.group[0]:
             size += 1

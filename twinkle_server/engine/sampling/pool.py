@@ -9,10 +9,10 @@ batch between decode steps.
   a request is answered when its last row has left.
 * Memory. The batch's footprint (`admission.footprint`) plus the prefix cache stays
   within `capacity`: admission keeps to it, and the prefix cache gives up entries
-  whenever what it stored would pass it. A request's samples share one copy of their
-  prompt's columns (`KVBatch.shared_prefix`) only when it fits beside both. Held
-  positions (rows x buffer columns, the shared copy, the cache) are at most `capacity`
-  plus one column a row.
+  whenever what it stored would pass it. Both leave room for the copies of their
+  prompts' columns a request's samples share (`KVBatch.shared_prefix`), which is made
+  only where it fits. Held positions (rows x buffer columns, the shared copy, the cache)
+  are at most `capacity` plus one column a row.
 * Prefix reuse. A request may name a namespace (its sampling session and the version of
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
@@ -55,7 +55,13 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampling import tokens as token_step
-from twinkle_server.engine.sampling.admission import Waiting, admit, footprint, never_fits
+from twinkle_server.engine.sampling.admission import (
+    Waiting,
+    admit,
+    copies,
+    footprint,
+    never_fits,
+)
 from twinkle_server.engine.sampling.decode_attention import decoding
 from twinkle_server.engine.sampling.kv_batch import (
     KVBatch,
@@ -290,22 +296,31 @@ class DecodePool:
                     request.namespace, np.asarray(request.sample.prompt))
         remaining = self._remaining()
 
-        def plan() -> int:
+        def plan(room: int) -> int:
             return admit(self.batch.width, remaining, [
                 Waiting(r.sample.num_samples, r.cached, r.sample.prompt.size - r.cached,
                         r.sample.params.max_tokens) for r in self.waiting],
-                self.capacity - self.prefixes.tokens, self.prefill_tokens)
-        count = plan()
-        while not count and self.waiting and self.prefixes.evict_one():
-            count = plan()
+                room, self.prefill_tokens, self._samples(), self.batch.shared_width())
+        count = plan(self.capacity - self.prefixes.tokens)
+        # Cached prefixes make way for the next request only where that lets it join.
+        if not count and self.waiting and plan(self.capacity):
+            while not count and self.prefixes.evict_one():
+                count = plan(self.capacity - self.prefixes.tokens)
         return [self.waiting.popleft() for _ in range(count)]
 
     def _remaining(self) -> list[int]:
         return [row.request.sample.params.max_tokens - len(row.tokens) for row in self.rows]
 
+    def _samples(self) -> list[int]:
+        """`num_samples` of each request decoding, in row order."""
+        return [row.request.sample.num_samples for i, row in enumerate(self.rows)
+                if not i or self.rows[i - 1].request is not row.request]
+
     def _fit_prefixes(self) -> None:
-        """Give up cached prefixes the rows' footprint leaves no room for."""
-        self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining()))
+        """Give up cached prefixes the rows' footprint and shared copies leave no room
+        for."""
+        self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining())
+                          - copies(self._samples(), self.batch.shared_width()))
 
     # ------------------------------------------------------------------ compute
 
