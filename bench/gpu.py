@@ -46,9 +46,9 @@ in `tests/gpu/test_cuda_numerics.py`.
 Model FLOPs come from the config (`bench.flops.ModelFlops`, the count `bench.limit` uses
 too): the linear layers (the output layer's included) and the rank-16 adapter's, forward
 and backward (to the inputs; weight gradients for the adapter only, the base being
-frozen), and causal
-attention per attended position; the forward that activation checkpointing, or a pass
-in pieces, runs again is not counted, so MFU is the useful share.
+frozen), and causal attention per attended position; the forward that activation
+checkpointing, or a pass in pieces, runs again is not counted, so MFU is the useful
+share.
 """
 
 from __future__ import annotations
