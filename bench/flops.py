@@ -9,6 +9,8 @@ machine's GEMM rate, `bench.gpu` against a device's matmul peak).
   sum, 2*q_dim each), a token attending to every position before it and itself;
 - sampling: one forward per prompt token (the prefill, once per request) and per sampled
   token but the last (drawn, never fed);
+- decode attention's reads (`decode_read`): it is bound by reading the cache, not by
+  its FLOPs, so benches weigh it in bytes against the machine's read rate;
 - training (forward_backward): the forward, then the backward through the activations
   (the same FLOPs again: the base is frozen, so no weight gradients but the adapter's,
   2*r*(i+o) more per token) and attention's backward (twice its forward).
@@ -32,6 +34,7 @@ class ModelFlops:
     lora_rank: int
     layers: int
     q_dim: int
+    kv_dim: int
 
     @classmethod
     def of(cls, config, lora_rank: int) -> ModelFlops:
@@ -40,7 +43,7 @@ class ModelFlops:
         kv = config.num_key_value_heads * config.head_dim
         layer = ((h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h))
         return cls(layer * config.num_hidden_layers, (h, config.vocab_size), lora_rank,
-                   config.num_hidden_layers, q)
+                   config.num_hidden_layers, q, kv)
 
     @property
     def linear(self) -> int:
@@ -76,3 +79,10 @@ class ModelFlops:
         tokens drawn (the last token drawn is never fed)."""
         return self.forward_sequence(0, prompt) + sum(
             self.forward_sequence(prompt, length - 1) for length in lengths)
+
+    def decode_read(self, groups: int, shared: int, rows: int, own: int,
+                    itemsize: int) -> int:
+        """Bytes a decode step's attention reads from the cache: keys and values of every
+        layer, `shared` columns once for each of `groups` requests (their samples' prompt,
+        `KVBatch.shared_prefix`) and `own` columns for each of `rows` rows."""
+        return 2 * self.layers * self.kv_dim * itemsize * (groups * shared + rows * own)

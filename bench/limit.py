@@ -30,10 +30,15 @@ Rows:
    8..256, all at once;
 4. forward_backward of 8 x 128 tokens (packed, cross entropy).
 
+Then decode attention alone, which is bound by reading the cache rather than by its
+FLOPs: the RL group's attention halfway through (64 columns written a row), every layer's
+cache apart, in bytes read (`ModelFlops.decode_read`) a second against this machine's
+read rate (a sum over 1 GiB), measured just before.
+
 Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores; also part of
-`make bench`); `--rounds N` (default 3) per row; `--profile` also prints where a decode step's time goes (torch's profiler over a few slices of the
-RL group, top operators by self CPU time). Figures measure and print; nothing passes or
-fails on time.
+`make bench`); `--rounds N` (default 3) per row; `--profile` also prints where a decode
+step's time goes (torch's profiler over a few slices of the RL group, top operators by
+self CPU time). Figures measure and print; nothing passes or fails on time.
 """
 
 from __future__ import annotations
@@ -199,6 +204,55 @@ def measure(engine: Engine, rounds: int) -> list[Row]:
     return out
 
 
+def read_rate(device: torch.device, dtype: torch.dtype, nbytes: int = 2**30) -> float:
+    """Bytes/s this machine reads memory at: a sum over `nbytes`, best of 5."""
+    x = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def attention_read(engine: Engine, own: int = GROUP_TOKENS // 2, rounds: int = 20
+                   ) -> tuple[float, float]:
+    """Bytes/s a decode step's attention reads the cache at, and this machine's read rate
+    measured just before: the RL group halfway (96 rows, each request's 64-token prompt
+    read once for its 4 samples, `own` columns each row wrote), every layer's cache
+    apart as in a step, best of `rounds` steps' attention."""
+    from types import SimpleNamespace
+
+    from twinkle_server.engine.sampling.decode_attention import decode_attention, decoding
+    from twinkle_server.engine.sampling.kv_batch import SharedPrefix
+
+    config, dtype = engine.base.config, engine.base.dtype
+    heads, kv_heads, dim = (config.num_attention_heads, config.num_key_value_heads,
+                            config.head_dim)
+    rows, layers = GROUP_PROMPTS * GROUP_SAMPLES, config.num_hidden_layers
+
+    def cache(n: int, width: int) -> list[torch.Tensor]:
+        return [torch.randn(n, kv_heads, width, dim, dtype=dtype) for _ in range(layers)]
+
+    keys, values = cache(rows, PROMPT + own), cache(rows, PROMPT + own)
+    shared = SharedPrefix(PROMPT, cache(GROUP_PROMPTS, PROMPT), cache(GROUP_PROMPTS, PROMPT),
+                          GROUP_SAMPLES)
+    query = torch.randn(rows, heads, 1, dim, dtype=dtype)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    modules = [SimpleNamespace(layer_idx=i) for i in range(layers)]
+    read = ModelFlops.of(config, SPEC.rank).decode_read(
+        GROUP_PROMPTS, PROMPT, rows, own, torch.finfo(dtype).bits // 8)
+    possible = read_rate(engine.base.device, dtype)
+    best = float("inf")
+    with torch.inference_mode(), decoding(model, shared):   # type: ignore[arg-type]
+        for _ in range(rounds + 1):
+            start = time.perf_counter()
+            for module, k, v in zip(modules, keys, values, strict=True):
+                decode_attention(module, query, k, v, None)
+            best = min(best, time.perf_counter() - start)
+    return read / best, possible
+
+
 def profile(engine: Engine, slices: int = 6) -> None:
     """Where a decode slice's time goes: the RL group decoding, top operators."""
     from torch.profiler import ProfilerActivity
@@ -248,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{row.fraction():>9.0%}")
     print("  (medians over the rounds; fraction: the median of each round's achieved over "
           "the GEMM rate measured just before it)")
+    achieved, possible = attention_read(engine)
+    print(f"  decode attention, RL group halfway: reads the cache at {achieved / 1e9:.1f} "
+          f"GB/s, {achieved / possible:.0%} of this machine's read rate "
+          f"({possible / 1e9:.1f} GB/s, a sum over 1 GiB): bound by memory, not FLOPs")
     if args.profile:
         profile(engine)
 

@@ -33,3 +33,11 @@ def test_a_sample_request_prefills_its_prompt_once_and_feeds_all_but_each_last_t
     flops = ModelFlops.of(CONFIG, lora_rank=8)
     assert flops.sampled(5, [3, 1]) == (flops.forward_sequence(0, 5)
                                         + flops.forward_sequence(5, 2))
+
+
+def test_decode_attention_reads_each_layers_keys_and_values_shared_columns_once_a_group():
+    flops = ModelFlops.of(CONFIG, lora_rank=8)
+    # 3 layers x (keys + values) x 2 KV heads x 16 dims x 4 bytes, per column read.
+    column = 3 * 2 * 2 * 16 * 4
+    assert flops.decode_read(groups=2, shared=10, rows=8, own=5, itemsize=4) == \
+        column * (2 * 10 + 8 * 5)
