@@ -97,6 +97,21 @@ def test_the_static_batch_fails_a_diverged_adapter_alone(engine, add, diverged):
         s.tokens.tolist() for s in _alone(engine, good)]
 
 
+def test_a_vanishing_temperature_decodes_greedily_beside_others_and_fails_no_one(engine):
+    """A temperature of 2.5e-39 once overflowed the tempered scores to inf: the draw
+    picked a token past the vocabulary, and the slice's error failed every request
+    decoding with it (another tenant's included). Now it is the greedy limit."""
+    other = _request(None, [5, 6, 7], n=2, max_tokens=10, seed=1)
+    tiny = _request(None, [8, 9], max_tokens=6, seed=2, temperature=2.5e-39)
+    results = dict(engine.decode([other], [0], 0.0))
+    results.update(engine.decode([tiny], [1], 0.0))
+    _drain(engine, results)
+    _same(_alone(engine, other), results[0])
+    greedy = _request(None, [8, 9], max_tokens=6, seed=2, temperature=0.0)
+    _same(_alone(engine, greedy), results[1])
+    _pool_is_empty(engine)
+
+
 def test_out_of_memory_in_a_prefill_fails_only_the_request_that_caused_it(engine):
     decoding = _request(None, [5, 6, 7], n=2, max_tokens=10, seed=1)
     culprit = _request(None, [MARKER, 1, 2, 3], seed=2)
@@ -176,6 +191,35 @@ def small_pool(tiny_cache):
     return Engine.load("tiny", cache_dir=str(tiny_cache),
                        limits=EngineLimits(max_adapters=2, max_seq_len=512,
                                            max_batch_tokens=4096, kv_pool_tokens=1000))
+
+
+def test_a_draw_that_fails_in_a_step_fails_that_steps_rows_and_not_the_waiting(
+        small_pool, monkeypatch):
+    """An error in a step's draw (after its forward) is the step's, as a forward's is:
+    the step is undone and its rows fail; a request waiting for room is served after.
+    (It once escaped the step and reset the whole pool, the waiting request too.)"""
+    from twinkle_server.engine.sampling import tokens
+
+    engine = small_pool
+    doomed = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
+    waiting = _request(None, list(range(100, 400)), n=2, max_tokens=200, seed=2)
+    results = dict(engine.decode([doomed], [0], 0.0))
+    results.update(engine.decode([waiting], [1], 0.0))
+    assert engine.decode_stats().waiting_requests == 1      # 2 x 500 of 1,000: no room
+    real = tokens.draw
+
+    def failing(logits, segments, topk):
+        if logits.shape[0] == 2:
+            raise RuntimeError("the draw failed")
+        return real(logits, segments, topk)
+
+    monkeypatch.setattr(tokens, "draw", failing)
+    results.update(engine.decode([], [], 0.0))
+    monkeypatch.setattr(tokens, "draw", real)
+    assert isinstance(results[0], EngineError) and "the draw failed" in str(results[0])
+    _drain(engine, results)
+    _same(_alone(engine, waiting), results[1])
+    _pool_is_empty(engine)
 
 
 def test_the_prefix_cache_stays_within_the_kv_bound(small_pool):

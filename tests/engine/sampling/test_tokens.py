@@ -79,6 +79,29 @@ def test_requests_drawn_in_one_batch_draw_what_each_draws_alone():
                 alone.logprobs, abs=1e-6)
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=1, temperature=1e-30),
+    SamplingParams(max_tokens=1, temperature=2.5e-39),      # float32's subnormals
+    SamplingParams(max_tokens=1, temperature=5e-324),       # 0 in float32
+    SamplingParams(max_tokens=1, temperature=1e-39, top_k=5),
+    SamplingParams(max_tokens=1, top_p=1e-300),             # 0 in float32
+    SamplingParams(max_tokens=1, temperature=1e-39, top_p=0.5)])
+def test_a_temperature_or_top_p_near_zero_draws_the_most_likely_token(params):
+    """The limit of a vanishing temperature, or top_p, is the most likely token: a
+    temperature that overflowed the scores to inf once drew token V (out of range), and a
+    top_p that rounds to 0 masked every token."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)) * 3
+    for plain_beside in (False, True):
+        segments = [tokens.Segment(0, 3, params, torch.Generator().manual_seed(1))]
+        if plain_beside:
+            segments.append(tokens.Segment(3, 6, SamplingParams(max_tokens=1),
+                                           torch.Generator().manual_seed(2)))
+        rows = segments[-1].end
+        drawn = tokens.draw(logits[:rows], segments, 0)
+        assert drawn.tokens[:3] == logits[:3].argmax(-1).tolist()
+        assert all(drawn.finite(i) and 0 <= drawn.tokens[i] < 300 for i in range(rows))
+
+
 def test_rows_whose_logits_are_not_finite_are_reported_and_the_others_drawn():
     logits = torch.randn(4, 30)
     logits[1, 3] = math.nan

@@ -367,6 +367,7 @@ class DecodePool:
             [r.sample.num_samples for r in joiners], device=self.device))
         rows = [_Row(r) for r in joiners for _ in range(r.sample.num_samples)]
         drawn = self._draw(out.logits[:, -1].float()[index], rows)
+        self._take(drawn, rows)
         prompts = {id(r): (r.namespace, row_kv(kv, i, mask[i])) for i, r in enumerate(joiners)
                    if r.namespace is not None and r.error is None}
         for request in joiners:
@@ -409,6 +410,8 @@ class DecodePool:
                     decoding(self.model, batch.shared_prefix(room)):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
                                  **{self.cache_kw: batch.cache})
+            # The draw changes no row: failing, it is the step's, undone with it.
+            drawn = self._draw(out.logits[:, -1].float(), self.rows)
         except Exception as exc:
             batch.restore(saved)
             error = self.fault(exc, f"a decode step of {len(self.rows)} rows")
@@ -418,13 +421,13 @@ class DecodePool:
             self._fail(list(requests), error)
             return
         self._count(decode_steps=1)
-        batch.advance(self._draw(out.logits[:, -1].float(), self.rows).chosen)
+        self._take(drawn, self.rows)
+        batch.advance(drawn.chosen)
         self._leave()
 
     def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> token_step.Drawn:
         """Draw the next token of `rows` (a request's contiguous, one segment each, as the
-        static batch does) from their `logits`; mark the rows that stop, and fail the
-        requests whose logits are not finite."""
+        static batch does) from their `logits`; changes no row (`_take` does)."""
         segments, start = [], 0
         while start < len(rows):
             request, end = rows[start].request, start
@@ -433,8 +436,12 @@ class DecodePool:
             segments.append(token_step.Segment(start, end, request.sample.params,
                                                request.generator))
             start = end
-        drawn = token_step.draw(logits, segments,
-                                max(row.request.sample.topk_logprobs for row in rows))
+        return token_step.draw(logits, segments,
+                               max(row.request.sample.topk_logprobs for row in rows))
+
+    def _take(self, drawn: token_step.Drawn, rows: list[_Row]) -> None:
+        """Give `rows` their `drawn` tokens; mark the rows that stop, and fail the
+        requests whose logits were not finite."""
         for i, row in enumerate(rows):
             request = row.request
             if not drawn.finite(i):
@@ -447,7 +454,6 @@ class DecodePool:
             row.reason = token_step.stop_reason(row.tokens, request.sample.params,
                                                 request.stops, self.decode)
         self._count(tokens_decoded=sum(drawn.finite(i) for i in range(len(rows))))
-        return drawn
 
     def _leave(self) -> None:
         """Answer requests whose last row stopped or that failed; keep the other rows."""

@@ -40,7 +40,7 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     """One token per row of finite `logits` `[n, V]` under the request's parameters."""
     if greedy(params):
         return logits.argmax(-1)
-    scores = logits / params.temperature
+    scores = tempered(logits, params.temperature)
     top_k = _top_k(params, scores.shape[-1])
     if top_k or params.top_p < 1.0:
         # topk returns its values sorted, so top-p below sorts only k columns, not V.
@@ -48,13 +48,29 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
                           else torch.sort(scores, dim=-1, descending=True))
         if params.top_p < 1.0:
             probs = torch.softmax(ordered, dim=-1)
-            # Drop a token when the mass before it already reaches top_p (the first stays).
-            ordered = ordered.masked_fill((probs.cumsum(-1) - probs) >= params.top_p,
-                                          float("-inf"))
+            # Drop a token when the mass before it already reaches top_p; the first always
+            # stays (a top_p that rounds to 0 in the logits' dtype keeps it alone).
+            drop = (probs.cumsum(-1) - probs) >= params.top_p
+            drop[..., 0] = False
+            ordered = ordered.masked_fill(drop, float("-inf"))
         # Back to token-id order: the draw below walks the kept tokens by id.
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
     return _inverse_cdf(torch.softmax(scores, dim=-1), uniforms(scores.shape[0], generator,
                                                                 scores))
+
+
+def tempered(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Finite `logits` `[n, V]` over the temperature (a number, or `[n, 1]`), less each
+    row's largest: at most 0, never NaN. A temperature too small for the dtype (below its
+    smallest normal number, 1.2e-38 in float32) counts as that number, where only the
+    largest logits keep any probability: the limit of a vanishing temperature. Divided
+    unshifted, such a temperature overflowed the scores to inf and the draw to NaN."""
+    floor = torch.finfo(logits.dtype).tiny
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.clamp_min(floor)
+    else:
+        temperature = max(temperature, floor)
+    return (logits - logits.amax(-1, keepdim=True)) / temperature
 
 
 def greedy(params: SamplingParams) -> bool:
@@ -158,7 +174,7 @@ def _draw_together(logits: torch.Tensor, segments: Sequence[Segment],
     temperature = torch.tensor([s.params.temperature for s in segments
                                 for _ in range(s.start, s.end)],
                                dtype=logits.dtype, device=logits.device)[:, None]
-    scores = (logits if rows is None else logits[rows]) / temperature
+    scores = tempered(logits if rows is None else logits[rows], temperature)
     u = torch.cat([uniforms(s.end - s.start, s.generator, scores) for s in segments])
     tokens = _inverse_cdf(torch.softmax(scores, dim=-1), u)
     if rows is None:
