@@ -7,6 +7,7 @@ keys and tenant isolation as the Tinker routes.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -179,11 +180,21 @@ def test_another_tenants_checkpoint_is_not_found_and_a_key_is_needed(server, bas
     ({"model": "tiny", "prompt": [1, 99999]}, "prompt"),
     ({"model": "tiny", "prompt": "x", "mystery": 1}, "mystery"),
     ({"prompt": "x"}, "model"),
+    # Each of these once answered 500, or was served as if left out.
+    ({"model": "tiny", "prompt": [2**63]}, "prompt"),
+    ({"model": "tiny", "prompt": [[5], [2**64]]}, "prompt"),
+    ({"model": "tiny", "prompt": "\ud800"}, "prompt"),
+    ({"model": "tiny", "prompt": "x", "best_of": True}, "best_of"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": False}, "frequency_penalty"),
+    ({"model": "tiny", "prompt": "x", "stream": True,
+      "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_a_field_not_served_is_refused_by_name_in_openais_shape(server, base_url, body,
                                                                param):
-    reply = httpx.post(f"{base_url}/completions", json=body, timeout=30,
-                       headers={"authorization": f"Bearer {server.keys['alice']}"})
+    # Sent as ASCII JSON, escapes kept: a lone surrogate is valid JSON but not text.
+    reply = httpx.post(f"{base_url}/completions", content=json.dumps(body), timeout=30,
+                       headers={"authorization": f"Bearer {server.keys['alice']}",
+                                "content-type": "application/json"})
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
@@ -203,12 +214,46 @@ def test_chat_refusals_and_unknown_models(server, base_url):
         ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
         ({"model": "tinker://run-000000000000/weights/w", "messages": [
             {"role": "user", "content": "x"}]}, 400, "model"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x", "name": "a"}]},
+         400, "messages[0].name"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]},
+         400, "messages[0].content[0].cache_control"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "\udc00"}]}, 400,
+         "messages[0].content"),
     ]
     for body, status, param in cases:
-        reply = httpx.post(f"{base_url}/chat/completions", json=body, headers=headers,
+        reply = httpx.post(f"{base_url}/chat/completions", content=json.dumps(body),
+                           headers={**headers, "content-type": "application/json"},
                            timeout=30)
         assert (reply.status_code, reply.json()["error"]["param"]) == (status, param), \
             reply.text
+    # null is "not given", here as for every other field.
+    message = [{"role": "user", "content": "x"}]
+    for extra in ({"top_logprobs": None},
+                  {"max_tokens": None, "max_completion_tokens": 2}):
+        reply = httpx.post(f"{base_url}/chat/completions", headers=headers, timeout=30,
+                           json={"model": "tiny", "messages": message, **extra})
+        assert reply.status_code == 200, reply.text
+
+
+def test_a_chat_template_that_refuses_the_messages_is_the_requests_error(tiny_cache):
+    """A template's `raise_exception` (Gemma's for a system role) names `messages` and
+    the template's words; it once answered 500."""
+    from transformers import AutoTokenizer
+
+    from twinkle_server.engine.tiny_model import build_tiny_model
+    from twinkle_server.http.oai import chat_prompt
+    from twinkle_server.http.oai_request import OaiError
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tiny_cache))
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}"
+                               "{% endif %}{{ messages[0]['content'] }}")
+    assert chat_prompt(tokenizer, [{"role": "user", "content": "hi"}], "tiny").size
+    with pytest.raises(OaiError, match="refuses them: System role not supported") as refused:
+        chat_prompt(tokenizer, [{"role": "system", "content": "be brief"}], "tiny")
+    assert refused.value.param == "messages"
 
 
 def test_a_disconnected_stream_frees_its_rows(server, base_url):

@@ -72,6 +72,24 @@ def error_response(exc: BaseException) -> JSONResponse:
                                    "param": param, "code": code}}, status)
 
 
+def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], model: str
+                ) -> np.ndarray:
+    """`messages` through `tokenizer`'s chat template, as token ids. A template that
+    refuses the messages (`raise_exception` in it: a system role it does not take, say)
+    is the request's error, naming `messages` and the template's words."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise OaiError("messages", f"model {model!r} has no chat template; use /completions")
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as exc:
+        raise OaiError("messages", f"model {model!r}'s chat template refuses them: "
+                                   f"{exc}") from None
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+
+
 class OpenAIRoutes:
     """The OpenAI-compatible routes over the HTTP front's runtime and auth."""
 
@@ -181,13 +199,7 @@ class OpenAIRoutes:
         through its chat template."""
         tokenizer = served.engine.base.tokenizer
         if asked.messages is not None:
-            template = getattr(tokenizer, "chat_template", None)
-            if not template:
-                raise OaiError("messages", f"model {served.name!r} has no chat template; "
-                                           "use /completions")
-            text = tokenizer.apply_chat_template(list(asked.messages), tokenize=False,
-                                                 add_generation_prompt=True)
-            return [np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)]
+            return [chat_prompt(tokenizer, asked.messages, served.name)]
         vocab = served.engine.base.vocab_size
         out = []
         for i, prompt in enumerate(asked.prompts or ()):

@@ -76,7 +76,10 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
         if key in SERVED[route]:
             continue
         if key in NEUTRAL:
-            if value is not None and value != NEUTRAL[key]:
+            neutral = NEUTRAL[key]
+            # true is not 1, nor false 0: the kind must match too (0 and 0.0 do).
+            kind = type(value) is type(neutral) or {type(value), type(neutral)} <= {int, float}
+            if value is not None and not (kind and value == neutral):
                 raise OaiError(key, f"{value!r} is not served here; leave it out")
             continue
         raise OaiError(key, "unknown field; this server serves "
@@ -90,7 +93,8 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
     if options is not None and (not isinstance(options, dict)
                                 or set(options) - {"include_usage"}):
         raise OaiError("stream_options", "give {\"include_usage\": true|false}")
-    include_usage = bool(options and _bool(options, "include_usage"))
+    include_usage = bool(options and _bool(options, "include_usage",
+                                           "stream_options.include_usage"))
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
@@ -101,6 +105,8 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise OaiError("user", "must be a string")
+    if user is not None:
+        _unicode(user, "user")
     common = dict(route=route, model=model, temperature=temperature, top_p=top_p, n=n,
                   stop=_stop(body.get("stop")), seed=seed, stream=stream,
                   include_usage=include_usage, user=user)
@@ -113,12 +119,14 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
         return OaiRequest(prompts=_prompts(body.get("prompt")), messages=None,
                           max_tokens=_max_tokens(body, "max_tokens", 16), top_logprobs=top,
                           echo=_bool(body, "echo"), **common)
-    if "max_tokens" in body and "max_completion_tokens" in body:
+    # null is "not given", as for every other field.
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise OaiError("max_completion_tokens", "give it or max_tokens, not both")
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if "top_logprobs" in body \
-        else 0
-    if "top_logprobs" in body and not _bool(body, "logprobs"):
+    name = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+            else "max_tokens")
+    asks_top = body.get("top_logprobs") is not None
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if asks_top else 0
+    if asks_top and not _bool(body, "logprobs"):
         raise OaiError("top_logprobs", "needs logprobs: true")
     return OaiRequest(prompts=None, messages=_messages(body.get("messages")),
                       max_tokens=_max_tokens(body, name, None),
@@ -136,13 +144,24 @@ def _text(body: Mapping[str, Any], key: str, required: bool = False) -> str:
     return value
 
 
-def _bool(body: Mapping[str, Any], key: str) -> bool:
+def _bool(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
     value = body.get(key, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise OaiError(key, f"must be true or false, got {value!r}")
+        raise OaiError(param or key, f"must be true or false, got {value!r}")
     return value
+
+
+def _unicode(text: str, where: str) -> str:
+    """`text`, refused when it is not valid Unicode (a lone surrogate, which JSON's
+    `\\ud800` escapes can carry) and so cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OaiError(where, f"not valid Unicode text ({exc.reason} at position "
+                              f"{exc.start})") from None
+    return text
 
 
 def _int(body: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -188,20 +207,28 @@ def _stop(value: Any) -> tuple[str, ...]:
 def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     """A string, a list of token ids, or a list of either: one prompt each."""
     if isinstance(value, str):
-        return (value,)
+        return (_unicode(value, "prompt"),)
     if isinstance(value, list) and value and all(type(t) is int for t in value):
-        return (tuple(value),)
+        return (_token_ids(value, 0),)
     if isinstance(value, list) and value:
         prompts: list[str | tuple[int, ...]] = []
         for i, item in enumerate(value):
             if isinstance(item, str):
-                prompts.append(item)
+                prompts.append(_unicode(item, "prompt"))
             elif isinstance(item, list) and item and all(type(t) is int for t in item):
-                prompts.append(tuple(item))
+                prompts.append(_token_ids(item, i))
             else:
                 raise OaiError("prompt", f"item {i}: give a string or a list of token ids")
         return tuple(prompts)
     raise OaiError("prompt", "required: a string, a list of token ids, or a list of either")
+
+
+def _token_ids(ids: list[int], item: int) -> tuple[int, ...]:
+    """Token ids a 64-bit integer holds; the model's vocabulary is checked once it is
+    known."""
+    if any(not 0 <= t < 2**63 for t in ids):
+        raise OaiError("prompt", f"item {item}: token ids must be in [0, vocabulary size)")
+    return tuple(ids)
 
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -216,7 +243,7 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise OaiError(where, "must be an object with role and content")
-        extra = sorted(set(message) - {"role", "content", "name"})
+        extra = sorted(set(message) - {"role", "content"})
         if extra:
             raise OaiError(f"{where}.{extra[0]}", "not served here (text messages only)")
         role = message.get("role")
@@ -229,7 +256,7 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
 
 def _content(value: Any, where: str) -> str:
     if isinstance(value, str):
-        return value
+        return _unicode(value, where)
     if isinstance(value, list) and value:
         texts = []
         for j, part in enumerate(value):
@@ -237,7 +264,10 @@ def _content(value: Any, where: str) -> str:
                     or not isinstance(part.get("text"), str):
                 raise OaiError(f"{where}[{j}]", "only text parts are served "
                                                 "({\"type\": \"text\", \"text\": ...})")
-            texts.append(part["text"])
+            if extra := sorted(set(part) - {"type", "text"}):
+                raise OaiError(f"{where}[{j}].{extra[0]}", "not served here; a text part "
+                                                           "is its type and text only")
+            texts.append(_unicode(part["text"], f"{where}[{j}].text"))
         return "".join(texts)
     raise OaiError(where, "give a string or a list of text parts")
 
