@@ -133,7 +133,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     """`adapters import DIR --tenant T`: a PEFT adapter on disk, checked against the base
     it names, as an external_weights checkpoint of the tenant's; beside a running server
     or without one, as `keys create` is."""
-    from twinkle_server.engine.adapter_import import linear_shapes, read_import
+    from twinkle_server.engine.adapter_import import base_linears, read_import
     from twinkle_server.engine.base_model import model_dir
     from twinkle_server.runtime.imports import MAX_UPLOAD_BYTES, register
 
@@ -147,7 +147,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
             raise EngineError(f"--base-model: {wanted!r} is not one of the models "
                               f"{[n for m in models for n in m.names]}")
         base_dir = model_dir(model.path)
-        adapter = read_import(Path(args.directory), linear_shapes(base_dir), model.max_rank,
+        adapter = read_import(Path(args.directory), base_linears(base_dir), model.max_rank,
                               MAX_UPLOAD_BYTES)
         row = register(Store(args.data_dir), args.tenant, model.name,
                        model.tokenizer_id(base_dir), adapter, f"directory {args.directory}")

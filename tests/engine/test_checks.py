@@ -38,3 +38,16 @@ def test_an_empty_prompt_or_one_over_the_limits_is_refused_naming_the_limit():
         checks.prompt(np.ones(9, np.int64), limits, 300)
     with pytest.raises(InvalidArgument, match=r"must lie in \[0, 300\)"):
         checks.prompt(np.array([300]), limits, 300)
+
+
+def test_an_adapters_scaling_must_fit_float32_where_its_products_scale():
+    """alpha 1e300 at rank 4 once made every forward that held the adapter fail outright
+    (the scale does not convert to float32), and a merged pass with it."""
+    from twinkle_server.engine.types import LoraSpec
+
+    limits = EngineLimits(max_rank=16)
+    checks.lora_spec(LoraSpec(rank=4, alpha=1e38), limits)
+    with pytest.raises(InvalidArgument, match="lora.alpha: 1e.300 makes the scaling 2.5e.299"):
+        checks.lora_spec(LoraSpec(rank=4, alpha=1e300), limits)
+    with pytest.raises(InvalidArgument, match="lora.alpha"):
+        checks.lora_spec(LoraSpec(rank=4, alpha=-1e300), limits)

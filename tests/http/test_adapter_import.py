@@ -194,9 +194,18 @@ def _tamper(directory: Path, out: Path, how: str) -> Path:
         config["use_dora"] = True
     elif how == "rank":
         config["r"] = 64
+    elif how == "alpha":
+        config["lora_alpha"] = 1e300
+    elif how == "pissa":
+        config["init_lora_weights"] = "pissa"
+    elif how == "replication":
+        config["layer_replication"] = [[0, 1], [0, 1]]
+    elif how == "targets":
+        config["target_modules"] = ["k_proj"]       # the tensors adapt q and v
     if not (out / "adapter_model.safetensors").exists():
         save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(config))
+    (out / "adapter_config.json").write_text(
+        "[" * 100_000 + "]" * 100_000 if how == "nested" else json.dumps(config))
     return out
 
 
@@ -208,6 +217,13 @@ def _tamper(directory: Path, out: Path, how: str) -> Path:
     ("module", 400, "not a linear layer of this base"),
     ("dora", 400, "use_dora"),
     ("rank", 400, "r is 64; give an integer in [1, 16]"),
+    # Each of these once answered 500, or imported an adapter that meant something else
+    # (or could never sample).
+    ("nested", 400, "not JSON"),
+    ("alpha", 400, "lora_alpha: 1e+300 makes the scaling"),
+    ("pissa", 400, "init_lora_weights is 'pissa'"),
+    ("replication", 400, "layer_replication"),
+    ("targets", 400, "does not name 'model.layers.0.self_attn.q_proj'"),
 ])
 def test_a_hostile_upload_is_refused_and_leaves_nothing(server, imported, tmp_path, how,
                                                         status, says):
@@ -282,6 +298,71 @@ def test_signed_urls_are_single_use_unforgeable_and_bounded(server, imported):
                         json={"upload_id": started["upload_id"]}, timeout=30)
     assert finish.status_code == 400 and "not a safetensors file" in finish.json()["detail"]
     assert started["upload_id"] not in _uploads_left(server)
+
+
+def test_a_missing_required_field_is_refused_by_name(server):
+    url = f"http://{server.http_address}/api/v1"
+    for route, body, says in [
+        ("external_weights_upload_start", {"lora_config": LORA}, "base_model: required"),
+        ("external_weights_upload_finish", {}, "upload_id: required")]:
+        reply = httpx.post(f"{url}/{route}", headers=_headers(server), json=body, timeout=30)
+        assert reply.status_code == 400 and says in reply.json()["detail"], reply.text
+
+
+def test_racing_puts_and_finishes_take_one_each_and_answer_by_name(server, imported):
+    """Two PUTs to one URL at once: one file, the other refused (the second once
+    replaced the first). Three finishes at once: one checkpoint, the others not found
+    (each once made its own). A PUT still sending when the upload is finished: not found
+    (once 500)."""
+    import asyncio
+
+    _, directory, _ = imported
+    url = f"http://{server.http_address}/api/v1"
+    config = (directory / "adapter_config.json").read_bytes()
+    weights = (directory / "adapter_model.safetensors").read_bytes()
+
+    async def slow(data: bytes, seconds: float = 0.5):
+        for i in range(0, len(data), max(1, len(data) // 4)):
+            yield data[i:i + max(1, len(data) // 4)]
+            await asyncio.sleep(seconds / 4)
+
+    async def start(client):
+        reply = await client.post(f"{url}/external_weights_upload_start",
+                                  headers=_headers(server),
+                                  json={"base_model": "tiny", "lora_config": LORA})
+        return reply.json()
+
+    async def finish(client, upload_id):
+        return await client.post(f"{url}/external_weights_upload_finish",
+                                 headers=_headers(server), json={"upload_id": upload_id})
+
+    async def race():
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = await start(client)
+            urls = started["urls"]
+            puts = await asyncio.gather(client.put(urls["adapter_config.json"],
+                                                   content=slow(config)),
+                                        client.put(urls["adapter_config.json"],
+                                                   content=slow(b'{"r": 4}')))
+            await client.put(urls["adapter_model.safetensors"], content=weights)
+            before = len(_checkpoints(server))
+            finishes = await asyncio.gather(*(finish(client, started["upload_id"])
+                                              for _ in range(3)))
+            made = len(_checkpoints(server)) - before
+            late = await start(client)
+            await client.put(late["urls"]["adapter_config.json"], content=config)
+            sending = asyncio.ensure_future(client.put(
+                late["urls"]["adapter_model.safetensors"], content=slow(weights, 1.0)))
+            await asyncio.sleep(0.4)
+            gone = await finish(client, late["upload_id"])
+            return puts, finishes, made, gone, await sending
+
+    puts, finishes, made, gone, sent = asyncio.run(race())
+    assert sorted(p.status_code for p in puts) == [200, 412], [p.text for p in puts]
+    assert sorted(f.status_code for f in finishes) == [200, 404, 404]
+    assert made == 1
+    assert gone.status_code == 412                      # its weights had not arrived
+    assert sent.status_code == 404 and "was finished or expired" in sent.json()["detail"]
 
 
 def test_every_door_imports_alike(server, imported, tmp_path):

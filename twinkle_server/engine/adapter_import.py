@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from twinkle_server.engine import checks
 from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, peft_key, write_peft
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import LoraSpec
@@ -32,10 +33,17 @@ UNSERVED_CONFIG: dict[str, Any] = {
     "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
     "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
     "fan_in_fan_out": False, "use_qalora": False, "lora_bias": False,
-    "trainable_token_indices": None, "megatron_config": None,
+    "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
+    "alora_invocation_tokens": None, "target_parameters": None, "use_bdlora": None,
+    "arrow_config": None, "kasa_config": None, "lora_ga_config": None,
+    "corda_config": None, "loftq_config": {},
 }
 """PEFT LoRA options the engine does not compute, each with the value that asks for
 nothing (a missing key is that value)."""
+SERVED_INIT = (True, False, "gaussian")
+"""`init_lora_weights` values that leave the base as it is. The others (PiSSA, OLoRA,
+LoftQ, CorDA, LoRA-GA...) rewrite the base's weights when the adapter is made, so its
+matrices mean something only on that rewritten base."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -53,23 +61,35 @@ class ImportedAdapter:
         write_peft(out, self.spec, self.tensors, list(self.modules), base_model_path)
 
 
-def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
-    """Every linear layer of the base in `model_dir` as `(in_features, out_features)` by
-    module name: the model built from its config on the meta device (no weights read)."""
+@dataclass(frozen=True)
+class BaseLinears:
+    """A base's linear layers as `(in_features, out_features)` by module name, and the
+    name of its output layer (which `'all-linear'` leaves out)."""
+
+    shapes: dict[str, tuple[int, int]]
+    output: str | None
+
+
+def base_linears(model_dir: Path) -> BaseLinears:
+    """The linear layers of the base in `model_dir`: the model built from its config on
+    the meta device (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name: (module.in_features, module.out_features)
-            for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    head = model.get_output_embeddings()
+    return BaseLinears({name: (module.in_features, module.out_features)
+                        for name, module in model.named_modules()
+                        if type(module) is torch.nn.Linear},
+                       next((n for n, m in model.named_modules() if m is head), None))
 
 
-def read_import(directory: Path, linears: Mapping[str, tuple[int, int]], max_rank: int,
+def read_import(directory: Path, base: BaseLinears, max_rank: int,
                 max_bytes: int) -> ImportedAdapter:
     """The adapter in `directory` (its `FILES`; anything else there, such as the README.md
     `peft` writes beside them, is not part of it), checked against a base whose linear
-    layers are `linears`; raises `InvalidArgument` naming the file, the field and the
+    layers are `base`'s; raises `InvalidArgument` naming the file, the field and the
     limit."""
     missing = [name for name in FILES if not (directory / name).is_file()]
     if missing:
@@ -79,18 +99,40 @@ def read_import(directory: Path, linears: Mapping[str, tuple[int, int]], max_ran
         limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else max_bytes
         if size > limit:
             raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
-    spec = _config(directory / CONFIG_FILE, max_rank)
-    tensors = _weights(directory / WEIGHTS_FILE)
-    modules = _modules(tensors, linears, spec.rank)
-    return ImportedAdapter(spec, tuple(modules), tensors)
+    spec, targets = _config(directory / CONFIG_FILE, max_rank)
+    # Names and shapes first, from the file's header: a file of other tensors is refused
+    # before any is read (their size is then bounded by the base's layers and the rank).
+    modules = _modules(_shapes(directory / WEIGHTS_FILE), base.shapes, spec.rank)
+    if targets is not None:
+        _targeted(modules, targets, spec, base)
+    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE))
 
 
-def _config(path: Path, max_rank: int) -> LoraSpec:
+def _targeted(modules: list[str], targets: str | list[str], spec: LoraSpec,
+              base: BaseLinears) -> None:
+    """Every module the tensors adapt is one the config's `target_modules` names: peft
+    would leave the others' matrices out, and the adapter would mean something else."""
+    from twinkle_server.engine.lora import resolve_targets
+
+    named = targets if isinstance(targets, str) else tuple(targets)
+    try:
+        selected = set(resolve_targets(base.shapes, replace(spec, target_modules=named),
+                                       base.output))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{CONFIG_FILE}: {exc}") from None
+    if stray := [m for m in modules if m not in selected]:
+        raise InvalidArgument(f"{CONFIG_FILE}: target_modules {targets!r} does not name "
+                              f"{stray[0]!r}, which {WEIGHTS_FILE} adapts (peft would leave "
+                              "its matrices out)")
+
+
+def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None]:
+    """The config's LoRA shape, and its `target_modules` when it names them."""
     where = CONFIG_FILE
     try:
         config = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument(f"{where}: not JSON") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise InvalidArgument(f"{where}: not JSON (or nested too deep)") from None
     if not isinstance(config, dict):
         raise InvalidArgument(f"{where}: not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
@@ -101,6 +143,12 @@ def _config(path: Path, max_rank: int) -> LoraSpec:
         if not (value == neutral or value is None or value is False or value in ({}, [])):
             raise InvalidArgument(f"{where}: {key} is {value!r}; the engine does not "
                                   f"compute it (give {neutral!r})")
+    init = config.get("init_lora_weights", True)
+    if not any(init is served or init == served and type(init) is str
+               for served in SERVED_INIT):
+        raise InvalidArgument(f"{where}: init_lora_weights is {init!r}, which rewrites the "
+                              f"base's weights; the engine serves adapters made with "
+                              f"{list(SERVED_INIT)}")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if type(rank) is not int or not 1 <= rank <= max_rank:
         raise InvalidArgument(f"{where}: r is {rank!r}; give an integer in [1, {max_rank}] "
@@ -113,7 +161,29 @@ def _config(path: Path, max_rank: int) -> LoraSpec:
     rslora = config.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise InvalidArgument(f"{where}: use_rslora is {rslora!r}; give true or false")
-    return LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora)
+    spec = LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora)
+    checks.lora_scaling(spec, f"{where}: lora_alpha")
+    targets = config.get("target_modules")
+    if targets is not None and not (isinstance(targets, str) or isinstance(targets, list)
+                                    and all(isinstance(t, str) for t in targets)):
+        raise InvalidArgument(f"{where}: target_modules is {targets!r}; give a list of "
+                              "module names or a pattern")
+    return spec, targets
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape by name, from the safetensors header alone."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape())
+                      for key in handle.keys()}   # noqa: SIM118 - safe_open has no __iter__
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidArgument(f"{WEIGHTS_FILE}: not a safetensors file ({exc})") from None
+    if not shapes:
+        raise InvalidArgument(f"{WEIGHTS_FILE}: holds no tensors")
+    return shapes
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -140,13 +210,13 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _modules(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[int, int]],
+def _modules(shapes: Mapping[str, tuple[int, ...]], linears: Mapping[str, tuple[int, int]],
              rank: int) -> list[str]:
-    """The modules the tensors adapt: each a linear layer of the base, with both its
-    `lora_A` `[rank, in]` and `lora_B` `[out, rank]`."""
+    """The modules tensors of `shapes` adapt: each a linear layer of the base, with both
+    its `lora_A` `[rank, in]` and `lora_B` `[out, rank]`."""
     where = WEIGHTS_FILE
     modules = set()
-    for key in tensors:
+    for key in shapes:
         module, which = _split(key)
         if module is None:
             raise InvalidArgument(f"{where}: {key!r} is not a LoRA matrix "
@@ -159,10 +229,10 @@ def _modules(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[in
         fan_in, fan_out = linears[module]
         for which, shape in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
             key = peft_key(module, which)
-            if key not in tensors:
+            if key not in shapes:
                 raise InvalidArgument(f"{where}: has {module!r}'s other matrix but not {key!r}")
-            if tuple(tensors[key].shape) != shape:
-                raise InvalidArgument(f"{where}: {key} has shape {list(tensors[key].shape)}; "
+            if shapes[key] != shape:
+                raise InvalidArgument(f"{where}: {key} has shape {list(shapes[key])}; "
                                       f"this base at rank {rank} needs {list(shape)}")
     return sorted(modules)
 

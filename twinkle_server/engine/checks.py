@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from twinkle_server.engine import losses
 from twinkle_server.engine.errors import InvalidArgument
@@ -27,6 +28,17 @@ def lora_spec(spec: LoraSpec, limits: EngineLimits) -> None:
             raise InvalidArgument(f"lora.{name}: must be finite")
     if not 0.0 <= spec.dropout < 1.0:
         raise InvalidArgument(f"lora.dropout: {spec.dropout} is outside [0, 1)")
+    lora_scaling(spec, "lora.alpha")
+
+
+def lora_scaling(spec: LoraSpec, where: str) -> None:
+    """The adapter's scaling (alpha over rank, or its root) within float32, the dtype
+    every adapter product scales in: beyond it a forward fails outright, and a merged
+    pass or decode step fails with it every tenant beside."""
+    limit = float(torch.finfo(torch.float32).max)
+    if not abs(spec.scaling) <= limit:
+        raise InvalidArgument(f"{where}: {spec.alpha:g} makes the scaling {spec.scaling:g}, "
+                              f"beyond float32's {limit:.3g}")
 
 
 def forward_request(request: ForwardRequest, limits: EngineLimits, vocab: int) -> None:

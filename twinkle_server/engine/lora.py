@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -265,9 +265,10 @@ def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
     return layers
 
 
-def resolve_targets(layers: dict[str, MultiLoraLinear], spec: LoraSpec,
+def resolve_targets(layers: Iterable[str], spec: LoraSpec,
                     output_layer: str | None) -> list[str]:
-    """Names of the layers `spec.target_modules` selects, with PEFT's own matching rules.
+    """Names of the linear layers (of those named `layers`) `spec.target_modules`
+    selects, with PEFT's own matching rules.
 
     `'all-linear'` is every linear except the output head (`output_layer`), as PEFT's
     `_maybe_include_all_linear_layers` does; any other string is a full-match regex; a

@@ -54,7 +54,9 @@ def _field(body: Mapping[str, Any], name: str, kind: type | tuple, default: Any 
 
 
 def text(body: Mapping[str, Any], name: str, required: bool = False) -> str:
-    return _field(body, name, str, "", required)
+    """Field `name`, a string; "" when left out (or null), unless `required`."""
+    value = _field(body, name, str, None, required)
+    return "" if value is None else value
 
 
 def integer(body: Mapping[str, Any], name: str, default: int | None = None) -> int | None:

@@ -28,7 +28,7 @@ from typing import Any
 from twinkle_server.engine.adapter_import import (
     FILES,
     ImportedAdapter,
-    linear_shapes,
+    base_linears,
     read_import,
 )
 from twinkle_server.engine.checkpoint import write_atomically
@@ -142,7 +142,15 @@ class Imports:
                     if size > limit:
                         raise InvalidArgument(f"{file}: over the {limit}-byte limit")
                     out.write(chunk)
-            os.rename(partial, target)
+            # A link, not a rename: of two PUTs racing to one URL, the second finds the
+            # file there and fails, where a rename would silently replace the first.
+            os.link(partial, target)
+        except FileExistsError:
+            raise FailedPrecondition(f"{file}: already uploaded; a signed URL takes one "
+                                     "PUT") from None
+        except FileNotFoundError:
+            raise NotFound(f"upload_id: {upload_id!r} was finished or expired while {file} "
+                           "was being sent") from None
         finally:
             partial.unlink(missing_ok=True)
         return size
@@ -151,7 +159,14 @@ class Imports:
         """Check the uploaded files against the upload's base and LoRA config; the new
         checkpoint. The upload is removed whether it passes or not."""
         record = self._record(upload_id, tenant)
-        folder = self.root / upload_id
+        # Claimed by a rename: of two finishes racing, one gets the upload, the other
+        # finds none; a PUT still streaming finds its folder gone.
+        folder = self.root / f"{upload_id}.finishing"
+        try:
+            os.rename(self.root / upload_id, folder)
+        except OSError:
+            raise NotFound(f"upload_id: no upload {upload_id!r} (finished, expired, or never "
+                           "started)") from None
         try:
             served = self.core.base(record["base_model"])
             # Reading and checking gigabytes of tensors: off the event loop.
@@ -168,7 +183,7 @@ class Imports:
         if missing:
             raise FailedPrecondition(f"upload: {missing} not uploaded; PUT every file to its "
                                      "URL before finishing")
-        return read_import(files, linear_shapes(served.engine.base.model_dir),
+        return read_import(files, base_linears(served.engine.base.model_dir),
                            served.model.max_rank, MAX_UPLOAD_BYTES)
 
     def _record(self, upload_id: str, tenant: str) -> dict[str, Any]:
