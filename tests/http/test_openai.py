@@ -276,6 +276,44 @@ def test_a_disconnected_stream_frees_its_rows(server, base_url):
     assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") >= 1
 
 
+def test_a_dropped_connection_frees_its_rows_without_a_stream(server, base_url):
+    """A client that gives up on a long completion (no stream): its rows leave the decode
+    pool. They once decoded to the end (12 s here) for nobody."""
+    headers = {"authorization": f"Bearer {server.keys['alice']}"}
+    metrics = f"http://{server.http_address}/metrics"
+    before = _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled")
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 3000, "n": 2, "seed": 1}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/completions", json=body, headers=headers,
+                   timeout=httpx.Timeout(30, read=2.0))
+    deadline = time.monotonic() + 30
+    while _gauge(metrics, "twinkle_decode_rows_active") > 0:
+        assert time.monotonic() < deadline, "the dropped request's rows still decode"
+        time.sleep(0.05)
+    assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") > before
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("completions", {"prompt": [7] * 4095, "max_tokens": 5}, "max_tokens"),
+    ("completions", {"prompt": [7] * 4096}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a " * 5000}]},
+     "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                          "max_completion_tokens": 5000}, "max_completion_tokens"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_sample_over_the_models_limits_is_refused_before_any_stream(
+        server, base_url, route, body, param, stream):
+    """The engine's size check, made before the reply starts: a stream once answered 200
+    and then an error event."""
+    reply = httpx.post(f"{base_url}/{route}", json={"model": "tiny", "stream": stream, **body},
+                       headers={"authorization": f"Bearer {server.keys['alice']}"},
+                       timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "over this model's limits" in error["message"]
+
+
 def _gauge(url: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(url, timeout=30).text

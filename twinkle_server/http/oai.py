@@ -32,9 +32,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from twinkle_server.engine import checks
 from twinkle_server.engine.checkpoint import WEIGHTS_FILE
-from twinkle_server.engine.errors import EngineError, InvalidArgument, NotFound
-from twinkle_server.engine.types import SampledSequence, SamplingParams
+from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, NotFound
+from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.http import oai_request
 from twinkle_server.http.app import Front, json_body
 from twinkle_server.http.errors import category_of, message_of
@@ -140,6 +141,8 @@ class OpenAIRoutes:
             return error_response(exc)
         try:
             prompts = self._prompts(served, asked)
+            # What the engine would refuse, refused here: a stream's 200 goes out first.
+            _check_sizes(served, asked, prompts)
         except Exception as exc:
             await self.rt.end_sampler(session, "its OpenAI request was refused")
             return error_response(exc)
@@ -150,7 +153,7 @@ class OpenAIRoutes:
             return StreamingResponse(reply.stream(work), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         try:
-            return JSONResponse(reply.whole(await work))
+            return JSONResponse(reply.whole(await _unless_gone(request, work)))
         except Exception as exc:
             return error_response(exc)
 
@@ -175,6 +178,14 @@ class OpenAIRoutes:
                                     "sampling (.../sampler_weights/...) or external weights")
         if base:
             self._base(base)
+        try:
+            _, directory = self.rt.checkpoint(tenant, ref)
+        except NotFound as exc:          # no such checkpoint (or another tenant's)
+            exc.param = "model"          # type: ignore[attr-defined]
+            raise
+        if not (directory / WEIGHTS_FILE).is_file():
+            raise OaiError("model", f"{path!r} holds no weights this server can read (an "
+                                    "export encrypted with age is for its owner to decrypt)")
         try:
             session = await self.rt.sampling.create_session(tenant, model_path=ref,
                                                             base_model=base)
@@ -237,6 +248,39 @@ class OpenAIRoutes:
         return [Route(f"{PREFIX}/models", self.models, methods=["GET"]),
                 Route(f"{PREFIX}/completions", self.completions, methods=["POST"]),
                 Route(f"{PREFIX}/chat/completions", self.chat_completions, methods=["POST"])]
+
+
+def _check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray]) -> None:
+    """Each prompt's sample within the model's limits (`checks.sample_size`, as the
+    engine will check it), named by the request's own fields."""
+    limit = served.model.max_seq_len
+    for i, prompt in enumerate(prompts):
+        tokens = asked.max_tokens or max(1, limit - prompt.size)
+        try:
+            checks.sample_size(SampleRequest(None, None, prompt, asked.n,
+                                             SamplingParams(max_tokens=tokens)),
+                               served.engine.limits)
+        except InvalidArgument:
+            # The prompt, when it leaves no room for one token; else the tokens asked.
+            field = asked.max_tokens_field if prompt.size < limit else (
+                "messages" if asked.messages is not None else "prompt")
+            raise OaiError(field, f"prompt {i} ({prompt.size} tokens) + {tokens} tokens to "
+                                  f"draw, x n = {asked.n}, is over this model's limits "
+                                  f"({limit} tokens a sequence, "
+                                  f"{served.engine.limits.max_batch_tokens} a request)"
+                           ) from None
+
+
+async def _unless_gone(request: Request, work: asyncio.Future, poll_s: float = 0.1) -> Any:
+    """`work`'s result, or its cancellation (and with it its samples') once the client
+    has gone away: a dropped connection frees the rows it held."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=poll_s)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            work.cancel()
+            raise Cancelled("the client went away before the completion was ready")
 
 
 class _Reply:

@@ -58,6 +58,7 @@ class OaiRequest:
     prompts: tuple[str | tuple[int, ...], ...] | None
     messages: tuple[dict[str, str], ...] | None
     max_tokens: int | None          # None: up to the context limit
+    max_tokens_field: str           # the field that gave it (or would have)
     temperature: float
     top_p: float
     n: int
@@ -117,7 +118,8 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
         logprobs = body.get("logprobs")
         top = None if logprobs is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
         return OaiRequest(prompts=_prompts(body.get("prompt")), messages=None,
-                          max_tokens=_max_tokens(body, "max_tokens", 16), top_logprobs=top,
+                          max_tokens=_max_tokens(body, "max_tokens", 16),
+                          max_tokens_field="max_tokens", top_logprobs=top,
                           echo=_bool(body, "echo"), **common)
     # null is "not given", as for every other field.
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
@@ -129,7 +131,7 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
     if asks_top and not _bool(body, "logprobs"):
         raise OaiError("top_logprobs", "needs logprobs: true")
     return OaiRequest(prompts=None, messages=_messages(body.get("messages")),
-                      max_tokens=_max_tokens(body, name, None),
+                      max_tokens=_max_tokens(body, name, None), max_tokens_field=name,
                       top_logprobs=top if _bool(body, "logprobs") else None, echo=False,
                       **common)
 
