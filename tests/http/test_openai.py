@@ -276,6 +276,16 @@ def test_a_disconnected_stream_frees_its_rows(server, base_url):
     assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") >= 1
 
 
+def test_a_request_keeps_no_prefix_its_one_request_session_could_never_reuse(server, client):
+    """Each OpenAI request samples in a session of its own; its prompt's KV kept after it
+    ends once pushed live sessions' prefixes out of the pool first."""
+    metrics = f"http://{server.http_address}/metrics"
+    before = _gauge(metrics, "twinkle_prefix_cache_positions")
+    client.completions.create(model="tiny", prompt=list(range(20, 420)), max_tokens=2,
+                              seed=3)
+    assert _gauge(metrics, "twinkle_prefix_cache_positions") == before
+
+
 def test_a_dropped_connection_frees_its_rows_without_a_stream(server, base_url):
     """A client that gives up on a long completion (no stream): its rows leave the decode
     pool. They once decoded to the end (12 s here) for nobody."""

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -232,12 +233,16 @@ class OpenAIRoutes:
                                 stop_strings=asked.stop, seed=asked.seed)
         top = asked.top_logprobs or 0
         try:
+            # The session lasts this request: its prompts could never be reused, and kept
+            # they would push live sessions' cached prefixes out of the pool first.
+            target = replace(self.rt.sampling.target(tenant, None, session),
+                             cache_namespace="")
             if asked.user:
                 log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
                          asked.model)
             return list(await asyncio.gather(*(
                 self.rt.sampling.sample(
-                    self.rt.sampling.target(tenant, None, session), prompt, asked.n, params,
+                    target, prompt, asked.n, params,
                     include_prompt_logprobs=asked.echo and asked.top_logprobs is not None,
                     topk_sample_logprobs=top)
                 for prompt in prompts)))
