@@ -277,6 +277,12 @@ def _catalogue(conn: Connection, model: str) -> list[tuple[str, object, type, st
             conn.sampling.ComputeLogprobs, sampling_pb2.ComputeLogprobsRequest(
                 op=conn.op(model), prompt=wire.encode_array(np.array([5, -6])))),
          errors.InvalidArgumentError, "prompt: token ids must be non-negative, found -6"),
+        # The message echoes the name; whole, it once passed gRPC's 8 KiB metadata
+        # limit and the client got "Stream removed" instead of the field's error.
+        ("a 20,000-character checkpoint name", lambda: conn.call(
+            conn.training.SaveState, training_pb2.SaveRequest(op=conn.op(model),
+                                                              name="模" * 20_000)),
+         errors.InvalidArgumentError, "not a valid checkpoint name"),
         ("sample with a huge num_samples", lambda: conn.call(
             conn.sampling.Sample, sampling_pb2.SampleRequest(
                 op=conn.op(model), prompt=wire.encode_array(ids), num_samples=2**31 - 1,

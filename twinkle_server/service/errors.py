@@ -29,7 +29,28 @@ _CODES = {
 }
 
 
+MAX_MESSAGE_BYTES = 2048
+"""A status message travels as a percent-encoded header (at most 3 bytes for each of its
+UTF-8 bytes) within a reply's metadata, which gRPC clients take up to 8 KiB (a soft
+limit, refused at random past it, always past 16 KiB); past it the client gets "Stream
+removed" and not the error. Messages echo what was sent (a name, a path) before saying what is wrong
+with it, so a longer one loses its middle: the field's name and the reason stay."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message of `exc` (the message within `MAX_MESSAGE_BYTES`)."""
+    code, message = _status(exc)
+    raw = message.encode()
+    if len(raw) > MAX_MESSAGE_BYTES:
+        half = MAX_MESSAGE_BYTES // 2
+        head = raw[:half].decode(errors="ignore")
+        tail = raw[-half:].decode(errors="ignore")
+        cut = len(raw) - len(head.encode()) - len(tail.encode())
+        message = f"{head} [... {cut} bytes cut ...] {tail}"
+    return code, message
+
+
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, EngineError):
         return _CODES.get(exc.category, grpc.StatusCode.INTERNAL), str(exc)
     if isinstance(exc, WireError | PathError):
