@@ -237,6 +237,20 @@ def test_chat_refusals_and_unknown_models(server, base_url):
         assert reply.status_code == 200, reply.text
 
 
+def test_other_routes_and_methods_answer_in_openais_shape(server, base_url):
+    """Once Tinker's shape (404) and plain text (405): an OpenAI client could not read
+    them. A model of ';' alone once got the engine's words and no param."""
+    headers = {"authorization": f"Bearer {server.keys['alice']}"}
+    for method, route, status in [("POST", "embeddings", 404), ("POST", "responses", 404),
+                                  ("GET", "completions", 405), ("POST", "models", 405)]:
+        reply = httpx.request(method, f"{base_url}/{route}", headers=headers, timeout=30)
+        assert reply.status_code == status, reply.text
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    reply = httpx.post(f"{base_url}/completions", headers=headers, timeout=30,
+                       json={"model": ";", "prompt": "x"})
+    assert (reply.status_code, reply.json()["error"]["param"]) == (400, "model"), reply.text
+
+
 def test_a_chat_template_that_refuses_the_messages_is_the_requests_error(tiny_cache):
     """A template's `raise_exception` (Gemma's for a system role) names `messages` and
     the template's words; it once answered 500."""

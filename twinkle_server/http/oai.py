@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -164,7 +164,7 @@ class OpenAIRoutes:
         base, _, path = asked.model.partition(";") if ";" in asked.model \
             else ("", "", asked.model)
         if not path.startswith(("tinker://", "twinkle://")):
-            if base:
+            if ";" in asked.model:
                 raise OaiError("model", f"{asked.model!r}: after ';' give a checkpoint path "
                                         "(tinker://<run>/sampler_weights/<name>)")
             served = self._base(path)
@@ -250,9 +250,30 @@ class OpenAIRoutes:
             await self.rt.end_sampler(session, "its OpenAI request ended")
 
     def routes(self) -> list[Route]:
-        return [Route(f"{PREFIX}/models", self.models, methods=["GET"]),
-                Route(f"{PREFIX}/completions", self.completions, methods=["POST"]),
-                Route(f"{PREFIX}/chat/completions", self.chat_completions, methods=["POST"])]
+        served = [Route(f"{PREFIX}/models", self.models, methods=["GET"]),
+                  Route(f"{PREFIX}/completions", self.completions, methods=["POST"]),
+                  Route(f"{PREFIX}/chat/completions", self.chat_completions,
+                        methods=["POST"])]
+        return served + [Route(f"{PREFIX}/{{rest:path}}", _unserved(served),
+                               methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
+
+
+def _unserved(served: Sequence[Route]) -> Callable[[Request], Awaitable[Response]]:
+    """What any other request under the prefix gets, in OpenAI's error shape: 405 for a
+    served route's other methods, 404 (naming the served routes) for anything else."""
+    async def answer(request: Request) -> Response:
+        path = request.url.path
+        for route in served:
+            if route.path == path:
+                return JSONResponse({"error": {
+                    "message": f"{request.method} {path}: use {sorted(route.methods or ())}",
+                    "type": "invalid_request_error", "param": None,
+                    "code": "method_not_allowed"}}, 405)
+        return JSONResponse({"error": {
+            "message": f"{request.method} {path}: not served here; this server serves "
+                       f"{[r.path for r in served]}",
+            "type": "invalid_request_error", "param": None, "code": "unknown_url"}}, 404)
+    return answer
 
 
 def _check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray]) -> None:
