@@ -103,6 +103,16 @@ def test_prompt_alt_tokens_are_argmax_at_temperature_0_with_their_logprobs(model
         out.alt_tokens)).numpy(), atol=LOGPROB_ATOL)
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-300])
+def test_prompt_alt_tokens_at_a_vanishing_temperature_are_the_argmax(model, temperature):
+    """The limit of a vanishing temperature; 1e-300 (0 in float32) once divided the
+    logprobs by zero and the draw failed on NaN."""
+    out = score_prompt(model, _route, None, PROMPT, PromptScoring(
+        alt_k=3, temperature=temperature, seed=1))
+    best = reference_logp(model, PROMPT)[:-1].argmax(-1).numpy()
+    np.testing.assert_array_equal(out.alt_tokens, np.repeat(best[:, None], 3, axis=1))
+
+
 def test_prompt_alt_tokens_follow_the_tempered_distribution_and_the_seed(model):
     temperature = 0.02  # sharp enough that the two likeliest tokens take most draws
     def draws(seed):

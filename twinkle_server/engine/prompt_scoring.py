@@ -36,6 +36,7 @@ import torch
 from twinkle_server.engine.base_model import last_hidden_states
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.logprobs import OutputHead, _vocab_size, chunk_tokens
+from twinkle_server.engine.temperature import tempered
 
 MAX_TOPK = 20
 """Most top-k alternatives one request may ask for, per prompt or sampled position
@@ -224,7 +225,7 @@ def _score_chunk(logp: torch.Tensor, start: int, end: int, ids: torch.Tensor,
             draws = logp.argmax(-1, keepdim=True).expand(-1, scoring.alt_k)
         else:
             # softmax(logp / T) = softmax(z / T): log_softmax shifts each row by a constant.
-            probs = torch.softmax(logp / scoring.temperature, dim=-1)
+            probs = torch.softmax(tempered(logp, scoring.temperature), dim=-1)
             draws = torch.multinomial(probs, scoring.alt_k, replacement=True,
                                       generator=generator)
         alt_tokens[start:end] = draws.cpu().numpy()

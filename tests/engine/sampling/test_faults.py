@@ -222,6 +222,35 @@ def test_a_draw_that_fails_in_a_step_fails_that_steps_rows_and_not_the_waiting(
     _pool_is_empty(engine)
 
 
+def test_out_of_memory_in_a_steps_draw_leaves_the_others_drawing_as_alone(engine,
+                                                                           monkeypatch):
+    """The newest request fails; the older one's step is undone and run again, and its
+    generator, which the failed draw had drawn from, is put back: its tokens stay the
+    ones it draws alone (they once went on from numbers the failed draw had taken)."""
+    from twinkle_server.engine.sampling import tokens
+
+    older = _request(None, [5, 6, 7], n=2, max_tokens=10, seed=1)
+    newer = _request(None, [8, 9], max_tokens=10, seed=2)
+    results = dict(engine.decode([older], [0], 0.0))
+    results.update(engine.decode([newer], [1], 0.0))
+    real, failed = tokens.draw, []
+
+    def failing(logits, segments, topk):
+        if not failed and logits.shape[0] == 3:
+            failed.append(1)
+            for segment in segments:             # draws its numbers, then runs out
+                tokens.uniforms(segment.end - segment.start, segment.generator, logits)
+            raise torch.OutOfMemoryError("the draw ran out of memory")
+        return real(logits, segments, topk)
+
+    monkeypatch.setattr(tokens, "draw", failing)
+    results.update(engine.decode([], [], 0.0))
+    assert failed and isinstance(results.get(1), ResourceExhausted), results
+    _drain(engine, results)
+    _same(_alone(engine, older), results[0])
+    _pool_is_empty(engine)
+
+
 def test_the_prefix_cache_stays_within_the_kv_bound(small_pool):
     """Two session requests of 400 + 100 tokens fill a 1,000-position pool; their cached
     prompts and completions must not take it past the bound (once held 1,798)."""

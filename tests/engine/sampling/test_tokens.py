@@ -102,6 +102,17 @@ def test_a_temperature_or_top_p_near_zero_draws_the_most_likely_token(params):
         assert all(drawn.finite(i) and 0 <= drawn.tokens[i] < 300 for i in range(rows))
 
 
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_a_temperature_past_float32s_largest_keeps_masked_tokens_masked(temperature):
+    """inf in float32: -inf over it was NaN, and the draw picked token V."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    logits[:, 10:] = -math.inf                   # a model may mask tokens
+    params = SamplingParams(max_tokens=1, temperature=temperature)
+    drawn = tokens.draw(logits, [tokens.Segment(0, 3, params,
+                                                torch.Generator().manual_seed(4))], 0)
+    assert all(drawn.finite(i) and 0 <= drawn.tokens[i] < 10 for i in range(3))
+
+
 def test_rows_whose_logits_are_not_finite_are_reported_and_the_others_drawn():
     logits = torch.randn(4, 30)
     logits[1, 3] = math.nan

@@ -327,9 +327,11 @@ class DecodePool:
     def _prefill_apart(self, joiners: list[_Request]) -> None:
         """Prefill `joiners` together; if that fails, each alone, so that only a joiner
         that fails by itself fails."""
+        drawn_from = _generator_states(joiners)
         try:
             self._prefill(joiners)
         except Exception as exc:
+            _restore(drawn_from)     # each is drawn again from where it stood
             if len(joiners) > 1:
                 for joiner in joiners:
                     self._prefill_apart([joiner])
@@ -403,6 +405,8 @@ class DecodePool:
         remaining = self._remaining()
         room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining)
         saved = batch.snapshot()
+        requests = list({id(row.request): row.request for row in self.rows}.values())
+        drawn_from = _generator_states(requests)
         try:
             # New spare columns copy the whole cache: out of memory there is the step's.
             batch.reserve(min(SPARE_COLUMNS, -(-sum(remaining) // len(self.rows))))
@@ -414,8 +418,8 @@ class DecodePool:
             drawn = self._draw(out.logits[:, -1].float(), self.rows)
         except Exception as exc:
             batch.restore(saved)
+            _restore(drawn_from)     # a request that goes on draws as if alone
             error = self.fault(exc, f"a decode step of {len(self.rows)} rows")
-            requests = {id(row.request): row.request for row in self.rows}.values()
             if isinstance(error, ResourceExhausted):
                 requests = [max(requests, key=lambda r: r.arrival)]
             self._fail(list(requests), error)
@@ -481,6 +485,18 @@ class DecodePool:
             self.batch.select(keep)
             self.rows = [self.rows[i] for i in keep]
         self._fit_prefixes()
+
+
+def _generator_states(requests: Iterable[_Request]) -> list[tuple[torch.Generator,
+                                                                    torch.Tensor]]:
+    """Each request's generator and where it stands, for `_restore`: a forward or draw
+    that fails may have drawn from some, and those that go on must draw as if alone."""
+    return [(r.generator, r.generator.get_state()) for r in requests]
+
+
+def _restore(states: Sequence[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in states:
+        generator.set_state(state)
 
 
 def _grouped(routes: Sequence[str | None]) -> list[int]:

@@ -26,6 +26,7 @@ import torch
 
 from twinkle_server.engine.errors import FailedPrecondition
 from twinkle_server.engine.prompt_scoring import TOPK_MASK_LOGPROB
+from twinkle_server.engine.temperature import tempered
 from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 
 
@@ -57,20 +58,6 @@ def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
     return _inverse_cdf(torch.softmax(scores, dim=-1), uniforms(scores.shape[0], generator,
                                                                 scores))
-
-
-def tempered(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    """Finite `logits` `[n, V]` over the temperature (a number, or `[n, 1]`), less each
-    row's largest: at most 0, never NaN. A temperature too small for the dtype (below its
-    smallest normal number, 1.2e-38 in float32) counts as that number, where only the
-    largest logits keep any probability: the limit of a vanishing temperature. Divided
-    unshifted, such a temperature overflowed the scores to inf and the draw to NaN."""
-    floor = torch.finfo(logits.dtype).tiny
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.clamp_min(floor)
-    else:
-        temperature = max(temperature, floor)
-    return (logits - logits.amax(-1, keepdim=True)) / temperature
 
 
 def greedy(params: SamplingParams) -> bool:
