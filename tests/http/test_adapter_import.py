@@ -202,6 +202,12 @@ def _tamper(directory: Path, out: Path, how: str) -> Path:
         config["layer_replication"] = [[0, 1], [0, 1]]
     elif how == "targets":
         config["target_modules"] = ["k_proj"]       # the tensors adapt q and v
+    elif how == "eva":
+        config["init_lora_weights"] = "eva"         # A's first values from activations
+    elif how == "converted":                        # peft's PiSSA/CorDA conversion saves
+        config.update(init_lora_weights=True, corda_config={"corda_method": "ipm"})
+    elif how == "unmatched":                        # a generic list: peft skips qkv_proj
+        config["target_modules"] = ["q_proj", "v_proj", "qkv_proj"]
     if not (out / "adapter_model.safetensors").exists():
         save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(
@@ -223,7 +229,7 @@ def _tamper(directory: Path, out: Path, how: str) -> Path:
     ("alpha", 400, "lora_alpha: 1e+300 makes the scaling"),
     ("pissa", 400, "init_lora_weights is 'pissa'"),
     ("replication", 400, "layer_replication"),
-    ("targets", 400, "does not name 'model.layers.0.self_attn.q_proj'"),
+    ("targets", 400, "does not select 'model.layers.0.self_attn.q_proj'"),
 ])
 def test_a_hostile_upload_is_refused_and_leaves_nothing(server, imported, tmp_path, how,
                                                         status, says):
@@ -234,6 +240,16 @@ def test_a_hostile_upload_is_refused_and_leaves_nothing(server, imported, tmp_pa
     assert says in reply.json()["detail"], reply.text
     assert _checkpoints(server) == before
     assert reply.upload_id not in _uploads_left(server)
+
+
+@pytest.mark.parametrize("how", ["eva", "converted", "unmatched"])
+def test_peft_configs_that_leave_the_base_as_it_is_import(server, imported, tmp_path, how):
+    """An init that only chooses the matrices' first values, peft's conversion of a
+    base-rewriting adapter to plain LoRA, and a target list one of whose patterns this
+    base lacks: peft loads each as plain LoRA, and so does the import."""
+    _, directory, _ = imported
+    reply = _upload(server, _tamper(directory, tmp_path / how, how))
+    assert reply.status_code == 200, reply.text
 
 
 def test_an_adapter_of_another_base_is_refused(server, tmp_path):

@@ -107,6 +107,10 @@ PUBLIC = {("GET", "/api/v1/healthz"), ("POST", "/api/v1/client/config"),
 or create the caller's own session)."""
 UNSERVED = {(method, "/api/v1" + path) for method, path, *_ in unserved.UNSERVED}
 """Routes that answer everyone that the server does not provide them (`test_rest_client`)."""
+OPENAI_OTHERS = {(method, "/oai/api/v1/{rest:path}")
+                 for method in ("GET", "POST", "PUT", "PATCH", "DELETE")}
+"""Any other route or method under the OpenAI prefix: 404 or 405 in OpenAI's shape,
+naming no tenant object (`test_openai`)."""
 SIGNED = {("GET", "/api/v1/external_weights/{run_id}/{name}/{file}"),
           ("PUT", "/api/v1/external_weights_upload/{upload_id}/{file}")}
 """Routes opened by a signed URL instead of a key (`test_external_weights`)."""
@@ -181,7 +185,8 @@ def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
                                     *OpenAIRoutes(front).routes(), *unserved.routes())
               for m in r.methods if m != "HEAD"}
     cases = _cases(alice_objects)
-    assert routes == set(cases) | PUBLIC | UNSERVED | SIGNED, "a route without a case"
+    assert routes == set(cases) | PUBLIC | UNSERVED | SIGNED | OPENAI_OTHERS, \
+        "a route without a case"
     secret = {v for k, v in alice_objects.items() if k != "future"}
     with httpx.Client(base_url=base_url, headers={"X-API-Key": server.keys["bob"]},
                       timeout=60) as http:

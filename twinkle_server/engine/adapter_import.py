@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from twinkle_server.engine import checks
 from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, peft_key, write_peft
 from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.lora import ALL_LINEAR
 from twinkle_server.engine.types import LoraSpec
 
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -35,15 +36,17 @@ UNSERVED_CONFIG: dict[str, Any] = {
     "fan_in_fan_out": False, "use_qalora": False, "lora_bias": False,
     "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
     "alora_invocation_tokens": None, "target_parameters": None, "use_bdlora": None,
-    "arrow_config": None, "kasa_config": None, "lora_ga_config": None,
-    "corda_config": None, "loftq_config": {},
+    "arrow_config": None, "kasa_config": None,
 }
 """PEFT LoRA options the engine does not compute, each with the value that asks for
 nothing (a missing key is that value)."""
-SERVED_INIT = (True, False, "gaussian")
-"""`init_lora_weights` values that leave the base as it is. The others (PiSSA, OLoRA,
-LoftQ, CorDA, LoRA-GA...) rewrite the base's weights when the adapter is made, so its
-matrices mean something only on that rewritten base."""
+SERVED_INIT = (True, False, "gaussian", "eva", "orthogonal", "mica")
+"""`init_lora_weights` values that leave the base as it is (they only choose the
+matrices' first values). The others (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA) rewrite the
+base's weights when the adapter is made, so its matrices mean something only on that
+rewritten base; peft's conversion of such an adapter to a plain one saves `true`. Their
+own option tables (`corda_config`, ...) are left as peft saves them: the init says which
+ran."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -99,35 +102,42 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
         limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else max_bytes
         if size > limit:
             raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
-    spec, targets = _config(directory / CONFIG_FILE, max_rank)
+    spec, targets, excluded = _config(directory / CONFIG_FILE, max_rank)
     # Names and shapes first, from the file's header: a file of other tensors is refused
     # before any is read (their size is then bounded by the base's layers and the rank).
     modules = _modules(_shapes(directory / WEIGHTS_FILE), base.shapes, spec.rank)
     if targets is not None:
-        _targeted(modules, targets, spec, base)
+        _targeted(modules, targets, excluded, base)
     return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE))
 
 
-def _targeted(modules: list[str], targets: str | list[str], spec: LoraSpec,
+def _targeted(modules: list[str], targets: str | list[str], excluded: Any,
               base: BaseLinears) -> None:
-    """Every module the tensors adapt is one the config's `target_modules` names: peft
-    would leave the others' matrices out, and the adapter would mean something else."""
-    from twinkle_server.engine.lora import resolve_targets
+    """Every module the tensors adapt is one the config's `target_modules` selects (and
+    `exclude_modules` leaves), by peft's own rules: peft would leave the others' matrices
+    out, and the adapter would mean something else. As peft, a pattern among several that
+    matches nothing of this base is no error."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
 
-    named = targets if isinstance(targets, str) else tuple(targets)
-    try:
-        selected = set(resolve_targets(base.shapes, replace(spec, target_modules=named),
-                                       base.output))
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"{CONFIG_FILE}: {exc}") from None
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        selected = {n for n in base.shapes if n != base.output}
+    else:
+        try:
+            config = LoraConfig(target_modules=targets, exclude_modules=excluded)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{CONFIG_FILE}: target_modules or exclude_modules: "
+                                  f"{exc}") from None
+        selected = {n for n in base.shapes if check_target_module_exists(config, n)}
     if stray := [m for m in modules if m not in selected]:
-        raise InvalidArgument(f"{CONFIG_FILE}: target_modules {targets!r} does not name "
+        raise InvalidArgument(f"{CONFIG_FILE}: target_modules {targets!r} does not select "
                               f"{stray[0]!r}, which {WEIGHTS_FILE} adapts (peft would leave "
                               "its matrices out)")
 
 
-def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None]:
-    """The config's LoRA shape, and its `target_modules` when it names them."""
+def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None, Any]:
+    """The config's LoRA shape, its `target_modules` when it names them, and its
+    `exclude_modules`."""
     where = CONFIG_FILE
     try:
         config = json.loads(path.read_bytes())
@@ -147,8 +157,9 @@ def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None
     if not any(init is served or init == served and type(init) is str
                for served in SERVED_INIT):
         raise InvalidArgument(f"{where}: init_lora_weights is {init!r}, which rewrites the "
-                              f"base's weights; the engine serves adapters made with "
-                              f"{list(SERVED_INIT)}")
+                              f"base's weights (or is not peft's); the engine serves "
+                              f"adapters made with {list(SERVED_INIT)}, or converted to "
+                              "plain LoRA by peft")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if type(rank) is not int or not 1 <= rank <= max_rank:
         raise InvalidArgument(f"{where}: r is {rank!r}; give an integer in [1, {max_rank}] "
@@ -168,7 +179,7 @@ def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None
                                     and all(isinstance(t, str) for t in targets)):
         raise InvalidArgument(f"{where}: target_modules is {targets!r}; give a list of "
                               "module names or a pattern")
-    return spec, targets
+    return spec, targets, config.get("exclude_modules")
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:

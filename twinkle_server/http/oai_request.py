@@ -245,7 +245,8 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise OaiError(where, "must be an object with role and content")
-        extra = sorted(set(message) - {"role", "content"})
+        extra = sorted(k for k in set(message) - {"role", "content"}
+                       if message[k] is not None)    # null: left out
         if extra:
             raise OaiError(f"{where}.{extra[0]}", "not served here (text messages only)")
         role = message.get("role")
@@ -266,7 +267,8 @@ def _content(value: Any, where: str) -> str:
                     or not isinstance(part.get("text"), str):
                 raise OaiError(f"{where}[{j}]", "only text parts are served "
                                                 "({\"type\": \"text\", \"text\": ...})")
-            if extra := sorted(set(part) - {"type", "text"}):
+            if extra := sorted(k for k in set(part) - {"type", "text"}
+                               if part[k] is not None):
                 raise OaiError(f"{where}[{j}].{extra[0]}", "not served here; a text part "
                                                            "is its type and text only")
             texts.append(_unicode(part["text"], f"{where}[{j}].text"))

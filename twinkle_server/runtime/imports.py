@@ -5,11 +5,13 @@ caller's, on the base it names.
 
 An upload lives in `<data dir>/uploads/<upload_id>/`: its record (`upload.json`: tenant,
 base, LoRA config, expiry) and `files/`, where each signed PUT writes one of
-`adapter_import.FILES` (to a temporary name, renamed when whole; a second PUT of a file
-is refused). `finish` checks the files against the base (`engine.adapter_import`), writes
-the checkpoint atomically, records its run and checkpoint rows, and removes the upload;
-whatever fails leaves no checkpoint, and an upload never finished is removed once it
-expires (`expire`).
+`adapter_import.FILES` (to a temporary name, renamed when whole onto its name, claimed
+first: a second PUT of a file is refused, even one racing the first). `finish` claims
+the upload by renaming its folder (`<upload_id>.finishing`: of finishes racing, one wins,
+and a PUT still sending finds it gone), checks the files against the base
+(`engine.adapter_import`), writes the checkpoint atomically, records its run and
+checkpoint rows, and removes the upload; whatever fails leaves no checkpoint, and an
+upload never finished is removed once it expires (`expire`).
 """
 
 from __future__ import annotations
@@ -142,9 +144,12 @@ class Imports:
                     if size > limit:
                         raise InvalidArgument(f"{file}: over the {limit}-byte limit")
                     out.write(chunk)
-            # A link, not a rename: of two PUTs racing to one URL, the second finds the
-            # file there and fails, where a rename would silently replace the first.
-            os.link(partial, target)
+            # The name claimed first (created exclusively), then filled by one rename: of
+            # two PUTs racing to one URL the second finds it taken, where a plain rename
+            # would silently replace the first (and a hard link needs a file system that
+            # has them).
+            os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.replace(partial, target)
         except FileExistsError:
             raise FailedPrecondition(f"{file}: already uploaded; a signed URL takes one "
                                      "PUT") from None
