@@ -279,14 +279,8 @@ def test_a_disconnected_stream_frees_its_rows(server, base_url):
             "stream": True, "seed": 1}
     with httpx.stream("POST", f"{base_url}/completions", json=body, headers=headers,
                       timeout=30):
-        deadline = time.monotonic() + 30
-        while _gauge(metrics, "twinkle_decode_rows_active") < 2:
-            assert time.monotonic() < deadline, "the stream's rows never started"
-            time.sleep(0.02)
-    deadline = time.monotonic() + 30
-    while _gauge(metrics, "twinkle_decode_rows_active") > 0:
-        assert time.monotonic() < deadline, "the dropped stream's rows still decode"
-        time.sleep(0.05)
+        _rows_until(metrics, lambda rows: rows >= 2, "the stream's rows never started")
+    _rows_until(metrics, lambda rows: rows == 0, "the dropped stream's rows still decode")
     # Ended by the disconnect, not by running out of tokens.
     assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") >= 1
 
@@ -316,14 +310,8 @@ def test_a_dropped_connection_frees_its_rows_without_a_stream(server, base_url):
                        b"Authorization: Bearer " + server.keys["alice"].encode() +
                        b"\r\nContent-Type: application/json\r\nContent-Length: " +
                        str(len(body)).encode() + b"\r\n\r\n" + body)
-        deadline = time.monotonic() + 30
-        while _gauge(metrics, "twinkle_decode_rows_active") < 2:
-            assert time.monotonic() < deadline, "the request's rows never started"
-            time.sleep(0.02)
-    deadline = time.monotonic() + 30
-    while _gauge(metrics, "twinkle_decode_rows_active") > 0:
-        assert time.monotonic() < deadline, "the dropped request's rows still decode"
-        time.sleep(0.05)
+        _rows_until(metrics, lambda rows: rows >= 2, "the request's rows never started")
+    _rows_until(metrics, lambda rows: rows == 0, "the dropped request's rows still decode")
     assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") > before
 
 
@@ -346,6 +334,14 @@ def test_a_sample_over_the_models_limits_is_refused_before_any_stream(
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and "over this model's limits" in error["message"]
+
+
+def _rows_until(metrics: str, done, what: str, timeout_s: float = 30) -> None:
+    """Wait until `done(rows decoding)` holds, within `timeout_s`; else fail with `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not done(_gauge(metrics, "twinkle_decode_rows_active")):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def _gauge(url: str, name: str, **labels: str) -> float:
