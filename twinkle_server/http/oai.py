@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from twinkle_server.http.errors import category_of, message_of
 from twinkle_server.http.oai_request import OaiError, OaiRequest
 from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.sampling import SampleResult
+from twinkle_server.runtime.sampling import SampleResult, context_left
 
 log = logging.getLogger("twinkle_server.http")
 PREFIX = "/oai/api/v1"
@@ -180,14 +181,6 @@ class OpenAIRoutes:
         if base:
             self._base(base)
         try:
-            _, directory = self.rt.checkpoint(tenant, ref)
-        except NotFound as exc:          # no such checkpoint (or another tenant's)
-            exc.param = "model"          # type: ignore[attr-defined]
-            raise
-        if not (directory / WEIGHTS_FILE).is_file():
-            raise OaiError("model", f"{path!r} holds no weights this server can read (an "
-                                    "export encrypted with age is for its owner to decrypt)")
-        try:
             session = await self.rt.sampling.create_session(tenant, model_path=ref,
                                                             base_model=base)
         except InvalidArgument as exc:   # the checkpoint's base is not `base`
@@ -195,6 +188,11 @@ class OpenAIRoutes:
         except NotFound as exc:          # no such checkpoint (or another tenant's)
             exc.param = "model"          # type: ignore[attr-defined]
             raise
+        weights = self.rt.sampler_of(tenant, session).weights_path
+        if weights is None or not (Path(weights) / WEIGHTS_FILE).is_file():
+            await self.rt.end_sampler(session, "its OpenAI request was refused")
+            raise OaiError("model", f"{path!r} holds no weights this server can read (an "
+                                    "export encrypted with age is for its owner to decrypt)")
         return self.rt.base_of(session), session
 
     def _base(self, name: str) -> Served:
@@ -281,7 +279,7 @@ def _check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray
     engine will check it), named by the request's own fields."""
     limit = served.model.max_seq_len
     for i, prompt in enumerate(prompts):
-        tokens = asked.max_tokens or max(1, limit - prompt.size)
+        tokens = asked.max_tokens or context_left(served, prompt.size)
         try:
             checks.sample_size(SampleRequest(None, None, prompt, asked.n,
                                              SamplingParams(max_tokens=tokens)),

@@ -133,7 +133,7 @@ class Imports:
             raise NotFound(f"file: {file!r} is not part of an upload")
         target = self.root / upload_id / "files" / file
         if target.exists():
-            raise FailedPrecondition(f"{file}: already uploaded; a signed URL takes one PUT")
+            raise _uploaded(file)
         limit = MAX_UPLOAD_BYTES if file == FILES[1] else 1 << 20
         partial = target.with_name(f".{file}.{secrets.token_hex(4)}.part")
         size = 0
@@ -151,8 +151,7 @@ class Imports:
             os.close(os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             os.replace(partial, target)
         except FileExistsError:
-            raise FailedPrecondition(f"{file}: already uploaded; a signed URL takes one "
-                                     "PUT") from None
+            raise _uploaded(file) from None
         except FileNotFoundError:
             raise NotFound(f"upload_id: {upload_id!r} was finished or expired while {file} "
                            "was being sent") from None
@@ -170,8 +169,7 @@ class Imports:
         try:
             os.rename(self.root / upload_id, folder)
         except OSError:
-            raise NotFound(f"upload_id: no upload {upload_id!r} (finished, expired, or never "
-                           "started)") from None
+            raise _no_upload(upload_id) from None
         try:
             served = self.core.base(record["base_model"])
             # Reading and checking gigabytes of tensors: off the event loop.
@@ -200,8 +198,7 @@ class Imports:
         except (OSError, ValueError):
             record = None
         if record is None or record["tenant"] != tenant or record["expires"] <= time.time():
-            raise NotFound(f"upload_id: no upload {upload_id!r} (finished, expired, or never "
-                           "started)")
+            raise _no_upload(upload_id)
         return record
 
     async def expire(self, now: float | None = None) -> None:
@@ -261,3 +258,12 @@ def _agree(adapter: ImportedAdapter, lora: Mapping[str, Any]) -> None:
         if group is not None and not lora[group]:
             raise InvalidArgument(f"adapter_model.safetensors: adapts {module!r}, but the "
                                   f"upload was started with lora_config.{group} false")
+
+
+def _no_upload(upload_id: str) -> NotFound:
+    return NotFound(f"upload_id: no upload {upload_id!r} (finished, expired, or never "
+                    "started)")
+
+
+def _uploaded(file: str) -> FailedPrecondition:
+    return FailedPrecondition(f"{file}: already uploaded; a signed URL takes one PUT")

@@ -20,6 +20,7 @@ from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_top
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 from twinkle_server.executor import SAMPLE
 from twinkle_server.runtime import audit
+from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, Refusal, SamplerEntry
 from twinkle_server.scheduler import Op
 
@@ -34,6 +35,12 @@ class Target:
     adapter_id: str | None
     weights_path: str | None
     cache_namespace: str = ""     # a sampling session's: its prompts share prefix KV
+
+
+def context_left(served: Served, prompt_tokens: int) -> int:
+    """What `max_tokens` 0 (or left out) means for a prompt of `prompt_tokens`: up to
+    the model's context limit, at least one."""
+    return max(1, served.model.max_seq_len - prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,7 @@ class Sampling:
         except EngineError as exc:
             return await self.refuse(target, "sample", exc)
         if not params.max_tokens:
-            params = replace(params, max_tokens=max(1, served.model.max_seq_len - prompt.size))
+            params = replace(params, max_tokens=context_left(served, prompt.size))
         payload = SampleRequest(target.adapter_id, target.weights_path, prompt,
                                 num_samples or 1, params, topk_sample_logprobs,
                                 target.cache_namespace)

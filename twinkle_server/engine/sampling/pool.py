@@ -237,8 +237,13 @@ class DecodePool:
         return self._published
 
     def _requests(self) -> list[_Request]:
-        decoding = {id(row.request): row.request for row in self.rows}
-        return list(self.waiting) + list(decoding.values())
+        return list(self.waiting) + self._decoding()
+
+    def _decoding(self) -> list[_Request]:
+        """The requests with rows in the batch, in row order (a request's rows are
+        contiguous)."""
+        return [row.request for i, row in enumerate(self.rows)
+                if not i or self.rows[i - 1].request is not row.request]
 
     def _fail(self, requests: list[_Request], error: EngineError) -> None:
         for request in requests:
@@ -313,8 +318,7 @@ class DecodePool:
 
     def _samples(self) -> list[int]:
         """`num_samples` of each request decoding, in row order."""
-        return [row.request.sample.num_samples for i, row in enumerate(self.rows)
-                if not i or self.rows[i - 1].request is not row.request]
+        return [request.sample.num_samples for request in self._decoding()]
 
     def _fit_prefixes(self) -> None:
         """Give up cached prefixes the rows' footprint and shared copies leave no room
@@ -405,7 +409,7 @@ class DecodePool:
         remaining = self._remaining()
         room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining)
         saved = batch.snapshot()
-        requests = list({id(row.request): row.request for row in self.rows}.values())
+        requests = self._decoding()
         drawn_from = _generator_states(requests)
         try:
             # New spare columns copy the whole cache: out of memory there is the step's.
