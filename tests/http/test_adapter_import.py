@@ -327,20 +327,39 @@ def test_a_missing_required_field_is_refused_by_name(server):
 
 def test_racing_puts_and_finishes_take_one_each_and_answer_by_name(server, imported):
     """Two PUTs to one URL at once: one file, the other refused (the second once
-    replaced the first). Three finishes at once: one checkpoint, the others not found
-    (each once made its own). A PUT still sending when the upload is finished: not found
-    (once 500)."""
+    replaced the first). Three finishes at once: one of them takes the upload, the others
+    find none (each once made its own). A PUT still sending when the upload is finished:
+    not found (once 500).
+
+    Which PUT wins is not fixed (they race), so the test accepts either and checks what
+    each must leave: the winner's bytes, whole, under the file's name and nothing beside
+    it; then a checkpoint when the adapter's own config won, or a refusal naming
+    `adapter_config.json` and no checkpoint when `{"r": 4}` won; either way one finish
+    answers that, the other two 404, and the upload is gone."""
     import asyncio
 
     _, directory, _ = imported
     url = f"http://{server.http_address}/api/v1"
     config = (directory / "adapter_config.json").read_bytes()
     weights = (directory / "adapter_model.safetensors").read_bytes()
+    bodies = [config, b'{"r": 4}']   # the racing PUTs' bodies, in order
 
     async def slow(data: bytes, seconds: float = 0.5):
         for i in range(0, len(data), max(1, len(data) // 4)):
             yield data[i:i + max(1, len(data) // 4)]
             await asyncio.sleep(seconds / 4)
+
+    async def held(data: bytes, release: asyncio.Event):
+        """`data` in two halves, the second once `release` is set."""
+        yield data[:len(data) // 2]
+        await release.wait()
+        yield data[len(data) // 2:]
+
+    async def until(ready, seconds: float = 30.0):
+        deadline = asyncio.get_running_loop().time() + seconds
+        while not ready():
+            assert asyncio.get_running_loop().time() < deadline, "never ready"
+            await asyncio.sleep(0.02)
 
     async def start(client):
         reply = await client.post(f"{url}/external_weights_upload_start",
@@ -356,10 +375,11 @@ def test_racing_puts_and_finishes_take_one_each_and_answer_by_name(server, impor
         async with httpx.AsyncClient(timeout=60) as client:
             started = await start(client)
             urls = started["urls"]
-            puts = await asyncio.gather(client.put(urls["adapter_config.json"],
-                                                   content=slow(config)),
-                                        client.put(urls["adapter_config.json"],
-                                                   content=slow(b'{"r": 4}')))
+            puts = await asyncio.gather(*(client.put(urls["adapter_config.json"],
+                                                     content=slow(body))
+                                          for body in bodies))
+            files = server.data_dir / "uploads" / started["upload_id"] / "files"
+            landed = {p.name: p.read_bytes() for p in files.iterdir()}
             await client.put(urls["adapter_model.safetensors"], content=weights)
             before = len(_checkpoints(server))
             finishes = await asyncio.gather(*(finish(client, started["upload_id"])
@@ -367,16 +387,40 @@ def test_racing_puts_and_finishes_take_one_each_and_answer_by_name(server, impor
             made = len(_checkpoints(server)) - before
             late = await start(client)
             await client.put(late["urls"]["adapter_config.json"], content=config)
+            finished = asyncio.Event()
             sending = asyncio.ensure_future(client.put(
-                late["urls"]["adapter_model.safetensors"], content=slow(weights, 1.0)))
-            await asyncio.sleep(0.4)
+                late["urls"]["adapter_model.safetensors"],
+                content=held(weights, finished)))
+            # Finish once the server is writing the PUT's partial file, and let the PUT
+            # send its last bytes only after the finish answered: the PUT is still
+            # sending when its upload is finished, however busy the machine (a sleep of
+            # 0.4 s against a 1 s body once stood for this order).
+            await until(lambda: any((server.data_dir / "uploads" / late["upload_id"]
+                                      / "files").glob(".*.part")))
             gone = await finish(client, late["upload_id"])
-            return puts, finishes, made, gone, await sending
+            finished.set()
+            return (started["upload_id"], puts, landed, finishes, made, gone,
+                    await sending)
 
-    puts, finishes, made, gone, sent = asyncio.run(race())
+    upload_id, puts, landed, finishes, made, gone, sent = asyncio.run(race())
+    # One PUT took the file, whole; the other was refused by name; no partial is left.
     assert sorted(p.status_code for p in puts) == [200, 412], [p.text for p in puts]
-    assert sorted(f.status_code for f in finishes) == [200, 404, 404]
-    assert made == 1
+    [winner] = [body for body, put in zip(bodies, puts, strict=True) if put.status_code == 200]
+    [loser] = [put for put in puts if put.status_code == 412]
+    assert "adapter_config.json: already uploaded" in loser.json()["detail"]
+    assert landed == {"adapter_config.json": winner}
+    # One finish took the upload and answered for it; the others found none.
+    [taken] = [f for f in finishes if f.status_code != 404]
+    assert all(upload_id in f.json()["detail"] for f in finishes if f is not taken)
+    if winner == config:
+        assert taken.status_code == 200, taken.text
+        assert made == 1
+    else:     # '{"r": 4}' names no target modules: refused, and nothing made
+        assert taken.status_code == 400 and "adapter_config.json" in taken.json()["detail"], \
+            taken.text
+        assert made == 0
+    assert upload_id not in _uploads_left(server)
+    assert f"{upload_id}.finishing" not in _uploads_left(server)
     assert gone.status_code == 412                      # its weights had not arrived
     assert sent.status_code == 404 and "was finished or expired" in sent.json()["detail"]
 
