@@ -112,24 +112,38 @@ def test_a_held_reference_outlives_twice_the_timeout_and_an_rl_chain_stays_bound
 
 
 def test_an_expired_sessions_unloads_and_ends_are_in_the_audit_log(short):
+    """The expiry sweep writes the session's close, its model's unload and its sampler's
+    end one after another, not at once: the test reads the audit log until all three
+    are there (within `10 * TIMEOUT_S`), not only the first it sees. It once stopped at
+    `session_close` and, in a busy run, found no `model_unload` yet."""
     client = _client(short)   # the SDK beats every 10 s: the session expires first
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
     snapshot = tc.save_weights_and_get_sampling_client().result()
     session_id = client.holder.get_session_id()
-    deadline = time.monotonic() + 10 * TIMEOUT_S
     admin = tinker.AdminClient(base_url=f"http://{short.http_address}", api_key=short.key)
+
+    def mine(entries):
+        """This session's close, its model's unloads and its snapshot's ends."""
+        return {
+            "session_close": [e for e in entries if e.event == "session_close"
+                              and e.event_details["session_id"] == session_id],
+            "model_unload": [e for e in entries if e.event == "model_unload"
+                             and e.event_details["model_id"] == tc.model_id],
+            "sampler_end": [e for e in entries if e.event == "sampler_end"
+                            and e.event_details["sampling_session_id"]
+                            == snapshot._sampling_session_id]}
+
+    deadline = time.monotonic() + 10 * TIMEOUT_S
     while True:
         entries = admin.get_audit_log().result().entries
-        closed = [e for e in entries if e.event == "session_close"
-                  and e.event_details["session_id"] == session_id]
-        if closed or time.monotonic() > deadline:
+        found = mine(entries)
+        if all(found.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert [e.event_details["reason"] for e in closed] == ["expired"]
-    [unload] = [e for e in entries if e.event == "model_unload"
-                and e.event_details["model_id"] == tc.model_id]
+    assert all(found.values()), {event: len(rows) for event, rows in found.items()}
+    assert [e.event_details["reason"] for e in found["session_close"]] == ["expired"]
+    [unload] = found["model_unload"]
     assert unload.event_details["reason"] == "session expired"
-    [end] = [e for e in entries if e.event == "sampler_end"
-             and e.event_details["sampling_session_id"] == snapshot._sampling_session_id]
+    [end] = found["sampler_end"]
     assert end.event_details["reason"] == "session expired"
     assert all(e.event_details["actor"] == "carol" for e in entries)
