@@ -78,6 +78,13 @@ class ServerConfig:
                                       "its cached prefix; static: each batch of requests "
                                       "decodes to completion (the baseline)",
                         choices=("continuous", "static"))
+    batch_invariant: str = _opt("off", "on: every sampling forward computes each row as it "
+                                       "would alone, so a seeded request gives the same "
+                                       "tokens and logprobs, bit for bit, beside any other "
+                                       "requests, at any slice, with or without a prefix-"
+                                       "cache hit (slower: BENCHMARKS.md); off: rows share "
+                                       "the batch's kernels and may differ in the last bits",
+                                choices=("on", "off"))
     decode_slice_ms: float = _opt(100.0, "milliseconds of decoding between training passes "
                                          "while both wait: about what a training op waits "
                                          "behind sampling")

@@ -122,7 +122,8 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
                          packing=config.packing == "on",
                          activation_checkpointing={"on": True, "off": False, "auto": None}[
                              config.activation_checkpointing],
-                         parallel=parallel, samples=samples)
+                         parallel=parallel, samples=samples,
+                         batch_invariant=config.batch_invariant == "on")
     if config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
         raise engine.sampling.pool_refusal
     if parallel is not None:

@@ -101,8 +101,12 @@ class Engine:
 
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
                  packing: bool = True, activation_checkpointing: bool | None = False,
-                 parallel: Parallel | None = None, samples: bool = True) -> None:
+                 parallel: Parallel | None = None, samples: bool = True,
+                 batch_invariant: bool = False) -> None:
         self.base = base
+        # Sampling forwards whose every row computes as it would alone
+        # (`engine.batch_invariant`, `--batch-invariant on`).
+        self.batch_invariant = batch_invariant
         # False: a split model's trainer ranks, whose sampler ranks sample; no decode pool
         # is sized here or counted against the memory its adapters and passes take.
         self.samples = samples
@@ -166,16 +170,19 @@ class Engine:
     def load(cls, model: str, *, device: str = "auto", dtype: str = "auto",
              cache_dir: str | None = None, limits: EngineLimits = EngineLimits(),
              packing: bool = True, activation_checkpointing: bool | None = False,
-             parallel: Parallel | None = None, samples: bool = True) -> Engine:
+             parallel: Parallel | None = None, samples: bool = True,
+             batch_invariant: bool = False) -> Engine:
         """An engine on `model` (a local dir, a hub name in the cache, or `tiny`);
         `packing` False pads merged passes instead of packing them (`--packing off`);
         `activation_checkpointing` recomputes decoder layers in backward
         (`--activation-checkpointing on`; None: `auto`); `parallel` shards it over ranks (on the
         rank's own device, whatever `device` says; `Parallel.load_base`); `samples` False
-        trains only (a split model's trainer ranks: no decode pool)."""
+        trains only (a split model's trainer ranks: no decode pool); `batch_invariant`
+        samples every row as it would alone (`engine.batch_invariant`)."""
         parallel = parallel if parallel is not None else OneRank()
         base = parallel.load_base(model, device=device, dtype=dtype, cache_dir=cache_dir)
-        return cls(base, limits, packing, activation_checkpointing, parallel, samples)
+        return cls(base, limits, packing, activation_checkpointing, parallel, samples,
+                   batch_invariant)
 
     def _resolve_seq_len(self, limits: EngineLimits, checkpointing: bool | None,
                          gathered: int) -> EngineLimits:

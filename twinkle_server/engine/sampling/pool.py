@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,7 +73,7 @@ from twinkle_server.engine.sampling.kv_batch import (
     unsupported_layers,
 )
 from twinkle_server.engine.sampling.prefix_cache import Namespace, Prefix, PrefixCache
-from twinkle_server.engine.sampling.static import Route, cache_keyword, idle_step
+from twinkle_server.engine.sampling.static import Route, cache_keyword, forwarding, idle_step
 from twinkle_server.engine.types import Generation, SampleRequest
 
 SPARE_COLUMNS = 64
@@ -153,6 +154,8 @@ class DecodePool:
         parallel: this process's ranks; forwards are agreed across them.
         fault: a failed forward's exception and what ran -> the error its requests get
             (or raise, to fail the slice).
+        batch_invariant: every forward batch-invariant (`engine.batch_invariant`): a
+            row's numbers as alone, whatever the batch, the slice or the prefix cache.
 
     Raises:
         InvalidArgument: the model has cache layers the pool cannot hold.
@@ -161,7 +164,8 @@ class DecodePool:
     def __init__(self, model: torch.nn.Module, route: Route, *, eos_token_ids: Sequence[int],
                  pad_token_id: int, decode: Callable[[Sequence[int]], str], capacity: int,
                  prefill_tokens: int, parallel: Parallel, fault: Fault = _strict,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 batch_invariant: bool = False) -> None:
         if (refused := refusal(model.config)) is not None:
             raise refused
         self.model, self.route, self.decode = model, route, decode
@@ -169,6 +173,7 @@ class DecodePool:
         self.pad = pad_token_id
         self.capacity, self.prefill_tokens = capacity, prefill_tokens
         self.parallel, self.fault, self.clock = parallel, fault, clock
+        self.batch_invariant = batch_invariant
         self.device = next(model.parameters()).device
         self.cache_kw = cache_keyword(model)
         self.waiting: deque[_Request] = deque()
@@ -365,7 +370,8 @@ class DecodePool:
             [r.prefix.layers if r.prefix is not None else None for r in joiners],
             [r.cached for r in joiners], cached) if cached else [])
         ids, positions, mask = (t.to(self.device) for t in (ids, positions, mask))
-        with self.route([r.route for r in joiners]):
+        with self.route([r.route for r in joiners]), forwarding(self.model,
+                                                                self.batch_invariant):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=True, logits_to_keep=1, **{self.cache_kw: kv})
         kv = getattr(out, self.cache_kw)
@@ -415,7 +421,7 @@ class DecodePool:
             # New spare columns copy the whole cache: out of memory there is the step's.
             batch.reserve(min(SPARE_COLUMNS, -(-sum(remaining) // len(self.rows))))
             with self.route([row.request.route for row in self.rows]), \
-                    decoding(self.model, batch.shared_prefix(room)):
+                    self._stepping(room):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
                                  **{self.cache_kw: batch.cache})
             # The draw changes no row: failing, it is the step's, undone with it.
@@ -432,6 +438,13 @@ class DecodePool:
         self._take(drawn, self.rows)
         batch.advance(drawn.chosen)
         self._leave()
+
+    def _stepping(self, room: int) -> AbstractContextManager:
+        """The context of a decode step's forward: batch-invariant, or the decode path
+        that reads a group's shared prompt once (`decode_attention`)."""
+        if self.batch_invariant:
+            return forwarding(self.model, True)
+        return decoding(self.model, self.batch.shared_prefix(room))
 
     def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> token_step.Drawn:
         """Draw the next token of `rows` (a request's contiguous, one segment each, as the

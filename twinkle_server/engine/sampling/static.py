@@ -10,6 +10,7 @@ tokens here as in the pool, alone or beside others.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -17,6 +18,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 import torch
 
+from twinkle_server.engine import batch_invariant as batch_invariant_mode
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.sampling import tokens as token_step
 from twinkle_server.engine.types import SampledSequence, SampleRequest
@@ -28,6 +30,12 @@ def cache_keyword(model: torch.nn.Module) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); use what this one takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def forwarding(model: torch.nn.Module, batch_invariant: bool) -> AbstractContextManager:
+    """The context a sampling forward of `model` runs in: batch-invariant
+    (`engine.batch_invariant.computing`) or as the model is."""
+    return batch_invariant_mode.computing(model) if batch_invariant else contextlib.nullcontext()
 
 
 def idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
@@ -43,7 +51,7 @@ def idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
 def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequest],
              routes: Sequence[str | None], *, eos_token_ids: Sequence[int], pad_token_id: int,
              decode: Callable[[Sequence[int]], str],
-             together: Callable[[bool], bool] | None = None
+             together: Callable[[bool], bool] | None = None, batch_invariant: bool = False
              ) -> list[list[SampledSequence] | EngineError]:
     """Sample every request's completions in one left-padded, KV-cached batch.
 
@@ -59,6 +67,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
             before every step with whether this rank still has rows, it answers whether
             any rank has; a rank out of rows runs a one-token forward each step until
             every rank is done, since each forward gathers the sharded base's layers.
+        batch_invariant: run every forward batch-invariant (`engine.batch_invariant`).
 
     Returns:
         Per request, its `num_samples` `SampledSequence`s, or the `EngineError` it alone
@@ -93,7 +102,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
         if not active:
             idle_step(model, route, pad_token_id, device)
             continue
-        with route([routes[owners[row]] for row in active]):
+        with route([routes[owners[row]] for row in active]), forwarding(model, batch_invariant):
             out = model(input_ids=step_input, attention_mask=mask, position_ids=positions,
                         use_cache=True, logits_to_keep=1, **{cache_kw: cache})
         cache = getattr(out, cache_kw)

@@ -19,11 +19,12 @@ import numpy as np
 from twinkle_server.engine import checkpoint, checks
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
-from twinkle_server.engine.errors import EngineError, FailedPrecondition
+from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
 from twinkle_server.engine.lora import LoraWeights, adapter_order
 from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
+from twinkle_server.engine.sampling.kv_batch import unsupported_layers
 from twinkle_server.engine.sampling.pool import DecodePool, PoolStats
 from twinkle_server.engine.sampling.pool import refusal as pool_refusal
 from twinkle_server.engine.sampling.static import Route, generate
@@ -56,6 +57,7 @@ class SamplingHost(Protocol):
     parallel: Parallel
     adapters: dict[str, Adapter]
     samples: bool
+    batch_invariant: bool
 
     @property
     def pass_tokens(self) -> int: ...
@@ -86,12 +88,18 @@ class Sampling:
         # (said on a split model's trainer ranks too, which hold no pool: they start first).
         self.pool: DecodePool | None = None
         self.pool_refusal = pool_refusal(base.model.config)
+        if host.batch_invariant and (unsupported := unsupported_layers(base.model.config)):
+            raise InvalidArgument(
+                f"--batch-invariant on: the model has attention layers other than full "
+                f"causal attention ({', '.join(unsupported)}), which batch-invariant "
+                "sampling does not compute; serve it with --batch-invariant off")
         if host.samples and self.pool_refusal is None:
             self.pool = DecodePool(
                 base.model, route, eos_token_ids=base.eos_token_ids,
                 pad_token_id=base.pad_token_id, decode=base.decode,
                 capacity=host.limits.kv_pool_tokens, prefill_tokens=host.pass_tokens,
-                parallel=host.parallel, fault=self._fault)
+                parallel=host.parallel, fault=self._fault,
+                batch_invariant=host.batch_invariant)
 
     def _pinned(self) -> set[str]:
         return self.pool.routes() if self.pool is not None else set()
@@ -269,7 +277,8 @@ class Sampling:
             outputs: list[Any] = host._on_base(lambda: generate(
                 base.model, self.route, [batch[i] for i in mine], [routes[i] for i in mine],
                 eos_token_ids=base.eos_token_ids, pad_token_id=base.pad_token_id,
-                decode=base.decode, together=parallel.any_rank))
+                decode=base.decode, together=parallel.any_rank,
+                batch_invariant=host.batch_invariant))
         except OUT_OF_MEMORY as exc:
             sequences = sum(r.num_samples for r in batch)
             outputs = [host._out_of_memory(f"a decode batch of {sequences} sequences",
