@@ -38,12 +38,16 @@ read rate (a sum over 1 GiB), measured just before.
 Run: `.venv/bin/python -m bench.limit` (about two minutes on 2 CPU cores; also part of
 `make bench`); `--rounds N` (default 3) per row; `--profile` also prints where a decode
 step's time goes (torch's profiler over a few slices of the RL group, top operators by
-self CPU time). Figures measure and print; nothing passes or fails on time.
+self CPU time). `--batch-invariant` instead measures what `--batch-invariant on` costs:
+the RL group and mixed rows on two engines of the same model, one with the mode off and
+one with it on, their rounds interleaved (off, on, off, on, ...) so that both see the
+same minutes of this machine. Figures measure and print; nothing passes or fails on time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -274,21 +278,111 @@ def profile(engine: Engine, slices: int = 6) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
+def _engine(path: str, batch_invariant: bool = False) -> Engine:
+    """The bench's engine on the wide base at `path`, its adapter trained one step."""
+    engine = Engine.load(path, device="cpu", batch_invariant=batch_invariant,
+                         limits=EngineLimits(max_seq_len=1024, kv_pool_tokens=65_536))
+    engine.add_adapter(ADAPTER, SPEC)
+    engine.forward_batch([ForwardRequest(ADAPTER, random_datums(2, 32, engine.base.vocab_size),
+                                         LossSpec("cross_entropy"), True)])
+    engine.optim_step(ADAPTER, AdamParams(learning_rate=1e-2))
+    return engine
+
+
+def invariant_cost(path: str, rounds: int) -> None:
+    """Tokens/s of the RL group and mixed rows with `--batch-invariant` off and on, rounds
+    interleaved; prints the medians and the cost (1 - on / off)."""
+    engines = {mode: _engine(path, mode) for mode in (False, True)}
+    flops = ModelFlops.of(engines[False].base.config, SPEC.rank)
+    vocab = engines[False].base.vocab_size
+    print(f"batch-invariant cost ({torch.get_num_threads()} threads, float32, hidden 512, "
+          f"8 layers, LoRA rank 16 all-linear; medians of {rounds} interleaved rounds)")
+    print(f"  {'row':<34}{'off tok/s':>10}{'on tok/s':>10}{'cost':>7}")
+    for name, make in (("decode, RL group 24 x 4 x 128", _group),
+                       ("decode, mixed 64 x 8..256", _mixed)):
+        speeds: dict[bool, list[float]] = {False: [], True: []}
+        for engine in engines.values():      # one warm-up each
+            _sample(engine, flops, make(vocab, 0))
+        for seed in range(1, rounds + 1):
+            for mode, engine in engines.items():
+                seconds, tokens, _ = _sample(engine, flops, make(vocab, seed))
+                speeds[mode].append(tokens / seconds)
+        off, on = (statistics.median(speeds[mode]) for mode in (False, True))
+        print(f"  {name:<34}{off:>10.0f}{on:>10.0f}{1 - on / off:>7.0%}")
+    pass_cost(engines[False], rounds)
+    training_in_company(engines[False])
+
+
+def pass_cost(engine: Engine, rounds: int) -> None:
+    """Seconds of a training-shaped forward (`TRAIN_ROWS` x `TRAIN_LENGTH` tokens, padded
+    rows, no gradient) through the base and its adapter with the mode's construction
+    (`batch_invariant.computing`) and without, interleaved: the least a batch-invariant
+    training pass would cost, before its backward."""
+    from twinkle_server.engine import batch_invariant
+
+    ids = torch.from_numpy(np.stack([d.input_ids for d in random_datums(
+        TRAIN_ROWS, TRAIN_LENGTH, engine.base.vocab_size)]))
+    mask = torch.ones_like(ids)
+    model = engine.base.model
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode(), engine.router.route([ADAPTER] * TRAIN_ROWS):
+        for _ in range(rounds + 1):
+            for mode in (False, True):
+                start = time.perf_counter()
+                with batch_invariant.computing(model) if mode else contextlib.nullcontext():
+                    model(input_ids=ids, attention_mask=mask, use_cache=False)
+                seconds[mode].append(time.perf_counter() - start)
+    off, on = (statistics.median(seconds[mode][1:]) for mode in (False, True))
+    print(f"  {'forward 8 x 128 (no grad), s':<34}{off:>10.3f}{on:>10.3f}{1 - off / on:>7.0%}"
+          "  (cost here: 1 - off / on seconds)")
+
+
+def training_in_company(engine: Engine) -> None:
+    """What `forward_backward` of one tenant gives alone and merged into one pass with
+    another tenant's datums (no batch-invariant mode for training): how many of its
+    logprobs and gradient elements differ in their bits, and by how much at most."""
+    other = "limit-other"
+    engine.add_adapter(other, replace(SPEC, seed=1))
+    vocab = engine.base.vocab_size
+    mine = ForwardRequest(ADAPTER, random_datums(4, 96, vocab, seed=1),
+                          LossSpec("cross_entropy"), True)
+    theirs = ForwardRequest(other, random_datums(6, 150, vocab, seed=2),
+                            LossSpec("cross_entropy"), True)
+
+    def run(requests: list[ForwardRequest]) -> tuple[np.ndarray, np.ndarray]:
+        out = engine.forward_batch(requests)[requests.index(mine)]
+        grads = torch.cat([p.grad.reshape(-1) for p in engine.adapters[ADAPTER].parameters()])
+        engine.zero_grad(ADAPTER)
+        engine.zero_grad(other)
+        return np.concatenate(out.logprobs), grads.numpy().copy()
+
+    alone = run([mine])
+    for where, merged in (("first", run([mine, theirs])), ("second", run([theirs, mine]))):
+        for name, a, b in zip(("logprobs", "gradient"), alone, merged, strict=True):
+            worst = float(np.abs(a - b).max())
+            print(f"  training alone vs merged ({where} in the pass), {name}: "
+                  f"{int((a != b).sum())} of {a.size} elements differ in their bits; largest "
+                  f"difference {worst:.3g} ({worst / float(np.abs(a).max()):.2g} of the "
+                  "largest element)")
+    engine.remove_adapter(other)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="achieved over possible FLOP/s")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="measure what --batch-invariant on costs instead")
     args = parser.parse_args(argv)
     from bench.engine import _wider_base
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine.load(_wider_base(f"{tmp}/wide"), device="cpu",
-                             limits=EngineLimits(max_seq_len=1024, kv_pool_tokens=65_536))
-    engine.add_adapter(ADAPTER, SPEC)
-    engine.forward_batch([ForwardRequest(ADAPTER, random_datums(2, 32, engine.base.vocab_size),
-                                         LossSpec("cross_entropy"), True)])
-    engine.optim_step(ADAPTER, AdamParams(learning_rate=1e-2))
+        path = _wider_base(f"{tmp}/wide")
+        if args.batch_invariant:
+            invariant_cost(path, args.rounds)
+            return
+        engine = _engine(path)
     rows = measure(engine, args.rounds)
     print(f"limit: achieved model FLOP/s over this machine's GEMM rate on the model's own "
           f"shapes ({torch.get_num_threads()} threads, {engine.base.dtype}, hidden 512, 8 "
