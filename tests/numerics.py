@@ -67,3 +67,143 @@ def assert_grads_close(got, want) -> None:
     diff = float(np.abs(got - want).max())
     assert diff <= GRAD_RTOL * scale, (f"gradients differ by {diff:.3g}, over {GRAD_RTOL} "
                                        f"of their largest element {scale:.3g}")
+
+
+# ---------------------------------------------------------------- tokens drawn from them
+
+NEAR_TIE = 2 * LOGPROB_ATOL
+"""How close a choice between two tokens may be and still go either way in two
+computations of one request (alone and in company, pool and static batch, prefix-cache
+hit and miss, two kernels). Their logprobs agree within LOGPROB_ATOL, so:
+
+* greedy: B's top two are within LOGPROB_ATOL of A's each, so the argmax can change only
+  where A's top two are within 2 * LOGPROB_ATOL;
+* a seeded draw (`engine/sampling/tokens.py`: the first token, in id order, whose
+  cumulative probability passes the draw's uniform number u): every probability is within
+  a factor exp(+-LOGPROB_ATOL) of A's, so each cumulative sum c <= 1 moves by at most
+  LOGPROB_ATOL * c and u's scale (the sum of all) by LOGPROB_ATOL * u: the token can change
+  only where u lies within 2 * LOGPROB_ATOL of a cumulative boundary.
+
+Measured (a 2-row request of 200 tokens alone in the static batch and in the decode pool,
+AMD EPYC, native kernels and ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE): logprobs
+differ by at most 8.3e-7 and cumulative sums by 3.0e-7, 70x below NEAR_TIE.
+
+Such ties are not rare where a distribution is flat: the tiny model gives each of its
+4096 tokens about 1/4096, so u lands within 3e-7 of a boundary on about one draw in a
+thousand, and a long sample goes the other way somewhere (token 114 of 200: 3109 alone,
+3110 in the pool, u 6e-8 from their boundary). So a comparison of seeded tokens across
+computations checks every token up to the first that differs, and that one must be a
+near tie: a token the reference could have drawn within NEAR_TIE (`drawable`). Past it
+the two go on from different tokens, and nothing more is compared. Only
+`--batch-invariant on` promises the same tokens bit for bit."""
+
+
+def _kept(logprobs: np.ndarray, temperature: float, top_k: int, top_p: float
+          ) -> tuple[np.ndarray, bool]:
+    """`tokens.pick`'s kept set (top-k, then top-p of the tempered distribution) as a bool
+    mask over `[V]`, and whether its edge is a near tie (a token in or out by rounding)."""
+    vocab = logprobs.size
+    order = np.argsort(-logprobs, kind="stable")
+    keep = np.ones(vocab, bool)
+    edge = False
+    if 0 < top_k < vocab:
+        keep[order[top_k:]] = False
+        edge = logprobs[order[top_k - 1]] - logprobs[order[top_k]] <= NEAR_TIE
+        order = order[:top_k]
+    if top_p < 1.0:
+        scores = logprobs[order] / temperature
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        drop = before >= top_p
+        drop[0] = False
+        keep[order[drop]] = False
+        edge = edge or bool((np.abs(before[1:] - top_p) <= NEAR_TIE).any())
+    return keep, edge
+
+
+def drawable(logprobs: np.ndarray, uniform: float | None, *, temperature: float = 1.0,
+             top_k: int = -1, top_p: float = 1.0) -> np.ndarray:
+    """The tokens (a bool mask over `[V]`) that a draw could pick from logprobs within
+    LOGPROB_ATOL of `logprobs` (`[V]`, untempered, by token id) with the same `uniform`
+    number (None: greedy), under the request's parameters: the reference's own pick, and
+    any other within NEAR_TIE of it."""
+    logprobs = np.asarray(logprobs, np.float64)
+    if uniform is None or temperature == 0 or top_k == 1:
+        return logprobs >= logprobs.max() - NEAR_TIE
+    keep, edge = _kept(logprobs, temperature, top_k, top_p)
+    if edge:
+        # A token in or out of the kept set moves every boundary by its share: any token
+        # may then be drawn. (Rare: the edge's two logprobs within 2e-5.)
+        return np.ones(logprobs.size, bool)
+    scores = logprobs / temperature
+    probs = np.where(keep, np.exp(scores - scores[keep].max()), 0.0)
+    probs /= probs.sum()
+    cdf = np.cumsum(probs)   # in id order, as the draw walks them
+    return keep & (cdf - probs - NEAR_TIE <= uniform) & (uniform < cdf + NEAR_TIE)
+
+
+def assert_alike_until_a_near_tie(reference, got, could_draw, what: str = "",
+                                  upto: int | None = None) -> int:
+    """One sampled row computed twice (`reference`, `got`: each with `tokens`, `logprobs`
+    and `stop_reason`) agrees: the same tokens up to the first that differs, which must be
+    one the reference could have drawn by a near tie (`could_draw(step, token)`, e.g. from
+    `drawable`); logprobs within LOGPROB_ATOL up to there; with no such token, the same
+    length and stop reason. Only the first `upto` tokens are compared when given (where
+    the draws' numbers may part after: `tests/engine/draws.py`). Returns how many tokens
+    agree."""
+    a, b = [int(t) for t in reference.tokens], [int(t) for t in got.tokens]
+    end = min(len(a), len(b)) if upto is None else min(len(a), len(b), upto)
+    same = next((i for i in range(end) if a[i] != b[i]), end)
+    np.testing.assert_allclose(np.asarray(got.logprobs[:same], np.float64),
+                               np.asarray(reference.logprobs[:same], np.float64),
+                               rtol=0, atol=LOGPROB_ATOL, err_msg=what)
+    if same < end:
+        assert could_draw(same, b[same]), (
+            f"{what}: token {same} is {b[same]}, the reference's {a[same]}, and no near tie "
+            f"(within {NEAR_TIE}) lets a draw pick it")
+    elif upto is None or upto >= min(len(a), len(b)):
+        assert (len(a), reference.stop_reason) == (len(b), got.stop_reason), what
+    return same
+
+
+def greedy_could_draw(top_ids, top_logprobs):
+    """`could_draw` for a greedy reference sampled with its top k >= 2 at each step (the
+    SDK's `topk_sample_logprobs`): a token within NEAR_TIE of the best, or any token
+    beyond the top k when even the k-th is."""
+    def could(step: int, token: int) -> bool:
+        ids = [int(i) for i in top_ids[step]]
+        logprobs = np.asarray(top_logprobs[step], np.float64)
+        assert logprobs.size >= 2, "ask for the top 2 at least"
+        floor = logprobs.max() - NEAR_TIE
+        return bool(logprobs[ids.index(token)] >= floor if token in ids
+                    else logprobs.min() >= floor)
+    return could
+
+
+def assert_topk_alike(ids, logprobs, reference) -> None:
+    """A top-k list (`ids`, `logprobs`: `[..., k]`) computed another way than `reference`
+    (logprobs `[..., V]`) agrees with it: the listed logprobs are the reference's k
+    largest within LOGPROB_ATOL, and each listed token has its listed logprob in the
+    reference. Two tokens a rounding apart may trade places (or the k-th place), so the
+    ids are not compared one by one."""
+    ids = np.asarray(ids, np.int64)
+    logprobs = np.asarray(logprobs, np.float64)
+    reference = np.asarray(reference, np.float64)
+    best = -np.sort(-reference, axis=-1)[..., :ids.shape[-1]]
+    np.testing.assert_allclose(logprobs, best, rtol=0, atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(np.take_along_axis(reference, ids, -1), logprobs, rtol=0,
+                               atol=LOGPROB_ATOL)
+
+
+def assert_argmax_alike(tokens, reference) -> None:
+    """Tokens chosen as the argmax of logprobs computed another way than `reference`
+    (`[..., V]`; `tokens` `[...]` or `[..., n]`) are the reference's argmax up to a near
+    tie: each within NEAR_TIE of the reference's largest."""
+    reference = np.asarray(reference, np.float64)
+    tokens = np.asarray(tokens, np.int64)
+    if tokens.ndim == reference.ndim - 1:
+        tokens = tokens[..., None]
+    chosen = np.take_along_axis(reference, tokens, -1)
+    gap = reference.max(-1, keepdims=True) - chosen
+    assert (gap <= NEAR_TIE).all(), f"argmax off by up to {gap.max():.3g}, over {NEAR_TIE}"
