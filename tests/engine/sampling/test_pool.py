@@ -15,8 +15,8 @@ from twinkle_server.engine.sampling.pool import DecodePool
 from twinkle_server.engine.sampling.static import generate
 from twinkle_server.engine.types import SampleRequest, SamplingParams
 
-from ...numerics import LOGPROB_ATOL
 from .. import small
+from ..draws import assert_sampled_alike, sampled_alone
 from ..small import decode as _decode
 from ..small import route as _route
 
@@ -45,15 +45,16 @@ def _drain(pool, results=None, slice_s=0.0):
     raise AssertionError("the pool never drained")
 
 
-def _same(static, continuous):
-    """Seeded draws are the same numbers on either path; the logits a rounding apart
-    (other padding, other batch): tokens equal unless a draw lands within ~1e-6 of a
-    boundary, logprobs within LOGPROB_ATOL."""
-    assert len(static) == len(continuous)
-    for a, b in zip(static, continuous, strict=True):
-        assert a.tokens.tolist() == b.tokens.tolist()
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
-        assert a.stop_reason == b.stop_reason
+def _alone(model, request):
+    """`request` sampled alone in the static batch, and what each of its draws saw."""
+    return sampled_alone(lambda: _static(model, request)[0], request.params)
+
+
+def _same(alone, continuous):
+    """Seeded draws are the same numbers on either path, on logits a rounding apart
+    (other padding, other batch): tokens equal up to the first near tie that went the
+    other way, logprobs within LOGPROB_ATOL up to there (`draws.assert_sampled_alike`)."""
+    assert_sampled_alike(alone, continuous)
 
 
 def test_rows_joining_mid_generation_get_what_the_static_batch_gives(model):
@@ -67,9 +68,9 @@ def test_rows_joining_mid_generation_get_what_the_static_batch_gives(model):
     for i, request in enumerate(late):
         pool.submit(i, request, None)
     _drain(pool, results)
-    _same(_static(model, first)[0], results["first"].sequences)
+    _same(_alone(model, first), results["first"].sequences)
     for i, request in enumerate(late):
-        _same(_static(model, request)[0], results[i].sequences)
+        _same(_alone(model, request), results[i].sequences)
 
 
 def test_a_seeded_request_alone_gives_the_same_tokens_twice(model):
@@ -84,7 +85,11 @@ def test_a_seeded_request_alone_gives_the_same_tokens_twice(model):
 
 
 def test_stop_strings_that_span_tokens_end_the_row_where_they_complete(model):
-    free = _static(model, _req([9, 2], max_tokens=10, temperature=0.0))[0][0]
+    # The free run in the pool too, alone: the same shapes and code as the stopped run up
+    # to its stop, so the same tokens exactly (the static batch's might part at a near tie).
+    pool = _pool(model)
+    pool.submit(0, _req([9, 2], max_tokens=10, temperature=0.0), None)
+    free = _drain(pool)[0].sequences[0]
     stop = _decode(free.tokens)[3:6]     # three letters: spans tokens
     pool = _pool(model)
     pool.submit(0, _req([9, 2], max_tokens=10, temperature=0.0, stop_strings=(stop,)), None)
@@ -117,7 +122,7 @@ def test_a_groups_shared_prompt_copy_is_held_within_the_pool(model, capacity):
         assert stats.kv_in_use <= capacity + stats.active_rows, stats
         shared.append(pool.batch.shared is not None)
     assert any(shared) == (capacity > 4 * (20 + 10))
-    _same(_static(model, request)[0], results[0].sequences)
+    _same(_alone(model, request), results[0].sequences)
 
 
 @pytest.mark.parametrize(("groups", "capacity", "most_rows"), [(6, 380, 8), (1, 140, 4)])
@@ -143,7 +148,7 @@ def test_a_full_pool_keeps_room_for_its_groups_shared_prompt_copies(model, group
             shared.append(pool.batch.shared is not None)
     assert max(rows) == most_rows and all(shared), (rows, shared)
     for i, request in enumerate(requests):
-        _same(_static(model, request)[0], results[i].sequences)
+        _same(_alone(model, request), results[i].sequences)
 
 
 def test_a_request_that_cannot_fit_even_without_cached_prefixes_leaves_them_cached(model):
@@ -172,7 +177,7 @@ def test_a_full_pool_queues_requests_then_serves_them(model):
     _drain(pool, results)
     assert sorted(results) == [0, 1, 2]
     for i, request in enumerate(requests):
-        _same(_static(model, request)[0], results[i].sequences)
+        _same(_alone(model, request), results[i].sequences)
 
 
 def test_a_request_that_can_never_fit_is_refused_and_disturbs_nothing(model):
@@ -183,7 +188,7 @@ def test_a_request_that_can_never_fit_is_refused_and_disturbs_nothing(model):
     results = _drain(pool)
     assert isinstance(results["big"], ResourceExhausted)
     assert "--kv-pool-tokens" in str(results["big"]) and "72" in str(results["big"])
-    _same(_static(model, ok)[0], results["ok"].sequences)
+    _same(_alone(model, ok), results["ok"].sequences)
 
 
 def test_an_extended_prompt_reuses_the_session_prefix_with_the_same_logprobs(model):
@@ -196,7 +201,7 @@ def test_an_extended_prompt_reuses_the_session_prefix_with_the_same_logprobs(mod
     reused = _drain(pool)[1]
     # The first request's prompt and completion, but its last sampled token (never fed).
     assert reused.prompt_cache_hit_tokens == len(first) + len(reply.tokens) - 1
-    _same(_static(model, _req(longer, 1, max_tokens=6, seed=4))[0], reused.sequences)
+    _same(_alone(model, _req(longer, 1, max_tokens=6, seed=4)), reused.sequences)
 
 
 def test_the_prefix_cache_never_crosses_namespaces_or_weight_versions(model):
@@ -232,7 +237,7 @@ def test_steps_write_the_cache_in_place_and_still_match_the_static_batch(model, 
         results.update(pool.run(0.0))
     _drain(pool, results)
     for i, request in enumerate(requests):
-        _same(_static(model, request)[0], results[i].sequences)
+        _same(_alone(model, request), results[i].sequences)
 
 
 def test_joiners_regrouped_by_adapter_draw_from_their_own_logits(engine, fresh):
@@ -263,7 +268,8 @@ def test_joiners_regrouped_by_adapter_draw_from_their_own_logits(engine, fresh):
             break
         results.update(engine.decode([], [], 0.0))
     for key, req in enumerate(first + later):
-        _same(engine.sample_batch([req])[0], results[key].sequences)
+        _same(sampled_alone(lambda r=req: engine.sample_batch([r])[0], req.params),
+              results[key].sequences)
 
 
 def test_a_model_with_sliding_window_layers_is_refused_when_the_pool_is_made():
@@ -292,7 +298,7 @@ def test_a_cancelled_request_leaves_at_once_and_the_others_finish_as_alone(model
     assert isinstance(results["waiting"], Cancelled)
     # Only the two rows that stayed drew after the cancel: 28 tokens each.
     assert pool.stats().tokens_decoded - before == 2 * 28
-    _same(_static(model, stays)[0], results["stays"].sequences)
+    _same(_alone(model, stays), results["stays"].sequences)
 
 
 def test_stats_are_a_snapshot_any_thread_may_read_while_the_pool_runs(model):
