@@ -28,7 +28,7 @@ from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import Datum, EngineLimits, LoraSpec, LossSpec
 
-from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close
+from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close, assert_topk_alike
 
 VOCAB = 32_768
 """Eight times the tiny model's: large enough that a chunk is a real slice of a pass's
@@ -228,9 +228,9 @@ def test_prompt_logprobs_in_chunks_equal_full_logits(wide, adapters, small_chunk
         logp = torch.log_softmax(wide.base.model(input_ids=ids).logits[0, :-1].float(), -1)
     np.testing.assert_allclose(got.logprobs[1:], logp.gather(-1, ids[0, 1:, None])[:, 0],
                                rtol=0, atol=LOGPROB_ATOL)
-    values, indices = torch.topk(logp, 4, dim=-1)
-    np.testing.assert_allclose(got.topk_logprobs[1:], values, rtol=0, atol=LOGPROB_ATOL)
-    np.testing.assert_array_equal(got.topk_token_ids[1:], indices)
+    # Chunks against one GEMM over every position, a rounding apart: the same top 4 up to
+    # tokens whose logprobs are within rounding (`numerics.assert_topk_alike`).
+    assert_topk_alike(got.topk_token_ids[1:], got.topk_logprobs[1:], logp.numpy())
     assert np.isnan(got.logprobs[0])
 
 

@@ -42,6 +42,8 @@ def test_weights_rewritten_with_the_same_size_and_mtime_are_loaded_afresh(
     _trained_checkpoint(engine, add, datums, "same_new", 12, tmp_path / "new")
     weights = tmp_path / "old" / checkpoint.WEIGHTS_FILE
     before = engine.compute_logprobs(None, str(tmp_path / "old"), tokens)
+    # Exact here and below: one sequence each, the same shapes and code (a sampler
+    # checkpoint is a frozen adapter of the same layers, its float32 weights copied in).
     np.testing.assert_array_equal(before, engine.compute_logprobs("same_old", None, tokens))
     key = sampler_key(tmp_path / "old")
     assert engine.has_sampler(tmp_path / "old")
