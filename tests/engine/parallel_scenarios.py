@@ -101,15 +101,32 @@ def checkpointed_pass(engine: Engine) -> list[float]:
     return losses
 
 
-def sampling_split(engine: Engine) -> list[float]:
+def sampling_split_requests() -> list[SampleRequest]:
+    """`sampling_split`'s requests, on the base and on adapter 's'."""
+    return [SampleRequest("s" if i % 2 else None, None, np.arange(3, 3 + 2 + i), 1 + i % 2,
+                          SamplingParams(max_tokens=3 + 4 * i, seed=10 + i))
+            for i in range(5)]
+
+
+def sampling_split(engine: Engine) -> dict:
     """A batch of seeded sample requests of different lengths: on several ranks each
-    samples its share (the rest idle in step); every token as on one process."""
+    samples its share (the rest idle in step). Returns every row's tokens, logprobs and
+    stop reason (tests/engine/test_parallel.py compares them with each request alone)."""
     engine.add_adapter("s", LoraSpec(rank=4, alpha=8, seed=6))
-    requests = [SampleRequest("s" if i % 2 else None, None, np.arange(3, 3 + 2 + i), 1 + i % 2,
-                              SamplingParams(max_tokens=3 + 4 * i, seed=10 + i))
-                for i in range(5)]
-    out = engine.sample_batch(requests)
-    return [float(t) for sequences in out for seq in sequences for t in seq.tokens]
+    out = engine.sample_batch(sampling_split_requests())
+    assert not any(isinstance(o, Exception) for o in out), out
+    return _rows(out)
+
+
+def _rows(generations) -> dict:
+    """The rows of `generations` (each a list of `SampledSequence`s), in order, as JSON."""
+    out = {"tokens": [], "logprobs": [], "stop_reasons": []}
+    for sequences in generations:
+        for seq in sequences:
+            out["tokens"].append([int(t) for t in seq.tokens])
+            out["logprobs"].append([float(x) for x in seq.logprobs])
+            out["stop_reasons"].append(seq.stop_reason)
+    return out
 
 
 def pass_headroom(engine: Engine) -> list[float]:
@@ -128,6 +145,19 @@ DECODE_JOIN_CALL = 4
 """The `decode_with_joins_and_leaves` call at which the late requests join."""
 
 
+def decode_calls() -> dict[int, list[SampleRequest]]:
+    """`decode_with_joins_and_leaves`'s requests, by the call they join at; their keys
+    count up in that order."""
+    def request(i: int, max_tokens: int, num_samples: int = 1) -> SampleRequest:
+        return SampleRequest("s" if i % 2 else None, None, np.arange(5 + i, 5 + i + 3 + i % 4),
+                             num_samples, SamplingParams(max_tokens=max_tokens, seed=20 + i,
+                                                         ignore_eos=True))
+
+    return {0: [request(0, 3), request(1, 12), request(2, 7, num_samples=2)],
+            DECODE_JOIN_CALL: [request(3, 5), request(4, 9), request(5, 2)],
+            DECODE_JOIN_CALL + 2: [request(6, 6, num_samples=2)]}
+
+
 def decode_with_joins_and_leaves(engine: Engine) -> dict:
     """Continuous batching in slices of one step (`slice_s` 0: rank 0's clock ends each
     slice after its first step): seeded requests of different `max_tokens` (rows leave at
@@ -135,15 +165,7 @@ def decode_with_joins_and_leaves(engine: Engine) -> dict:
     the base and on an adapter, one with two samples. Returns, by key, each request's
     tokens, logprobs and stop reasons, and the keys each call finished."""
     engine.add_adapter("s", LoraSpec(rank=4, alpha=8, seed=6))
-
-    def request(i: int, max_tokens: int, num_samples: int = 1) -> SampleRequest:
-        return SampleRequest("s" if i % 2 else None, None, np.arange(5 + i, 5 + i + 3 + i % 4),
-                             num_samples, SamplingParams(max_tokens=max_tokens, seed=20 + i,
-                                                         ignore_eos=True))
-
-    calls = {0: [request(0, 3), request(1, 12), request(2, 7, num_samples=2)],
-             DECODE_JOIN_CALL: [request(3, 5), request(4, 9), request(5, 2)],
-             DECODE_JOIN_CALL + 2: [request(6, 6, num_samples=2)]}
+    calls = decode_calls()
     results, finished_by_call, key = {}, [], 0
     for call in range(100):
         new = calls.get(call, [])
@@ -156,13 +178,8 @@ def decode_with_joins_and_leaves(engine: Engine) -> dict:
             results[k] = generation
         if call > max(calls) and len(results) == key:
             break
-    out = {"tokens": [], "logprobs": [], "stop_reasons": [], "finished_by_call": finished_by_call}
-    for k in sorted(results):
-        for seq in results[k].sequences:
-            out["tokens"].append([int(t) for t in seq.tokens])
-            out["logprobs"].append([float(x) for x in seq.logprobs])
-            out["stop_reasons"].append(seq.stop_reason)
-    return out
+    out = _rows(results[k].sequences for k in sorted(results))
+    return {**out, "finished_by_call": finished_by_call}
 
 
 SCENARIOS = {f.__name__: f for f in (sample_first, upper_layer_adapter,

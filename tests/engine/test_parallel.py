@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from twinkle_server.engine.parallel import share_of
+from twinkle_server.engine.types import LoraSpec
 
-from ..numerics import LOGPROB_ATOL, LOSS_RTOL
+from ..numerics import LOSS_RTOL
+from .draws import assert_sampled_alike, sampled_alone
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
@@ -48,7 +51,6 @@ def test_with_fewer_datums_than_ranks_some_ranks_get_none():
 @pytest.mark.parametrize("scenario", ["sample_first", "upper_layer_adapter",
                                       "forward_only_rank_in_pieces",
                                       "pass_failing_in_backward", "checkpointed_pass",
-                                      "sampling_split",
                                       "pass_headroom"])
 def test_two_ranks_agree_with_one_process(scenario, tiny_cache):
     """Scenarios where the ranks' halves of the work differ (tests/engine/
@@ -73,14 +75,43 @@ def _on_two_ranks(scenario: str) -> dict:
     return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
 
 
+def _alike_alone(engine, add, requests, result) -> None:
+    """Each request's rows, on two ranks (`got`) and on one process (`want`), are its rows
+    sampled alone up to a near tie (`draws.assert_sampled_alike`): the same seeded draws,
+    on logits a rounding apart (each rank's batch has other rows and padding, so other
+    GEMM shapes), logprobs within LOGPROB_ATOL up to there. The reference runs in this
+    process, on the same tiny model and adapter 's' (made from the same seed)."""
+    add("s", LoraSpec(rank=4, alpha=8, seed=6))
+    row = 0
+    for i, request in enumerate(requests):
+        reference = sampled_alone(lambda r=request: engine.sample_batch([r])[0],
+                                  request.params)
+        for side in ("got", "want"):
+            out = result[side]
+            rows = [SimpleNamespace(tokens=out["tokens"][j], logprobs=out["logprobs"][j],
+                                    stop_reason=out["stop_reasons"][j])
+                    for j in range(row, row + request.num_samples)]
+            assert_sampled_alike(reference, rows, f"{side}: request {i}")
+        row += request.num_samples
+    assert row == len(result["got"]["tokens"]) == len(result["want"]["tokens"])
+
+
 @pytest.mark.integration
-def test_two_rank_decode_with_joins_and_leaves_equals_one_rank(tiny_cache):
+def test_two_ranks_sample_their_shares_as_one_process(tiny_cache, engine, add):
+    """A static batch split into the ranks' shares (`sampling_split`): every request's
+    rows as alone, up to a near tie."""
+    from tests.engine.parallel_scenarios import sampling_split_requests
+
+    _alike_alone(engine, add, sampling_split_requests(), _on_two_ranks("sampling_split"))
+
+
+@pytest.mark.integration
+def test_two_rank_decode_with_joins_and_leaves_equals_one_rank(tiny_cache, engine, add):
     """Continuous batching on two ranks, requests joining a running batch after a few
     slices and leaving at different steps (`decode_with_joins_and_leaves`): every seeded
-    request's tokens are one process's exactly (its own generator, the same draws; as
-    `sampling_split`), its logprobs within LOGPROB_ATOL (each rank's batch has other
-    rows and padding, so other GEMM shapes)."""
-    from tests.engine.parallel_scenarios import DECODE_JOIN_CALL
+    request's rows are its rows alone up to a near tie (its own generator, the same
+    draws), on two ranks and on one process alike."""
+    from tests.engine.parallel_scenarios import DECODE_JOIN_CALL, decode_calls
 
     result = _on_two_ranks("decode_with_joins_and_leaves")
     got, want = result["got"], result["want"]
@@ -90,10 +121,7 @@ def test_two_rank_decode_with_joins_and_leaves_equals_one_rank(tiny_cache):
     assert finished[0] < DECODE_JOIN_CALL < finished[1], want["finished_by_call"]
     assert len(got["tokens"]) == len(want["tokens"]) == 9  # 7 requests, two of 2 samples
     assert [len(t) for t in want["tokens"]] == [3, 12, 7, 7, 5, 9, 2, 6, 6]
-    for i, (a, b) in enumerate(zip(got["logprobs"], want["logprobs"], strict=True)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=LOGPROB_ATOL,
-                                   err_msg=f"sequence {i}: two ranks against one")
-    assert got["tokens"] == want["tokens"]
-    assert got["stop_reasons"] == want["stop_reasons"]
+    calls = decode_calls()
+    _alike_alone(engine, add, [r for call in sorted(calls) for r in calls[call]], result)
     # One step per slice on either: each request finishes at the same call.
     assert got["finished_by_call"] == want["finished_by_call"]
