@@ -167,6 +167,25 @@ def assert_alike_until_a_near_tie(reference, got, could_draw, what: str = "",
     return same
 
 
+def assert_rows_alike(reference, got, could_draw, what: str = "",
+                      draws_numbers: bool = True) -> list[int]:
+    """A request's rows computed twice agree row by row up to the first near tie that
+    went the other way (`assert_alike_until_a_near_tie`; `could_draw(row)` gives a row's
+    predicate). Returns how many tokens of each row agree.
+
+    The rows of a seeded request draw their numbers together, one call a step for the
+    rows still going: once a row stops at another step in one run than in the other,
+    every row's numbers may differ from there, so all are compared up to that step only
+    (`draws_numbers` False, greedy: no numbers, no such step)."""
+    assert len(got) == len(reference), what
+    pairs = list(zip(reference, got, strict=True))
+    horizon = min((min(len(a.tokens), len(b.tokens)) for a, b in pairs
+                   if len(a.tokens) != len(b.tokens)), default=None)
+    return [assert_alike_until_a_near_tie(a, b, could_draw(row), f"{what} row {row}",
+                                          upto=horizon if draws_numbers else None)
+            for row, (a, b) in enumerate(pairs)]
+
+
 def greedy_could_draw(top_ids, top_logprobs):
     """`could_draw` for a greedy reference sampled with its top k >= 2 at each step (the
     SDK's `topk_sample_logprobs`): a token within NEAR_TIE of the best, or any token
@@ -207,3 +226,19 @@ def assert_argmax_alike(tokens, reference) -> None:
     chosen = np.take_along_axis(reference, tokens, -1)
     gap = reference.max(-1, keepdims=True) - chosen
     assert (gap <= NEAR_TIE).all(), f"argmax off by up to {gap.max():.3g}, over {NEAR_TIE}"
+
+
+def neighbours_could_draw(reference_tokens, score):
+    """`could_draw` for a plain seeded draw (temperature 1, no top-k or top-p) whose
+    reference is known by its tokens only (through an SDK): token b may replace the
+    reference's a at a step only if they are neighbours in the draw's walk (by token id),
+    no token between them holding NEAR_TIE of probability there. A draw that differs by
+    rounding passes a boundary by less than that; a draw from other numbers lands
+    anywhere. `score(prefix, token)` is the logprob of `token` after the reference's first
+    `prefix` tokens (e.g. `compute_logprobs` of the prompt, those tokens and `token`)."""
+    def could(step: int, token: int) -> bool:
+        ours = int(reference_tokens[step])
+        between = range(min(ours, token) + 1, max(ours, token))
+        prefix = [int(t) for t in reference_tokens[:step]]
+        return all(np.exp(score(prefix, t)) <= NEAR_TIE for t in between)
+    return could

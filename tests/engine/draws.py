@@ -21,7 +21,7 @@ import torch
 from twinkle_server.engine.sampling import tokens as token_step
 from twinkle_server.engine.types import SampledSequence, SamplingParams
 
-from ..numerics import assert_alike_until_a_near_tie, drawable
+from ..numerics import assert_rows_alike, drawable
 
 
 @dataclass
@@ -101,18 +101,8 @@ def sampled_alone(sample: Callable[[], Sequence[SampledSequence]],
 def assert_sampled_alike(reference: Reference, got: Sequence[SampledSequence],
                          what: str = "") -> list[int]:
     """`got`, the reference's request run another way, agrees with it row by row up to
-    the first near tie that went the other way (`numerics.assert_alike_until_a_near_tie`).
-    Returns how many tokens of each row agree.
-
-    A seeded request's rows draw their numbers together, one call a step for the rows
-    still going: once a row that went another way stops at another step, the numbers of
-    every row differ from there, so rows are compared only up to that step."""
-    ref = reference.sequences
-    assert len(got) == len(ref), what
-    horizon = min((min(len(a.tokens), len(b.tokens)) for a, b in zip(ref, got, strict=True)
-                   if len(a.tokens) != len(b.tokens)), default=None)
-    if reference.params.temperature == 0 or reference.params.top_k == 1:
-        horizon = None   # greedy draws no numbers
-    return [assert_alike_until_a_near_tie(a, b, reference.could_draw(row),
-                                          f"{what} row {row}", upto=horizon)
-            for row, (a, b) in enumerate(zip(ref, got, strict=True))]
+    the first near tie that went the other way (`numerics.assert_rows_alike`). Returns
+    how many tokens of each row agree."""
+    p = reference.params
+    return assert_rows_alike(reference.sequences, got, reference.could_draw, what,
+                             draws_numbers=not (p.temperature == 0 or p.top_k == 1))

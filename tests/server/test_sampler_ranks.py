@@ -4,9 +4,8 @@ the base; trained weights reach the sampler ranks in memory.
 
 Tolerances are `tests/numerics.py`'s: the sampler ranks run the whole base in one process
 while the trainer ranks split each pass over two, so logprobs agree to float32 rounding
-(LOGPROB_ATOL), not bit for bit; seeded draws then pick the same tokens (the engine's
-isolation contract: a draw within rounding of a boundary has a chance of about 1e-6 per
-token).
+(LOGPROB_ATOL), not bit for bit; seeded draws then pick the same tokens up to a draw that
+lands within rounding of a boundary between two tokens (NEAR_TIE), where they may part.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from tinker import types
 from tinker_compat import ServiceClient
 from twinkle_server.process import start_server
 
-from ..numerics import LOGPROB_ATOL
+from ..numerics import LOGPROB_ATOL, assert_rows_alike, neighbours_could_draw
 from ..tinker_compat.conftest import sft_data
 from .test_launch import _rank_pid
 
@@ -83,11 +82,29 @@ def _trainer_logprobs(training, prompt: list[int], tokens: list[int]) -> np.ndar
     return out.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(tokens):]
 
 
+def _scorer(sampler) -> Callable[[list[int], int], float]:
+    """`numerics.neighbours_could_draw`'s score: a token's logprob after PROMPT and a
+    prefix, on `sampler`'s weights."""
+    def score(prefix: list[int], token: int) -> float:
+        ids = types.ModelInput.from_ints(PROMPT.to_ints() + prefix + [token])
+        return sampler.compute_logprobs(ids).result()[-1]
+    return score
+
+
+def _forward_scorer(model) -> Callable[[list[int], int], float]:
+    """The same through the native client: the label's logprob of a forward_only."""
+    def score(prefix: list[int], token: int) -> float:
+        ids = np.asarray(PROMPT.to_ints() + prefix + [token])
+        out = model.forward_only(inputs=[{"input_ids": ids[:-1], "labels": ids[1:]}])
+        return float(np.asarray(out.logps[0])[-1])
+    return score
+
+
 def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_them(
         split, colocated):
     """After each of 3 steps: a fresh sample's logprobs on the sampler ranks equal the
-    trainer ranks' forward logprobs of the same tokens, and seeded samples equal a
-    colocated server's at the same step."""
+    trainer ranks' forward logprobs of the same tokens, and seeded samples are a
+    colocated server's at the same step, up to a near tie."""
     services = [ServiceClient(base_url=f"http://{s.address}") for s in (split, colocated)]
     try:
         clients = [s.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
@@ -97,9 +114,12 @@ def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_
                 training.forward_backward(sft_data(n=4, seed=step), "cross_entropy").result()
                 training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
             params = types.SamplingParams(max_tokens=10, seed=step + 1, stop=[])
-            got, want = (t.save_weights_and_get_sampling_client().result().sample(
-                PROMPT, 2, params).result().sequences for t in clients)
-            assert [s.tokens for s in got] == [s.tokens for s in want], step
+            samplers = [t.save_weights_and_get_sampling_client().result() for t in clients]
+            got, want = (sampler.sample(PROMPT, 2, params).result().sequences
+                         for sampler in samplers)
+            # The colocated server's tokens up to a near tie (scored on its weights).
+            assert_rows_alike(want, got, lambda row, w=want, s=samplers[1]:
+                              neighbours_could_draw(w[row].tokens, _scorer(s)), f"step {step}")
             for sequence in got:
                 np.testing.assert_allclose(
                     sequence.logprobs, _trainer_logprobs(clients[0], PROMPT.to_ints(),
@@ -116,7 +136,7 @@ def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_
 def test_a_live_model_samples_each_steps_weights_as_a_colocated_server_does(split, colocated):
     """The native client's loop samples the live adapter after each step (its weights
     published on first use, then after every step): the same seeded tokens and logprobs
-    as a colocated server."""
+    as a colocated server, up to a near tie."""
     from peft import LoraConfig
 
     from twinkle_client import init_twinkle_client
@@ -126,7 +146,7 @@ def test_a_live_model_samples_each_steps_weights_as_a_colocated_server_does(spli
     batch = [{"input_ids": ids[:-1], "labels": ids[1:]}
              for ids in (rng.integers(3, 200, 17) for _ in range(4))]
     runs = []
-    for server in (split, colocated):
+    for server in (split, colocated):   # the colocated run's model scores a near tie
         with init_twinkle_client(base_url=f"http://{server.address}", api_key="EMPTY"):
             model = MultiLoraTransformersModel("ms://tiny")
             model.add_adapter_to_model("default", LoraConfig(r=4, lora_alpha=8,
@@ -141,11 +161,12 @@ def test_a_live_model_samples_each_steps_weights_as_a_colocated_server_does(spli
                 model.zero_grad()
                 samples.append(model.sample(PROMPT.to_ints(), max_tokens=8, seed=4,
                                             num_samples=2).sequences)
+                if runs:   # the split server's sample at this step, up to a near tie
+                    want, got = samples[-1], runs[0][len(samples) - 1]
+                    assert_rows_alike(want, got, lambda row, w=want, m=model:
+                                      neighbours_could_draw(w[row].tokens, _forward_scorer(m)),
+                                      f"step {len(samples)}")
             runs.append(samples)
-    for step, (got, want) in enumerate(zip(*runs, strict=True)):
-        assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in want], step
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_ATOL, rtol=0)
     assert runs[0][0][0].tokens.tolist() != runs[0][2][0].tokens.tolist() or \
         not np.allclose(runs[0][0][0].logprobs, runs[0][2][0].logprobs)
 
