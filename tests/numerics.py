@@ -242,3 +242,14 @@ def neighbours_could_draw(reference_tokens, score):
         prefix = [int(t) for t in reference_tokens[:step]]
         return all(np.exp(score(prefix, t)) <= NEAR_TIE for t in between)
     return could
+
+
+def sdk_score(sampler, prompt):
+    """`neighbours_could_draw`'s score through a Tinker sampling client (the stock SDK's
+    or the shim's): a token's logprob after `prompt` (token ids) and a prefix."""
+    from tinker import types
+
+    def score(prefix: list[int], token: int) -> float:
+        ids = types.ModelInput.from_ints([int(t) for t in prompt] + list(prefix) + [token])
+        return sampler.compute_logprobs(ids).result()[-1]
+    return score

@@ -18,7 +18,14 @@ from safetensors.numpy import load_file
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from tests.numerics import LOGPROB_ATOL, LOSS_RTOL, assert_trained_alike
+from tests.numerics import (
+    LOGPROB_ATOL,
+    LOSS_RTOL,
+    assert_alike_until_a_near_tie,
+    assert_trained_alike,
+    neighbours_could_draw,
+    sdk_score,
+)
 from tinker_compat import RestClient, ServiceClient
 from twinkle_client import init_twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel
@@ -139,26 +146,31 @@ def _sampler_after_one_step(service: ServiceClient, seed: int, n: int, name: str
     return service.create_sampling_client(model_path=path).result()
 
 
-def _sample(address: str) -> tuple[list[int], list[float], list[float]]:
-    service = ServiceClient(base_url=f"http://{address}")
-    try:
-        # One datum: one rank has none and runs a token of padding through the layers.
-        sampler = _sampler_after_one_step(service, seed=7, n=1)
-        prompt = types.ModelInput.from_ints([5, 17, 29, 3, 88])
-        out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=11,
-                                                             temperature=1.0)).result()
-        seq = out.sequences[0]
-        return list(seq.tokens), list(seq.logprobs), sampler.compute_logprobs(prompt).result()[1:]
-    finally:
-        service.close()
+PROMPT = [5, 17, 29, 3, 88]
+
+
+def _sample(service):
+    """A seeded sample of one step's weights, its prompt's logprobs, and the sampler."""
+    # One datum: one rank has none and runs a token of padding through the layers.
+    sampler = _sampler_after_one_step(service, seed=7, n=1)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=11,
+                                                         temperature=1.0)).result()
+    return out.sequences[0], sampler.compute_logprobs(prompt).result()[1:], sampler
 
 
 def test_seeded_sampling_and_logprobs_on_two_ranks_match_one(servers):
-    (tok_one, lp_one, prompt_one), (tok_two, lp_two, prompt_two) = (_sample(s.address)
-                                                                    for s in servers)
-    assert tok_two == tok_one
-    np.testing.assert_allclose(lp_two, lp_one, atol=LOGPROB_ATOL, rtol=0)
-    np.testing.assert_allclose(prompt_two, prompt_one, atol=LOGPROB_ATOL, rtol=0)
+    """The same seeded draws on logits a rounding apart (each rank's share of the pass):
+    one rank's tokens up to a near tie, logprobs within LOGPROB_ATOL up to there."""
+    services = [ServiceClient(base_url=f"http://{s.address}") for s in servers]
+    try:
+        (one, prompt_one, sampler), (two, prompt_two, _) = (_sample(s) for s in services)
+        assert_alike_until_a_near_tie(one, two, neighbours_could_draw(
+            one.tokens, sdk_score(sampler, PROMPT)))
+        np.testing.assert_allclose(prompt_two, prompt_one, atol=LOGPROB_ATOL, rtol=0)
+    finally:
+        for service in services:
+            service.close()
 
 
 def test_a_checkpoint_saved_on_two_ranks_gives_the_same_logits_in_peft(servers, tiny_cache,

@@ -25,7 +25,7 @@ from tinker import types
 from tinker_compat import ServiceClient
 from twinkle_server.process import start_server
 
-from ..numerics import LOGPROB_ATOL, assert_rows_alike, neighbours_could_draw
+from ..numerics import LOGPROB_ATOL, assert_rows_alike, neighbours_could_draw, sdk_score
 from ..tinker_compat.conftest import sft_data
 from .test_launch import _rank_pid
 
@@ -82,15 +82,6 @@ def _trainer_logprobs(training, prompt: list[int], tokens: list[int]) -> np.ndar
     return out.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(tokens):]
 
 
-def _scorer(sampler) -> Callable[[list[int], int], float]:
-    """`numerics.neighbours_could_draw`'s score: a token's logprob after PROMPT and a
-    prefix, on `sampler`'s weights."""
-    def score(prefix: list[int], token: int) -> float:
-        ids = types.ModelInput.from_ints(PROMPT.to_ints() + prefix + [token])
-        return sampler.compute_logprobs(ids).result()[-1]
-    return score
-
-
 def _forward_scorer(model) -> Callable[[list[int], int], float]:
     """The same through the native client: the label's logprob of a forward_only."""
     def score(prefix: list[int], token: int) -> float:
@@ -119,7 +110,8 @@ def test_each_steps_weights_sample_on_the_sampler_ranks_as_the_trainer_computes_
                          for sampler in samplers)
             # The colocated server's tokens up to a near tie (scored on its weights).
             assert_rows_alike(want, got, lambda row, w=want, s=samplers[1]:
-                              neighbours_could_draw(w[row].tokens, _scorer(s)), f"step {step}")
+                              neighbours_could_draw(w[row].tokens,
+                                                    sdk_score(s, PROMPT.to_ints())), f"step {step}")
             for sequence in got:
                 np.testing.assert_allclose(
                     sequence.logprobs, _trainer_logprobs(clients[0], PROMPT.to_ints(),
