@@ -44,7 +44,7 @@ def invariant(tiny_cache) -> Engine:
 def _mine(namespace: str = "", num_samples: int = 2, adapter: str | None = "mine"
           ) -> SampleRequest:
     return SampleRequest(adapter, None, np.asarray(PROMPT, np.int64), num_samples,
-                         SamplingParams(max_tokens=40, seed=1234, temperature=1.0,
+                         SamplingParams(max_tokens=24, seed=1234, temperature=1.0,
                                         ignore_eos=True), topk_logprobs=3,
                          cache_namespace=namespace)
 
@@ -55,7 +55,7 @@ def _theirs() -> list[SampleRequest]:
     return [SampleRequest(adapter, None, rng.integers(0, 4000, size=length), n,
                           SamplingParams(max_tokens=tokens, seed=seed, ignore_eos=True))
             for adapter, length, n, tokens, seed in (
-                ("theirs", 5, 1, 60, 1), (None, 90, 3, 25, 2), ("theirs", 31, 4, 70, 3),
+                ("theirs", 5, 1, 30, 1), (None, 90, 3, 12, 2), ("theirs", 31, 4, 36, 3),
                 ("mine", 2, 1, 9, 4))]
 
 
@@ -87,25 +87,27 @@ def _exact(a, b) -> None:
         assert x.stop_reason == y.stop_reason
 
 
-def test_a_rows_product_is_the_same_at_any_position_among_a_tiles_rows():
-    """The premise of the linear layers' tiles, checked on this machine for the tiny
-    model's shapes: in a product of `ROW_TILE` rows, a row's result does not depend on
-    its position or on the other rows."""
+def test_a_rows_product_is_the_same_at_any_position_and_in_any_number_of_rows():
+    """The premise of the mode's products, checked on this machine for the tiny model's
+    shapes: a row's result does not depend on its position among the batch's rows, on
+    the other rows, or on how many there are (1, a tile, a tile and one, many)."""
     generator = torch.Generator().manual_seed(0)
+    tile = batch_invariant.ROW_TILE
     for inner, outer in ((128, 128), (128, 384), (384, 128), (128, 4096), (128, 8)):
         weight = torch.randn(outer, inner, generator=generator)
         row = torch.randn(inner, generator=generator)
         seen = set()
-        for position in range(batch_invariant.ROW_TILE):
-            tile = torch.randn(batch_invariant.ROW_TILE, inner, generator=generator)
-            tile[position] = row
-            seen.add(F.linear(tile, weight)[position].numpy().tobytes())
+        for count, position in ((1, 0), (tile, 3), (tile + 1, tile), (300, 0), (300, 157)):
+            rows = torch.randn(count, inner, generator=generator)
+            rows[position] = row
+            with batch_invariant._Invariant():
+                seen.add(F.linear(rows, weight)[position].numpy().tobytes())
         assert len(seen) == 1, (inner, outer)
 
 
 def test_a_seeded_request_is_the_same_alone_and_beside_other_tenants_at_any_slice(invariant):
     alone = _decode(invariant, [_mine()], [], 0.0)[0]
-    for slice_s, mine_first in ((0.0, True), (0.0, False), (0.05, True), (10.0, False)):
+    for slice_s, mine_first in ((0.0, True), (0.0, False), (10.0, True)):
         theirs = _theirs()
         first, later = ([_mine()], theirs) if mine_first else (theirs[:2], [_mine()] + theirs[2:])
         results = _decode(invariant, first, later, slice_s)
@@ -127,7 +129,7 @@ def test_a_prefix_cache_hit_gives_what_computing_the_prompt_gave(invariant):
     _exact(first, again)
     # A prompt that extends the first sample's prompt and completion reuses their KV,
     # which decode steps computed: it samples as a fresh session computing it all.
-    tokens = PROMPT + first.sequences[0].tokens[:20].tolist()
+    tokens = PROMPT + first.sequences[0].tokens[:16].tolist()
     extended = SampleRequest(None, None, np.asarray(tokens, np.int64), 1,
                              SamplingParams(max_tokens=10, seed=5, ignore_eos=True),
                              cache_namespace="session-1")

@@ -21,10 +21,11 @@ Within `computing(model)` (the mode `--batch-invariant on` runs every sampling f
 in) each is fixed by construction:
 
 - every `F.linear` (and the LoRA delta's `addmm_`) runs as products of `ROW_TILE` rows,
-  the last tile padded with zeros: one shape for every row, whatever the batch (a row's
-  result in a product of one shape is the same at any position among the tile's rows:
-  SGEMM computes each output from its row and column alone, in an order set by the shape;
-  `tests/engine/test_batch_invariant.py` checks this on the machine it runs on);
+  the last tile padded with zeros, batched as tiles: one shape for every row, whatever
+  the batch (a row's result in a product of one shape is the same at any position among
+  the tile's rows and in any number of tiles: SGEMM computes each output from its row and
+  column alone, in an order set by the shape; `tests/engine/test_batch_invariant.py`
+  checks this on the machine it runs on);
 - attention (`invariant_attention`) reads each row's keys in position order, in pages of
   `PAGE` positions counted from position 0: scores are sums over the head dimension
   (one fixed-length reduction per score), each page's softmax share and weighted values
@@ -73,16 +74,15 @@ INVARIANT_ATTENTION = "twinkle_invariant"
 
 def _rows_times(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """`rows @ matrix` (`[count, k] @ [k, n]`) as products of `ROW_TILE` rows each, the
-    last tile padded with zeros."""
-    count = rows.shape[0]
+    last tile padded with zeros: one batched product of the tiles, each against the same
+    `matrix` (expanded, not copied)."""
+    count, inner = rows.shape
     tiles = max(-(-count // ROW_TILE), 1)
-    padded = rows.new_zeros((tiles * ROW_TILE, rows.shape[1]))
+    padded = rows.new_zeros((tiles * ROW_TILE, inner))
     padded[:count] = rows
-    out = rows.new_empty((tiles * ROW_TILE, matrix.shape[1]))
-    for tile in range(tiles):
-        span = slice(tile * ROW_TILE, (tile + 1) * ROW_TILE)
-        torch.mm(padded[span], matrix, out=out[span])
-    return out[:count]
+    out = torch.bmm(padded.view(tiles, ROW_TILE, inner),
+                    matrix.expand(tiles, *matrix.shape))
+    return out.view(tiles * ROW_TILE, matrix.shape[1])[:count]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor,
