@@ -200,6 +200,18 @@ def greedy_could_draw(top_ids, top_logprobs):
     return could
 
 
+
+def topk_greedy_could_draw(sequence):
+    """`greedy_could_draw` of a greedy reference sequence sampled with its top k >= 2:
+    the engine's (`topk_token_ids`, `topk_logprobs` arrays) or an SDK's (`topk_logprobs`,
+    per step a list of (token, logprob))."""
+    if getattr(sequence, "topk_token_ids", None) is not None:
+        return greedy_could_draw(sequence.topk_token_ids, sequence.topk_logprobs)
+    steps = sequence.topk_logprobs
+    assert steps is not None, "sample the reference with its top 2 (topk_sample_logprobs)"
+    return greedy_could_draw([[t for t, _ in step] for step in steps],
+                             [[lp for _, lp in step] for step in steps])
+
 def assert_topk_alike(ids, logprobs, reference) -> None:
     """A top-k list (`ids`, `logprobs`: `[..., k]`) computed another way than `reference`
     (logprobs `[..., V]`) agrees with it: the listed logprobs are the reference's k

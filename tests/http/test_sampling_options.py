@@ -18,7 +18,7 @@ import tinker
 import torch
 from tinker import types
 
-from ..numerics import LOGPROB_ATOL
+from ..numerics import LOGPROB_ATOL, assert_alike_until_a_near_tie, topk_greedy_could_draw
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -85,7 +85,10 @@ def check_topk_sample_logprobs(sampler) -> None:
     np.testing.assert_allclose(lp, _logprob_at(sampler, TOKENS, len(TOKENS), runner_up),
                                atol=LOGPROB_ATOL)
     plain = sampler.sample(PROMPT, 1, greedy).result().sequences[0]
-    assert plain.topk_logprobs is None and plain.tokens == seq.tokens
+    assert plain.topk_logprobs is None
+    # Its prompt's KV is the first sample's (one session), computed in another shape:
+    # greedy tokens up to a near tie of seq's top two (tests/numerics.py).
+    assert_alike_until_a_near_tie(seq, plain, topk_greedy_could_draw(seq))
 
 
 def check_prompt_alt_tokens(sampler) -> None:
@@ -96,6 +99,7 @@ def check_prompt_alt_tokens(sampler) -> None:
     tokens, logprobs = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
     assert tokens.shape == logprobs.shape == (len(TOKENS) - 1, 2)
     assert alt.tokens.dtype == "int64" and alt.logprobs.dtype == "float32"
+    # Exact: the alt draws and the top-k come from the same scoring pass's logits.
     for row in range(len(TOKENS) - 1):   # temperature 0: the argmax, twice
         best_id, best_lp = response.topk_prompt_logprobs[row + 1][0]
         assert tokens[row].tolist() == [best_id, best_id]
@@ -103,6 +107,7 @@ def check_prompt_alt_tokens(sampler) -> None:
     warm = types.SamplingParams(max_tokens=1, temperature=1.0, seed=5)
     a = sampler.sample(PROMPT, 1, warm, prompt_alt_tokens_k=4).result().prompt_alt_tokens
     b = sampler.sample(PROMPT, 1, warm, prompt_alt_tokens_k=4).result().prompt_alt_tokens
+    # Exact: each its own scoring pass of the same prompt (no prefix cache), same shapes.
     np.testing.assert_array_equal(a.tokens.to_numpy(), b.tokens.to_numpy())
     draw = int(a.tokens.to_numpy()[3, 0])
     np.testing.assert_allclose(a.logprobs.to_numpy()[3, 0],

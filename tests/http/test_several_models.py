@@ -19,6 +19,7 @@ from tinker import types
 
 from twinkle_server.process import start_server
 
+from ..numerics import assert_rows_alike, neighbours_could_draw, sdk_score
 from ..service.harness import create_key
 from .conftest import sft_data
 
@@ -72,7 +73,7 @@ def _teacher_outputs(client: tinker.ServiceClient, base_model: str):
     logprobs = sampler.compute_logprobs(PROMPT).result()
     sample = sampler.sample(PROMPT, 2, types.SamplingParams(max_tokens=12, seed=7,
                                                             temperature=1.0)).result()
-    return np.array(logprobs[1:], np.float64), sample.sequences
+    return np.array(logprobs[1:], np.float64), sample.sequences, sampler
 
 
 def test_both_models_are_listed_with_their_roles(pair):
@@ -87,12 +88,13 @@ def test_both_models_are_listed_with_their_roles(pair):
 
 def test_the_teacher_gives_what_it_gives_served_alone(pair, teacher_alone):
     _, client = pair
-    together, together_seqs = _teacher_outputs(client, "teacher")
-    alone, alone_seqs = _teacher_outputs(teacher_alone, "tiny-large")
+    together, together_seqs, _ = _teacher_outputs(client, "teacher")
+    alone, alone_seqs, sampler = _teacher_outputs(teacher_alone, "tiny-large")
     np.testing.assert_allclose(together, alone, atol=TOLERANCE, rtol=0)
-    assert [s.tokens for s in together_seqs] == [s.tokens for s in alone_seqs]
-    for mine, theirs in zip(together_seqs, alone_seqs, strict=True):
-        np.testing.assert_allclose(mine.logprobs, theirs.logprobs, atol=TOLERANCE, rtol=0)
+    # Seeded: the same tokens up to a near tie (tests/numerics.py), logprobs within
+    # LOGPROB_ATOL up to there.
+    assert_rows_alike(alone_seqs, together_seqs, lambda row: neighbours_could_draw(
+        alone_seqs[row].tokens, sdk_score(sampler, PROMPT.to_ints())))
 
 
 def test_the_student_trains_as_on_a_one_model_server(pair, service):

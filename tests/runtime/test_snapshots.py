@@ -20,6 +20,8 @@ from twinkle_server.engine.types import LoraSpec, SamplingParams
 from twinkle_server.runtime import OpRef, Runtime
 from twinkle_server.store import Store
 
+from ..numerics import assert_alike_until_a_near_tie, topk_greedy_could_draw
+
 PROMPT = np.array([5, 6, 7, 8], np.int64)
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, seed=0)
 
@@ -49,12 +51,15 @@ def test_a_snapshot_samples_the_models_weights_and_is_no_checkpoint(runtime):
         assert runtime.runs.list_checkpoints("alice", model_id).total == 0
         assert runtime.store.list_checkpoints(None, None) == ([], 0)
         assert runtime.runs.get_run("alice", model_id).last_sampler_checkpoint is None
-        # It samples what the model samples (the same weights, greedy).
+        # It samples what the model samples (the same weights, greedy, through another
+        # adapter slot: the same tokens up to a near tie, tests/numerics.py).
         snap = await runtime.sampling.sample(
             runtime.sampling.target("alice", None, sampler), PROMPT, 1, GREEDY)
         live = await runtime.sampling.sample(
-            runtime.sampling.target("alice", OpRef(model_id, 1)), PROMPT, 1, GREEDY)
-        assert snap.sequences[0].tokens.tolist() == live.sequences[0].tokens.tolist()
+            runtime.sampling.target("alice", OpRef(model_id, 1)), PROMPT, 1, GREEDY,
+            topk_sample_logprobs=2)
+        assert_alike_until_a_near_tie(live.sequences[0], snap.sequences[0],
+                                      topk_greedy_could_draw(live.sequences[0]))
         with pytest.raises(NotFound):
             runtime.sampling.target("bob", None, sampler)
 

@@ -12,7 +12,7 @@ from tinker import types
 
 from tinker_compat import RestClient, SamplingClient, ServiceClient, TrainingClient
 
-from ..numerics import LOGPROB_ATOL
+from ..numerics import LOGPROB_ATOL, assert_rows_alike, neighbours_could_draw, sdk_score
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -28,8 +28,11 @@ def test_sampling_is_seeded_stop_empty_runs_to_max_tokens_and_logprobs_line_up(
     params = types.SamplingParams(max_tokens=7, seed=11, stop=[], top_k=-1)
     first = sampling_client.sample(PROMPT, 3, params, include_prompt_logprobs=True).result()
     again = sampling_client.sample(prompt=PROMPT, num_samples=3, sampling_params=params).result()
-    # Exact: the same request and seed, sampled alone both times.
-    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    # The same request and seed, alone both times; the second reuses the first's prompt
+    # KV (one sampling session), computed in another shape: the same tokens up to a near
+    # tie (tests/numerics.py), logprobs within LOGPROB_ATOL up to there.
+    assert_rows_alike(first.sequences, again.sequences, lambda row: neighbours_could_draw(
+        first.sequences[row].tokens, sdk_score(sampling_client, PROMPT.to_ints())))
     for sequence in first.sequences:
         assert len(sequence.tokens) == len(sequence.logprobs) == 7
         assert sequence.stop_reason == "length"

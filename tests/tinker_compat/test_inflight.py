@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tinker import types
 
-from ..numerics import LOGPROB_ATOL
+from ..numerics import assert_alike_until_a_near_tie, topk_greedy_could_draw
 
 pytestmark = pytest.mark.integration
 
@@ -42,17 +42,20 @@ def train(training_client, steps: int = STEPS) -> None:
     training_client.forward(teaching_data(), "cross_entropy").result()
 
 
-def greedy(sampling_client) -> tuple[list[int], list[float]]:
-    out = sampling_client.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result()
-    return list(out.sequences[0].tokens), list(out.sequences[0].logprobs)
+def greedy(sampling_client) -> types.SampledSequence:
+    """The greedy completion of PROMPT, with its top 2 at each step (`assert_same_output`)."""
+    out = sampling_client.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY,
+                                 topk_sample_logprobs=2).result()
+    return out.sequences[0]
 
 
 def assert_same_output(got, want) -> None:
-    """Greedy tokens equal; logprobs within LOGPROB_ATOL (the same weights, but a
-    checkpoint read back and an inflight copy route through other adapter slots, and a
-    decode batch may hold other rows)."""
-    assert got[0] == want[0]
-    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=LOGPROB_ATOL)
+    """Greedy tokens equal up to a near tie (the top two of `want` within NEAR_TIE),
+    logprobs within LOGPROB_ATOL up to there: the same weights, but a checkpoint read
+    back and an inflight copy route through other adapter slots, a decode batch may hold
+    other rows, and a session's second sample reuses its first's prompt KV, so the
+    logits are a rounding apart (tests/numerics.py)."""
+    assert_alike_until_a_near_tie(want, got, topk_greedy_could_draw(want))
 
 
 @pytest.fixture
@@ -84,11 +87,10 @@ def test_a_later_inflight_save_moves_earlier_inflight_clients_but_not_snapshots(
     late = training_client.save_weights_and_get_sampling_client(kind="inflight").result()
     fresh = training_client.save_weights_and_get_sampling_client().result()
     new = greedy(fresh)
-    assert new[0] != old[0], "the training steps did not change the greedy output"
+    assert new.tokens != old.tokens, "the training steps did not change the greedy output"
     assert_same_output(greedy(early), new)
     assert_same_output(greedy(late), new)
-    assert greedy(before)[0] == old[0]
-    np.testing.assert_allclose(greedy(before)[1], old[1], rtol=0, atol=LOGPROB_ATOL)
+    assert_same_output(greedy(before), old)
 
 
 def test_an_unknown_kind_is_refused_before_sending_naming_kind(training_client):

@@ -11,6 +11,7 @@ from tinker import types
 from tinker_compat import RestClient, ServiceClient
 from twinkle_server import cli
 
+from ..numerics import assert_alike_until_a_near_tie, topk_greedy_could_draw
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -30,9 +31,13 @@ def test_ephemeral_sampler_weights_are_not_listed_and_go_with_their_session(
         tc.optim_step(types.AdamParams(learning_rate=1e-2))
         samplers.append(tc.save_weights_and_get_sampling_client().result())
     named = tc.save_weights_for_sampler("kept").result().path
-    sampled = [s.sample(PROMPT, 1, GREEDY).result().sequences[0].tokens for s in samplers]
+    # With their top 2: the live checkpoint's greedy tokens are the last snapshot's up to a
+    # near tie (the same weights through another adapter slot; tests/numerics.py).
+    sampled = [s.sample(PROMPT, 1, GREEDY, topk_sample_logprobs=2).result().sequences[0]
+               for s in samplers]
     live = service_client.create_sampling_client(model_path=named).result()
-    assert live.sample(PROMPT, 1, GREEDY).result().sequences[0].tokens == sampled[-1]
+    assert_alike_until_a_near_tie(sampled[-1], live.sample(PROMPT, 1, GREEDY).result()
+                                  .sequences[0], topk_greedy_could_draw(sampled[-1]))
     assert [s.model_path for s in samplers] == [None, None]
 
     with RestClient(base_url=base_url) as rest:
