@@ -180,3 +180,29 @@ def test_a_model_with_sliding_window_layers_is_refused_by_name(tiny_cache):
                      dtype=torch.float32)
     with pytest.raises(InvalidArgument, match="--batch-invariant on.*DynamicSlidingWindowLayer"):
         Engine(base, LIMITS, batch_invariant=True)
+
+
+def test_the_pool_keeps_no_room_for_shared_prompt_copies_the_mode_never_makes(model):
+    """Groups of 4 samples of 20-token prompts (10 tokens each) take 4 x 30 positions
+    each: in 380, three decode at once when no room is kept for copies of their prompts,
+    which the mode's steps never make (each row reads its own cache)."""
+    from twinkle_server.engine.parallel import OneRank
+    from twinkle_server.engine.sampling.pool import DecodePool
+
+    from . import small
+
+    pool = DecodePool(model, small.route, eos_token_ids=(small.EOS,), pad_token_id=0,
+                      decode=small.decode, capacity=380, prefill_tokens=10_000,
+                      parallel=OneRank(), batch_invariant=True)
+    for i in range(6):
+        pool.submit(i, SampleRequest(None, None, np.arange(20 + i, 40 + i), 4,
+                                     SamplingParams(max_tokens=10, seed=i, ignore_eos=True)),
+                    None)
+    results, rows = {}, []
+    while len(results) < 6:
+        results.update(pool.run(0.0))
+        stats = pool.stats()
+        assert stats.kv_in_use <= 380 + stats.active_rows, stats
+        assert pool.batch.shared is None
+        rows.append(stats.active_rows)
+    assert max(rows) == 12, rows

@@ -310,7 +310,7 @@ class DecodePool:
             return admit(self.batch.width, remaining, [
                 Waiting(r.sample.num_samples, r.cached, r.sample.prompt.size - r.cached,
                         r.sample.params.max_tokens) for r in self.waiting],
-                room, self.prefill_tokens, self._samples(), self.batch.shared_width())
+                room, self.prefill_tokens, self._samples(), self._copied_width())
         count = plan(self.capacity - self.prefixes.tokens)
         # Cached prefixes make way for the next request only where that lets it join.
         if not count and self.waiting and plan(self.capacity):
@@ -325,11 +325,17 @@ class DecodePool:
         """`num_samples` of each request decoding, in row order."""
         return [request.sample.num_samples for request in self._decoding()]
 
+    def _copied_width(self) -> int:
+        """Columns of each request's rows a shared copy would hold (`KVBatch.shared_prefix`),
+        for which admission and the prefix cache keep room; none in the batch-invariant
+        mode, whose steps read every row's own cache and make no copy."""
+        return 0 if self.batch_invariant else self.batch.shared_width()
+
     def _fit_prefixes(self) -> None:
         """Give up cached prefixes the rows' footprint and shared copies leave no room
         for."""
         self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining())
-                          - copies(self._samples(), self.batch.shared_width()))
+                          - copies(self._samples(), self._copied_width()))
 
     # ------------------------------------------------------------------ compute
 
