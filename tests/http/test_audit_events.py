@@ -72,8 +72,28 @@ def test_every_state_change_and_weight_read_is_in_the_audit_log(server, base_url
     own.close("success").result()
 
     model = tc.model_id
-    entries = _log(base_url, keys["alice"], lambda e: len(_about(
-        e, "sampler_end", sampling_session_id=snapshot._sampling_session_id)) == 1)
+    # Every event asserted below, before any is asserted: a close writes its unloads and
+    # ends one after another, after it answers (the poll once waited for one of them).
+    wanted = [("session_create", {"session_id": session}),
+              ("session_close", {"session_id": session}),
+              ("model_create", {"model_id": model}),
+              ("model_create", {"from_checkpoint": state}),
+              ("model_unload", {"reason": "unloaded by its owner"}),
+              ("model_unload", {"model_id": model}),
+              ("sampler_create", {"sampling_session_id": sampler._sampling_session_id}),
+              ("sampler_create", {"sampling_session_id": snapshot._sampling_session_id}),
+              ("sampler_end", {"sampling_session_id": sampler._sampling_session_id}),
+              ("sampler_end", {"sampling_session_id": snapshot._sampling_session_id}),
+              ("checkpoint_read", {"purpose": "sample", "tinker_path": sampler_path}),
+              ("checkpoint_read", {"purpose": "download", "tinker_path": external}),
+              ("checkpoint_ttl_set", {"tinker_path": state}),
+              ("checkpoint_publish", {"tinker_path": external}),
+              ("checkpoint_unpublish", {"tinker_path": external}),
+              ("checkpoint_delete", {"tinker_path": sampler_path})]
+    wanted += [("checkpoint_save", {"tinker_path": p}) for p in (state, sampler_path, external)]
+    entries = _log(base_url, keys["alice"], lambda e: all(
+        _about(e, event, **details) for event, details in wanted) and len(_about(
+            e, "checkpoint_read", purpose="load", tinker_path=state)) >= 2)
     assert _about(entries, "session_create", session_id=session)
     assert _about(entries, "session_close", session_id=session)
     assert _about(entries, "model_create", model_id=model)
