@@ -283,7 +283,8 @@ def test_a_disconnected_stream_frees_its_rows(server, base_url):
         _rows_until(metrics, lambda rows: rows >= 2, "the stream's rows never started")
     _rows_until(metrics, lambda rows: rows == 0, "the dropped stream's rows still decode")
     # Ended by the disconnect, not by running out of tokens.
-    assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") >= 1
+    _until(lambda: _gauge(metrics, "twinkle_ops_total", kind="sample",
+                          outcome="cancelled") >= 1, "the dropped stream's op never cancelled")
 
 
 def test_a_request_keeps_no_prefix_its_one_request_session_could_never_reuse(server, client):
@@ -313,7 +314,8 @@ def test_a_dropped_connection_frees_its_rows_without_a_stream(server, base_url):
                        str(len(body)).encode() + b"\r\n\r\n" + body)
         _rows_until(metrics, lambda rows: rows >= 2, "the request's rows never started")
     _rows_until(metrics, lambda rows: rows == 0, "the dropped request's rows still decode")
-    assert _gauge(metrics, "twinkle_ops_total", kind="sample", outcome="cancelled") > before
+    _until(lambda: _gauge(metrics, "twinkle_ops_total", kind="sample",
+                          outcome="cancelled") > before, "the dropped request never cancelled")
 
 
 @pytest.mark.parametrize(("route", "body", "param"), [
@@ -339,8 +341,14 @@ def test_a_sample_over_the_models_limits_is_refused_before_any_stream(
 
 def _rows_until(metrics: str, done, what: str, timeout_s: float = 30) -> None:
     """Wait until `done(rows decoding)` holds, within `timeout_s`; else fail with `what`."""
+    _until(lambda: done(_gauge(metrics, "twinkle_decode_rows_active")), what, timeout_s)
+
+
+def _until(ready, what: str, timeout_s: float = 30) -> None:
+    """Wait until `ready()`, within `timeout_s`; else fail with `what`. (The server counts
+    an op's outcome when it answers it, a moment after its rows leave the pool.)"""
     deadline = time.monotonic() + timeout_s
-    while not done(_gauge(metrics, "twinkle_decode_rows_active")):
+    while not ready():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
 

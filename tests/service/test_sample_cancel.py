@@ -52,13 +52,22 @@ def _cancel_once_decoding(server, call) -> tuple[float, float]:
         time.sleep(0.005)
     assert call.cancel()
     last = at_cancel
-    while True:
+    while True:   # no rows left, and no token for half a second
         time.sleep(0.5)
         now = _metric(server, "twinkle_decode_tokens_total")
-        if now == last:
+        if now == last and _metric(server, "twinkle_decode_rows_active") == 0:
             return at_cancel, now
         assert time.monotonic() < deadline, "the pool kept decoding"
         last = now
+
+
+def _until(ready) -> None:
+    """Wait (at most WAIT_SECONDS) until `ready()`: a counter the server bumps when it
+    answers may come a moment after the answer."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not ready():
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.05)
 
 
 def _endless(**fields) -> sampling_pb2.SampleRequest:
@@ -78,8 +87,8 @@ def test_a_cancelled_sample_call_leaves_the_pool_at_the_next_step(server):
     at_cancel, stopped = _cancel_once_decoding(server, call)
     assert stopped - at_cancel < STOPPED_WITHIN_TOKENS, (at_cancel, stopped)
     assert _metric(server, "twinkle_decode_rows_active") == 0
-    assert _metric(server, "twinkle_ops_total", kind="sample",
-                   outcome="cancelled") == cancelled + 1
+    _until(lambda: _metric(server, "twinkle_ops_total", kind="sample",
+                           outcome="cancelled") == cancelled + 1)
 
 
 def test_a_cancelled_ordered_sample_takes_its_seq_id_and_a_retry_is_told_it_was_cancelled(
