@@ -4,6 +4,7 @@ through every alias, and nothing crosses from one base to another."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -54,7 +55,9 @@ def test_a_long_generation_on_the_teacher_never_holds_the_students_training(pair
         long = asyncio.ensure_future(pair.sampling.sample(
             pair.sampling.target("alice", None, session), PROMPT, 2,
             SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True, seed=1)))
+        deadline = time.monotonic() + 60
         while not pair.base("teacher").engine.decode_stats().active_rows:
+            assert time.monotonic() < deadline, "the long sample never started decoding"
             await asyncio.sleep(0.01)
         info = await pair.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8, seed=1),
                                                 base_model="tiny")

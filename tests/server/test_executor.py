@@ -121,7 +121,9 @@ def test_a_sample_cancelled_through_the_scheduler_leaves_the_engine_pool():
     try:
         sched.start()
         future = sched.submit(sample("long"))
+        deadline = time.monotonic() + WAIT_SECONDS
         while not holding:
+            assert time.monotonic() < deadline, "the sample never reached the engine"
             time.sleep(0.001)
         assert sched.cancel(future) is True
         with pytest.raises(Cancelled, match="stopped waiting"):
