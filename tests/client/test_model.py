@@ -20,6 +20,7 @@ from twinkle_client.lora import lora_spec
 from twinkle_client.model import MultiLoraTransformersModel
 from twinkle_client.processor import InputProcessor, ProcessorError
 
+from ..numerics import assert_trained_alike
 from .conftest import toy_features
 
 integration = pytest.mark.integration
@@ -145,8 +146,11 @@ def test_gradient_accumulation_of_two_equals_one_double_batch(client, tmp_path):
         _train_step(accum, micro)
     _train_step(double, batches[1])
     assert accum.get_train_configs()["step"] == double.get_train_configs()["step"] == 2
-    _assert_close(_weights(client, accum.save("a"), tmp_path / "a"),
-                  _weights(client, double.save("d"), tmp_path / "d"), atol=1e-5)
+    # Two micro-batches against one batch of both: other pass shapes, so gradients a
+    # rounding apart, which Adam may turn into a visible step (tests/numerics.py).
+    assert_trained_alike(_weights(client, accum.save("a"), tmp_path / "a"),
+                         _weights(client, double.save("d"), tmp_path / "d"),
+                         learning_rate=1e-2, steps=2)
 
 
 @integration
@@ -181,12 +185,15 @@ def test_two_models_in_one_process_train_independently_and_equal_their_solo_runs
         thread.start()
     for thread in threads:
         thread.join()
-    for which in (1, 2):
+    # Whether the two models' passes merged depends on the threads' timing; merged or
+    # not, each model's weights are its solo run's within Adam's drift (tests/numerics.py).
+    for which, lr in ((1, 1e-2), (2, 3e-2)):
         solo = build(which)
         train_blocking(solo, data[which])
-        _assert_close(_weights(client, together[which].save(f"t{which}"), tmp_path / f"t{which}"),
-                      _weights(client, solo.save(f"s{which}"), tmp_path / f"s{which}"),
-                      atol=1e-5)
+        assert_trained_alike(
+            _weights(client, together[which].save(f"t{which}"), tmp_path / f"t{which}"),
+            _weights(client, solo.save(f"s{which}"), tmp_path / f"s{which}"),
+            learning_rate=lr, steps=3)
 
 
 @integration
