@@ -97,8 +97,15 @@ def test_a_held_reference_outlives_twice_the_timeout_and_an_rl_chain_stays_bound
             ids = [s._sampling_session_id for s in (reference, *chain)]
             assert {ids[0], ids[-1]} <= _on_disk(short, ids)
             time.sleep(IDLE_S)   # nothing used; the session heart-beats
+            # The snapshots the loop moved past go at the first sweep after that (a busy
+            # machine may run it late: waited for, within 30 s, without using any).
+            deadline = time.monotonic() + 30
+            while _on_disk(short, ids) != {ids[0], ids[-1]} and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _on_disk(short, ids) == {ids[0], ids[-1]}
             # The reference samples what it sampled (the policy trained since), the
-            # latest weights too; the snapshots the loop moved past are gone.
+            # latest weights too. Exact: the same scoring pass of the same frozen weights,
+            # the same shapes, alone.
             assert reference.compute_logprobs(PROMPT).result() == before
             assert len(chain[-1].sample(PROMPT, 1, GREEDY).result().sequences) == 1
             assert len(base.sample(PROMPT, 1, GREEDY).result().sequences) == 1
@@ -117,8 +124,11 @@ def test_an_expired_sessions_unloads_and_ends_are_in_the_audit_log(short):
     are there (within `10 * TIMEOUT_S`), not only the first it sees. It once stopped at
     `session_close` and, in a busy run, found no `model_unload` yet."""
     client = _client(short)   # the SDK beats every 10 s: the session expires first
-    tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
-    snapshot = tc.save_weights_and_get_sampling_client().result()
+    # Beaten while the model and its snapshot are made: on a busy machine they took longer
+    # than the 2 s timeout, and the session expired before the snapshot ("was closed").
+    with beating(short, client):
+        tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
+        snapshot = tc.save_weights_and_get_sampling_client().result()
     session_id = client.holder.get_session_id()
     admin = tinker.AdminClient(base_url=f"http://{short.http_address}", api_key=short.key)
 
