@@ -6,6 +6,11 @@ engine against PEFT. Such pairs run GEMMs of different shapes, and BLAS picks it
 (its summation order) by shape and by CPU, so they agree to float32 rounding and no
 closer. Where the shapes and the code are the same, tests compare exactly instead.
 
+Tokens drawn from such numbers agree up to the first near tie and no further (NEAR_TIE,
+below): a comparison of sampled tokens across computations checks every token up to the
+first that differs, and that this one is a tie a rounding could tip. Only
+`--batch-invariant on` promises seeded tokens bit for bit in any company.
+
 `.ci/run` runs the numeric tests a second time under another kernel choice, so that a
 bound that holds only for this CPU's kernels fails in CI rather than on a user's machine.
 """
