@@ -59,7 +59,9 @@ def test_draws_follow_the_distribution_and_never_pick_a_token_of_probability_zer
 def test_requests_drawn_in_one_batch_draw_what_each_draws_alone():
     """Plain requests (no top-k or top-p) are drawn together, filtered and greedy ones
     each apart; every request's tokens equal its draw alone from the same seed, and its
-    logprobs agree to float32 rounding (log-softmax of the same row: 1e-6)."""
+    logprobs agree to float32 rounding (log-softmax of the same row: 1e-6). The tokens
+    exactly: the same rows of the same logits, and each op of the draw (softmax, cumulative
+    sum, search) works row by row."""
     params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, top_k=4),
               SamplingParams(max_tokens=1, temperature=0.6),
               SamplingParams(max_tokens=1, temperature=0),
