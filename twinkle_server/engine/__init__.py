@@ -12,10 +12,10 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
 - `twinkle_server.runtime` owns tenants and ownership, op construction (merge groups,
   token costs), the store and the typed verbs (`runtime.training`, `.sampling`, `.runs`)
   over plain values, raising the one error family (`engine.errors`).
-- `twinkle_server.scheduler` owns order: per-model queues ordered by `seq_id`, idempotent
-  retries, and (`twinkle_server.planning`) the decisions which ready ops run together
+- `twinkle_server.scheduling.scheduler` owns order: per-model queues ordered by `seq_id`, idempotent
+  retries, and (`twinkle_server.scheduling.planning`) the decisions which ready ops run together
   and when a decode slice runs between training batches. It calls the engine only
-  through `twinkle_server.executor` (`forward_batch`, `decode` or, with the static
+  through `twinkle_server.scheduling.executor` (`forward_batch`, `decode` or, with the static
   sampler, `sample_batch`, and one callable per optimizer/save/load op), from its one
   worker thread.
 - `twinkle_server.engine` (this package) owns the model and every adapter's state:
@@ -34,7 +34,7 @@ The server's layers, and the one direction of their imports (an arrow: "imports"
   transformers, peft, numpy, safetensors and itself.
 - `engine.protocol.EngineAPI` is the engine as the runtime, the executor and the server
   see it, implemented by `Engine` and, on several ranks, by rank 0's
-  `twinkle_server.replication.ReplicatedEngine`. Each public `Engine` method is marked
+  `twinkle_server.ranks.replication.ReplicatedEngine`. Each public `Engine` method is marked
   once where it is defined: `@replicated` (every rank runs it, in order: `add_adapter`,
   `remove_adapter`, `forward_batch`, the optimizer verbs, `calculate_metric`,
   `load_state`, `decode`, `publish_inflight`, `sample_batch` and the prompt logprobs and

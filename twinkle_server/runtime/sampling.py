@@ -18,11 +18,11 @@ from twinkle_server.engine.engine import SampleRequest
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
 from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_topk
 from twinkle_server.engine.types import SampledSequence, SamplingParams
-from twinkle_server.executor import SAMPLE
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, Refusal, SamplerEntry
-from twinkle_server.scheduler import Op
+from twinkle_server.scheduling.executor import SAMPLE
+from twinkle_server.scheduling.planning import Op
 
 
 @dataclass(frozen=True)

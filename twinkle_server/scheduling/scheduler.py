@@ -60,7 +60,7 @@ from twinkle_server.engine.errors import (
     NotFound,
     Unavailable,
 )
-from twinkle_server.planning import (
+from twinkle_server.scheduling.planning import (
     DEFAULT_DECODE_SLICE_S,
     DEFAULT_TOKEN_BUDGET,
     MODES,
@@ -92,7 +92,7 @@ class UnknownQueue(NotFound):
 
 
 class Executor(Protocol):
-    """What the worker calls: the engine glue (`twinkle_server.executor`) or a test fake."""
+    """What the worker calls: the engine glue (`scheduling.executor`) or a test fake."""
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         """One result per op, in order; a per-op failure is returned as an exception value.
@@ -178,7 +178,7 @@ class Scheduler:
         decode_slice_s: how long one decode slice runs while training ops wait.
         decode_apart: decode slices run on a second worker thread, beside training
             batches instead of between them: for an executor whose decoding runs on
-            other devices than its training (sampler ranks, `twinkle_server.split`).
+            other devices than its training (sampler ranks, `twinkle_server.ranks.split`).
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
