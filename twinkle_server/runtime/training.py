@@ -14,14 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_server.engine import checks
-from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import (
     EngineError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LoraSpec, LossSpec
+from twinkle_server.engine.types import (
+    AdamParams,
+    Datum,
+    ForwardOutput,
+    ForwardRequest,
+    LoraSpec,
+    LossSpec,
+)
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.core import (
     CheckpointRef,
