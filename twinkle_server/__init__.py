@@ -11,9 +11,10 @@ Where each job lives:
   prefix cache, KV batch, one token step, the pool's loop and its fault rules), the
   static batch it is measured against, and `verbs`, the sampling half `Engine` composes.
 - `scheduling/`: order and batching, knowing no tenant: per-queue `seq_id` order and
-  idempotent retries (`scheduler`), which ready ops share a pass and when a decode slice
-  runs (`planning`, pure), and the executor that turns a batch into calls on one
-  `EngineAPI` (`executor`).
+  idempotent retries (`queues`), which ready ops share a pass and when a decode slice
+  runs (`planning`, pure), sample ops on their way to the decode pool (`decode_lane`),
+  the worker and its drain (`scheduler`), and the executor that turns a batch into
+  calls on one `EngineAPI` (`executor`).
 - `ranks/`: one `EngineAPI` over several processes, knowing no tenant, queue or wire:
   the launch under torchrun, the channel between ranks, replication (rank 0's calls
   replayed on every rank), a model split into trainer and sampler ranks, and the

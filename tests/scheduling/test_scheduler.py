@@ -10,14 +10,14 @@ import time
 import pytest
 
 from twinkle_server.engine.errors import Cancelled, InvalidArgument
-from twinkle_server.scheduling.scheduler import (
+from twinkle_server.scheduling.planning import Op
+from twinkle_server.scheduling.queues import (
     MAX_SEQ_AHEAD,
-    Op,
     OutOfOrder,
-    Scheduler,
     SchedulerClosed,
     UnknownQueue,
 )
+from twinkle_server.scheduling.scheduler import Scheduler
 
 WAIT_SECONDS = 5
 
