@@ -56,5 +56,5 @@ The imports go one way (an arrow: "imports"):
 - `engine/` and `store/` import nothing else of the server, and the server imports
   nothing of its clients: it stands on the contract, `twinkle_wire`.
 
-`tests/` mirrors the packages.
+`tests/wire/test_wings.py` holds these arrows; `tests/` mirrors the packages.
 """

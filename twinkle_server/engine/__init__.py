@@ -47,7 +47,8 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "twinkle_server.engine.protocol",
     "twinkle_server.engine.checks",
 )
-"""The engine's modules that the runtime, the fronts and the scheduler may import."""
+"""The engine's modules that the runtime, the fronts and the scheduler may import
+(`tests/wire/test_wings.py` holds them to it)."""
 
 _HOMES = {
     # the engine and its base, which the assembly builds
