@@ -16,8 +16,8 @@ import pytest
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.protocol import EngineAPI, marked, ranks_of
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.replication import REPLICATED, ReplicatedEngine
-from twinkle_server.split import SplitEngine
+from twinkle_server.ranks.replication import REPLICATED, ReplicatedEngine
+from twinkle_server.ranks.split import SplitEngine
 
 CONSTRUCTORS = {"load"}
 """Public names of `Engine` that build an engine rather than call one."""

@@ -4,7 +4,7 @@
 it. Two classes implement it, each method written out:
 
 - `engine.Engine`, the in-process engine (one rank, or one of several);
-- `twinkle_server.replication.ReplicatedEngine`, rank 0's engine when the server runs on
+- `twinkle_server.ranks.replication.ReplicatedEngine`, rank 0's engine when the server runs on
   several ranks: it sends each replicated call to every rank before running it itself.
 
 Each public method of `Engine` is declared once, where it is defined, as one of:

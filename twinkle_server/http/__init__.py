@@ -29,7 +29,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
 from twinkle_server.http import unserved
 from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.app import Front

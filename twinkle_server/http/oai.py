@@ -34,8 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from twinkle_server.engine import checks
-from twinkle_server.engine.checkpoint import WEIGHTS_FILE
+from twinkle_server.engine import WEIGHTS_FILE, checks
 from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, NotFound
 from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.http import oai_request

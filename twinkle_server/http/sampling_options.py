@@ -9,7 +9,7 @@ added to its protobuf `SampleResponse`.
 - `prompt_alt_tokens_k` k: `prompt_alt_tokens`, two `[len(prompt) - 1, k]` tensors.
 - `prompt_logprobs_last_n` N: prompt (and top-k) logprobs of the last N tokens only.
 
-The limits are the engine's (`engine.prompt_scoring.check`), checked here before the
+The limits are the engine's (`engine.checks.prompt_scoring`), checked here before the
 request is accepted, so a bad option is a 400 naming the field, not a failed future.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as tpb
 
-from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_topk
+from twinkle_server.engine import PromptScoring, checks
 from twinkle_server.http import convert
 from twinkle_server.http.errors import BadBody
 
@@ -48,14 +48,14 @@ def read(body: Mapping[str, Any], include: bool, topk: int, temperature: float,
         BadBody / InvalidArgument: naming the field and its limit.
     """
     topk_sample = convert.integer(body, "topk_sample_logprobs", 0) or 0
-    check_topk(topk_sample, "topk_sample_logprobs")
+    checks.topk(topk_sample, "topk_sample_logprobs")
     targets, csr = _targets(body.get(FIELD))
     prompt = PromptScoring(include=include, topk=topk,
                            last_n=convert.integer(body, "prompt_logprobs_last_n"),
                            targets=targets,
                            alt_k=convert.integer(body, "prompt_alt_tokens_k", 0) or 0,
                            temperature=temperature)
-    check(prompt, prompt_len, vocab_size)
+    checks.prompt_scoring(prompt, prompt_len, vocab_size)
     return SampleOptions(topk_sample, prompt, csr)
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime.audit import Audit
 from twinkle_server.runtime.copies import Copies
 from twinkle_server.runtime.core import (

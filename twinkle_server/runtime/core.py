@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.errors import (
     Cancelled,
     FailedPrecondition,
@@ -30,9 +31,8 @@ from twinkle_server.engine.errors import (
     Unavailable,
 )
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve_all
-from twinkle_server.scheduler import Op
+from twinkle_server.scheduling.planning import Op
 from twinkle_server.store import AuditRow, CheckpointRow, RunRow, Store
 from twinkle_wire import paths
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_server.engine.checkpoint import CONFIG_FILE, write_atomically
+from twinkle_server.engine import CONFIG_FILE, write_atomically
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.runtime.audit import checkpoint_details
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef

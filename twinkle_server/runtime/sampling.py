@@ -14,15 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from twinkle_server.engine.engine import SampleRequest
+from twinkle_server.engine import PromptScoring, checks
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
-from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_topk
-from twinkle_server.engine.types import SampledSequence, SamplingParams
-from twinkle_server.executor import SAMPLE
+from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, Refusal, SamplerEntry
-from twinkle_server.scheduler import Op
+from twinkle_server.scheduling.executor import SAMPLE
+from twinkle_server.scheduling.planning import Op
 
 
 @dataclass(frozen=True)
@@ -174,8 +173,8 @@ class Sampling:
                           topk=topk_prompt_logprobs, temperature=params.temperature,
                           seed=params.seed)
         try:  # before sampling, not after it
-            check_topk(topk_sample_logprobs, "topk_sample_logprobs")
-            check(scoring, prompt.size, served.engine.base.vocab_size)
+            checks.topk(topk_sample_logprobs, "topk_sample_logprobs")
+            checks.prompt_scoring(scoring, prompt.size, served.engine.base.vocab_size)
         except EngineError as exc:
             return await self.refuse(target, "sample", exc)
         if not params.max_tokens:
@@ -200,7 +199,7 @@ class Sampling:
         engine = self.core.base_of(target.queue).engine
         scoring = PromptScoring(include=True, last_n=last_n)
         try:
-            check(scoring, prompt.size)
+            checks.prompt_scoring(scoring, prompt.size)
         except EngineError as exc:
             return await self.refuse(target, "compute_logprobs", exc)
         return await self.core.run(Op(

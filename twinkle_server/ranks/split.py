@@ -2,7 +2,7 @@
 
 `SplitEngine` is an `engine.protocol.EngineAPI`: training verbs, adapter reads and saves go
 to the trainer ranks' engine (a `ReplicatedEngine` over them, FSDP2 as on any ranks);
-decode slices and prompt scoring go to the sampler ranks (`twinkle_server.sampler_rank`),
+decode slices and prompt scoring go to the sampler ranks (`twinkle_server.ranks.sampler_rank`),
 each a whole copy of the base with its own decode pool, over `sampler_links`. The
 scheduler runs the two on workers of their own (`Scheduler(decode_apart=True)`), so they
 run at the same time.
@@ -65,8 +65,16 @@ from twinkle_server.engine.types import (
     SampledSequence,
     SampleRequest,
 )
-from twinkle_server.sampler_links import SamplerEnd, SamplerLinks
-from twinkle_server.sampler_rank import DECODE, PUBLISH, RELEASE, SCORE, Link, Need, Publication
+from twinkle_server.ranks.sampler_links import SamplerEnd, SamplerLinks
+from twinkle_server.ranks.sampler_rank import (
+    DECODE,
+    PUBLISH,
+    RELEASE,
+    SCORE,
+    Link,
+    Need,
+    Publication,
+)
 
 log = logging.getLogger(__name__)
 _ROUTE_TRIES = 3

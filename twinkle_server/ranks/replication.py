@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from twinkle_server.channel import Channel
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.engine import Engine
@@ -62,6 +61,7 @@ from twinkle_server.engine.types import (
     SampledSequence,
     SampleRequest,
 )
+from twinkle_server.ranks.channel import Channel
 
 log = logging.getLogger(__name__)
 
