@@ -116,7 +116,7 @@ class Engine:
         self.router = Router()
         self.layers = inject(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
-        # datum; every rank makes the same calls in order (`twinkle_server.replication`).
+        # datum; every rank makes the same calls in order (`twinkle_server.ranks.replication`).
         # One process alone is the trivial `OneRank`: the same code, every collective the
         # identity.
         self.parallel = parallel = parallel if parallel is not None else OneRank(base.device)
@@ -449,7 +449,7 @@ class Engine:
         fails its requests with, in one process. Nothing was applied: a failed pass leaves
         every gradient and counter as it was (`forward`). On several ranks the error is
         raised instead: one rank's failure leaves the others waiting in a collective, so
-        the group is lost (`twinkle_server.replication`)."""
+        the group is lost (`twinkle_server.ranks.replication`)."""
         if self.parallel.world > 1:
             raise exc
         log.warning("out of memory in %s: %s", what, exc)
