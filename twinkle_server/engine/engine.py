@@ -65,7 +65,7 @@ from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.engine.parallel import OneRank, Parallel
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import rank_zero_only, replicated
-from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import Sampling, inflight_key
 from twinkle_server.engine.training import Training
 from twinkle_server.engine.types import (

@@ -49,7 +49,7 @@ from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, Unavailable
 from twinkle_server.engine.protocol import marked
-from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.types import (
     AdamParams,
     EngineLimits,

@@ -52,7 +52,7 @@ from twinkle_server.engine.errors import EngineError, FailedPrecondition, NotFou
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.sampler_cache import KEY_PREFIX, SAMPLER_CACHE_SIZE, sampler_key
-from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import inflight_key
 from twinkle_server.engine.types import (
     AdamParams,
