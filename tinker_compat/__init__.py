@@ -8,8 +8,8 @@ Code that builds a dataset before its ServiceClient finds the server for the tok
 `TWINKLE_BASE_URL` (or `TINKER_BASE_URL`), or from `init_tinker_client(base_url=...)`.
 
 Modules: `service_client`, `training_client` (with `training_weights`, its checkpoints and
-sampling clients), `sampling_client`, `rest_client`: the four clients; `futures`
-(APIFuture and the client futures),
+sampling clients), `sampling_client`, `rest_client` (with `rest_weights`, its downloads,
+uploads and copies): the four clients; `futures` (APIFuture and the client futures),
 `errors` (gRPC status -> Tinker exception), `convert` (proto <-> tinker.types, input
 features <-> Datums), `shim` (`init_tinker_client`).
 """
