@@ -263,7 +263,7 @@ class RestClient(WeightsTransfer):
         ```
         """
         return self.delete_checkpoint_from_tinker_path(
-            f"tinker://{training_run_id}/{checkpoint_id}")
+            paths.tinker_path(training_run_id, checkpoint_id))
 
     @deprecated(deprecated_async("delete_checkpoint"))
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
