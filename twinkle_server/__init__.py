@@ -4,12 +4,13 @@ Where each job lives:
 
 - `engine/`: one frozen base model and many LoRA adapters, pure torch, no network: the
   multi-LoRA layers, merged training passes, losses, optimizers, PEFT checkpoints,
-  prompt scoring; `Engine` its entry, `protocol.EngineAPI` how the rest of the server
-  sees it. A failed request comes back as an `EngineError` value, so one tenant's bad
-  request never stops another's.
+  prompt scoring; `Engine` its entry (its training verbs in `training`),
+  `protocol.EngineAPI` how the rest of the server sees it. A failed request comes back
+  as an `EngineError` value, so one tenant's bad request never stops another's.
 - `engine/sampling/`: the engine's decode wing: the continuous-batching pool (admission,
-  prefix cache, KV batch, one token step, the pool's loop and its fault rules), the
-  static batch it is measured against, and `verbs`, the sampling half `Engine` composes.
+  prefix cache, KV batch, one token step, the pool's request books, its loop and its
+  fault rules), the static batch it is measured against, and `verbs`, the sampling half
+  `Engine` composes.
 - `scheduling/`: order and batching, knowing no tenant: per-queue `seq_id` order and
   idempotent retries (`queues`), which ready ops share a pass and when a decode slice
   runs (`planning`, pure), sample ops on their way to the decode pool (`decode_lane`),

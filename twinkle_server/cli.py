@@ -13,6 +13,7 @@ from pathlib import Path
 from twinkle_server.config import flags
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
+from twinkle_wire import paths
 
 
 def _data_dir(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +155,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
-    print(f"tinker://{row.run_id}/{row.checkpoint_id}")
+    print(paths.tinker_path(row.run_id, row.checkpoint_id))
     return 0
 
 

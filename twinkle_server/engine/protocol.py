@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from twinkle_server.engine.adapter import Adapter
     from twinkle_server.engine.base_model import BaseModel
     from twinkle_server.engine.errors import EngineError
-    from twinkle_server.engine.sampling.pool import PoolStats
+    from twinkle_server.engine.sampling.book import PoolStats
     from twinkle_server.engine.types import (
         AdamParams,
         EngineLimits,

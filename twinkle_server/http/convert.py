@@ -24,6 +24,7 @@ from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LossSp
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime.runs import RunView
 from twinkle_server.store import CheckpointRow, RunRow
+from twinkle_wire import paths
 from twinkle_wire.stop import parse_stop
 
 PROTOBUF = "application/x-protobuf"
@@ -273,7 +274,7 @@ def _time(ts: float) -> str:
 
 
 def tinker_path(row: CheckpointRow) -> str:
-    return f"tinker://{row.run_id}/{row.checkpoint_id}"
+    return paths.tinker_path(row.run_id, row.checkpoint_id)
 
 
 def checkpoint(row: CheckpointRow, run: RunRow | None) -> dict[str, Any]:

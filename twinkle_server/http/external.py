@@ -72,7 +72,7 @@ class ExternalRoutes:
         tenant = self.front.tenant(request)
         params = request.path_params
         run_id = self.front.aliases.get((tenant, params["run_id"]), params["run_id"])
-        ref = checkpoint_ref(f"tinker://{run_id}/{params['segment']}/{params['name']}",
+        ref = checkpoint_ref(paths.tinker_path(run_id, f"{params['segment']}/{params['name']}"),
                              "checkpoint_id")
         signed = self.rt.external.urls(tenant, ref)
         base = str(request.base_url).rstrip("/")

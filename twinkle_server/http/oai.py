@@ -44,6 +44,7 @@ from twinkle_server.http.oai_request import OaiError, OaiRequest
 from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.sampling import SampleResult, context_left
+from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server.http")
 PREFIX = "/oai/api/v1"
@@ -120,7 +121,7 @@ class OpenAIRoutes:
                 root = self.rt.checkpoint_base(row, run=run).name
             except EngineError:   # trained on a base this server no longer serves
                 continue
-            data.append({"id": f"tinker://{row.run_id}/{row.checkpoint_id}",
+            data.append({"id": paths.tinker_path(row.run_id, row.checkpoint_id),
                          "object": "model", "created": int(row.created_at),
                          "owned_by": tenant, "root": root})
         return JSONResponse({"object": "list", "data": data})

@@ -11,7 +11,9 @@ tenant, queue or wire.
 - `split`: `SplitEngine`, rank 0's engine of a model split into trainer ranks and sampler
   ranks (`sampler_ranks = K`), trained weights published to the samplers in memory;
 - `sampler_rank`: what a sampler rank runs (`SamplerRank`) and what it is sent;
-- `sampler_links`: rank 0's ends of the sampler ranks' channels.
+- `sampler_links`: rank 0's ends of the sampler ranks' channels;
+- `reads`: what rank 0's engine answers alone (reads, request checks, state saves), the
+  part `ReplicatedEngine` and `SplitEngine` share.
 
 Only the entry and the assembly (`cli.py`, `server.py`) import this wing, for
 `launch`, `ReplicatedEngine`, `SplitEngine` and `Channel`; the runtime, the scheduler

@@ -269,8 +269,8 @@ class Core:
         it."""
         run = run or self.store.get_run(row.tenant, row.run_id)
         name = run.base_model if run is not None else self.bases.default.name
-        return self.bases.of_record(name, f"{field}: checkpoint tinker://{row.run_id}/"
-                                          f"{row.checkpoint_id}")
+        return self.bases.of_record(name, f"{field}: checkpoint "
+                                          f"{paths.tinker_path(row.run_id, row.checkpoint_id)}")
 
     def check_same_base(self, row: CheckpointRow, served: Served, field: str = "path"
                         ) -> None:
@@ -278,7 +278,7 @@ class Core:
         trained = self.checkpoint_base(row, field)
         if trained is not served:
             raise FailedPrecondition(
-                f"{field}: checkpoint tinker://{row.run_id}/{row.checkpoint_id} was trained "
+                f"{field}: checkpoint {paths.tinker_path(row.run_id, row.checkpoint_id)} was trained "
                 f"on base model {trained.name!r}; it cannot load into a model of "
                 f"{served.name!r}")
 
@@ -404,11 +404,11 @@ class Core:
         now = time.time() if now is None else now
         for row in self.store.expired_checkpoints(now):
             if await self.drop_checkpoint(row, expired_by=now):
-                log.info("expired checkpoint tinker://%s/%s tenant=%s", row.run_id,
-                         row.checkpoint_id, row.tenant)
+                log.info("expired checkpoint %s tenant=%s",
+                         paths.tinker_path(row.run_id, row.checkpoint_id), row.tenant)
                 self.record(row.tenant, "checkpoint_delete", reason="expired",
                             model_id=row.run_id,
-                            tinker_path=f"tinker://{row.run_id}/{row.checkpoint_id}",
+                            tinker_path=paths.tinker_path(row.run_id, row.checkpoint_id),
                             checkpoint_type=row.kind, owner=row.tenant)
 
     async def expire_sessions(self) -> None:

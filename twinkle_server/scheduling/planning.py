@@ -19,8 +19,6 @@ from twinkle_server.engine.errors import InvalidArgument
 
 Mode = Literal["merged", "timeshare"]
 MODES: tuple[str, ...] = ("merged", "timeshare")
-Sampler = Literal["continuous", "static"]
-SAMPLERS: tuple[str, ...] = ("continuous", "static")
 Work = Literal["train", "decode"]
 Place = Literal["queued", "joining", "pool", "running", "done"]
 Cancel = Literal["keep", "drop", "skip", "stop"]
