@@ -408,8 +408,7 @@ class Front:
         num_samples = convert.integer(body, "num_samples", 1) or 1
         include = bool(body.get("prompt_logprobs"))
         topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
-        options = sampling_options.read(body, include, topk, params.temperature, prompt.size,
-                                        self.rt.base_of(target.queue).engine.base.vocab_size)
+        options = sampling_options.read(body)
         work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
                                        topk_sample_logprobs=options.topk_sample_logprobs,
                                        prompt_options=options.prompt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,20 @@ class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: Any | None   # an engine `PromptLogprobs` when asked for
     prompt_cache_hit_tokens: int = 0
+
+
+def check_sample(request: SampleRequest, scoring: PromptScoring, served: Served) -> None:
+    """Every rule of a sample request against `served`'s limits and vocabulary, each the
+    engine's own (`engine.checks`), run once before the request is queued.
+
+    Raises:
+        InvalidArgument: naming the field and its limit.
+    """
+    limits, vocab = served.engine.limits, served.engine.base.vocab_size
+    checks.prompt(np.asarray(request.prompt), limits, vocab)
+    checks.sampling(request)
+    checks.sample_size(request, limits)
+    checks.prompt_scoring(scoring, request.prompt.size, vocab)
 
 
 class Sampling:
@@ -158,30 +173,40 @@ class Sampling:
         it for the op's outcome in its turn, or answer `Refusal.error` at once."""
         return self.core.refuse(target.queue, target.seq_id, kind, error, target.request_id)
 
-    async def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
-                     params: SamplingParams, include_prompt_logprobs: bool = False,
-                     topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
-                     prompt_options: PromptScoring | None = None) -> SampleResult:
-        """`num_samples` completions of `prompt`; `params.max_tokens` 0 means up to the
-        context limit. With `include_prompt_logprobs` or `topk_prompt_logprobs` > 0, the
-        prompt's own logprobs (and top-k) come too; `topk_sample_logprobs` k > 0 gives each
-        sampled position's top-k; `prompt_options` (its `last_n`, `targets`, `alt_k`) asks
-        the rest of `PromptScoring`, at the request's temperature and seed."""
-        core = self.core
-        served = core.base_of(target.queue)
+    def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
+               params: SamplingParams, include_prompt_logprobs: bool = False,
+               topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
+               prompt_options: PromptScoring | None = None) -> Awaitable[SampleResult]:
+        """`num_samples` completions of `prompt`, to await; `params.max_tokens` 0 means up
+        to the context limit. With `include_prompt_logprobs` or `topk_prompt_logprobs` > 0,
+        the prompt's own logprobs (and top-k) come too; `topk_sample_logprobs` k > 0 gives
+        each sampled position's top-k; `prompt_options` (its `last_n`, `targets`, `alt_k`)
+        asks the rest of `PromptScoring`, at the request's temperature and seed.
+
+        Every rule of the request is checked here, once, before anything is queued.
+
+        Raises:
+            InvalidArgument: at once, naming the field and its limit; an ordered op's
+                seq_id is taken all the same (`refuse`).
+        """
+        served = self.core.base_of(target.queue)
         scoring = replace(prompt_options or PromptScoring(), include=include_prompt_logprobs,
                           topk=topk_prompt_logprobs, temperature=params.temperature,
                           seed=params.seed)
-        try:  # before sampling, not after it
-            checks.topk(topk_sample_logprobs, "topk_sample_logprobs")
-            checks.prompt_scoring(scoring, prompt.size, served.engine.base.vocab_size)
-        except EngineError as exc:
-            return await self.refuse(target, "sample", exc)
         if not params.max_tokens:
             params = replace(params, max_tokens=context_left(served, prompt.size))
         payload = SampleRequest(target.adapter_id, target.weights_path, prompt,
                                 num_samples or 1, params, topk_sample_logprobs,
                                 target.cache_namespace)
+        try:
+            check_sample(payload, scoring, served)
+        except EngineError as exc:
+            raise self.refuse(target, "sample", exc).error from None
+        return self._sample(target, payload, scoring, served)
+
+    async def _sample(self, target: Target, payload: SampleRequest, scoring: PromptScoring,
+                      served: Served) -> SampleResult:
+        core, prompt = self.core, payload.prompt
         generation = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
                                        payload.num_tokens, payload, target.request_id))
         scored = None
@@ -199,6 +224,7 @@ class Sampling:
         engine = self.core.base_of(target.queue).engine
         scoring = PromptScoring(include=True, last_n=last_n)
         try:
+            checks.prompt(prompt, engine.limits, engine.base.vocab_size)
             checks.prompt_scoring(scoring, prompt.size)
         except EngineError as exc:
             return await self.refuse(target, "compute_logprobs", exc)
