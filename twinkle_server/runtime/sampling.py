@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, replace
 from collections.abc import Awaitable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
