@@ -23,9 +23,10 @@ Where each job lives:
   (`ServerConfig`), the served-models table, placement.
 - `store/`: the SQLite registry, one module per table: API keys, sessions, runs,
   checkpoints, stability records, the audit log.
-- `runtime/`: tenants and ownership, op construction, refusals and the typed verbs
-  (training, sampling, runs, external weights, imports, copies) over plain values; the
-  served models (`bases`), each with its own engine, scheduler and decode pool. No grpc.
+- `runtime/`: tenants and ownership (`core`), op construction, refusals and the typed
+  verbs (training, sampling, runs, external weights, imports, copies) over plain values
+  (`values`); the served models (`bases`), each with its own engine, scheduler and
+  decode pool. No grpc.
 - `service/`: the gRPC front: one servicer per service, proto -> verb -> proto, and the
   one map from error categories to status codes.
 - `http/`: the HTTP front: the Tinker REST API (the stock `tinker` SDK: the shared

@@ -25,7 +25,8 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, Refusal, SamplerEntry
+from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.values import CheckpointRef, OpRef, Refusal, SamplerEntry
 from twinkle_server.scheduling.executor import SAMPLE
 from twinkle_server.scheduling.planning import Op
 
