@@ -318,8 +318,11 @@ class _Reply:
     def _choice(self, index: int, prompt: int, seq: SampledSequence,
                 result: SampleResult) -> dict[str, Any]:
         text = self.tokenizer.decode(seq.tokens.tolist(), skip_special_tokens=True)
-        text, stopped = oai_request.stop_at(text, self.asked.stop)
-        finish = "stop" if stopped or seq.stop_reason == "stop" else "length"
+        # The engine searched for the stop strings and says whether one ended the row;
+        # OpenAI's text leaves out the one it stopped on.
+        finish = "stop" if seq.stop_reason == "stop" else "length"
+        if finish == "stop":
+            text = oai_request.cut_at_stop(text, self.asked.stop)
         if self.route == "chat":
             return {"index": index, "message": {"role": "assistant", "content": text},
                     "logprobs": self._chat_logprobs(seq), "finish_reason": finish}
