@@ -24,14 +24,17 @@ Where each job lives:
   (`ServerConfig`), the served-models table, placement.
 - `store/`: the SQLite registry, one module per table: API keys, sessions, runs,
   checkpoints, stability records, the audit log.
-- `runtime/`: tenants and ownership, op construction, refusals and the typed verbs
-  (training, sampling, runs, external weights, imports, copies) over plain values; the
-  served models (`bases`), each with its own engine, scheduler and decode pool. No grpc.
+- `runtime/`: tenants and ownership (`core`), op construction, refusals and the typed
+  verbs (training, sampling, runs, external weights, imports, copies) over plain values
+  (`values`); the served models (`bases`), each with its own engine, scheduler and
+  decode pool. No grpc.
 - `service/`: the gRPC front: one servicer per service, proto -> verb -> proto, and the
   one map from error categories to status codes.
-- `http/`: the HTTP front: the Tinker REST API (the stock `tinker` SDK), the
-  OpenAI-compatible routes (`oai`), `/metrics`, health, and the signed URLs of external
-  weights and adapter uploads; the same verbs, errors mapped to HTTP statuses.
+- `http/`: the HTTP front: the Tinker REST API (the stock `tinker` SDK: the shared
+  front, service and future routes in `app`, models and training ops in `training`,
+  sampling in `sampling`, listings in `rest`), the OpenAI-compatible routes (`oai`),
+  `/metrics`, health, and the signed URLs of external weights and adapter uploads; the
+  same verbs, errors mapped to HTTP statuses.
 - `cli.py`: `twinkle-server`: serve (handing itself to torchrun for several ranks), API
   keys, runs, adapter import.
 - `server.py`: the assembly: engines (over `ranks` when several processes serve), the

@@ -29,7 +29,8 @@ from starlette.routing import Route
 
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.http import convert
-from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.http.app import Front, json_body, route
+from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.external import DOWNLOAD_PREFIX, parse_recipients
 from twinkle_server.runtime.imports import UPLOAD_PREFIX
 from twinkle_server.runtime.runs import check_ttl

@@ -16,9 +16,9 @@ from starlette.routing import Route
 
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.http import convert
-from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.http.app import Front, json_body, route
 from twinkle_server.http.errors import BadBody
-from twinkle_server.runtime import CheckpointRef
+from twinkle_server.runtime import CheckpointRef, checkpoint_ref
 from twinkle_server.runtime.runs import MAX_PAGE
 from twinkle_wire import paths
 

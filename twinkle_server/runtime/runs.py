@@ -24,7 +24,8 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
+from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.values import CheckpointRef, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
 DEFAULT_PAGE = 20

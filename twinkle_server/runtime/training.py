@@ -29,16 +29,10 @@ from twinkle_server.engine.types import (
     LossSpec,
 )
 from twinkle_server.runtime import audit
-from twinkle_server.runtime.core import (
-    CheckpointRef,
-    Core,
-    ModelEntry,
-    OpRef,
-    Refusal,
-    check_metadata,
-)
+from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.stability import LOSS as STABLE_REINFORCE
 from twinkle_server.runtime.stability import Stability
+from twinkle_server.runtime.values import CheckpointRef, ModelEntry, OpRef, Refusal, check_metadata
 from twinkle_server.scheduling.executor import FORWARD
 from twinkle_server.scheduling.planning import Op
 from twinkle_server.store import CheckpointRow
