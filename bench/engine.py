@@ -22,9 +22,9 @@ from bench.data import mixed_datums, random_datums
 from bench.timing import best_per_call
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
-from twinkle_server.executor import FORWARD, EngineExecutor
-from twinkle_server.planning import default_token_budget
-from twinkle_server.scheduler import Op, Scheduler
+from twinkle_server.scheduling.executor import FORWARD, EngineExecutor
+from twinkle_server.scheduling.planning import default_token_budget
+from twinkle_server.scheduling.scheduler import Op, Scheduler
 
 CE = LossSpec("cross_entropy")
 ADAM = AdamParams(learning_rate=1e-4)

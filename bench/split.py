@@ -40,12 +40,12 @@ def publication_worker(repeats: int) -> None:
     import numpy as np
     import torch
 
-    from twinkle_server.channel import Channel
     from twinkle_server.engine.engine import Engine
     from twinkle_server.engine.parallel import Parallel, placement_from_env
     from twinkle_server.engine.types import LoraSpec
-    from twinkle_server.sampler_rank import Link, SamplerRank
-    from twinkle_server.split import SplitEngine
+    from twinkle_server.ranks.channel import Channel
+    from twinkle_server.ranks.sampler_rank import Link, SamplerRank
+    from twinkle_server.ranks.split import SplitEngine
 
     torch.manual_seed(0)
     parallel = Parallel.init(placement_from_env("cpu"), 120)

@@ -7,10 +7,11 @@ or call `init_tinker_client()` before `from tinker import ServiceClient`. Result
 Code that builds a dataset before its ServiceClient finds the server for the tokenizer in
 `TWINKLE_BASE_URL` (or `TINKER_BASE_URL`), or from `init_tinker_client(base_url=...)`.
 
-Modules: `service_client`, `training_client`, `sampling_client`, `rest_client` (the four
-clients), `futures` (APIFuture and the client futures), `errors` (gRPC status ->
-Tinker exception), `convert` (proto <-> tinker.types, input features <-> Datums),
-`shim` (`init_tinker_client`).
+Modules: `service_client`, `training_client` (with `training_weights`, its checkpoints and
+sampling clients), `sampling_client`, `rest_client` (with `rest_weights`, its downloads,
+uploads and copies): the four clients; `futures` (APIFuture and the client futures),
+`errors` (gRPC status -> Tinker exception), `convert` (proto <-> tinker.types, input
+features <-> Datums), `shim` (`init_tinker_client`).
 """
 
 from tinker_compat.convert import datum_to_input_feature, input_feature_to_datum

@@ -1,41 +1,24 @@
 """Tinker's `RestClient`: the calling tenant's training runs and checkpoints.
 
 Each method returns an `APIFuture` at once. A tenant sees only its own runs and
-checkpoints; another tenant's look like none (NotFoundError).
+checkpoints; another tenant's look like none (NotFoundError). Moving checkpoint files in
+and out (downloads, uploads, copies) is `rest_weights`' half of the class.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from datetime import date, datetime, timezone
-from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
 from tinker import types
 
 from tinker_compat import convert
 from tinker_compat.errors import error_factory
 from tinker_compat.futures import APIFuture, deprecated
+from tinker_compat.rest_weights import WeightsTransfer, deprecated_async
 from twinkle_client import api
 from twinkle_client.connection import Connection, env_endpoint, parse_base_url
 from twinkle_wire import paths
-
-
-class ExternalWeightsUploadStartResult(BaseModel):
-    """Tinker 0.39's `types.ExternalWeightsUploadStartResult` (the installed SDK may
-    predate it): the upload's id, a signed PUT URL per file, and when they expire."""
-
-    upload_id: str
-    urls: dict[str, str]
-    expires: datetime
-
-
-class ExternalWeightsUploadFinishResult(BaseModel):
-    """Tinker 0.39's `types.ExternalWeightsUploadFinishResult`: the new checkpoint."""
-
-    tinker_path: str
 
 AccessScope = Literal["owned", "accessible"]
 
@@ -78,12 +61,7 @@ def open_connection(base_url: str | None, api_key: str | None, client_name: str,
                       open_session=open_session, tags=tags)
 
 
-def _single(method: str) -> str:
-    return (f"DEPRECATED: RestClient.{method}_async() is deprecated. Use `await "
-            f"RestClient.{method}(...)` instead; it returns an APIFuture that can be awaited.")
-
-
-class RestClient:
+class RestClient(WeightsTransfer):
     """Lists, inspects, deletes and downloads the caller's training runs and checkpoints.
 
     Args:
@@ -151,7 +129,7 @@ class RestClient:
         return self._conn.submit(lambda: convert.run_to_tinker(call.send(self._conn)),
                                  future_class=APIFuture)
 
-    @deprecated(_single("get_training_run"))
+    @deprecated(deprecated_async("get_training_run"))
     async def get_training_run_async(self, training_run_id: str,
                                      access_scope: AccessScope = "owned") -> types.TrainingRun:
         """Deprecated: use `await rest_client.get_training_run(...)`."""
@@ -170,7 +148,7 @@ class RestClient:
         return self.get_training_run(paths.parse(tinker_path, "tinker_path").run_id,
                                      access_scope)
 
-    @deprecated(_single("get_training_run_by_tinker_path"))
+    @deprecated(deprecated_async("get_training_run_by_tinker_path"))
     async def get_training_run_by_tinker_path_async(self, tinker_path: str,
                                                     access_scope: AccessScope = "owned"
                                                     ) -> types.TrainingRun:
@@ -203,7 +181,7 @@ class RestClient:
 
         return self._conn.submit(run, future_class=APIFuture)
 
-    @deprecated(_single("list_training_runs"))
+    @deprecated(deprecated_async("list_training_runs"))
     async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
                                        access_scope: AccessScope = "owned",
                                        project_id: str | None = None
@@ -232,7 +210,7 @@ class RestClient:
             raise ValueError("training_run_id: empty")
         return self._conn.submit(self._list, training_run_id, 0, 0, future_class=APIFuture)
 
-    @deprecated(_single("list_checkpoints"))
+    @deprecated(deprecated_async("list_checkpoints"))
     async def list_checkpoints_async(self, training_run_id: str
                                      ) -> types.CheckpointsListResponse:
         """Deprecated: use `await rest_client.list_checkpoints(...)`."""
@@ -250,7 +228,7 @@ class RestClient:
         """
         return self._conn.submit(self._list, "", limit, offset, future_class=APIFuture)
 
-    @deprecated(_single("list_user_checkpoints"))
+    @deprecated(deprecated_async("list_user_checkpoints"))
     async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0
                                           ) -> types.CheckpointsListResponse:
         """Deprecated: use `await rest_client.list_user_checkpoints(...)`."""
@@ -285,9 +263,9 @@ class RestClient:
         ```
         """
         return self.delete_checkpoint_from_tinker_path(
-            f"tinker://{training_run_id}/{checkpoint_id}")
+            paths.tinker_path(training_run_id, checkpoint_id))
 
-    @deprecated(_single("delete_checkpoint"))
+    @deprecated(deprecated_async("delete_checkpoint"))
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
         """Deprecated: use `await rest_client.delete_checkpoint(...)`."""
         return await self.delete_checkpoint(training_run_id, checkpoint_id)
@@ -304,7 +282,7 @@ class RestClient:
         return self._conn.submit(api.delete_checkpoint(tinker_path).send, self._conn,
                                  future_class=APIFuture)
 
-    @deprecated(_single("delete_checkpoint_from_tinker_path"))
+    @deprecated(deprecated_async("delete_checkpoint_from_tinker_path"))
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
         """Deprecated: use `await rest_client.delete_checkpoint_from_tinker_path(...)`."""
         return await self.delete_checkpoint_from_tinker_path(tinker_path)
@@ -330,128 +308,6 @@ class RestClient:
         return self._conn.submit(api.set_checkpoint_ttl(tinker_path, ttl_seconds).send,
                                  self._conn, future_class=APIFuture)
 
-    def get_external_weights_urls(self, tinker_path: str
-                                  ) -> APIFuture[types.ExternalWeightsUrlsResponse]:
-        """Signed download URLs, one per file, of an external weights checkpoint
-        (`tinker://<run>/external_weights/<name>`, from `save_weights_external`). Each
-        works with no API key until `expires`; the server's HTTP front serves them, so
-        the server must run with `--http-port`.
-
-        Example:
-        ```python
-        response = rest_client.get_external_weights_urls(path).result()
-        for name, url in response.urls.items():
-            urllib.request.urlretrieve(url, name)
-        ```
-        """
-        parsed = paths.parse(tinker_path, "tinker_path")
-        if parsed.kind != "external":
-            raise ValueError("get_external_weights_urls only accepts external weights "
-                             "checkpoints (tinker://<training_run_id>/external_weights/<name>), "
-                             f"got {tinker_path!r}")
-
-        def run() -> types.ExternalWeightsUrlsResponse:
-            signed = api.external_weights_urls(self._conn, tinker_path)
-            return types.ExternalWeightsUrlsResponse(
-                urls=signed.urls, expires=datetime.fromtimestamp(signed.expires_at, timezone.utc))
-
-        return self._conn.submit(run, future_class=APIFuture)
-
-    @deprecated(_single("get_external_weights_urls"))
-    async def get_external_weights_urls_async(self, tinker_path: str
-                                              ) -> types.ExternalWeightsUrlsResponse:
-        """Deprecated: use `await rest_client.get_external_weights_urls(...)`."""
-        return await self.get_external_weights_urls(tinker_path)
-
-    def external_weights_upload_start(self, base_model: str, lora_config: types.LoraConfig,
-                                      destination_project_id: str | None = None
-                                      ) -> APIFuture[ExternalWeightsUploadStartResult]:
-        """Start importing a PEFT LoRA adapter trained elsewhere (Tinker 0.39): one signed
-        URL per file (`adapter_config.json`, `adapter_model.safetensors`); PUT each file
-        to its URL (no API key, once each) before `expires`, then call
-        `external_weights_upload_finish(upload_id)`. `lora_config` says the adapter's rank
-        and the layer groups it adapts; its `seed` must be None (an upload brings its own
-        weights), and `destination_project_id` is refused (tenants, not projects).
-
-        Example:
-        ```python
-        started = rest_client.external_weights_upload_start(
-            "Qwen/Qwen3-8B", types.LoraConfig(rank=16)).result()
-        for name, url in started.urls.items():
-            httpx.put(url, content=open(f"adapter/{name}", "rb").read())
-        path = rest_client.external_weights_upload_finish(started.upload_id).result()
-        ```
-        """
-        if destination_project_id is not None:
-            raise ValueError("destination_project_id: this server has tenants, not projects")
-        if lora_config.seed is not None:
-            raise ValueError("lora_config.seed: an upload brings its own weights; leave it None")
-
-        def run() -> ExternalWeightsUploadStartResult:
-            upload = api.start_upload(self._conn, base_model, lora_config.rank,
-                                      lora_config.train_mlp, lora_config.train_attn,
-                                      lora_config.train_unembed)
-            return ExternalWeightsUploadStartResult(
-                upload_id=upload.upload_id, urls=upload.urls,
-                expires=datetime.fromtimestamp(upload.expires_at, timezone.utc))
-
-        return self._conn.submit(run, future_class=APIFuture)
-
-    def external_weights_upload_finish(self, upload_id: str
-                                       ) -> APIFuture[ExternalWeightsUploadFinishResult]:
-        """Finish an upload once every file is PUT: the adapter, checked against its base,
-        becomes an external weights checkpoint of the caller's; its `tinker_path` samples,
-        trains on (`create_training_client_from_state`) and downloads like any other."""
-        def run() -> ExternalWeightsUploadFinishResult:
-            path = api.finish_upload(self._conn, upload_id)
-            return ExternalWeightsUploadFinishResult(tinker_path=convert.tinker_path(path))
-
-        return self._conn.submit(run, future_class=APIFuture)
-
-    def copy_weights(self, path: str, destination_project_id: str | None = None, *,
-                     ttl_seconds: int | None = None, weights_access_token: str | None = None
-                     ) -> APIFuture[str]:
-        """Copy a checkpoint you may read into a new training run of yours.
-
-        The copy keeps the source's kind and name, shares its files (no bytes duplicated),
-        starts private, and outlives the source. Twinkle has tenants, not projects:
-        `destination_project_id` (or `TINKER_PROJECT_ID`) is required, as by the SDK, and
-        recorded only.
-
-        Args:
-        - `path`: tinker path of the checkpoint to copy (yours, or a published one)
-        - `destination_project_id`: recorded with the copy
-        - `ttl_seconds`: the copy expires this long from now (3600 to 10 years); None: never
-        - `weights_access_token`: another tenant's API key, to copy what that tenant may read
-
-        Returns:
-        - `APIFuture` of the copy's tinker path.
-
-        Example:
-        ```python
-        copied = rest_client.copy_weights("tinker://run-id/weights/step-400", "archive").result()
-        ```
-        """
-        if destination_project_id is None:
-            destination_project_id = os.environ.get("TINKER_PROJECT_ID") or None
-        if destination_project_id is None:
-            raise ValueError("Provide destination_project_id or set TINKER_PROJECT_ID")
-        paths.parse(path, "path")
-        # One key per call, reused by the connection's retries: a retry answers one copy.
-        call = api.copy_checkpoint(path, destination_project_id=destination_project_id,
-                                   ttl_seconds=ttl_seconds,
-                                   weights_access_token=weights_access_token or "",
-                                   idempotency_key=str(uuid.uuid4()))
-        return self._conn.submit(call.send, self._conn, future_class=APIFuture)
-
-    @deprecated(_single("copy_weights"))
-    async def copy_weights_async(self, path: str, destination_project_id: str | None = None,
-                                 *, ttl_seconds: int | None = None,
-                                 weights_access_token: str | None = None) -> str:
-        """Deprecated: use `await rest_client.copy_weights(...)`."""
-        return await self.copy_weights(path, destination_project_id, ttl_seconds=ttl_seconds,
-                                       weights_access_token=weights_access_token)
-
     def get_audit_log(self, event_type: str = "all", day: date | None = None
                       ) -> APIFuture[types.AuditLogResponse]:
         """Your audit log entries of one UTC day (default today), oldest first: who did
@@ -476,24 +332,3 @@ class RestClient:
                 for e in call.send(self._conn)])
 
         return self._conn.submit(run, future_class=APIFuture)
-
-    def download_checkpoint(self, tinker_path: str, dest: str | os.PathLike
-                            ) -> APIFuture[Path]:
-        """Download every file of a checkpoint into directory `dest` (a Twinkle addition:
-        a sampler checkpoint is a PEFT adapter directory, `PeftModel.from_pretrained` loads it).
-
-        Args:
-        - `tinker_path`: the checkpoint, `tinker://` or `twinkle://`
-        - `dest`: the directory to fill (made if missing; never left half-written)
-
-        Returns:
-        - `APIFuture` of the directory's `Path`
-
-        Example:
-        ```python
-        folder = rest_client.download_checkpoint(path, "./adapter").result()
-        ```
-        """
-        paths.parse(tinker_path, "tinker_path")
-        return self._conn.submit(api.download_checkpoint, self._conn, tinker_path, dest,
-                                 future_class=APIFuture)

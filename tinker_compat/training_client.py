@@ -8,13 +8,13 @@ submitted before waiting on either is correct, and faster than waiting in betwee
 A reserved seq_id must always reach the server, or the model's later ops would wait for
 it: when an op cannot be sent (an earlier part of its request failed, the user's custom
 loss raised), the seq_id is spent with no op under it (`api.release`, the SkipSeq RPC).
+Checkpoints and sampling clients are `training_weights`' half of the class.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tinker import types
 
@@ -22,34 +22,19 @@ import twinkle_wire as wire
 from tinker_compat import convert, forward_ops
 from tinker_compat.forward_ops import CustomLossFn
 from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
-from tinker_compat.sampling_client import (
-    SamplingClient,
-    SamplingClientFuture,
-    check_sampling_options,
-    submit_sampling_client,
-)
+from tinker_compat.training_weights import TrainingWeights, moved_to_sync
 from twinkle_client import api
 from twinkle_client.connection import Connection
 from twinkle_client.tokenizer import load_tokenizer
-from twinkle_wire import paths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-T = TypeVar("T")
-U = TypeVar("U")
-
-
-def _moved(method: str, advice: str) -> str:
-    return (f"DEPRECATED: TrainingClient.{method}_async() is deprecated. Use "
-            f"TrainingClient.{method}(...) instead: {advice}")
-
 
 _AT_ONCE = ("it returns an APIFuture at once; submit the requests that follow, then await "
             "the future or call .result() on it.")
 
 
-class TrainingClient:
+class TrainingClient(TrainingWeights):
     """Trains one LoRA adapter: forward/backward passes, optimizer steps, checkpoints.
 
     You get one from `service_client.create_lora_training_client(...)`.
@@ -98,7 +83,7 @@ class TrainingClient:
         """
         return self._forward(data, loss_fn, loss_fn_config, backward=False)
 
-    @deprecated(_moved("forward", _AT_ONCE))
+    @deprecated(moved_to_sync("forward", _AT_ONCE))
     async def forward_async(self, data: list[types.Datum], loss_fn: types.LossFnType,
                             loss_fn_config: Mapping[str, float | str] | None = None
                             ) -> APIFuture[types.ForwardBackwardOutput]:
@@ -129,7 +114,7 @@ class TrainingClient:
         """
         return self._forward(data, loss_fn, loss_fn_config, backward=True)
 
-    @deprecated(_moved("forward_backward", _AT_ONCE))
+    @deprecated(moved_to_sync("forward_backward", _AT_ONCE))
     async def forward_backward_async(self, data: list[types.Datum], loss_fn: types.LossFnType,
                                      loss_fn_config: Mapping[str, float | str] | None = None
                                      ) -> APIFuture[types.ForwardBackwardOutput]:
@@ -176,7 +161,7 @@ class TrainingClient:
         return self._conn.submit(forward_ops.run_custom, self._conn, list(data), loss_fn, ops,
                                  first_pass, second_pass, future_class=APIFuture)
 
-    @deprecated(_moved("forward_backward_custom", _AT_ONCE))
+    @deprecated(moved_to_sync("forward_backward_custom", _AT_ONCE))
     async def forward_backward_custom_async(self, data: list[types.Datum],
                                             loss_fn: CustomLossFn
                                             ) -> APIFuture[types.ForwardBackwardOutput]:
@@ -211,227 +196,12 @@ class TrainingClient:
         return self._submit(api.optim_step(adam),
                             lambda _: types.OptimStepResponse(metrics={}))
 
-    @deprecated(_moved("optim_step", _AT_ONCE))
+    @deprecated(moved_to_sync("optim_step", _AT_ONCE))
     async def optim_step_async(self, optim_params: types.AdamParams | None = None, *,
                                adam_params: types.AdamParams | None = None
                                ) -> APIFuture[types.OptimStepResponse]:
         """Deprecated: use `training_client.optim_step(...)`."""
         return self.optim_step(optim_params, adam_params=adam_params)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
-                   user_metadata: dict[str, str] | None = None
-                   ) -> APIFuture[types.SaveWeightsResponse]:
-        """Save the adapter weights and optimizer state as `tinker://<run>/weights/<name>`.
-
-        Args:
-        - `name`: 1-128 letters, digits, '.', '_', '-'
-        - `ttl_seconds`: accepted for compatibility; Twinkle checkpoints do not expire
-        - `overwrite`: replace a checkpoint of the same name (without it, saving a name
-          again is a `ConflictError`); the new checkpoint is complete before the old goes
-        - `user_metadata`: stored with the checkpoint
-
-        Returns:
-        - `APIFuture` of the `SaveWeightsResponse` with the checkpoint's `path`
-
-        Example:
-        ```python
-        path = training_client.save_state("step-100").result().path
-        ```
-        """
-        self._warn_ttl(ttl_seconds)
-        call = api.save_state(paths.check_name(name, "name"), include_optimizer=True,
-                              user_metadata=user_metadata, overwrite=overwrite)
-        return self._submit(call, lambda path: types.SaveWeightsResponse(
-            path=convert.tinker_path(path), type="save_weights"))
-
-    @deprecated(_moved("save_state", "it returns an APIFuture that can be awaited."))
-    async def save_state_async(self, name: str, ttl_seconds: int | None = None,
-                               overwrite: bool = False,
-                               user_metadata: dict[str, str] | None = None
-                               ) -> APIFuture[types.SaveWeightsResponse]:
-        """Deprecated: use `training_client.save_state(...)`."""
-        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
-
-    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
-                                 user_metadata: dict[str, str] | None = None
-                                 ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
-        """Save the adapter weights (PEFT format, no optimizer) for sampling, as
-        `tinker://<run>/sampler_weights/<name>`.
-
-        Example:
-        ```python
-        path = training_client.save_weights_for_sampler("s-1").result().path
-        sampling_client = service_client.create_sampling_client(model_path=path).result()
-        ```
-        """
-        self._warn_ttl(ttl_seconds)
-        call = api.save_weights_for_sampler(paths.check_name(name, "name"), user_metadata)
-        return self._submit(call, lambda path: types.SaveWeightsForSamplerResponse(
-            path=convert.tinker_path(path), type="save_weights_for_sampler"))
-
-    @deprecated(_moved("save_weights_for_sampler", "it returns an APIFuture that can be awaited."))
-    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None,
-                                             user_metadata: dict[str, str] | None = None
-                                             ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
-        """Deprecated: use `training_client.save_weights_for_sampler(...)`."""
-        return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
-
-    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
-                              age_encryption_recipients: list[str] | None = None
-                              ) -> APIFuture[types.SaveWeightsExternalResponse]:
-        """Export the adapter in Hugging Face/PEFT format (`adapter_config.json`,
-        `adapter_model.safetensors`) as `tinker://<run>/external_weights/<name>`: listed,
-        TTL'd and deleted like any checkpoint; download its files with
-        `RestClient.get_external_weights_urls` (or `tinker_cookbook.weights.download`).
-
-        Args:
-        - `name`: 1-128 letters, digits, '.', '_', '-'
-        - `ttl_seconds`: delete it this long from now (3600 to 10 years); None: never
-        - `age_encryption_recipients`: at most 10 `age1...` keys or SSH public keys; every
-          file is encrypted to all of them and stored as `<file>.age` (`age -d` decrypts)
-
-        Example:
-        ```python
-        path = training_client.save_weights_external("final").result().path
-        urls = rest_client.get_external_weights_urls(path).result().urls
-        ```
-        """
-        call = api.save_weights_external(paths.check_name(name, "name"), ttl_seconds,
-                                         age_encryption_recipients)
-        return self._submit(call, lambda path: types.SaveWeightsExternalResponse(
-            path=convert.tinker_path(path), type="save_weights_external"))
-
-    @deprecated(_moved("save_weights_external", "it returns an APIFuture that can be awaited."))
-    async def save_weights_external_async(self, name: str, ttl_seconds: int | None = None,
-                                          age_encryption_recipients: list[str] | None = None
-                                          ) -> APIFuture[types.SaveWeightsExternalResponse]:
-        """Deprecated: use `training_client.save_weights_external(...)`."""
-        return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
-
-    def _load(self, path: str, optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
-        paths.parse(path, "path")
-        return self._submit(api.load_state(path, include_optimizer=optimizer),
-                            lambda _: types.LoadWeightsResponse(
-                                path=convert.tinker_path(path), model_id=self.model_id,
-                                type="load_weights"))
-
-    @deprecated("DEPRECATED: TrainingClient.load_state() is deprecated in tinker; use "
-                "ServiceClient.create_training_client_from_state() instead.")
-    def load_state(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        """Load adapter weights (not the optimizer state) from a `weights/` checkpoint.
-
-        Example:
-        ```python
-        training_client.load_state("tinker://run-id/weights/step-100").result()
-        ```
-        """
-        return self._load(path, optimizer=False)
-
-    @deprecated("DEPRECATED: TrainingClient.load_state_async() is deprecated in tinker; use "
-                "ServiceClient.create_training_client_from_state() instead.")
-    async def load_state_async(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        """Deprecated: as `load_state`, awaited once for the future."""
-        return self._load(path, optimizer=False)
-
-    @deprecated("DEPRECATED: TrainingClient.load_state_with_optimizer() is deprecated in tinker; "
-                "use ServiceClient.create_training_client_from_state_with_optimizer() instead.")
-    def load_state_with_optimizer(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        """Load adapter weights and AdamW state from a `weights/` checkpoint.
-
-        Example:
-        ```python
-        training_client.load_state_with_optimizer("tinker://run-id/weights/step-100").result()
-        ```
-        """
-        return self._load(path, optimizer=True)
-
-    @deprecated("DEPRECATED: TrainingClient.load_state_with_optimizer_async() is deprecated in "
-                "tinker; use ServiceClient.create_training_client_from_state_with_optimizer().")
-    async def load_state_with_optimizer_async(self, path: str
-                                              ) -> APIFuture[types.LoadWeightsResponse]:
-        """Deprecated: as `load_state_with_optimizer`, awaited once for the future."""
-        return self._load(path, optimizer=True)
-
-    # ------------------------------------------------------------------ sampling
-
-    def create_sampling_client(self, model_path: str, retry_config: Any = None,
-                               record_stability_info: bool = False) -> ClientFuture:
-        """A future of a `SamplingClient` on saved sampler weights.
-
-        Example:
-        ```python
-        sampling_client = training_client.create_sampling_client(path).result()
-        ```
-        """
-        return submit_sampling_client(self._conn, model_path=model_path,
-                                      retry_config=retry_config,
-                                      record_stability_info=record_stability_info)
-
-    @deprecated("DEPRECATED: TrainingClient.create_sampling_client_async() is deprecated. Use "
-                "`await TrainingClient.create_sampling_client(...)` instead.")
-    async def create_sampling_client_async(self, model_path: str, retry_config: Any = None,
-                                           record_stability_info: bool = False
-                                           ) -> SamplingClient:
-        """Deprecated: use `await training_client.create_sampling_client(...)`."""
-        return await self.create_sampling_client(model_path, retry_config, record_stability_info)
-
-    def save_weights_and_get_sampling_client(self, name: str | None = None,
-                                             retry_config: Any = None,
-                                             record_stability_info: bool = False,
-                                             kind: str = "snapshot") -> ClientFuture:
-        """Save the current weights for sampling and return a future of a `SamplingClient`.
-
-        `kind="snapshot"` (default): the weights after every op submitted before this
-        call; ops submitted later do not change what it samples. As in Tinker it is
-        ephemeral: no checkpoint (never listed, no path), deleted with its sampling
-        session, when the session closes or expires, after the server's session timeout
-        unused, or at a server restart.
-
-        `kind="inflight"`: publishes the weights to this model's one mutable target,
-        shared by all its inflight sampling clients; a later inflight save updates it for
-        existing and new clients alike, rows mid-generation included (from their next
-        token). Each client is its own prefix-cache namespace.
-
-        Args:
-        - `name`: deprecated in tinker and ignored
-        - `kind`: "snapshot" or "inflight" (`tinker.types.SamplingClientKind`)
-
-        Example:
-        ```python
-        sampling_client = training_client.save_weights_and_get_sampling_client().result()
-        result = sampling_client.sample(prompt, 1, types.SamplingParams(max_tokens=20)).result()
-        ```
-        """
-        if name is not None:
-            warnings.warn("The 'name' parameter of save_weights_and_get_sampling_client() is "
-                          "deprecated and has no effect; use save_weights_for_sampler(name=...) "
-                          "+ create_sampling_client(model_path=...) for a named checkpoint.",
-                          DeprecationWarning, stacklevel=2)
-        if kind not in ("snapshot", "inflight"):
-            raise ValueError(f"kind: must be 'snapshot' or 'inflight', got {kind!r}")
-        check_sampling_options(retry_config=retry_config,
-                               record_stability_info=record_stability_info)
-        op = self._conn.reserve(self.model_id)
-        call = api.save_ephemeral_sampler(inflight=kind == "inflight")
-
-        def run() -> SamplingClient:
-            return SamplingClient(self._conn, call.send(self._conn, op), self._base_model,
-                                  record_stability_info=record_stability_info)
-
-        return self._conn.submit(run, future_class=SamplingClientFuture)
-
-    @deprecated("DEPRECATED: TrainingClient.save_weights_and_get_sampling_client_async() is "
-                "deprecated. Use `await TrainingClient.save_weights_and_get_sampling_client()`.")
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None,
-                                                         retry_config: Any = None,
-                                                         record_stability_info: bool = False,
-                                                         kind: str = "snapshot"
-                                                         ) -> SamplingClient:
-        """Deprecated: use `await training_client.save_weights_and_get_sampling_client()`."""
-        return await self.save_weights_and_get_sampling_client(
-            name, retry_config, record_stability_info, kind)
 
     # ------------------------------------------------------------------ info
 
@@ -464,15 +234,6 @@ class TrainingClient:
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _warn_ttl(ttl_seconds: int | None) -> None:
-        if ttl_seconds is not None:
-            warnings.warn("ttl_seconds: Twinkle checkpoints do not expire; the value is ignored",
-                          UserWarning, stacklevel=3)
-
-    def _submit(self, call: api.OpCall[T], then: Callable[[T], U]) -> APIFuture[U]:
-        """One op: its seq_id taken now, in call order; `then` makes its Tinker response."""
-        return api.submit(self._conn, self.model_id, call, future_class=APIFuture).then(then)
 
     def _pack(self, data: Sequence[types.Datum], loss: api.Loss, backward: bool
               ) -> forward_ops.Ops | APIFuture[Any]:

@@ -10,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from twinkle_server import config as config_mod
+from twinkle_server.config import flags
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
+from twinkle_wire import paths
 
 
 def _data_dir(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +35,10 @@ def _when(ts: float | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from twinkle_server import launch
+    from twinkle_server.ranks import launch
     from twinkle_server.server import ConfigError, GroupLost, config_problem, serve
 
-    cfg = config_mod.from_args(args)
+    cfg = flags.from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not launch.under_launcher():
@@ -138,7 +139,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     from twinkle_server.runtime.imports import MAX_UPLOAD_BYTES, register
 
     try:
-        models = config_mod.ServerConfig(
+        models = flags.ServerConfig(
             model=args.model, models=Path(args.models) if args.models else None,
             max_rank=args.max_rank).model_configs()
         wanted = args.base_model or models[0].name
@@ -154,7 +155,7 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
-    print(f"tinker://{row.run_id}/{row.checkpoint_id}")
+    print(paths.tinker_path(row.run_id, row.checkpoint_id))
     return 0
 
 
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinkle-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gRPC training server")
-    config_mod.add_arguments(serve)
+    flags.add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     keys = sub.add_parser("keys", help="create, list or revoke API keys")

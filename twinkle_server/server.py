@@ -15,22 +15,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from twinkle_server.channel import Channel
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine import Engine
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.http import HTTP_OFF, HttpServer
-from twinkle_server.launch import (
+from twinkle_server.ranks.channel import Channel
+from twinkle_server.ranks.launch import (
     Member,
     load_engine,
     load_engines,
     members,
     several_ranks_problem,
 )
-from twinkle_server.model_table import ModelConfig
-from twinkle_server.replication import ReplicatedEngine
+from twinkle_server.ranks.replication import ReplicatedEngine
+from twinkle_server.ranks.split import SplitEngine
 from twinkle_server.runtime import Runtime
 from twinkle_server.runtime.external import HttpEndpoint
 from twinkle_server.service.external import ExternalWeightsServicer
@@ -39,7 +40,6 @@ from twinkle_server.service.sampling import SamplingServicer
 from twinkle_server.service.session import SessionServicer
 from twinkle_server.service.training import TrainingServicer
 from twinkle_server.service.undecodable import RejectUndecodable
-from twinkle_server.split import SplitEngine
 from twinkle_server.store import Store
 from twinkle_wire import MAX_MESSAGE_BYTES
 from twinkle_wire._proto.twinkle.v1 import (
@@ -131,7 +131,7 @@ def _load_held(config: ServerConfig, parallel: Parallel, channel: Channel
 def _rank_zero_engine(config: ServerConfig, member: Member, local: Engine,
                       on_lost: Callable[[str], None]) -> EngineAPI:
     """What rank 0 drives a model through: its ranks' replicated engine, and for a split
-    model the sampler ranks beside it (`twinkle_server.split`)."""
+    model the sampler ranks beside it (`twinkle_server.ranks.split`)."""
     engine = ReplicatedEngine(local, member.channel, config.collective_timeout, on_lost)
     if not member.links:
         return engine
@@ -142,7 +142,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
                 parallel: Parallel | None = None, channel: Channel | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, then drain and flush the store.
 
-    With `parallel` (rank 0 of several, `twinkle_server.launch`) the engine is sharded
+    With `parallel` (rank 0 of several, `twinkle_server.ranks.launch`) the engine is sharded
     and every call replayed on the other ranks through `channel`; when a rank is lost
     the server drains (ops fail UNAVAILABLE), stops, and raises GroupLost."""
     problem = config_problem(config, parallel.world if parallel is not None else 1)

@@ -43,7 +43,14 @@ class CheckpointPath:
         return f"twinkle://{self.run_id}/{self.segment}/{self.name}"
 
     def tinker(self) -> str:
-        return f"tinker://{self.run_id}/{self.segment}/{self.name}"
+        return tinker_path(self.run_id, f"{self.segment}/{self.name}")
+
+
+def tinker_path(run_id: str, checkpoint_id: str) -> str:
+    """The `tinker://` path of checkpoint `checkpoint_id` (`<segment>/<name>`, as the
+    store keeps it) of run `run_id`: the one place the form is spelled. Checks nothing;
+    `parse` checks a path."""
+    return f"tinker://{run_id}/{checkpoint_id}"
 
 
 def parse(path: str, field: str = "path") -> CheckpointPath:

@@ -48,11 +48,11 @@ def test_a_split_models_trainer_ranks_hold_no_kv_pool_and_give_its_budget_to_ada
     """`sampler_ranks`: the trainer ranks never sample, so the pool the table asks for is
     not counted against their budget (it is the sampler ranks'); the sampler ranks' copy
     still holds it."""
-    from twinkle_server.config import ServerConfig
+    from twinkle_server.config.flags import ServerConfig
     from twinkle_server.engine.errors import FailedPrecondition
     from twinkle_server.engine.parallel import OneRank
     from twinkle_server.engine.types import SampleRequest, SamplingParams
-    from twinkle_server.launch import load_engine
+    from twinkle_server.ranks.launch import load_engine
 
     plain = Engine.load("tiny", cache_dir=str(tiny_cache))
     weights = memory.module_bytes(plain.base.model)

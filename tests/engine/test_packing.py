@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers.masking_utils import create_causal_mask
 
-from twinkle_server.config import ServerConfig, add_arguments, from_args
+from twinkle_server.config.flags import ServerConfig, add_arguments, from_args
 from twinkle_server.engine import packing
 from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.lora import ROWS, TOKENS, LoraWeights, MultiLoraLinear, Router

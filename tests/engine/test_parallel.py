@@ -1,6 +1,6 @@
 """How a pass's datums are shared among ranks (`engine.parallel.share_of`), and the
 sharded engine where the ranks' halves of a pass differ; the server on two ranks runs in
-tests/server/test_replication.py, against one on one rank."""
+tests/ranks/test_replication.py, against one on one rank."""
 
 from __future__ import annotations
 

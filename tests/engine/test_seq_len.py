@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
 from twinkle_server.engine import memory
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import InvalidArgument

@@ -23,6 +23,8 @@ from twinkle_server.http.app import Front
 from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.oai import OpenAIRoutes
 from twinkle_server.http.rest import Rest
+from twinkle_server.http.sampling import SamplingRoutes
+from twinkle_server.http.training import TrainingRoutes
 from twinkle_server.store import hash_key
 
 from .conftest import sft_data
@@ -179,7 +181,8 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
 
 def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
     front = Front(None)
-    routes = {(m, r.path) for r in (*front.routes(), *Rest(front).routes(),
+    routes = {(m, r.path) for r in (*front.routes(), *TrainingRoutes(front).routes(),
+                                    *SamplingRoutes(front).routes(), *Rest(front).routes(),
                                     *AdminRoutes(front).routes(),
                                     *ExternalRoutes(front).routes(),
                                     *OpenAIRoutes(front).routes(), *unserved.routes())

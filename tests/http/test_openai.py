@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 
 import httpx
@@ -359,3 +360,24 @@ def _gauge(url: str, name: str, **labels: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text)
                for s in family.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _audit_events(server, since: int) -> list[tuple[str, str]]:
+    with sqlite3.connect(server.data_dir / "twinkle.db") as db:
+        return db.execute("SELECT event, details FROM audit_log WHERE entry_id > ? "
+                          "ORDER BY entry_id", (since,)).fetchall()
+
+
+def test_a_request_samples_without_a_session_and_leaves_no_rows_behind(server, client,
+                                                                       checkpoint):
+    """The route samples through the runtime's sessionless verb: no sampling session, so
+    no `sampler_create` / `sampler_end` rows; reading a checkpoint is still audited."""
+    path, _ = checkpoint
+    with sqlite3.connect(server.data_dir / "twinkle.db") as db:
+        since = db.execute("SELECT COALESCE(MAX(entry_id), 0) FROM audit_log").fetchone()[0]
+    client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=2, seed=0)
+    client.completions.create(model=path, prompt=PROMPT_IDS, max_tokens=2, seed=0)
+    time.sleep(1.0)   # the store's writer thread records after the answer
+    events = _audit_events(server, since)
+    assert [event for event, _ in events] == ["checkpoint_read"], events
+    assert json.loads(events[0][1])["purpose"] == "sample"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
 from twinkle_server.engine.engine import Engine
 from twinkle_server.runtime import Runtime
 from twinkle_server.store import Store

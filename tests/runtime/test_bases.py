@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
 from twinkle_server.engine.types import Datum, LoraSpec, LossSpec, SamplingParams
-from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime import OpRef, Runtime
 from twinkle_server.runtime.bases import shared_turns
 from twinkle_server.runtime.training import ForwardRequest

@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from twinkle_server import server
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
 
 
 def test_the_engines_load_on_a_thread_that_has_ended_when_serving_begins():

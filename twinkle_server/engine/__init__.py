@@ -1,54 +1,18 @@
 """The engine: one frozen base model, many LoRA adapters, no network.
 
-The server's layers, and the one direction of their imports (an arrow: "imports"):
+`Engine` (`engine.engine`) is its one entry point: the base and its adapters there, its
+training verbs (`training`: merged passes by `forward`, `packing`, `logprobs`, the
+optimizer verbs, PEFT checkpoints) beside them, losses, prompt scoring and sampling
+(`sampling/`, its decode wing), on one rank or as one of several (`parallel`). A failed request comes back as an `EngineError` value, so one
+tenant's bad request never stops another's. The rest of the server sees it as
+`protocol.EngineAPI`. It imports only torch, transformers, peft, numpy, safetensors, the
+contract (`twinkle_wire`) and itself; the server's map is `twinkle_server/__init__.py`.
 
-    service/ (gRPC front) --> runtime/ --> scheduler --> executor --> engine/
-                                 |
-                                 +--> store
-
-- `twinkle_server.service` (the gRPC front) owns the wire: protobuf in, a runtime verb,
-  protobuf out, and the one map from error categories to status codes. Only it (and the
-  assembly in `server.py`) imports grpc; a second front plugs in beside it.
-- `twinkle_server.runtime` owns tenants and ownership, op construction (merge groups,
-  token costs), the store and the typed verbs (`runtime.training`, `.sampling`, `.runs`)
-  over plain values, raising the one error family (`engine.errors`).
-- `twinkle_server.scheduler` owns order: per-model queues ordered by `seq_id`, idempotent
-  retries, and (`twinkle_server.planning`) the decisions which ready ops run together
-  and when a decode slice runs between training batches. It calls the engine only
-  through `twinkle_server.executor` (`forward_batch`, `decode` or, with the static
-  sampler, `sample_batch`, and one callable per optimizer/save/load op), from its one
-  worker thread.
-- `twinkle_server.engine` (this package) owns the model and every adapter's state:
-  `types` its value types, `base_model` the frozen base, `lora` the multi-LoRA layers and
-  row routing, `forward` the merged pass (`packing`: datums packed into one
-  sequence, attention confined to each; `logprobs`: target logprobs from hidden states in
-  chunks through the output layer; `activations`: optional activation checkpointing),
-  `memory` the pass headroom estimate and the memory free, `adapter` one object per
-  adapter with its optimizer verbs, `losses`, `optim`, `decoding` (continuous batching:
-  the decode pool, its KV bound and prefix cache), `sampler` (the static batch, the
-  baseline, and the token-picking rules both share; `sampler_cache`: saved sampler
-  checkpoints kept loaded), `checkpoint` (PEFT format, atomic, save and load),
-  `parallel` the ranks (`Parallel`: FSDP2 over a process group; `OneRank`, the trivial
-  one a process alone uses, every collective the identity, so the pass code has one
-  path), and `engine.Engine`, the only entry point. It imports only torch,
-  transformers, peft, numpy, safetensors and itself.
-- `engine.protocol.EngineAPI` is the engine as the runtime, the executor and the server
-  see it, implemented by `Engine` and, on several ranks, by rank 0's
-  `twinkle_server.replication.ReplicatedEngine`. Each public `Engine` method is marked
-  once where it is defined: `@replicated` (every rank runs it, in order: `add_adapter`,
-  `remove_adapter`, `forward_batch`, the optimizer verbs, `calculate_metric`,
-  `load_state`, `decode`, `publish_inflight`, `sample_batch` and the prompt logprobs and
-  scoring) or `@rank_zero_only`
-  (reads, request checks and saves). `tests/engine/test_protocol.py` fails on a method
-  marked neither way, and on a `ReplicatedEngine` that sends anything else.
-- `twinkle_server.store` owns durable records (keys, sessions, runs, checkpoint paths)
-  beside the runtime, which passes the engine plain file paths from it.
-
-The engine talks back only through return values: results, or an `EngineError` value per
-failed request, so one tenant's bad request never stops another's.
-
-Exports are loaded lazily so importing `engine.types` (for configuration and `--help`)
-does not import torch.
+The runtime, the fronts and the scheduler reach the engine only through
+`PUBLIC_MODULES`: this package (its names below, loaded lazily so that importing
+`engine.types` for configuration and `--help` does not import torch), `types` (the
+values it takes and returns), `errors` (the one error family), `protocol` (`EngineAPI`)
+and `checks` (the request checks made before anything is queued).
 """
 
 from __future__ import annotations
@@ -56,14 +20,50 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from twinkle_server.engine.adapter_import import (
+        ADAPTER_FILES,
+        ImportedAdapter,
+        base_linears,
+        read_import,
+    )
     from twinkle_server.engine.base_model import BaseModel, load_base_model
+    from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, write_atomically
     from twinkle_server.engine.engine import Engine
+    from twinkle_server.engine.losses import LOSS_NAMES
+    from twinkle_server.engine.memory import available_memory_bytes
+    from twinkle_server.engine.optim import OPTIMIZERS, SCHEDULERS
+    from twinkle_server.engine.prompt_scoring import PromptScoring
     from twinkle_server.engine.types import ForwardRequest, SampleRequest
 
-__all__ = ["BaseModel", "Engine", "ForwardRequest", "SampleRequest", "load_base_model"]
+__all__ = ["ADAPTER_FILES", "CONFIG_FILE", "LOSS_NAMES", "OPTIMIZERS", "PUBLIC_MODULES",
+           "SCHEDULERS", "WEIGHTS_FILE", "BaseModel", "Engine", "ForwardRequest",
+           "ImportedAdapter", "PromptScoring", "SampleRequest", "available_memory_bytes",
+           "base_linears", "load_base_model", "read_import", "write_atomically"]
 
-_HOMES = {"BaseModel": "base_model", "load_base_model": "base_model", "Engine": "engine",
-          "ForwardRequest": "types", "SampleRequest": "types"}
+PUBLIC_MODULES: tuple[str, ...] = (
+    "twinkle_server.engine",
+    "twinkle_server.engine.types",
+    "twinkle_server.engine.errors",
+    "twinkle_server.engine.protocol",
+    "twinkle_server.engine.checks",
+)
+"""The engine's modules that the runtime, the fronts and the scheduler may import
+(`tests/wire/test_wings.py` holds them to it)."""
+
+_HOMES = {
+    # the engine and its base, which the assembly builds
+    "Engine": "engine", "BaseModel": "base_model", "load_base_model": "base_model",
+    # requests the fronts and the runtime build
+    "ForwardRequest": "types", "SampleRequest": "types", "PromptScoring": "prompt_scoring",
+    # what the server offers: capabilities and metrics
+    "LOSS_NAMES": "losses", "OPTIMIZERS": "optim", "SCHEDULERS": "optim",
+    "available_memory_bytes": "memory",
+    # checkpoints on disk (PEFT's files, written atomically) and adapters trained elsewhere
+    "CONFIG_FILE": "checkpoint", "WEIGHTS_FILE": "checkpoint",
+    "write_atomically": "checkpoint", "ADAPTER_FILES": "adapter_import",
+    "ImportedAdapter": "adapter_import", "base_linears": "adapter_import",
+    "read_import": "adapter_import",
+}
 
 
 def __getattr__(name: str) -> Any:

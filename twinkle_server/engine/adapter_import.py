@@ -27,7 +27,7 @@ from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import ALL_LINEAR
 from twinkle_server.engine.types import LoraSpec
 
-FILES = (CONFIG_FILE, WEIGHTS_FILE)
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 """The files an import holds, and nothing else."""
 MAX_CONFIG_BYTES = 1 << 20
 UNSERVED_CONFIG: dict[str, Any] = {
@@ -90,14 +90,15 @@ def base_linears(model_dir: Path) -> BaseLinears:
 
 def read_import(directory: Path, base: BaseLinears, max_rank: int,
                 max_bytes: int) -> ImportedAdapter:
-    """The adapter in `directory` (its `FILES`; anything else there, such as the README.md
-    `peft` writes beside them, is not part of it), checked against a base whose linear
-    layers are `base`'s; raises `InvalidArgument` naming the file, the field and the
-    limit."""
-    missing = [name for name in FILES if not (directory / name).is_file()]
+    """The adapter in `directory` (its `ADAPTER_FILES`; anything else there, such as the
+    README.md `peft` writes beside them, is not part of it), checked against a base whose
+    linear layers are `base`'s; raises `InvalidArgument` naming the file, the field and
+    the limit."""
+    missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
     if missing:
-        raise InvalidArgument(f"files: an adapter is {list(FILES)}; {missing} not found")
-    for name in FILES:
+        raise InvalidArgument(f"files: an adapter is {list(ADAPTER_FILES)}; {missing} not "
+                              "found")
+    for name in ADAPTER_FILES:
         size = (directory / name).stat().st_size
         limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else max_bytes
         if size > limit:

@@ -2,7 +2,11 @@
 
 Each reads only the request, the limits (`EngineLimits`, the server's flags) and the
 vocabulary size, never adapter state, and raises `InvalidArgument` naming the field and
-the limit; the engine runs them before it touches the base.
+the limit; the engine runs them before it touches the base, and the runtime and the
+fronts run them before anything is queued (this is one of the engine's public modules).
+The checks of the prompt-scoring options live beside the scoring and are re-exported
+here, as `prompt_scoring` and `topk`, so that every request check is found in this one
+module.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ import torch
 
 from twinkle_server.engine import losses
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.prompt_scoring import check_topk
+from twinkle_server.engine.prompt_scoring import check as prompt_scoring
+from twinkle_server.engine.prompt_scoring import check_topk as topk
 from twinkle_server.engine.types import EngineLimits, ForwardRequest, LoraSpec, SampleRequest
+
+__all__ = ["batch_tokens", "forward_request", "lora_scaling", "lora_spec", "prompt",
+           "prompt_scoring", "sample_size", "sampling", "topk"]
 
 
 def lora_spec(spec: LoraSpec, limits: EngineLimits) -> None:
@@ -100,7 +108,7 @@ def sampling(request: SampleRequest) -> None:
     if p.top_k < -1:
         raise InvalidArgument(f"sampling_params.top_k: must be >= 0 (or -1 = no limit), "
                               f"got {p.top_k}")
-    check_topk(request.topk_logprobs, "topk_sample_logprobs")
+    topk(request.topk_logprobs, "topk_sample_logprobs")
 
 
 def sample_size(request: SampleRequest, limits: EngineLimits) -> None:

@@ -46,12 +46,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checkpoint, checks, forward, losses, memory
+from twinkle_server.engine import activations, checks, memory
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
     EngineError,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -62,22 +61,20 @@ from twinkle_server.engine.lora import (
     inject,
     resolve_targets,
 )
-from twinkle_server.engine.memory import OUT_OF_MEMORY, available_memory_bytes
+from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.engine.parallel import OneRank, Parallel
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import rank_zero_only, replicated
-from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import Sampling, inflight_key
+from twinkle_server.engine.training import Training
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
     AUTO_SEQ_LEN,
-    AdamParams,
     EngineLimits,
-    ForwardOutput,
     ForwardRequest,
     Generation,
     LoraSpec,
-    LossSpec,
     SampledSequence,
     SampleRequest,
 )
@@ -92,11 +89,12 @@ __all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
 _STATE_COPIES = 4
 
 
-class Engine:
+class Engine(Training):
     """Trains and samples many LoRA adapters on one frozen base model.
 
-    Owns the adapters and the forward/sample entry points; the merged pass is in
-    `engine.forward`, the optimizer verbs on `Adapter`, save and load in `checkpoint`.
+    Owns the base, the memory sizing and the adapters; the training verbs (merged passes,
+    optimizer verbs, save and load) are `engine.training`'s, the sampling verbs
+    `sampling.verbs`'.
     """
 
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
@@ -116,7 +114,7 @@ class Engine:
         self.router = Router()
         self.layers = inject(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
-        # datum; every rank makes the same calls in order (`twinkle_server.replication`).
+        # datum; every rank makes the same calls in order (`twinkle_server.ranks.replication`).
         # One process alone is the trivial `OneRank`: the same code, every collective the
         # identity.
         self.parallel = parallel = parallel if parallel is not None else OneRank(base.device)
@@ -322,11 +320,6 @@ class Engine:
         self._detach(adapter_id, adapter.weights)
         del self.adapters[adapter_id]
 
-    def _adapter(self, adapter_id: str) -> Adapter:
-        if adapter_id not in self.adapters:
-            raise NotFound(f"model_id: no model {adapter_id!r}")
-        return self.adapters[adapter_id]
-
     # ------------------------------------------------------------------ sampling
 
     @rank_zero_only
@@ -387,155 +380,3 @@ class Engine:
         """Everything a `prompt_scoring.PromptScoring` asks about `tokens` (own logprobs,
         top-k, target ids, alternative draws), in one pass."""
         return self.sampling.score_prompt(adapter_id, weights_path, tokens, scoring)
-
-    # ------------------------------------------------------------------ forward
-
-    @rank_zero_only
-    def check_forward(self, request: ForwardRequest) -> None:
-        """The checks that depend only on the request, the limits and the vocabulary
-        (`checks.forward_request`). They read no adapter state, so a front may run them
-        as soon as a request arrives (a bad batch then fails before it queues);
-        `forward_batch` runs them again with the checks against the adapter, in the
-        adapter's op order."""
-        checks.forward_request(request, self.limits, self.base.vocab_size)
-
-    @rank_zero_only
-    def validate_forward(self, request: ForwardRequest) -> LossSpec:
-        """Every check before compute, each naming the field and the limit; returns the
-        loss the request runs with (its own, or the adapter's from `set_loss`).
-
-        Reads the adapter, so it belongs on the worker, in the adapter's op order: a
-        `set_loss` queued just before this request has run by then.
-        """
-        adapter = self._adapter(request.adapter_id)
-        self.check_forward(request)
-        if request.loss is not None:
-            return request.loss
-        if adapter.loss is None:
-            raise FailedPrecondition("loss_fn: none given and none set with set_loss")
-        losses.validate_loss(adapter.loss, request.datums)
-        return adapter.loss
-
-    @replicated
-    def forward_batch(self, requests: Sequence[ForwardRequest]
-                      ) -> list[ForwardOutput | EngineError]:
-        """Run all requests in ONE base-model pass; a failure is that request's value."""
-        results: list[ForwardOutput | EngineError | None] = [None] * len(requests)
-        valid: list[int] = []
-        for i, request in enumerate(requests):
-            try:
-                self.validate_forward(request)
-                valid.append(i)
-            except EngineError as exc:
-                results[i] = exc
-        if valid:
-            run = [requests[i] for i in valid]
-            try:
-                outputs: Sequence[ForwardOutput | EngineError] = forward.run_forward(
-                    self.base, self.router, self.adapters, run, self.packing, self.parallel,
-                    self.limits.max_pass_tokens)
-            except OUT_OF_MEMORY as exc:
-                tokens = sum(d.num_tokens for request in run for d in request.datums)
-                cap = self.limits.max_pass_tokens
-                outputs = [self._out_of_memory(
-                    f"a pass of {len(run)} requests, {tokens} tokens",
-                    f"--max-pass-tokens (now {cap or 'none'})", exc)] * len(run)
-            for i, output in zip(valid, outputs, strict=True):
-                results[i] = output
-        return results  # type: ignore[return-value]
-
-    def _out_of_memory(self, what: str, remedy: str, exc: BaseException) -> ResourceExhausted:
-        """The error a pass or decode batch that ran the device (or host) out of memory
-        fails its requests with, in one process. Nothing was applied: a failed pass leaves
-        every gradient and counter as it was (`forward`). On several ranks the error is
-        raised instead: one rank's failure leaves the others waiting in a collective, so
-        the group is lost (`twinkle_server.replication`)."""
-        if self.parallel.world > 1:
-            raise exc
-        log.warning("out of memory in %s: %s", what, exc)
-        return ResourceExhausted(
-            f"memory: the {self.base.device.type} device ran out of memory in {what}; "
-            f"nothing was applied. Retry with fewer tokens, or restart the server with a "
-            f"lower {remedy}")
-
-    # ------------------------------------------------------------------ optimizer verbs
-
-    @replicated
-    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
-        """Tinker's step: AdamW with exactly `params`, optional clipping, zero the grads."""
-        return self._adapter(adapter_id).optim_step(params)
-
-    @replicated
-    def set_loss(self, adapter_id: str, loss: LossSpec) -> None:
-        """The adapter's native loss, used by requests that name none."""
-        losses.resolve_config(loss)
-        self._adapter(adapter_id).loss = loss
-
-    @replicated
-    def set_optimizer(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
-        """Replace the adapter's optimizer with an allow-listed one (`optim.OPTIMIZERS`)."""
-        self._adapter(adapter_id).set_optimizer(name, kwargs)
-
-    @replicated
-    def set_lr_scheduler(self, adapter_id: str, name: str, kwargs: dict[str, Any]) -> None:
-        """Schedule the adapter's lr with an allow-listed scheduler (`optim.SCHEDULERS`)."""
-        self._adapter(adapter_id).set_lr_scheduler(name, kwargs)
-
-    @replicated
-    def clip_grad_norm(self, adapter_id: str, max_norm: float) -> float:
-        """Clip at an accumulation boundary; returns the norm before clipping."""
-        return self._adapter(adapter_id).clip_grad_norm(max_norm)
-
-    @replicated
-    def step(self, adapter_id: str) -> dict[str, float]:
-        """Count a micro-step; every `grad_accum`-th one applies the optimizer."""
-        return self._adapter(adapter_id).step_optimizer()
-
-    @replicated
-    def zero_grad(self, adapter_id: str) -> None:
-        """Clear the gradients at an accumulation boundary (kept inside a window)."""
-        self._adapter(adapter_id).zero_grad_at_boundary()
-
-    @replicated
-    def lr_step(self, adapter_id: str) -> None:
-        """Advance the scheduler once per applied optimizer step."""
-        self._adapter(adapter_id).lr_step()
-
-    @replicated
-    def calculate_metric(self, adapter_id: str, is_training: bool = True) -> dict[str, float]:
-        """Averages since the last call (then reset), plus the adapter's counters."""
-        return self._adapter(adapter_id).calculate_metric(is_training)
-
-    @rank_zero_only
-    def get_train_configs(self, adapter_id: str) -> dict[str, Any]:
-        """LoRA shape, optimizer, scheduler, loss and counters, as plain values."""
-        return self._adapter(adapter_id).train_configs()
-
-    # ------------------------------------------------------------------ checkpoints
-
-    @rank_zero_only
-    def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
-        """PEFT weights only (a sampler checkpoint); returns bytes written."""
-        return checkpoint.save_weights(self._adapter(adapter_id), path,
-                                       str(self.base.model_dir), overwrite)
-
-    @rank_zero_only
-    def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
-                   overwrite: bool = False) -> int:
-        """PEFT weights plus, with `include_optimizer`, everything needed to resume exactly."""
-        return checkpoint.save_state(self._adapter(adapter_id), path, str(self.base.model_dir),
-                                     include_optimizer, overwrite)
-
-    @rank_zero_only
-    @staticmethod
-    def read_checkpoint_spec(path: str | Path) -> LoraSpec:
-        """The LoRA shape a checkpoint was saved with (to create an adapter to load it)."""
-        return checkpoint.read_spec(path)[0]
-
-    @replicated
-    def load_state(self, adapter_id: str, path: str | Path, include_optimizer: bool,
-                   adopt_accumulation: bool = False) -> None:
-        """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter;
-        all or nothing (see `checkpoint.load_state`)."""
-        checkpoint.load_state(self._adapter(adapter_id), path, include_optimizer,
-                              adopt_accumulation)

@@ -286,7 +286,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 def checkpoint_weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """What a model directory's weights take once loaded in `dtype`, counted from its
     safetensors headers (nothing is read beyond them): the start-time check that every
-    model fits where it is placed (`twinkle_server.placement`). Floating-point tensors
+    model fits where it is placed (`twinkle_server.config.placement`). Floating-point tensors
     take `dtype`'s size, others their own."""
     total = 0
     for path in sorted(model_dir.glob("*.safetensors")):

@@ -24,7 +24,7 @@ A merged pass (`engine.forward`) runs as follows on each rank:
    bucket), and every rank ends the pass with the same gradients, hence the same
    optimizer steps.
 
-The rank-0 process drives the others through `twinkle_server.replication`; this module
+The rank-0 process drives the others through `twinkle_server.ranks.replication`; this module
 is torch only.
 """
 
@@ -252,7 +252,7 @@ class Parallel:
         its per-pass state after a backward, and a forward that raised leaves only state
         the next forward overwrites. A backward that raised can leave that callback
         unqueued for good there, which costs nothing while serving: any failure on
-        several ranks ends the group (`twinkle_server.replication`). The base is frozen,
+        several ranks ends the group (`twinkle_server.ranks.replication`). The base is frozen,
         so no gradient reduction of FSDP's is ever pending."""
         if hasattr(self.root, "reset_iter_state"):
             self.root.reset_iter_state()

@@ -4,7 +4,7 @@
 it. Two classes implement it, each method written out:
 
 - `engine.Engine`, the in-process engine (one rank, or one of several);
-- `twinkle_server.replication.ReplicatedEngine`, rank 0's engine when the server runs on
+- `twinkle_server.ranks.replication.ReplicatedEngine`, rank 0's engine when the server runs on
   several ranks: it sends each replicated call to every rank before running it itself.
 
 Each public method of `Engine` is declared once, where it is defined, as one of:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from twinkle_server.engine.adapter import Adapter
     from twinkle_server.engine.base_model import BaseModel
     from twinkle_server.engine.errors import EngineError
-    from twinkle_server.engine.sampling.pool import PoolStats
+    from twinkle_server.engine.sampling.book import PoolStats
     from twinkle_server.engine.types import (
         AdamParams,
         EngineLimits,

@@ -2,7 +2,8 @@
 `/metrics` (Prometheus) and `/api/v1/healthz` on the same port, and the signed
 download URLs of external weights (`external`).
 
-A thin adapter, like the gRPC front: routes (`app`, `rest`) read the SDK's bodies
+A thin adapter, like the gRPC front: routes (`app`, `training`, `sampling`, `rest`,
+`admin`; the OpenAI-compatible ones in `oai`) read the SDK's bodies
 (`convert`), call the same runtime verbs with the tenant from the same
 `Runtime.authenticate`, and answer in the SDK's shapes; ops become futures (`futures`)
 that `retrieve_future` resolves; failures map to statuses in one place (`errors`); the
@@ -29,7 +30,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
 from twinkle_server.http import unserved
 from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.app import Front
@@ -37,6 +38,8 @@ from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.metrics import Metrics
 from twinkle_server.http.oai import OpenAIRoutes
 from twinkle_server.http.rest import Rest
+from twinkle_server.http.sampling import SamplingRoutes
+from twinkle_server.http.training import TrainingRoutes
 from twinkle_server.runtime import Runtime
 
 log = logging.getLogger("twinkle_server")
@@ -47,7 +50,8 @@ HTTP_OFF = -1
 def build_app(rt: Runtime) -> tuple[Starlette, Front, Metrics]:
     front = Front(rt)
     metrics = Metrics(rt, front.futures.pending)
-    routes = [*front.routes(), *Rest(front).routes(), *ExternalRoutes(front).routes(),
+    routes = [*front.routes(), *TrainingRoutes(front).routes(),
+              *SamplingRoutes(front).routes(), *Rest(front).routes(), *ExternalRoutes(front).routes(),
               *AdminRoutes(front).routes(), *OpenAIRoutes(front).routes(),
               *unserved.routes(front), Route("/metrics", metrics.endpoint, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: unserved.not_found(front)})

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from twinkle_server.http import convert
-from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.http.app import Front, json_body, route
+from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.copies import MAX_IDEMPOTENCY_KEY_CHARS
 from twinkle_server.store import AuditRow
 

@@ -4,8 +4,10 @@ Each route authenticates (`X-API-Key`, the SDK's header, or `Authorization: Bear
 reads its body (`convert`), calls the runtime verb the gRPC front calls, and answers in
 the SDK's shape. Ops answer at once with a future (`futures`) that `retrieve_future`
 resolves; the SDK's `seq_id`s count from 1 per training client, the runtime's queues from
-0, so op `seq_id` s is the runtime's s - 1. The run, checkpoint and session listings of
-the SDK's `RestClient` are in `rest`; `/metrics` in `metrics`.
+0, so op `seq_id` s is the runtime's s - 1. `Front` holds what every route shares (auth,
+model aliases, futures) and the session, service and future routes; the training routes
+are in `training`, the sampling routes in `sampling`, the run, checkpoint and session
+listings of the SDK's `RestClient` in `rest`; `/metrics` in `metrics`.
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, Unauthenticated
-from twinkle_server.engine.types import LoraSpec
-from twinkle_server.http import convert, sampling_options
+from twinkle_server.engine.errors import Cancelled, Unauthenticated
+from twinkle_server.http import convert
 from twinkle_server.http.errors import BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
-from twinkle_server.runtime import OpRef, Runtime, checkpoint_ref
-from twinkle_server.runtime.runs import check_ttl
-from twinkle_server.store import CheckpointRow
-from twinkle_wire import paths
+from twinkle_server.runtime import OpRef, Runtime
 
 log = logging.getLogger("twinkle_server.http")
+API_PREFIX = "/api/v1"
+"""Where the SDK's routes live (`base_url` + this)."""
 LEGACY_KEY_PREFIX = "tml-tw-"
 """The SDK accepts only keys that start with `tml-`; a key created before keys had that
 prefix (`tw-...`) is sent as `tml-tw-...` and looked up without the `tml-`."""
@@ -95,7 +95,6 @@ class Front:
         # "<session_id>:train:<model_seq_id>" before the server answers (tinker's
         # `_create_training_client_via_load_weights_submit`); the alias maps it to the run.
         self.aliases: dict[tuple[str, str], str] = {}
-        self.sampler_paths: dict[str, str | None] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -200,230 +199,6 @@ class Front:
         await self.rt.runs.close_session(tenant, request.path_params["session_id"])
         return JSONResponse(None)
 
-    # ------------------------------------------------------------------ models
-
-    @route
-    async def create_model(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        lora = convert._field(body, "lora_config", dict, required=True)
-        optimizer = convert._field(body, "optimizer_config", dict, {})
-        if optimizer.get("type", "adamw") != "adamw":
-            raise InvalidArgument(f"optimizer_config.type: {optimizer.get('type')!r}; this "
-                                  "server runs AdamW only")
-        base_model = convert.text(body, "base_model")
-        self.rt.base(base_model).check_trains()
-        spec = LoraSpec.from_tinker(convert.integer(lora, "rank", 32), convert.integer(lora, "seed"),
-                                    bool(lora.get("train_mlp", True)),
-                                    bool(lora.get("train_attn", True)),
-                                    bool(lora.get("train_unembed", True)))
-        session_id = convert.text(body, "session_id")
-        work = self.rt.training.create_model(
-            tenant, spec=spec, session_id=session_id, base_model=base_model,
-            user_metadata=convert.mapping(body, "user_metadata"))
-        return self.promise(tenant, self._id(), work, lambda info: {
-            "type": "create_model", "model_id": info.entry.model_id})
-
-    @route
-    async def get_info(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        sdk_id = convert.text(body, "model_id", required=True)
-        info = self.rt.training.info(tenant, self.model(tenant, sdk_id))
-        return {"type": "get_info", "model_id": sdk_id, "is_lora": True,
-                "lora_rank": info.spec.rank, "model_name": info.entry.base_model,
-                "model_data": {"arch": info.arch, "model_name": info.entry.base_model,
-                               "tokenizer_id": info.tokenizer_id}}
-
-    @route
-    async def unload_model(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        sdk_id = convert.text(body, "model_id", required=True)
-        work = self.rt.training.unload_model(tenant, self.model(tenant, sdk_id))
-        return self.promise(tenant, self._id(), work,
-                            lambda _: {"type": "unload_model", "model_id": sdk_id})
-
-    # ------------------------------------------------------------------ training ops
-
-    @route
-    async def forward_backward(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        if request.headers.get("content-encoding", "identity") != "identity":
-            raise BadBody("content-encoding: send the body uncompressed (the server's "
-                          "client/config sets proto_compress_fwdbwd false)")
-        msg, datums, loss = convert.forward_request(
-            await request.body(), lambda sdk_id, total: self.rt.training.check_tokens(
-                self.aliases.get((tenant, sdk_id), sdk_id), total))
-        ref = self.op_ref(tenant, msg.model_id, msg.seq_id, rid := self._id())
-        backward = not msg.forward_only
-        kind = "forward_backward" if backward else "forward"
-        try:
-            if isinstance(datums, Exception):
-                raise datums
-            forward = self.rt.training.forward_request(tenant, ref.model_id, datums, loss,
-                                                       backward, convert.provenance(msg))
-        except (EngineError, ValueError) as exc:
-            raise self.refused(tenant, ref, kind, exc) from None
-        return self.promise(tenant, rid, self.rt.training.forward(tenant, ref, forward),
-                            convert.forward_output)
-
-    @route
-    async def optim_step(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        ref = self.op(tenant, body, rid := self._id())
-        try:
-            adam = convert.adam(body)
-        except EngineError as exc:
-            raise self.refused(tenant, ref, "optim_step", exc) from None
-        # No metrics: the hosted service names none for optim_step, and the cookbook's
-        # loops merge these into their own log rows, where our `step` (a float counting
-        # from 1) and `learning_rate` overwrote theirs. gRPC's OptimStep keeps them.
-        return self.promise(tenant, rid, self.rt.training.optim_step(tenant, ref, adam),
-                            lambda _: {"metrics": {}})
-
-    @route
-    async def save_weights(self, request: Request) -> Any:
-        return await self._save(request, "training")
-
-    @route
-    async def save_weights_for_sampler(self, request: Request) -> Any:
-        return await self._save(request, "sampler")
-
-    async def _save(self, request: Request, kind: str) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        ref = self.op(tenant, body, rid := self._id())
-        name = convert.text(body, "path")
-        ephemeral = kind == "sampler" and not name
-        try:
-            client_kind = convert.text(body, "kind") or "snapshot"
-            if client_kind not in ("snapshot", "inflight"):
-                raise InvalidArgument(f"kind: {client_kind!r} is not 'snapshot' or 'inflight'")
-            if client_kind == "inflight" and not ephemeral:
-                raise InvalidArgument("kind: 'inflight' publishes the model's shared sampling "
-                                      "weights, never a named checkpoint; drop path")
-            if ephemeral and body.get("sampling_session_seq_id") is None:
-                raise InvalidArgument("path: give a name, or sampling_session_seq_id for a "
-                                      "sampler of the current weights")
-            name = name if ephemeral else paths.check_name(name, "path")
-            ttl = convert.integer(body, "ttl_seconds")
-            check_ttl(ttl)
-        except (EngineError, paths.PathError) as exc:
-            raise self.refused(tenant, ref, f"save_{kind}", exc) from None
-        if ephemeral:
-            # Tinker's ephemeral sampler weights: no checkpoint, a snapshot that lives as
-            # long as its sampling session (`Sampling.snapshot`); no path, no TTL of its own.
-            return self.promise(tenant, rid, self.rt.sampling.snapshot(
-                tenant, ref, inflight=client_kind == "inflight"),
-                                lambda sampler: {"type": "save_weights_for_sampler",
-                                                 "path": None, "sampling_session_id": sampler})
-        work = self.rt.training.save(tenant, ref, kind, name,
-                                     include_optimizer=kind == "training",
-                                     overwrite=bool(body.get("overwrite", False)),
-                                     user_metadata=convert.mapping(body, "user_metadata"))
-        if ttl is not None:
-            work = self._expiring(tenant, work, ttl)
-        return self.promise(tenant, rid, work, lambda row: {
-            "type": f"save_{'weights' if kind == 'training' else 'weights_for_sampler'}",
-            "path": convert.tinker_path(row)})
-
-    async def _expiring(self, tenant: str, saved: Awaitable[CheckpointRow], ttl: int
-                        ) -> CheckpointRow:
-        """A save, then the expiry the SDK asked for with it (`ttl_seconds`)."""
-        row = await saved
-        await self.rt.runs.set_checkpoint_ttl(
-            tenant, checkpoint_ref(convert.tinker_path(row)), ttl)
-        return row
-
-    @route
-    async def load_weights(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        text = convert.text(body, "path", required=True)
-        optimizer = bool(body.get("optimizer", False))
-        rid = self._id()
-        if body.get("model_id"):
-            ref = self.op(tenant, body, rid)
-            try:
-                source = checkpoint_ref(text)
-            except paths.PathError as exc:
-                raise self.refused(tenant, ref, "load_state", exc) from None
-            return self.promise(tenant, rid,
-                                self.rt.training.load(tenant, ref, source, optimizer),
-                                lambda _: {"type": "load_weights", "path": text,
-                                           "model_id": body["model_id"]})
-        # A new training client from a checkpoint: the SDK names the model itself.
-        session_id = convert.text(body, "session_id", required=True)
-        alias = f"{session_id}:train:{convert.integer(body, 'model_seq_id', 0)}"
-        base_model = convert.text(body, "base_model")
-        self.rt.base(base_model)
-        source = checkpoint_ref(text)
-
-        async def create() -> str:
-            info = await self.rt.training.create_model(
-                tenant, spec=None, from_checkpoint=source, load_optimizer=optimizer,
-                session_id=session_id, base_model=base_model,
-                user_metadata=convert.mapping(body, "user_metadata"))
-            self.aliases[(tenant, alias)] = info.entry.model_id
-            return info.entry.model_id
-        return self.promise(tenant, rid, create(), lambda _: {
-            "type": "load_weights", "path": text, "model_id": alias})
-
-    # ------------------------------------------------------------------ sampling
-
-    @route
-    async def create_sampling_session(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        text = convert.text(body, "model_path")
-        sampler = await self.rt.sampling.create_session(
-            tenant, convert.text(body, "session_id"),
-            model_path=checkpoint_ref(text, "model_path") if text else None,
-            base_model=convert.text(body, "base_model"))
-        self.sampler_paths[sampler] = text or None
-        return {"type": "create_sampling_session", "sampling_session_id": sampler}
-
-    @route
-    async def get_sampler(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        sampler = request.path_params["sampler_id"]
-        entry = self.rt.sampler_of(tenant, sampler)
-        return {"sampler_id": sampler, "base_model": entry.base_model,
-                "model_path": self.sampler_paths.get(sampler)}
-
-    @route
-    async def asample(self, request: Request) -> Any:
-        tenant = self.tenant(request)
-        body = await json_body(request)
-        rid = self._id()
-        sampler = convert.text(body, "sampling_session_id")
-        if not sampler:
-            raise InvalidArgument("sampling_session_id: required; create a sampling client "
-                                  "with ServiceClient.create_sampling_client")
-        target = self.rt.sampling.target(tenant, None, sampler, rid)
-        prompt = convert.prompt_tokens(body)
-        params = convert.sampling_params(body)
-        num_samples = convert.integer(body, "num_samples", 1) or 1
-        include = bool(body.get("prompt_logprobs"))
-        topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
-        options = sampling_options.read(body, include, topk, params.temperature, prompt.size,
-                                        self.rt.base_of(target.queue).engine.base.vocab_size)
-        work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
-                                       topk_sample_logprobs=options.topk_sample_logprobs,
-                                       prompt_options=options.prompt)
-        # Fixed at submission (the SDK reads them off the promise); kept, with what
-        # stable_reinforce needs, when the request asks to record (`runtime.stability`).
-        ids = self.rt.stability.new_ids(num_samples)
-        if body.get("record_stability_info"):
-            work = self.rt.stability.recorded(tenant, target.queue, prompt, ids, work)
-        return self.promise(
-            tenant, rid, work,
-            lambda result: Response(sampling_options.sample_response(result, include, options),
-                                    media_type=convert.PROTOBUF),
-            sample_sequence_ids=ids)
-
     # ------------------------------------------------------------------ futures
 
     @route
@@ -457,7 +232,6 @@ class Front:
     # ------------------------------------------------------------------ routes
 
     def routes(self) -> list[Route]:
-        v1 = "/api/v1"
         table = [
             ("GET", "/healthz", self.healthz),
             ("POST", "/client/config", self.client_config),
@@ -467,18 +241,7 @@ class Front:
             ("POST", "/create_session", self.create_session),
             ("POST", "/session_heartbeat", self.heartbeat),
             ("POST", "/sessions/{session_id}/finish", self.finish_session),
-            ("POST", "/create_model", self.create_model),
-            ("POST", "/get_info", self.get_info),
-            ("POST", "/unload_model", self.unload_model),
-            ("POST", "/forward_backward", self.forward_backward),
-            ("POST", "/optim_step", self.optim_step),
-            ("POST", "/save_weights", self.save_weights),
-            ("POST", "/save_weights_for_sampler", self.save_weights_for_sampler),
-            ("POST", "/load_weights", self.load_weights),
-            ("POST", "/create_sampling_session", self.create_sampling_session),
-            ("GET", "/samplers/{sampler_id}", self.get_sampler),
-            ("POST", "/asample", self.asample),
             ("POST", "/retrieve_future", self.retrieve_future),
             ("POST", "/cancel_future", self.cancel_future),
         ]
-        return [Route(v1 + path, fn, methods=[method]) for method, path, fn in table]
+        return [Route(API_PREFIX + path, fn, methods=[method]) for method, path, fn in table]

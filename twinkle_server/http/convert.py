@@ -24,6 +24,7 @@ from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LossSp
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime.runs import RunView
 from twinkle_server.store import CheckpointRow, RunRow
+from twinkle_wire import paths
 from twinkle_wire.stop import parse_stop
 
 PROTOBUF = "application/x-protobuf"
@@ -199,8 +200,6 @@ def prompt_tokens(body: Mapping[str, Any]) -> np.ndarray:
             raise BadBody(f"prompt.chunks[{index}]: only text (encoded_text) chunks are "
                           "supported")
         ids.extend(_field(chunk, "tokens", list, []))
-    if not ids:
-        raise BadBody("prompt: empty; give at least one token")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise BadBody("prompt: token ids must be integers")
     return wire.token_array(np.asarray(ids, np.int64), "prompt").astype(np.int64)
@@ -210,10 +209,7 @@ def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
     """The SDK's `sampling_params`; `stop` as Tinker reads it (`twinkle_wire.stop`)."""
     p = _field(body, "sampling_params", dict, {})
     stop = parse_stop(p.get("stop"))
-    max_tokens = integer(p, "max_tokens", 0) or 0
-    if max_tokens < 0:
-        raise BadBody(f"sampling_params.max_tokens: must be >= 1, got {max_tokens}")
-    return SamplingParams(max_tokens=max_tokens, temperature=number(p, "temperature", 1.0),
+    return SamplingParams(max_tokens=integer(p, "max_tokens", 0) or 0, temperature=number(p, "temperature", 1.0),
                           top_p=number(p, "top_p", 1.0), top_k=integer(p, "top_k", -1),
                           stop_token_ids=stop.token_ids, stop_strings=stop.strings,
                           seed=integer(p, "seed"), ignore_eos=not stop.on_eos)
@@ -273,7 +269,7 @@ def _time(ts: float) -> str:
 
 
 def tinker_path(row: CheckpointRow) -> str:
-    return f"tinker://{row.run_id}/{row.checkpoint_id}"
+    return paths.tinker_path(row.run_id, row.checkpoint_id)
 
 
 def checkpoint(row: CheckpointRow, run: RunRow | None) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from starlette.routing import Route
 
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.http import convert
-from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.http.app import Front, json_body, route
+from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.external import DOWNLOAD_PREFIX, parse_recipients
 from twinkle_server.runtime.imports import UPLOAD_PREFIX
 from twinkle_server.runtime.runs import check_ttl
@@ -72,7 +73,7 @@ class ExternalRoutes:
         tenant = self.front.tenant(request)
         params = request.path_params
         run_id = self.front.aliases.get((tenant, params["run_id"]), params["run_id"])
-        ref = checkpoint_ref(f"tinker://{run_id}/{params['segment']}/{params['name']}",
+        ref = checkpoint_ref(paths.tinker_path(run_id, f"{params['segment']}/{params['name']}"),
                              "checkpoint_id")
         signed = self.rt.external.urls(tenant, ref)
         base = str(request.base_url).rstrip("/")

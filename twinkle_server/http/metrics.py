@@ -20,8 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from twinkle_server.engine.memory import available_memory_bytes
-from twinkle_server.scheduler import Op
+from twinkle_server.engine import available_memory_bytes
+from twinkle_server.scheduling.planning import Op
 
 OP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 """From a cached retry (~ms) to a long pass on a real model (minutes)."""

@@ -6,10 +6,10 @@
 (`tinker://<run>/sampler_weights/<name>`, or its `twinkle://` form) or external weights
 (an export, or an imported adapter), or `<base name>;<checkpoint path>`. The key is the Tinker API key (`Authorization: Bearer`),
 with the same tenant isolation: another tenant's checkpoint is not found, a published one
-is readable. Each request samples through the runtime's sampling verbs in a sampling
-session of its own, so it runs in the same decode pool, fair with training and with
-Tinker sampling, and a client that goes away (a closed stream, a dropped connection)
-ends its request, freeing its rows.
+is readable. Each request samples through the runtime's sessionless verb
+(`Sampling.sample_from`), so it runs in the same decode pool, fair with training and with
+Tinker sampling, leaves no session behind, and a client that goes away (a closed stream,
+a dropped connection) ends its request, freeing its rows.
 
 Logprobs are those of the sampled tokens under the model's own distribution (Tinker's
 sampler logprobs, untempered). A stream carries the completion in one content chunk
@@ -25,7 +25,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from twinkle_server.engine import checks
-from twinkle_server.engine.checkpoint import WEIGHTS_FILE
+from twinkle_server.engine import WEIGHTS_FILE, checks
 from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, NotFound
 from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.http import oai_request
@@ -44,7 +42,8 @@ from twinkle_server.http.errors import category_of, message_of
 from twinkle_server.http.oai_request import OaiError, OaiRequest
 from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.sampling import SampleResult, context_left
+from twinkle_server.runtime.sampling import SampleResult, Source, context_left
+from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server.http")
 PREFIX = "/oai/api/v1"
@@ -121,7 +120,7 @@ class OpenAIRoutes:
                 root = self.rt.checkpoint_base(row, run=run).name
             except EngineError:   # trained on a base this server no longer serves
                 continue
-            data.append({"id": f"tinker://{row.run_id}/{row.checkpoint_id}",
+            data.append({"id": paths.tinker_path(row.run_id, row.checkpoint_id),
                          "object": "model", "created": int(row.created_at),
                          "owned_by": tenant, "root": root})
         return JSONResponse({"object": "list", "data": data})
@@ -138,18 +137,14 @@ class OpenAIRoutes:
         try:
             tenant = self.front.tenant(request)
             asked = oai_request.read(route, await json_body(request))
-            served, session = await self._session(tenant, asked)
-        except Exception as exc:
-            return error_response(exc)
-        try:
+            source = self._source(tenant, asked)
+            served = source.served
             prompts = self._prompts(served, asked)
             # What the engine would refuse, refused here: a stream's 200 goes out first.
             _check_sizes(served, asked, prompts)
+            work = self._start(tenant, source, asked, prompts)
         except Exception as exc:
-            await self.rt.end_sampler(session, "its OpenAI request was refused")
             return error_response(exc)
-        # Started now, so its session ends whatever the client does.
-        work = asyncio.ensure_future(self._run(tenant, session, asked, prompts))
         reply = _Reply(route, asked, served, prompts)
         if asked.stream:
             return StreamingResponse(reply.stream(work), media_type="text/event-stream",
@@ -159,18 +154,16 @@ class OpenAIRoutes:
         except Exception as exc:
             return error_response(exc)
 
-    async def _session(self, tenant: str, asked: OaiRequest) -> tuple[Served, str]:
-        """The served model `asked.model` names, and a sampling session on it (a base, a
-        sampler checkpoint, or `<base>;<checkpoint>`) of this request's own."""
+    def _source(self, tenant: str, asked: OaiRequest) -> Source:
+        """What `asked.model` names: a served base, a sampler checkpoint, or
+        `<base>;<checkpoint>`."""
         base, _, path = asked.model.partition(";") if ";" in asked.model \
             else ("", "", asked.model)
         if not path.startswith(("tinker://", "twinkle://")):
             if ";" in asked.model:
                 raise OaiError("model", f"{asked.model!r}: after ';' give a checkpoint path "
                                         "(tinker://<run>/sampler_weights/<name>)")
-            served = self._base(path)
-            session = await self.rt.sampling.create_session(tenant, base_model=path)
-            return served, session
+            return Source(self._base(path))
         try:
             ref = checkpoint_ref(path, "model")
         except Exception as exc:
@@ -181,19 +174,17 @@ class OpenAIRoutes:
         if base:
             self._base(base)
         try:
-            session = await self.rt.sampling.create_session(tenant, model_path=ref,
-                                                            base_model=base)
+            source = self.rt.sampling.source(tenant, ref, base)
         except InvalidArgument as exc:   # the checkpoint's base is not `base`
             raise OaiError("model", str(exc)) from None
         except NotFound as exc:          # no such checkpoint (or another tenant's)
             exc.param = "model"          # type: ignore[attr-defined]
             raise
-        weights = self.rt.sampler_of(tenant, session).weights_path
-        if weights is None or not (Path(weights) / WEIGHTS_FILE).is_file():
-            await self.rt.end_sampler(session, "its OpenAI request was refused")
+        if source.weights_path is None or not (Path(source.weights_path)
+                                               / WEIGHTS_FILE).is_file():
             raise OaiError("model", f"{path!r} holds no weights this server can read (an "
                                     "export encrypted with age is for its owner to decrypt)")
-        return self.rt.base_of(session), session
+        return source
 
     def _base(self, name: str) -> Served:
         """The served base `name`: not served is OpenAI's 404, model_not_found."""
@@ -222,30 +213,30 @@ class OpenAIRoutes:
             out.append(ids)
         return out
 
-    async def _run(self, tenant: str, session: str, asked: OaiRequest,
-                   prompts: Sequence[np.ndarray]) -> list[SampleResult]:
-        """Every prompt's `n` choices, through the session's queue; the session ends
-        after, whatever happens (a client gone away cancels the samples)."""
+    def _start(self, tenant: str, source: Source, asked: OaiRequest,
+               prompts: Sequence[np.ndarray]) -> asyncio.Future:
+        """Every prompt's `n` choices, checked now and started, sampled without a session
+        (`Sampling.sample_from`: their prompts could never be reused, and kept they would
+        push live sessions' cached prefixes out of the pool first); cancelling the
+        returned future (a client gone away) cancels them."""
         params = SamplingParams(max_tokens=asked.max_tokens or 0,
                                 temperature=asked.temperature, top_p=asked.top_p,
                                 stop_strings=asked.stop, seed=asked.seed)
-        top = asked.top_logprobs or 0
+        if asked.user:
+            log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
+                     asked.model)
+        started: list[Any] = []
         try:
-            # The session lasts this request: its prompts could never be reused, and kept
-            # they would push live sessions' cached prefixes out of the pool first.
-            target = replace(self.rt.sampling.target(tenant, None, session),
-                             cache_namespace="")
-            if asked.user:
-                log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
-                         asked.model)
-            return list(await asyncio.gather(*(
-                self.rt.sampling.sample(
-                    target, prompt, asked.n, params,
+            for prompt in prompts:
+                started.append(self.rt.sampling.sample_from(
+                    source, prompt, asked.n, params,
                     include_prompt_logprobs=asked.echo and asked.top_logprobs is not None,
-                    topk_sample_logprobs=top)
-                for prompt in prompts)))
-        finally:
-            await self.rt.end_sampler(session, "its OpenAI request ended")
+                    topk_sample_logprobs=asked.top_logprobs or 0))
+        except BaseException:
+            for work in started:   # refused before any of them was queued
+                work.close()
+            raise
+        return asyncio.gather(*started)
 
     def routes(self) -> list[Route]:
         served = [Route(f"{PREFIX}/models", self.models, methods=["GET"]),
@@ -328,8 +319,11 @@ class _Reply:
     def _choice(self, index: int, prompt: int, seq: SampledSequence,
                 result: SampleResult) -> dict[str, Any]:
         text = self.tokenizer.decode(seq.tokens.tolist(), skip_special_tokens=True)
-        text, stopped = oai_request.stop_at(text, self.asked.stop)
-        finish = "stop" if stopped or seq.stop_reason == "stop" else "length"
+        # The engine searched for the stop strings and says whether one ended the row;
+        # OpenAI's text leaves out the one it stopped on.
+        finish = "stop" if seq.stop_reason == "stop" else "length"
+        if finish == "stop":
+            text = oai_request.cut_at_stop(text, self.asked.stop)
         if self.route == "chat":
             return {"index": index, "message": {"role": "assistant", "content": text},
                     "logprobs": self._chat_logprobs(seq), "finish_reason": finish}

@@ -276,8 +276,9 @@ def _content(value: Any, where: str) -> str:
     raise OaiError(where, "give a string or a list of text parts")
 
 
-def stop_at(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """`text` cut before the first of `stops` it contains, and whether one was found
-    (OpenAI returns the text without its stop sequence)."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The text of a row the engine stopped on one of `stops`, cut before it (OpenAI
+    returns the text without its stop sequence); unchanged when the row ended on a stop
+    token instead."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]

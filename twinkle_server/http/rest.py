@@ -16,10 +16,11 @@ from starlette.routing import Route
 
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.http import convert
-from twinkle_server.http.app import Front, checkpoint_ref, json_body, route
+from twinkle_server.http.app import Front, json_body, route
 from twinkle_server.http.errors import BadBody
-from twinkle_server.runtime import CheckpointRef
+from twinkle_server.runtime import CheckpointRef, checkpoint_ref
 from twinkle_server.runtime.runs import MAX_PAGE
+from twinkle_wire import paths
 
 
 def _page_args(request: Request) -> tuple[int, int]:
@@ -73,7 +74,7 @@ class Rest:
         tenant = self.front.tenant(request)
         params = request.path_params
         run_id = self._run_id(tenant, params["run_id"])
-        text = f"tinker://{run_id}/{params['segment']}/{params['name']}"
+        text = paths.tinker_path(run_id, f"{params['segment']}/{params['name']}")
         return tenant, checkpoint_ref(text, "checkpoint_id")
 
     @route

@@ -9,8 +9,8 @@ added to its protobuf `SampleResponse`.
 - `prompt_alt_tokens_k` k: `prompt_alt_tokens`, two `[len(prompt) - 1, k]` tensors.
 - `prompt_logprobs_last_n` N: prompt (and top-k) logprobs of the last N tokens only.
 
-The limits are the engine's (`engine.prompt_scoring.check`), checked here before the
-request is accepted, so a bad option is a 400 naming the field, not a failed future.
+The limits are the engine's (`engine.checks`), checked once by `runtime.sampling` before
+the request is queued, so a bad option is a 400 naming the field, not a failed future.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as tpb
 
-from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_topk
+from twinkle_server.engine import PromptScoring
 from twinkle_server.http import convert
 from twinkle_server.http.errors import BadBody
 
@@ -40,23 +40,18 @@ class SampleOptions:
     csr: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def read(body: Mapping[str, Any], include: bool, topk: int, temperature: float,
-         prompt_len: int, vocab_size: int) -> SampleOptions:
-    """The body's options, checked against the prompt and the server's limits.
+def read(body: Mapping[str, Any]) -> SampleOptions:
+    """The body's options as the runtime's values; their limits are checked by
+    `runtime.sampling` with the rest of the request.
 
     Raises:
-        BadBody / InvalidArgument: naming the field and its limit.
+        BadBody: a field of the wrong form, named.
     """
-    topk_sample = convert.integer(body, "topk_sample_logprobs", 0) or 0
-    check_topk(topk_sample, "topk_sample_logprobs")
     targets, csr = _targets(body.get(FIELD))
-    prompt = PromptScoring(include=include, topk=topk,
-                           last_n=convert.integer(body, "prompt_logprobs_last_n"),
+    prompt = PromptScoring(last_n=convert.integer(body, "prompt_logprobs_last_n"),
                            targets=targets,
-                           alt_k=convert.integer(body, "prompt_alt_tokens_k", 0) or 0,
-                           temperature=temperature)
-    check(prompt, prompt_len, vocab_size)
-    return SampleOptions(topk_sample, prompt, csr)
+                           alt_k=convert.integer(body, "prompt_alt_tokens_k", 0) or 0)
+    return SampleOptions(convert.integer(body, "topk_sample_logprobs", 0) or 0, prompt, csr)
 
 
 def _ints(values: Any, field: str) -> np.ndarray:

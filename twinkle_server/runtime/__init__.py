@@ -1,9 +1,11 @@
 """The runtime: the one layer between the fronts and the scheduler.
 
 It owns tenants and ownership (`Core`), op construction (merge groups, token costs),
-the store, and the typed verbs every front calls: `runtime.training` (create_model,
-forward, optim_step, save, load, ...), `runtime.sampling` (sessions, sample,
-compute_logprobs), `runtime.runs` (sessions, runs, checkpoints, capabilities) and
+the store, the plain values passed between them (`runtime.values`: op and checkpoint
+references, refusals, model and sampler entries), and the typed verbs every front calls:
+`runtime.training` (create_model, forward, optim_step, save, load, ...),
+`runtime.sampling` (sessions, sample, sampling without a session, compute_logprobs; each
+request's rules checked once, before it is queued), `runtime.runs` (sessions, runs, checkpoints, capabilities) and
 `runtime.external` (external weights and their signed download URLs). Verbs
 take plain values and an authenticated tenant (`Runtime.authenticate`) and return plain
 values or raise the one error family (`twinkle_server.engine.errors`). Nothing here
@@ -14,26 +16,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime.audit import Audit
 from twinkle_server.runtime.copies import Copies
-from twinkle_server.runtime.core import (
-    CheckpointRef,
-    Core,
-    ModelEntry,
-    OpRef,
-    SamplerEntry,
-    check_metadata,
-    checkpoint_ref,
-)
+from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.external import External
 from twinkle_server.runtime.imports import Imports
 from twinkle_server.runtime.runs import Runs
 from twinkle_server.runtime.sampling import Sampling
 from twinkle_server.runtime.stability import Stability
 from twinkle_server.runtime.training import Training
+from twinkle_server.runtime.values import (
+    CheckpointRef,
+    ModelEntry,
+    OpRef,
+    SamplerEntry,
+    check_metadata,
+    checkpoint_ref,
+)
 from twinkle_server.store import Store
 
 __all__ = ["CheckpointRef", "ModelEntry", "OpRef", "Runtime", "SamplerEntry",

@@ -39,6 +39,7 @@ from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.runtime.core import Core
 from twinkle_server.store.audit import AuditRow
 from twinkle_server.store.checkpoints import CheckpointRow
+from twinkle_wire import paths
 
 EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "all": (), "checkpoints": ("checkpoint_",), "models": ("model_",),
@@ -54,7 +55,7 @@ MAX_ENTRIES_PER_DAY = 10_000
 
 def checkpoint_details(row: CheckpointRow) -> dict[str, Any]:
     """What a checkpoint event is about, in the SDK's terms."""
-    return {"model_id": row.run_id, "tinker_path": f"tinker://{row.run_id}/{row.checkpoint_id}",
+    return {"model_id": row.run_id, "tinker_path": paths.tinker_path(row.run_id, row.checkpoint_id),
             "checkpoint_type": row.kind, "owner": row.tenant}
 
 

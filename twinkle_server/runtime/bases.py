@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import AUTO_SEQ_LEN
-from twinkle_server.executor import SAMPLE, EngineExecutor, Turns
-from twinkle_server.model_table import ModelConfig
-from twinkle_server.planning import default_token_budget
-from twinkle_server.scheduler import Scheduler
+from twinkle_server.scheduling.executor import SAMPLE, EngineExecutor, Turns
+from twinkle_server.scheduling.planning import default_token_budget
+from twinkle_server.scheduling.scheduler import Scheduler
 
 ADMIN_QUEUE = "__admin__"
 """Each model's queue for engine mutations (adding and removing adapters)."""

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from twinkle_server.engine.errors import NotFound, Unauthenticated
 from twinkle_server.runtime.audit import checkpoint_details, record
-from twinkle_server.runtime.core import CheckpointRef, Core
+from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.runs import check_ttl
+from twinkle_server.runtime.values import CheckpointRef
 from twinkle_server.store import AuditRow, CheckpointRow
 
 COPY_EVENT = "checkpoint_copy"

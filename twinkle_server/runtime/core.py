@@ -14,25 +14,30 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.errors import (
     Cancelled,
     FailedPrecondition,
-    InvalidArgument,
     NotFound,
     Unauthenticated,
     Unavailable,
 )
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.model_table import ModelConfig
 from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve_all
-from twinkle_server.scheduler import Op
+from twinkle_server.runtime.values import (
+    CheckpointRef,
+    ModelEntry,
+    OpRef,
+    Refusal,
+    SamplerEntry,
+)
+from twinkle_server.scheduling.planning import Op
 from twinkle_server.store import AuditRow, CheckpointRow, RunRow, Store
 from twinkle_wire import paths
 
@@ -40,89 +45,10 @@ log = logging.getLogger("twinkle_server")
 T = TypeVar("T")
 OpObserver = Callable[[str, Op, float, Any, "BaseException | None"], None]
 OPEN_TENANT = "local"
-MAX_METADATA_ENTRIES = 64
-MAX_METADATA_BYTES = 16 * 1024
-"""Caps on user metadata and session tags: they are stored in SQLite and returned with
-every run listing, so one request must not be able to bloat either."""
 SNAPSHOT_DIR = "sampler-snapshots"
 """Where, in the data dir, the weights of snapshot sampling sessions (Tinker's ephemeral
 `save_weights_and_get_sampling_client`) live, one directory per session, named by its
 id: apart from `checkpoints/`, so no listing, expiry sweep or size total ever sees them."""
-
-
-@dataclass(frozen=True)
-class OpRef:
-    """Which op of which model: the client's `seq_id` orders it (None: unordered) and
-    `request_id` names it in logs."""
-
-    model_id: str
-    seq_id: int | None
-    request_id: str = ""
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """A parsed checkpoint path, with the text and field it came from for messages."""
-
-    run_id: str
-    kind: str           # "training" or "sampler"
-    name: str
-    text: str
-    field: str = "path"
-
-
-def checkpoint_ref(text: str, field: str = "path") -> CheckpointRef:
-    """A `twinkle://` or `tinker://` checkpoint path, parsed (raises `PathError` naming
-    `field`); every front reads checkpoint paths with this."""
-    path = paths.parse(text, field)
-    return CheckpointRef(path.run_id, path.kind, path.name, text, field)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A refused op that has taken its seq_id (`Core.refuse`): `error` is the answer to
-    give at once; awaiting gives the op's outcome in its turn."""
-
-    error: BaseException
-    outcome: asyncio.Future
-
-    def __await__(self):
-        return self.outcome.__await__()
-
-
-@dataclass
-class ModelEntry:
-    """A loaded adapter: which tenant and session own it, and its base model as the
-    client named it."""
-
-    model_id: str
-    tenant: str
-    session_id: str | None
-    base_model: str
-
-
-@dataclass
-class SamplerEntry:
-    session_id: str
-    tenant: str
-    model_id: str | None       # live adapter, or an inflight target's route id
-    weights_path: str | None   # sampler checkpoint directory
-    base_model: str
-    snapshot: bool = False     # weights_path is its own snapshot, deleted with it
-    snapshot_of: str | None = None  # a snapshot's: the model whose weights it holds
-    last_used: float = 0.0     # time.monotonic() of its creation or latest request's end
-    in_flight: int = 0         # its requests running or queued now
-    inflight_of: str | None = None  # the model whose inflight target it samples
-
-
-def check_metadata(values: Mapping[str, str], field: str) -> dict[str, str]:
-    """A copy of a string map, refused when over the caps above."""
-    out = dict(values)
-    size = sum(len(k.encode()) + len(v.encode()) for k, v in out.items())
-    if len(out) > MAX_METADATA_ENTRIES or size > MAX_METADATA_BYTES:
-        raise InvalidArgument(f"{field}: {len(out)} entries, {size} bytes; at most "
-                              f"{MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes")
-    return out
 
 
 class Core:
@@ -269,8 +195,8 @@ class Core:
         it."""
         run = run or self.store.get_run(row.tenant, row.run_id)
         name = run.base_model if run is not None else self.bases.default.name
-        return self.bases.of_record(name, f"{field}: checkpoint tinker://{row.run_id}/"
-                                          f"{row.checkpoint_id}")
+        return self.bases.of_record(name, f"{field}: checkpoint "
+                                          f"{paths.tinker_path(row.run_id, row.checkpoint_id)}")
 
     def check_same_base(self, row: CheckpointRow, served: Served, field: str = "path"
                         ) -> None:
@@ -278,7 +204,7 @@ class Core:
         trained = self.checkpoint_base(row, field)
         if trained is not served:
             raise FailedPrecondition(
-                f"{field}: checkpoint tinker://{row.run_id}/{row.checkpoint_id} was trained "
+                f"{field}: checkpoint {paths.tinker_path(row.run_id, row.checkpoint_id)} was trained "
                 f"on base model {trained.name!r}; it cannot load into a model of "
                 f"{served.name!r}")
 
@@ -404,11 +330,11 @@ class Core:
         now = time.time() if now is None else now
         for row in self.store.expired_checkpoints(now):
             if await self.drop_checkpoint(row, expired_by=now):
-                log.info("expired checkpoint tinker://%s/%s tenant=%s", row.run_id,
-                         row.checkpoint_id, row.tenant)
+                log.info("expired checkpoint %s tenant=%s",
+                         paths.tinker_path(row.run_id, row.checkpoint_id), row.tenant)
                 self.record(row.tenant, "checkpoint_delete", reason="expired",
                             model_id=row.run_id,
-                            tinker_path=f"tinker://{row.run_id}/{row.checkpoint_id}",
+                            tinker_path=paths.tinker_path(row.run_id, row.checkpoint_id),
                             checkpoint_type=row.kind, owner=row.tenant)
 
     async def expire_sessions(self) -> None:

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_server.engine.checkpoint import CONFIG_FILE, write_atomically
+from twinkle_server.engine import CONFIG_FILE, write_atomically
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.runtime.audit import checkpoint_details
-from twinkle_server.runtime.core import CheckpointRef, Core, OpRef
+from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.runs import check_ttl
 from twinkle_server.runtime.signed_urls import (
     DEFAULT_URL_TTL_SECONDS,
@@ -36,6 +36,7 @@ from twinkle_server.runtime.signed_urls import (
     Signer,
     load_secret,
 )
+from twinkle_server.runtime.values import CheckpointRef, OpRef
 from twinkle_server.store import CheckpointRow
 from twinkle_wire import paths
 

@@ -5,8 +5,8 @@ caller's, on the base it names.
 
 An upload lives in `<data dir>/uploads/<upload_id>/`: its record (`upload.json`: tenant,
 base, LoRA config, expiry) and `files/`, where each signed PUT writes one of
-`adapter_import.FILES` (to a temporary name, renamed when whole onto its name, claimed
-first: a second PUT of a file is refused, even one racing the first). `finish` claims
+`ADAPTER_FILES` (to a temporary name, renamed when whole onto its name, claimed first: a
+second PUT of a file is refused, even one racing the first). `finish` claims
 the upload by renaming its folder (`<upload_id>.finishing`: of finishes racing, one wins,
 and a PUT still sending finds it gone), checks the files against the base
 (`engine.adapter_import`), writes the checkpoint atomically, records its run and
@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_server.engine.adapter_import import (
-    FILES,
+from twinkle_server.engine import (
+    ADAPTER_FILES,
+    WEIGHTS_FILE,
     ImportedAdapter,
     base_linears,
     read_import,
+    write_atomically,
 )
-from twinkle_server.engine.checkpoint import write_atomically
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.runtime.audit import checkpoint_details
 from twinkle_server.runtime.bases import Served
@@ -117,7 +118,7 @@ class Imports:
                   "expires": expires}
         (folder / "upload.json").write_text(json.dumps(record))
         paths = {f: self.signer.sign(upload_path(upload_id, f), UPLOAD_TTL_SECONDS, now,
-                                     reader=tenant) for f in FILES}
+                                     reader=tenant) for f in ADAPTER_FILES}
         self.core.record(tenant, "checkpoint_upload_start", upload_id=upload_id,
                          base_model=served.name)
         return Started(upload_id, paths, expires)
@@ -129,12 +130,12 @@ class Imports:
         all; returns its size. A URL is good for one PUT."""
         self.signer.check(upload_path(upload_id, file), expires, signature, reader=writer)
         self._record(upload_id, writer or "")   # still open
-        if file not in FILES:   # the signature covers the path, so this is ours to say
+        if file not in ADAPTER_FILES:   # the signature covers the path, so this is ours to say
             raise NotFound(f"file: {file!r} is not part of an upload")
         target = self.root / upload_id / "files" / file
         if target.exists():
             raise _uploaded(file)
-        limit = MAX_UPLOAD_BYTES if file == FILES[1] else 1 << 20
+        limit = MAX_UPLOAD_BYTES if file == WEIGHTS_FILE else 1 << 20
         partial = target.with_name(f".{file}.{secrets.token_hex(4)}.part")
         size = 0
         try:
@@ -182,7 +183,7 @@ class Imports:
         return row
 
     def _read(self, files: Path, served: Served) -> ImportedAdapter:
-        missing = [f for f in FILES if not (files / f).is_file()]
+        missing = [f for f in ADAPTER_FILES if not (files / f).is_file()]
         if missing:
             raise FailedPrecondition(f"upload: {missing} not uploaded; PUT every file to its "
                                      "URL before finishing")

@@ -10,17 +10,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_server.engine import losses, optim
+from twinkle_server.engine import (
+    LOSS_NAMES,
+    OPTIMIZERS,
+    SCHEDULERS,
+    available_memory_bytes,
+)
 from twinkle_server.engine.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.core import CheckpointRef, Core, check_metadata
+from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.values import CheckpointRef, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
 DEFAULT_PAGE = 20
@@ -227,8 +232,8 @@ class Runs:
             "adapters_free": sum(m["adapters_free"] for m in models),
             "memory_available_bytes": available_memory_bytes(
                 core.bases.default.engine.base.device) or 0,
-            "loss_functions": sorted(losses.LOSS_NAMES),
-            "optimizers": sorted(optim.OPTIMIZERS), "lr_schedulers": sorted(optim.SCHEDULERS),
+            "loss_functions": sorted(LOSS_NAMES),
+            "optimizers": sorted(OPTIMIZERS), "lr_schedulers": sorted(SCHEDULERS),
         }
 
 

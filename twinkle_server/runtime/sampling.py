@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from twinkle_server.engine.engine import SampleRequest
-from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument
-from twinkle_server.engine.prompt_scoring import PromptScoring, check, check_topk
-from twinkle_server.engine.types import SampledSequence, SamplingParams
-from twinkle_server.executor import SAMPLE
+from twinkle_server.engine import PromptScoring, checks
+from twinkle_server.engine.errors import (
+    Cancelled,
+    EngineError,
+    FailedPrecondition,
+    InvalidArgument,
+)
+from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
-from twinkle_server.runtime.core import CheckpointRef, Core, OpRef, Refusal, SamplerEntry
-from twinkle_server.scheduler import Op
+from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.values import CheckpointRef, OpRef, Refusal, SamplerEntry
+from twinkle_server.scheduling.executor import SAMPLE
+from twinkle_server.scheduling.planning import Op
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,50 @@ def context_left(served: Served, prompt_tokens: int) -> int:
 
 
 @dataclass(frozen=True)
+class Source:
+    """What a sample without a session reads: a served base, and a sampler checkpoint's
+    weights on it (None: the base alone)."""
+
+    served: Served
+    weights_path: str | None = None
+
+
+@dataclass(frozen=True)
 class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: Any | None   # an engine `PromptLogprobs` when asked for
     prompt_cache_hit_tokens: int = 0
+
+
+def check_sample(request: SampleRequest, scoring: PromptScoring, served: Served) -> None:
+    """Every rule of a sample request against `served`'s limits and vocabulary, each the
+    engine's own (`engine.checks`), run once before the request is queued.
+
+    Raises:
+        InvalidArgument: naming the field and its limit.
+    """
+    limits, vocab = served.engine.limits, served.engine.base.vocab_size
+    checks.prompt(np.asarray(request.prompt), limits, vocab)
+    checks.sampling(request)
+    checks.sample_size(request, limits)
+    checks.prompt_scoring(scoring, request.prompt.size, vocab)
+
+
+def _checked(served: Served, target: Target, prompt: np.ndarray, num_samples: int,
+             params: SamplingParams, include_prompt_logprobs: bool,
+             topk_prompt_logprobs: int, topk_sample_logprobs: int,
+             prompt_options: PromptScoring | None) -> tuple[SampleRequest, PromptScoring]:
+    """A sample request to `target` as the engine takes it, and its prompt scoring,
+    checked (`check_sample`); `params.max_tokens` 0 becomes the context left."""
+    scoring = replace(prompt_options or PromptScoring(), include=include_prompt_logprobs,
+                      topk=topk_prompt_logprobs, temperature=params.temperature,
+                      seed=params.seed)
+    if not params.max_tokens:
+        params = replace(params, max_tokens=context_left(served, prompt.size))
+    payload = SampleRequest(target.adapter_id, target.weights_path, prompt, num_samples or 1,
+                            params, topk_sample_logprobs, target.cache_namespace)
+    check_sample(payload, scoring, served)
+    return payload, scoring
 
 
 class Sampling:
@@ -70,17 +116,8 @@ class Sampling:
                                   "on its own base")
         weights = None
         if model_path is not None:
-            row, source = core.checkpoint(tenant, model_path)
-            served = core.checkpoint_base(row, model_path.field)
-            if base_model and core.base(base_model) is not served:
-                raise InvalidArgument(
-                    f"base_model: {base_model!r}, but {model_path.field} "
-                    f"{model_path.text!r} was trained on {served.name!r}; give that "
-                    "base, or none")
-            base_name = served.name
-            weights = str(source)
-            audit.record(core, tenant, "checkpoint_read", purpose="sample",
-                         **audit.checkpoint_details(row))
+            source = self.source(tenant, model_path, base_model)
+            served, base_name, weights = source.served, source.served.name, source.weights_path
         elif model_id:
             entry = core.model_of(tenant, model_id)
             served, base_name = core.base_of(model_id), entry.base_model
@@ -159,38 +196,86 @@ class Sampling:
         it for the op's outcome in its turn, or answer `Refusal.error` at once."""
         return self.core.refuse(target.queue, target.seq_id, kind, error, target.request_id)
 
-    async def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
-                     params: SamplingParams, include_prompt_logprobs: bool = False,
-                     topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
-                     prompt_options: PromptScoring | None = None) -> SampleResult:
-        """`num_samples` completions of `prompt`; `params.max_tokens` 0 means up to the
-        context limit. With `include_prompt_logprobs` or `topk_prompt_logprobs` > 0, the
-        prompt's own logprobs (and top-k) come too; `topk_sample_logprobs` k > 0 gives each
-        sampled position's top-k; `prompt_options` (its `last_n`, `targets`, `alt_k`) asks
-        the rest of `PromptScoring`, at the request's temperature and seed."""
+    def source(self, tenant: str, model_path: CheckpointRef | None = None,
+               base_model: str = "") -> Source:
+        """The base and weights a sampler checkpoint `model_path` (readable by `tenant`)
+        or a base model `base_model` names; the checkpoint's read is audited. Given
+        beside `model_path`, `base_model` must name the base it was trained on."""
         core = self.core
-        served = core.base_of(target.queue)
-        scoring = replace(prompt_options or PromptScoring(), include=include_prompt_logprobs,
-                          topk=topk_prompt_logprobs, temperature=params.temperature,
-                          seed=params.seed)
-        try:  # before sampling, not after it
-            check_topk(topk_sample_logprobs, "topk_sample_logprobs")
-            check(scoring, prompt.size, served.engine.base.vocab_size)
+        if model_path is None:
+            return Source(core.base(base_model))
+        row, path = core.checkpoint(tenant, model_path)
+        served = core.checkpoint_base(row, model_path.field)
+        if base_model and core.base(base_model) is not served:
+            raise InvalidArgument(
+                f"base_model: {base_model!r}, but {model_path.field} "
+                f"{model_path.text!r} was trained on {served.name!r}; give that base, or none")
+        audit.record(core, tenant, "checkpoint_read", purpose="sample",
+                     **audit.checkpoint_details(row))
+        return Source(served, str(path))
+
+    def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
+               params: SamplingParams, include_prompt_logprobs: bool = False,
+               topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
+               prompt_options: PromptScoring | None = None) -> Awaitable[SampleResult]:
+        """`num_samples` completions of `prompt`, to await; `params.max_tokens` 0 means up
+        to the context limit. With `include_prompt_logprobs` or `topk_prompt_logprobs` > 0,
+        the prompt's own logprobs (and top-k) come too; `topk_sample_logprobs` k > 0 gives
+        each sampled position's top-k; `prompt_options` (its `last_n`, `targets`, `alt_k`)
+        asks the rest of `PromptScoring`, at the request's temperature and seed.
+
+        Every rule of the request is checked here, once, before anything is queued.
+
+        Raises:
+            InvalidArgument: at once, naming the field and its limit; an ordered op's
+                seq_id is taken all the same (`refuse`).
+        """
+        served = self.core.base_of(target.queue)
+        try:
+            payload, scoring = _checked(served, target, prompt, num_samples, params,
+                                        include_prompt_logprobs, topk_prompt_logprobs,
+                                        topk_sample_logprobs, prompt_options)
         except EngineError as exc:
-            return await self.refuse(target, "sample", exc)
-        if not params.max_tokens:
-            params = replace(params, max_tokens=context_left(served, prompt.size))
-        payload = SampleRequest(target.adapter_id, target.weights_path, prompt,
-                                num_samples or 1, params, topk_sample_logprobs,
-                                target.cache_namespace)
+            raise self.refuse(target, "sample", exc).error from None
+        return self._sample(target, payload, scoring, served)
+
+    def sample_from(self, source: Source, prompt: np.ndarray, num_samples: int,
+                    params: SamplingParams, *, include_prompt_logprobs: bool = False,
+                    topk_sample_logprobs: int = 0) -> Awaitable[SampleResult]:
+        """`sample` without a sampling session: `num_samples` completions of `prompt` on
+        `source` (the OpenAI route's one request). It runs in the same decode pool, on a
+        queue of its own that lasts while it runs, shares no cached prefix and leaves
+        nothing behind (no session, queue or audit row).
+
+        Raises:
+            InvalidArgument: at once, naming the field and its limit.
+        """
+        target = Target("once-" + secrets.token_hex(6), None, "", None, source.weights_path)
+        payload, scoring = _checked(source.served, target, prompt, num_samples, params,
+                                    include_prompt_logprobs, 0, topk_sample_logprobs, None)
+        return self._sample_once(target, payload, scoring, source.served)
+
+    async def _sample_once(self, target: Target, payload: SampleRequest,
+                           scoring: PromptScoring, served: Served) -> SampleResult:
+        scheduler = served.scheduler
+        scheduler.register_model(target.queue)
+        try:
+            return await self._sample(target, payload, scoring, served)
+        finally:
+            scheduler.unregister(target.queue, Cancelled("sample: its request ended"))
+
+    async def _sample(self, target: Target, payload: SampleRequest, scoring: PromptScoring,
+                      served: Served) -> SampleResult:
+        core, prompt = self.core, payload.prompt
         generation = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
-                                       payload.num_tokens, payload, target.request_id))
+                                       payload.num_tokens, payload, target.request_id),
+                                    served)
         scored = None
         if scoring.wanted:
             scored = await core.run(Op(
                 target.queue, None, "prompt_logprobs", None, prompt.size,
                 lambda: served.engine.score_prompt(target.adapter_id, target.weights_path,
-                                                 prompt, scoring)))
+                                                 prompt, scoring)), served)
         return SampleResult(generation.sequences, scored, generation.prompt_cache_hit_tokens)
 
     async def compute_logprobs(self, target: Target, prompt: np.ndarray,
@@ -200,7 +285,8 @@ class Sampling:
         engine = self.core.base_of(target.queue).engine
         scoring = PromptScoring(include=True, last_n=last_n)
         try:
-            check(scoring, prompt.size)
+            checks.prompt(prompt, engine.limits, engine.base.vocab_size)
+            checks.prompt_scoring(scoring, prompt.size)
         except EngineError as exc:
             return await self.refuse(target, "compute_logprobs", exc)
         return await self.core.run(Op(

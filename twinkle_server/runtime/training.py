@@ -14,27 +14,27 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_server.engine import checks
-from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import (
     EngineError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from twinkle_server.engine.types import AdamParams, Datum, ForwardOutput, LoraSpec, LossSpec
-from twinkle_server.executor import FORWARD
-from twinkle_server.runtime import audit
-from twinkle_server.runtime.core import (
-    CheckpointRef,
-    Core,
-    ModelEntry,
-    OpRef,
-    Refusal,
-    check_metadata,
+from twinkle_server.engine.types import (
+    AdamParams,
+    Datum,
+    ForwardOutput,
+    ForwardRequest,
+    LoraSpec,
+    LossSpec,
 )
+from twinkle_server.runtime import audit
+from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.stability import LOSS as STABLE_REINFORCE
 from twinkle_server.runtime.stability import Stability
-from twinkle_server.scheduler import Op
+from twinkle_server.runtime.values import CheckpointRef, ModelEntry, OpRef, Refusal, check_metadata
+from twinkle_server.scheduling.executor import FORWARD
+from twinkle_server.scheduling.planning import Op
 from twinkle_server.store import CheckpointRow
 from twinkle_wire import Provenance
 

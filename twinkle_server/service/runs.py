@@ -14,6 +14,7 @@ from twinkle_server.service.common import (
     unary,
 )
 from twinkle_server.service.session import file_chunks
+from twinkle_wire import paths
 from twinkle_wire._proto.twinkle.v1 import common_pb2 as pb
 from twinkle_wire._proto.twinkle.v1 import runs_pb2 as rpb
 from twinkle_wire._proto.twinkle.v1 import runs_pb2_grpc
@@ -85,7 +86,7 @@ class RunsServicer(runs_pb2_grpc.RunsServiceServicer):
             ttl_seconds=request.ttl_seconds if request.HasField("ttl_seconds") else None,
             destination=request.destination_project_id,
             idempotency_key=request.idempotency_key[:MAX_IDEMPOTENCY_KEY_CHARS])
-        return rpb.CopyCheckpointResponse(path=f"tinker://{row.run_id}/{row.checkpoint_id}")
+        return rpb.CopyCheckpointResponse(path=paths.tinker_path(row.run_id, row.checkpoint_id))
 
     @unary
     async def GetAuditLog(self, request, context):

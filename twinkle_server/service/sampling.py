@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import twinkle_wire as wire
-from twinkle_server.engine.prompt_scoring import PromptScoring
+from twinkle_server.engine import PromptScoring
 from twinkle_server.engine.types import SamplingParams
 from twinkle_server.runtime import Runtime, checkpoint_ref
 from twinkle_server.runtime.sampling import Target

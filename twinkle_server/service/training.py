@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 import twinkle_wire as wire
-from twinkle_server.engine.engine import ForwardRequest
 from twinkle_server.engine.errors import EngineError, InvalidArgument
-from twinkle_server.engine.types import AdamParams, Datum, LossSpec
+from twinkle_server.engine.types import AdamParams, Datum, ForwardRequest, LossSpec
 from twinkle_server.runtime import Runtime, checkpoint_ref
 from twinkle_server.runtime.training import ModelInfo
 from twinkle_server.service.common import (

@@ -39,17 +39,14 @@ snapshot the worker publishes, so any thread may read it.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from twinkle_server.engine.errors import (
-    Cancelled,
     EngineError,
     InvalidArgument,
     ResourceExhausted,
@@ -57,24 +54,19 @@ from twinkle_server.engine.errors import (
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampling import tokens as token_step
 from twinkle_server.engine.sampling.admission import (
-    Waiting,
-    admit,
-    copies,
     footprint,
-    never_fits,
 )
+from twinkle_server.engine.sampling.book import PoolBook, PoolRequest, PoolRow
 from twinkle_server.engine.sampling.decode_attention import decoding
 from twinkle_server.engine.sampling.kv_batch import (
-    KVBatch,
     new_cache,
     prefix_batch,
     row_kv,
     select_rows,
     unsupported_layers,
 )
-from twinkle_server.engine.sampling.prefix_cache import Namespace, Prefix, PrefixCache
 from twinkle_server.engine.sampling.static import Route, cache_keyword, forwarding, idle_step
-from twinkle_server.engine.types import Generation, SampleRequest
+from twinkle_server.engine.types import Generation
 
 SPARE_COLUMNS = 64
 """KV columns a step may write in place before the batch moves into wider buffers."""
@@ -89,47 +81,6 @@ def _strict(exc: BaseException, what: str) -> EngineError:
     raise exc
 
 
-@dataclass(eq=False)
-class _Request:
-    key: Any
-    sample: SampleRequest
-    route: str | None
-    namespace: Namespace | None
-    generator: torch.Generator
-    stops: set[int]
-    arrival: int
-    prefix: Prefix | None = None
-    cached: int = 0
-    rows: list[_Row] = field(default_factory=list)
-    left: int = 0                   # rows still decoding
-    error: EngineError | None = None
-    answered: bool = False
-
-
-@dataclass(eq=False)
-class _Row:
-    request: _Request
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    reason: str | None = None
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Counters since the pool was made, and its state when last published."""
-
-    active_rows: int = 0
-    waiting_requests: int = 0
-    kv_capacity: int = 0
-    kv_in_use: int = 0
-    prefix_cache_tokens: int = 0
-    prompt_tokens_computed: int = 0
-    prefix_hit_tokens: int = 0
-    tokens_decoded: int = 0
-    decode_steps: int = 0
-
-
 def refusal(config: Any) -> InvalidArgument | None:
     """Why the pool cannot hold the cache of a model of `config`, or None."""
     if unsupported := unsupported_layers(config):
@@ -140,7 +91,7 @@ def refusal(config: Any) -> InvalidArgument | None:
     return None
 
 
-class DecodePool:
+class DecodePool(PoolBook):
     """Rows being decoded, requests waiting to join, and the prefix cache of one rank.
 
     Args:
@@ -168,112 +119,12 @@ class DecodePool:
                  batch_invariant: bool = False) -> None:
         if (refused := refusal(model.config)) is not None:
             raise refused
+        super().__init__(capacity, prefill_tokens, next(model.parameters()).device,
+                         eos_token_ids, batch_invariant)
         self.model, self.route, self.decode = model, route, decode
-        self.eos = tuple(eos_token_ids)
         self.pad = pad_token_id
-        self.capacity, self.prefill_tokens = capacity, prefill_tokens
         self.parallel, self.fault, self.clock = parallel, fault, clock
-        self.batch_invariant = batch_invariant
-        self.device = next(model.parameters()).device
         self.cache_kw = cache_keyword(model)
-        self.waiting: deque[_Request] = deque()
-        self.rows: list[_Row] = []
-        self.batch = KVBatch(self.device)
-        self.prefixes = PrefixCache()
-        self.finished: list[tuple[Any, Generation | EngineError]] = []
-        self.counters = PoolStats(kv_capacity=capacity)
-        self._arrivals = 0
-        self._published = self.counters
-
-    # ------------------------------------------------------------------ requests
-
-    def submit(self, key: Any, request: SampleRequest, route: str | None,
-               namespace: Namespace | None = None) -> None:
-        """Queue a checked request routed to `route`; its result comes out of a later
-        `run` under `key`. `namespace` (session, weights version) enables prefix reuse."""
-        refusal = never_fits(request, self.capacity)
-        if refusal is not None:
-            self.answer(key, refusal)
-            return
-        self._arrivals += 1
-        self.waiting.append(_Request(
-            key, request, route, namespace, token_step.new_generator(request.params.seed,
-                                                                     self.device),
-            token_step.stop_tokens(request.params, self.eos), self._arrivals))
-        self._publish()
-
-    def answer(self, key: Any, error: EngineError) -> None:
-        """Answer `key` with `error` at the next `run` (a request refused before it came
-        in)."""
-        self.finished.append((key, error))
-
-    def routes(self) -> set[str]:
-        """The route ids rows and waiting requests use (not to be unloaded)."""
-        return {r.route for r in self._requests() if r.route is not None}
-
-    def cancel(self, keys: Iterable[Any]) -> None:
-        """End the requests under `keys` (waiting or decoding) with `Cancelled`; their rows
-        leave now. Keys the pool no longer has are ignored."""
-        keys = set(keys)
-        self._fail([r for r in self._requests() if r.key in keys],
-                   Cancelled("sampling: the request was cancelled"))
-
-    def fail(self, route: str, error: EngineError) -> None:
-        """End every request routed to `route` with `error`."""
-        self._fail([r for r in self._requests() if r.route == route], error)
-
-    def reset(self, error: EngineError) -> None:
-        """Fail every request with `error` and empty the pool (a fault no request could be
-        held to: its state is unknown)."""
-        for request in self._requests():
-            self._answer(request, error)
-        self.waiting.clear()
-        self.rows = []
-        self.batch.clear()
-        self.prefixes.clear()
-        self._publish()
-
-    def take_finished(self) -> list[tuple[Any, Generation | EngineError]]:
-        done, self.finished = self.finished, []
-        return done
-
-    def stats(self) -> PoolStats:
-        """The counters and state as the worker last published them (any thread)."""
-        return self._published
-
-    def _requests(self) -> list[_Request]:
-        return list(self.waiting) + self._decoding()
-
-    def _decoding(self) -> list[_Request]:
-        """The requests with rows in the batch, in row order (a request's rows are
-        contiguous)."""
-        return [row.request for i, row in enumerate(self.rows)
-                if not i or self.rows[i - 1].request is not row.request]
-
-    def _fail(self, requests: list[_Request], error: EngineError) -> None:
-        for request in requests:
-            if request in self.waiting:
-                self.waiting.remove(request)
-                self._answer(request, error)
-            elif request.error is None:
-                request.error = error
-        self._leave()
-        self._publish()
-
-    def _answer(self, request: _Request, result: Generation | EngineError) -> None:
-        if not request.answered:
-            request.answered = True
-            self.finished.append((request.key, result))
-
-    def _publish(self) -> None:
-        self._published = replace(
-            self.counters, active_rows=len(self.rows), waiting_requests=len(self.waiting),
-            kv_in_use=self.batch.held() + self.prefixes.tokens,
-            prefix_cache_tokens=self.prefixes.tokens)
-
-    def _count(self, **more: int) -> None:
-        self.counters = replace(self.counters, **{k: getattr(self.counters, k) + v
-                                                 for k, v in more.items()})
 
     # ------------------------------------------------------------------ slices
 
@@ -299,47 +150,9 @@ class DecodePool:
         self._publish()
         return self.take_finished()
 
-    def _admit(self) -> list[_Request]:
-        for request in self.waiting:
-            if request.prefix is None and request.namespace is not None:
-                request.prefix, request.cached = self.prefixes.lookup(
-                    request.namespace, np.asarray(request.sample.prompt))
-        remaining = self._remaining()
-
-        def plan(room: int) -> int:
-            return admit(self.batch.width, remaining, [
-                Waiting(r.sample.num_samples, r.cached, r.sample.prompt.size - r.cached,
-                        r.sample.params.max_tokens) for r in self.waiting],
-                room, self.prefill_tokens, self._samples(), self._copied_width())
-        count = plan(self.capacity - self.prefixes.tokens)
-        # Cached prefixes make way for the next request only where that lets it join.
-        if not count and self.waiting and plan(self.capacity):
-            while not count and self.prefixes.evict_one():
-                count = plan(self.capacity - self.prefixes.tokens)
-        return [self.waiting.popleft() for _ in range(count)]
-
-    def _remaining(self) -> list[int]:
-        return [row.request.sample.params.max_tokens - len(row.tokens) for row in self.rows]
-
-    def _samples(self) -> list[int]:
-        """`num_samples` of each request decoding, in row order."""
-        return [request.sample.num_samples for request in self._decoding()]
-
-    def _copied_width(self) -> int:
-        """Columns of each request's rows a shared copy would hold (`KVBatch.shared_prefix`),
-        for which admission and the prefix cache keep room; none in the batch-invariant
-        mode, whose steps read every row's own cache and make no copy."""
-        return 0 if self.batch_invariant else self.batch.shared_width()
-
-    def _fit_prefixes(self) -> None:
-        """Give up cached prefixes the rows' footprint and shared copies leave no room
-        for."""
-        self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining())
-                          - copies(self._samples(), self._copied_width()))
-
     # ------------------------------------------------------------------ compute
 
-    def _prefill_apart(self, joiners: list[_Request]) -> None:
+    def _prefill_apart(self, joiners: list[PoolRequest]) -> None:
         """Prefill `joiners` together; if that fails, each alone, so that only a joiner
         that fails by itself fails."""
         drawn_from = _generator_states(joiners)
@@ -355,7 +168,7 @@ class DecodePool:
             self._answer(joiner, self.fault(exc, f"the prefill of a {joiner.sample.prompt.size}"
                                                  "-token prompt"))
 
-    def _prefill(self, joiners: list[_Request]) -> None:
+    def _prefill(self, joiners: list[PoolRequest]) -> None:
         """One forward over the joiners' uncached prompt tokens, then their rows join.
         Nothing changes before the forward and the draw have succeeded."""
         joiners = [joiners[i] for i in _grouped([r.route for r in joiners])]
@@ -383,7 +196,7 @@ class DecodePool:
         kv = getattr(out, self.cache_kw)
         index = torch.repeat_interleave(torch.arange(n, device=self.device), torch.tensor(
             [r.sample.num_samples for r in joiners], device=self.device))
-        rows = [_Row(r) for r in joiners for _ in range(r.sample.num_samples)]
+        rows = [PoolRow(r) for r in joiners for _ in range(r.sample.num_samples)]
         drawn = self._draw(out.logits[:, -1].float()[index], rows)
         self._take(drawn, rows)
         prompts = {id(r): (r.namespace, row_kv(kv, i, mask[i])) for i, r in enumerate(joiners)
@@ -452,7 +265,7 @@ class DecodePool:
             return forwarding(self.model, True)
         return decoding(self.model, self.batch.shared_prefix(room))
 
-    def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> token_step.Drawn:
+    def _draw(self, logits: torch.Tensor, rows: list[PoolRow]) -> token_step.Drawn:
         """Draw the next token of `rows` (a request's contiguous, one segment each, as the
         static batch does) from their `logits`; changes no row (`_take` does)."""
         segments, start = [], 0
@@ -466,7 +279,7 @@ class DecodePool:
         return token_step.draw(logits, segments,
                                max(row.request.sample.topk_logprobs for row in rows))
 
-    def _take(self, drawn: token_step.Drawn, rows: list[_Row]) -> None:
+    def _take(self, drawn: token_step.Drawn, rows: list[PoolRow]) -> None:
         """Give `rows` their `drawn` tokens; mark the rows that stop, and fail the
         requests whose logits were not finite."""
         for i, row in enumerate(rows):
@@ -482,35 +295,7 @@ class DecodePool:
                                                 request.stops, self.decode)
         self._count(tokens_decoded=sum(drawn.finite(i) for i in range(len(rows))))
 
-    def _leave(self) -> None:
-        """Answer requests whose last row stopped or that failed; keep the other rows."""
-        keep = []
-        for i, row in enumerate(self.rows):
-            request = row.request
-            if request.error is not None:
-                self._answer(request, request.error)
-                continue
-            if row.reason is None:
-                keep.append(i)
-                continue
-            request.left -= 1
-            if request.namespace is not None and request.sample.num_samples == 1:
-                # Prompt + completion but its last token, which was never fed.
-                tokens = np.concatenate([np.asarray(request.sample.prompt, np.int64),
-                                         np.asarray(row.tokens[:-1], np.int64)])
-                self.prefixes.remember(request.namespace, tokens, self.batch.row_kv(i))
-            if request.left == 0:
-                self._answer(request, Generation(
-                    [token_step.sequence(r.tokens, r.logprobs, r.topk,
-                                         request.sample.topk_logprobs, r.reason)
-                     for r in request.rows], prompt_cache_hit_tokens=request.cached))
-        if len(keep) < len(self.rows):
-            self.batch.select(keep)
-            self.rows = [self.rows[i] for i in keep]
-        self._fit_prefixes()
-
-
-def _generator_states(requests: Iterable[_Request]) -> list[tuple[torch.Generator,
+def _generator_states(requests: Iterable[PoolRequest]) -> list[tuple[torch.Generator,
                                                                     torch.Tensor]]:
     """Each request's generator and where it stands, for `_restore`: a forward or draw
     that fails may have drawn from some, and those that go on must draw as if alone."""

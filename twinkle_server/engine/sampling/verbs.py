@@ -24,8 +24,9 @@ from twinkle_server.engine.lora import LoraWeights, adapter_order
 from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.kv_batch import unsupported_layers
-from twinkle_server.engine.sampling.pool import DecodePool, PoolStats
+from twinkle_server.engine.sampling.pool import DecodePool
 from twinkle_server.engine.sampling.pool import refusal as pool_refusal
 from twinkle_server.engine.sampling.static import Route, generate
 from twinkle_server.engine.types import (

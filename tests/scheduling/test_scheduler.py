@@ -10,14 +10,14 @@ import time
 import pytest
 
 from twinkle_server.engine.errors import Cancelled, InvalidArgument
-from twinkle_server.scheduler import (
+from twinkle_server.scheduling.planning import Op
+from twinkle_server.scheduling.queues import (
     MAX_SEQ_AHEAD,
-    Op,
     OutOfOrder,
-    Scheduler,
     SchedulerClosed,
     UnknownQueue,
 )
+from twinkle_server.scheduling.scheduler import Scheduler
 
 WAIT_SECONDS = 5
 
@@ -516,7 +516,7 @@ def test_bad_configuration_is_refused_naming_the_field(kwargs, message):
 def test_scheduler_module_imports_neither_torch_nor_grpc():
     import subprocess
     import sys
-    code = ("import sys, twinkle_server.scheduler; "
+    code = ("import sys, twinkle_server.scheduling.scheduler; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

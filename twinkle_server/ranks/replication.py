@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,16 +44,12 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from twinkle_server.channel import Channel
-from twinkle_server.engine.adapter import Adapter
-from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, Unavailable
 from twinkle_server.engine.protocol import marked
-from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.types import (
     AdamParams,
-    EngineLimits,
     ForwardOutput,
     ForwardRequest,
     Generation,
@@ -62,6 +58,8 @@ from twinkle_server.engine.types import (
     SampledSequence,
     SampleRequest,
 )
+from twinkle_server.ranks.channel import Channel
+from twinkle_server.ranks.reads import RankZeroReads
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +99,7 @@ def _fill_seed(request: SampleRequest) -> SampleRequest:
     return replace(request, params=replace(request.params, seed=secrets.randbits(63)))
 
 
-class ReplicatedEngine:
+class ReplicatedEngine(RankZeroReads):
     """Rank 0's engine (an `engine.protocol.EngineAPI`): every `@replicated` call sent to
     all ranks first, then run on the local `Engine`; every `@rank_zero_only` call run on
     the local `Engine` alone. `on_lost` is called once, from the calling thread, when the
@@ -109,6 +107,7 @@ class ReplicatedEngine:
 
     def __init__(self, engine: Engine, channel: Channel, timeout_s: float,
                  on_lost: Callable[[str], None] | None = None) -> None:
+        super().__init__(engine)
         self.engine = engine
         self.channel = channel
         self.timeout_s = timeout_s
@@ -123,42 +122,8 @@ class ReplicatedEngine:
 
     # ------------------------------------------------------------------ rank 0 alone
 
-    @property
-    def base(self) -> BaseModel:
-        return self.engine.base
-
-    @property
-    def limits(self) -> EngineLimits:
-        return self.engine.limits
-
-    @property
-    def adapters(self) -> Mapping[str, Adapter]:
-        return self.engine.adapters
-
-    def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
-        return self.engine.estimate_adapter_bytes(spec)
-
-    def adapter_info(self, adapter_id: str) -> dict[str, Any]:
-        return self.engine.adapter_info(adapter_id)
-
-    def check_forward(self, request: ForwardRequest) -> None:
-        self.engine.check_forward(request)
-
-    def validate_forward(self, request: ForwardRequest) -> LossSpec:
-        return self.engine.validate_forward(request)
-
-    def get_train_configs(self, adapter_id: str) -> dict[str, Any]:
-        return self.engine.get_train_configs(adapter_id)
-
     def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
         return self.engine.save_weights(adapter_id, path, overwrite)
-
-    def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
-                   overwrite: bool = False) -> int:
-        return self.engine.save_state(adapter_id, path, include_optimizer, overwrite)
-
-    def read_checkpoint_spec(self, path: str | Path) -> LoraSpec:
-        return self.engine.read_checkpoint_spec(path)
 
     def has_sampler(self, weights_path: str | os.PathLike) -> bool:
         return self.engine.has_sampler(weights_path)

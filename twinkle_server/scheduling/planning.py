@@ -1,6 +1,6 @@
 """Which ready ops run together: the scheduler's one decision, as a pure function.
 
-The scheduler (`twinkle_server.scheduler`) keeps the queues and their order; each time its
+The scheduler (`scheduling.scheduler`) keeps the queues and their order; each time its
 worker is free it hands `plan_batch` the ready head of every queue, and runs the batch it
 returns, within a token budget per merged pass that depends on the device; `plan_work`
 picks between a training batch and a decode slice, and `plan_cancel` what becomes of an
@@ -19,8 +19,6 @@ from twinkle_server.engine.errors import InvalidArgument
 
 Mode = Literal["merged", "timeshare"]
 MODES: tuple[str, ...] = ("merged", "timeshare")
-Sampler = Literal["continuous", "static"]
-SAMPLERS: tuple[str, ...] = ("continuous", "static")
 Work = Literal["train", "decode"]
 Place = Literal["queued", "joining", "pool", "running", "done"]
 Cancel = Literal["keep", "drop", "skip", "stop"]

@@ -22,7 +22,7 @@ from typing import Any
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import Generation
-from twinkle_server.planning import FORWARD, SAMPLE, Op
+from twinkle_server.scheduling.planning import FORWARD, SAMPLE, Op
 
 __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
 log = logging.getLogger(__name__)

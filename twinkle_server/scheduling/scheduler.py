@@ -1,9 +1,8 @@
-"""Ordering and merging of ops: per-queue `seq_id` order, one compute worker.
+"""The scheduler: per-queue `seq_id` order, one compute worker, and its drain.
 
-Each training model (and each sampling session) has a queue. An op runs only after every
-lower `seq_id` of its queue has finished, whatever order the RPCs arrive in; a retried
-`seq_id` gets the stored result without running again. One worker thread takes the
-ready head of every queue and hands a batch to the executor (the engine glue):
+Each training model (and each sampling session) has a queue (`scheduling.queues`: order,
+retries). One worker thread takes the ready head of every queue and hands a batch to the
+executor (the engine glue):
 
 - `merged`: heads of different queues that share a `merge_group` ('forward', 'sample')
   go into one batch up to a token budget: one base-model pass serves many tenants;
@@ -11,56 +10,36 @@ ready head of every queue and hands a batch to the executor (the engine glue):
   the benchmarks' baseline).
 
 Ops with `merge_group=None` (optimizer steps, saves, loads) always run alone, so they fall
-between passes. A queue has at most one op in flight, so two ops of one queue never share
-a batch and an `optim_step` never overtakes its model's `forward_backward`.
+between passes. Given a `decode_group`, sampling is continuous: ops of that group join
+the executor's decode pool (`scheduling.decode_lane`), and while rows decode the worker
+alternates training batches and decode slices (`planning.plan_work`), so a training op
+waits at most about one slice (`decode_slice_s`) and neither kind starves the other.
+Decode batches are sized by the pool's rows and KV memory, not by `token_budget`. With
+`decode_apart` (sampler ranks that decode apart from the trainer ranks) a second worker
+runs the slices. A caller that stops waiting (`cancel`) cancels a sample op of the pool;
+every other op runs as if its caller still waited (`planning.plan_cancel` says why).
 
-Sampling is continuous when the scheduler is given a `decode_group`: ops of that merge
-group leave their queue as soon as they are its ready head and join the executor's
-decode pool (`Executor.decode`), where they decode in bounded slices, many requests at
-once, each answered the slice it finishes. An unordered one (a sampling session's) frees
-its queue at once, so every request of a session decodes together; an ordered one (a
-live model's, by seq_id) holds its queue until answered, as any op does. While rows
-decode, the worker alternates training batches and decode slices
-(`planning.plan_work`): a training op waits at most about one slice
-(`decode_slice_s`), and a stream of training ops gets a slice between each of its
-batches, so neither starves the other; with nothing decoding, new sample ops and
-training ops go in arrival order. Decode batches are sized by the pool's rows and
-KV memory (`engine.sampling.pool`), not by `token_budget`. With `decode_apart` (a
-model whose sampler ranks decode apart from its trainer ranks) a second worker runs the
-decode slices, so neither kind of work waits for the other.
+`stop` drains: new ops are refused, queued ones run while any is ready, and what still
+waits then (on an earlier seq_id that never came, or past the timeout) fails with
+`SchedulerClosed`. The drain is the worker's own end, so it lives here beside it.
 
-A caller that stops waiting (`cancel`: an HTTP future cancelled by the SDK's
-`cancel_future`, a gRPC client gone away) cancels a sample op of the decode pool: still
-queued, it is answered with `Cancelled` and never runs (an ordered one still takes its
-seq_id in its turn); in the pool, the executor ends it at the next slice. Every other op
-runs as if its caller still waited (`planning.plan_cancel` says why).
-
-The decisions which ready ops run together, what runs next and what a cancel does are
-the pure functions `planning.plan_batch`, `planning.plan_work` and
-`planning.plan_cancel`; this class adds one lock, one condition variable and one
-thread. Futures are resolved outside the lock, because resolving runs the callers'
-callbacks (asyncio's `wrap_future` among them). This module imports neither torch nor
-grpc.
+The decisions are the pure functions of `planning`; this class adds one lock, one
+condition variable and one thread. Futures are resolved outside the lock, because
+resolving runs the callers' callbacks (asyncio's `wrap_future` among them). This module
+imports neither torch nor grpc.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from twinkle_server.engine.errors import (
-    Cancelled,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
-from twinkle_server.planning import (
+from twinkle_server.engine.errors import Cancelled, InvalidArgument
+from twinkle_server.scheduling.decode_lane import DecodeLane
+from twinkle_server.scheduling.planning import (
     DEFAULT_DECODE_SLICE_S,
     DEFAULT_TOKEN_BUDGET,
     MODES,
@@ -72,27 +51,18 @@ from twinkle_server.planning import (
     plan_cancel,
     plan_work,
 )
-
-# How far ahead of the next expected seq an op may arrive: bounds what one client can park
-# in server memory while an earlier seq_id is missing.
-MAX_SEQ_AHEAD = 1024
-DEFAULT_RESULT_CACHE_SIZE = 256
-
-
-class SchedulerClosed(Unavailable):
-    """The server is shutting down; the op was not run."""
-
-
-class OutOfOrder(FailedPrecondition):
-    """The op's seq_id can never run (too old and forgotten, too far ahead, or reused)."""
-
-
-class UnknownQueue(NotFound):
-    """No model or sampling session with this id is registered."""
+from twinkle_server.scheduling.queues import (
+    DEFAULT_RESULT_CACHE_SIZE,
+    Entry,
+    OpFuture,
+    Queue,
+    Queues,
+    SchedulerClosed,
+)
 
 
 class Executor(Protocol):
-    """What the worker calls: the engine glue (`twinkle_server.executor`) or a test fake."""
+    """What the worker calls: the engine glue (`scheduling.executor`) or a test fake."""
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         """One result per op, in order; a per-op failure is returned as an exception value.
@@ -112,58 +82,6 @@ class Executor(Protocol):
         """
 
 
-class _OpFuture(Future):
-    """A future its caller cannot cancel.
-
-    An ordered op keeps its place even when the caller stops waiting (an RPC cancelled
-    by a disconnect cancels its `wrap_future`): later seq_ids of the queue wait on it, and
-    a retry of the same seq_id shares this future and must get the real result. A caller
-    that stops waiting says so with `Scheduler.cancel`, which decides what to stop.
-    """
-
-    def cancel(self) -> bool:
-        return False
-
-
-@dataclass(eq=False)
-class _Entry:
-    op: Op
-    future: _OpFuture
-    # Arrival number: orders a queue's ordered and unordered ops against each other.
-    ticket: int
-    arrived: float = field(default_factory=time.monotonic)
-    # Callers sharing the future (retries of its seq_id): cancelled when all went away.
-    waiters: int = 1
-    # Answered `Cancelled`; an ordered one still takes its seq_id in its turn.
-    cancelled: bool = False
-
-
-@dataclass(eq=False)
-class _Queue:
-    next_seq: int
-    pending: dict[int, _Entry] = field(default_factory=dict)
-    unordered: deque[_Entry] = field(default_factory=deque)
-    running: _Entry | None = None
-    done: OrderedDict[int, _Entry] = field(default_factory=OrderedDict)
-
-    def head(self) -> _Entry | None:
-        """The op this queue would run next, or None while one runs or none is ready."""
-        if self.running is not None:
-            return None
-        ordered = self.pending.get(self.next_seq)
-        loose = self.unordered[0] if self.unordered else None
-        if ordered is None or loose is None:
-            return ordered or loose
-        return ordered if ordered.ticket < loose.ticket else loose
-
-    def take_waiting(self) -> list[_Entry]:
-        """Remove and return every op not yet running."""
-        waiting = list(self.pending.values()) + list(self.unordered)
-        self.pending.clear()
-        self.unordered.clear()
-        return waiting
-
-
 class Scheduler:
     """Per-queue ordering, idempotent retries and one worker that batches ready heads.
 
@@ -178,7 +96,7 @@ class Scheduler:
         decode_slice_s: how long one decode slice runs while training ops wait.
         decode_apart: decode slices run on a second worker thread, beside training
             batches instead of between them: for an executor whose decoding runs on
-            other devices than its training (sampler ranks, `twinkle_server.split`).
+            other devices than its training (sampler ranks, `twinkle_server.ranks.split`).
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
@@ -204,30 +122,18 @@ class Scheduler:
         self.executor = executor
         self.mode: Mode = mode
         self.token_budget = token_budget
-        self.result_cache_size = result_cache_size
-        self._queues: dict[str, _Queue] = {}
-        self._order: list[str] = []
-        self._cursor = 0
-        self._tickets = 0
+        self._queues = Queues(result_cache_size)
+        self._lane = DecodeLane(decode_group)
         self._cond = threading.Condition()
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._ops_run = 0
         self._batches_run = 0
         self._merged_ops = 0
-        self.decode_group = decode_group
         self.decode_slice_s = decode_slice_s
         self.decode_apart = decode_apart
         self._trained_out = False   # the training worker has stopped (decode_apart)
-        # Decode ops taken from their queues: not yet handed to the pool, and in it.
-        self._joining: list[tuple[_Queue, _Entry]] = []
-        self._decoding: dict[int, tuple[_Queue, _Entry]] = {}
-        # Ops in the pool whose callers went away: the next slice ends them.
-        self._stopping: list[Op] = []
         self._last: Work | None = None
-        self._slices_run = 0
-        # Per op kind: ops started, and their seconds from arrival to start, summed.
-        self._waits: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -274,9 +180,8 @@ class Scheduler:
             _fail_all(failed, SchedulerClosed(
                 f"the server stopped draining after {timeout} s; the op was not run"))
 
-    def _take_all_waiting(self) -> list[_Entry]:
-        joining, self._joining = [entry for _, entry in self._joining], []
-        return joining + [e for queue in self._queues.values() for e in queue.take_waiting()]
+    def _take_all_waiting(self) -> list[Entry]:
+        return self._lane.take_joining() + self._queues.take_waiting()
 
     # ------------------------------------------------------------------ queues
 
@@ -288,22 +193,12 @@ class Scheduler:
         if next_seq < 0:
             raise InvalidArgument(f"next_seq: {next_seq} must be at least 0")
         with self._cond:
-            if queue_id not in self._queues:
-                self._queues[queue_id] = _Queue(next_seq=next_seq)
-                self._order.append(queue_id)
+            self._queues.register(queue_id, next_seq)
 
     def unregister(self, queue_id: str, reason: Exception) -> None:
         """Forget a queue; its waiting ops fail with `reason` (a running op finishes)."""
         with self._cond:
-            queue = self._queues.pop(queue_id, None)
-            if queue is None:
-                return
-            index = self._order.index(queue_id)
-            del self._order[index]
-            # Keep the rotation pointing at the same next queue.
-            if index < self._cursor:
-                self._cursor -= 1
-            failed = queue.take_waiting()
+            failed = self._queues.unregister(queue_id)
         _fail_all(failed, reason)
 
     def next_seq(self, queue_id: str) -> int:
@@ -313,10 +208,7 @@ class Scheduler:
             UnknownQueue: no such queue.
         """
         with self._cond:
-            queue = self._queues.get(queue_id)
-            if queue is None:
-                raise UnknownQueue(_unknown(queue_id))
-            return queue.next_seq
+            return self._queues.next_seq(queue_id)
 
     def submit(self, op: Op) -> Future:
         """Queue `op`; returns at once with a future of the executor's result.
@@ -326,54 +218,18 @@ class Scheduler:
         `OutOfOrder`.
         """
         with self._cond:
-            fut = _OpFuture()
-            error = self._admit(op, fut)
-            if isinstance(error, _OpFuture):
+            fut = OpFuture()
+            if self._closed:
+                error = SchedulerClosed("the server is shutting down; not accepting ops")
+            else:
+                error = self._queues.admit(op, fut)
+            if isinstance(error, OpFuture):
                 return error
             if error is None:
                 self._cond.notify_all()   # both workers, with decode_apart
                 return fut
         fut.set_exception(error)
         return fut
-
-    def _admit(self, op: Op, fut: _OpFuture) -> Exception | _OpFuture | None:
-        """Queue `op` under `fut` (None), name why not, or return the future it shares."""
-        if self._closed:
-            return SchedulerClosed("the server is shutting down; not accepting ops")
-        queue = self._queues.get(op.queue_id)
-        if queue is None:
-            return UnknownQueue(_unknown(op.queue_id))
-        if op.tokens < 0:
-            return InvalidArgument(f"tokens: {op.tokens} must be at least 0")
-        self._tickets += 1
-        entry = _Entry(op, fut, self._tickets)
-        if op.seq_id is None:
-            queue.unordered.append(entry)
-            return None
-        seq = op.seq_id
-        running = queue.running if queue.running and queue.running.op.seq_id == seq else None
-        existing = queue.done.get(seq) or running or queue.pending.get(seq)
-        if existing is not None:
-            if existing.op.kind != op.kind:
-                return OutOfOrder(
-                    f"seq_id: {seq} was already used by a {existing.op.kind} op; this "
-                    f"{op.kind} needs a new seq_id (the model expects {queue.next_seq})")
-            if not existing.future.done():
-                existing.waiters += 1
-            return existing.future
-        if seq < 0:
-            return InvalidArgument(f"seq_id: {seq} must be at least 0; the model expects "
-                                   f"seq_id {queue.next_seq} next")
-        if seq < queue.next_seq:
-            return OutOfOrder(
-                f"seq_id: {seq} already ran and its result is no longer kept; the model "
-                f"expects seq_id {queue.next_seq} next")
-        if seq > queue.next_seq + MAX_SEQ_AHEAD:
-            return OutOfOrder(
-                f"seq_id: {seq} is more than {MAX_SEQ_AHEAD} ahead of the expected "
-                f"{queue.next_seq}")
-        queue.pending[seq] = entry
-        return None
 
     def cancel(self, future: Future) -> bool:
         """One caller of `submit` stops waiting for `future` (what `submit` gave it); call
@@ -391,8 +247,7 @@ class Scheduler:
             if found is None:
                 return False
             place, queue, entry = found
-            decode_op = self.decode_group is not None and entry.op.merge_group == self.decode_group
-            action = plan_cancel(decode_op, place, entry.op.seq_id is not None)
+            action = plan_cancel(self._lane.takes(entry.op), place, entry.op.seq_id is not None)
             if action == "keep" or entry.cancelled:
                 return False
             entry.waiters -= 1
@@ -400,33 +255,21 @@ class Scheduler:
                 return False
             entry.cancelled = True
             if action == "stop":
-                self._stopping.append(entry.op)
+                self._lane.stopping.append(entry.op)
                 return True
             if place == "joining":
-                self._joining.remove((queue, entry))
-                self._retire(queue, entry)
+                self._lane.joining.remove((queue, entry))
+                self._queues.retire(queue, entry)
             elif action == "drop":
                 queue.unordered.remove(entry)
-            # `skip`: it stays queued, and `_divert` takes its seq_id in its turn.
+            # `skip`: it stays queued, and the lane's `divert` takes its seq_id in its turn.
             self._cond.notify_all()
         entry.future.set_exception(_cancelled(entry.op))
         return True
 
-    def _locate(self, future: Future) -> tuple[Place, _Queue, _Entry] | None:
+    def _locate(self, future: Future) -> tuple[Place, Queue, Entry] | None:
         """Where the op of `future` is (call with the lock); None: not here."""
-        for queue, entry in self._decoding.values():
-            if entry.future is future:
-                return "pool", queue, entry
-        for queue, entry in self._joining:
-            if entry.future is future:
-                return "joining", queue, entry
-        for queue in self._queues.values():
-            if queue.running is not None and queue.running.future is future:
-                return "running", queue, queue.running
-            for entry in (*queue.pending.values(), *queue.unordered):
-                if entry.future is future:
-                    return "queued", queue, entry
-        return None
+        return self._lane.locate(future) or self._queues.locate(future)
 
     def stats(self) -> dict[str, Any]:
         """Counters for logs and benchmarks.
@@ -436,48 +279,37 @@ class Scheduler:
         pool; `waits` per op kind, how many started and their seconds queued, summed.
         """
         with self._cond:
-            depths = {q: len(v.pending) + len(v.unordered) for q, v in self._queues.items()}
+            depths = self._queues.depths()
             return {
                 "mode": self.mode,
-                "queues": len(self._queues),
+                "queues": len(depths),
                 "depths": depths,
                 "queued": sum(depths.values()),
-                "running": sum(v.running is not None for v in self._queues.values()),
+                "running": self._queues.running(),
                 "ops_run": self._ops_run,
                 "batches_run": self._batches_run,
                 "merged_ops": self._merged_ops,
-                "decoding": len(self._decoding) + len(self._joining),
-                "decode_slices": self._slices_run,
-                "waits": {kind: (int(n), total) for kind, (n, total) in self._waits.items()},
+                "decoding": len(self._lane),
+                "decode_slices": self._lane.slices_run,
+                "waits": {kind: (int(n), total)
+                          for kind, (n, total) in self._queues.waits.items()},
             }
 
     # ------------------------------------------------------------------ worker
 
-    def _ready_heads(self) -> tuple[list[_Entry], int]:
-        """Ready heads in registration order, and the index of the first one at or after
-        the rotation cursor (call with the lock)."""
-        heads = []
-        start = None
-        for i, queue_id in enumerate(self._order):
-            head = self._queues[queue_id].head()
-            if head is not None:
-                if start is None and i >= self._cursor:
-                    start = len(heads)
-                heads.append(head)
-        return heads, start or 0
-
     def _take(self, only: Work | None = None
-              ) -> tuple[Work, list[tuple[_Queue, _Entry]], list[Op]] | None:
+              ) -> tuple[Work, list[tuple[Queue, Entry]], list[Op]] | None:
         """Wait for work and claim it: a training batch, or the decode ops joining the
         next slice and the pool's ops to stop in it; None once closed and drained.
         `only`: this worker's one kind of work (`decode_apart`)."""
-        stranded: list[_Entry] = []
+        stranded: list[Entry] = []
+        lane = self._lane
         with self._cond:
             while True:
-                if self._divert():
+                if lane.divert(self._queues):
                     self._cond.notify_all()   # the decode worker may be waiting
-                heads, start = self._ready_heads()
-                decoding, joining = bool(self._decoding), bool(self._joining)
+                heads, start = self._queues.ready_heads()
+                decoding, joining = bool(lane.decoding), bool(lane.joining)
                 if only == "train":
                     work: Work | None = "train" if heads else None
                     # Sample ops may still free a live model's queue for its next op.
@@ -488,7 +320,7 @@ class Scheduler:
                     # queued behind its running op): stop after it.
                     done = self._closed and self._trained_out
                 else:
-                    first_sample = min((e.ticket for _, e in self._joining), default=None)
+                    first_sample = lane.first_ticket()
                     training_first = bool(heads) and (
                         first_sample is None or min(e.ticket for e in heads) < first_sample)
                     work = plan_work(bool(heads), decoding, joining, self._last,
@@ -500,76 +332,23 @@ class Scheduler:
             if work == "train":
                 return work, self._claim(heads, start), []
             if work == "decode":
-                joining, self._joining = self._joining, []
-                for queue, entry in joining:
-                    self._decoding[id(entry.op)] = queue, entry
-                # One that finished since its cancel is no longer the pool's.
-                stopping = [op for op in self._stopping if id(op) in self._decoding]
-                self._stopping = []
-                return work, joining, stopping
+                return work, *lane.hand_over()
             if only == "decode":   # the training worker strands what is left
                 return None
             # Closed with nothing ready (this worker runs nothing now): what is left
             # waits on a seq_id that never came.
-            for queue in self._queues.values():
-                stranded += queue.take_waiting()
+            stranded = self._queues.take_waiting()
             self._trained_out = True
             self._cond.notify_all()
         _fail_all(stranded, SchedulerClosed("the server shut down before this op's earlier "
                                             "seq_ids arrived; it was not run"))
         return None
 
-    def _divert(self) -> bool:
-        """Move every ready head of the decode group off its queue to join the decode pool
-        (call with the lock); an unordered one leaves its queue free for the next. A
-        cancelled ordered head was answered already: it only takes its seq_id. Returns
-        whether any moved."""
-        if self.decode_group is None:
-            return False
-        moved, any_moved = True, False
-        while moved:
-            moved = False
-            for queue_id in self._order:
-                queue = self._queues[queue_id]
-                head = queue.head()
-                if head is None or head.op.merge_group != self.decode_group:
-                    continue
-                moved = any_moved = True
-                if head.op.seq_id is None:
-                    queue.unordered.popleft()
-                else:
-                    del queue.pending[head.op.seq_id]
-                    if head.cancelled:
-                        self._retire(queue, head)
-                        continue
-                    queue.running = head
-                self._started(head)
-                self._joining.append((queue, head))
-        return any_moved
-
-    def _started(self, entry: _Entry) -> None:
-        wait = self._waits.setdefault(entry.op.kind, [0, 0.0])
-        wait[0] += 1
-        wait[1] += time.monotonic() - entry.arrived
-
-    def _claim(self, heads: list[_Entry], start: int) -> list[tuple[_Queue, _Entry]]:
+    def _claim(self, heads: list[Entry], start: int) -> list[tuple[Queue, Entry]]:
         """Mark the planned ops running (call with the lock)."""
         ops = plan_batch([e.op for e in heads], self.mode, self.token_budget, start)
         by_op = {id(e.op): e for e in heads}
-        chosen = []
-        for op in ops:
-            entry = by_op[id(op)]
-            queue = self._queues[op.queue_id]
-            if op.seq_id is None:
-                queue.unordered.popleft()
-            else:
-                del queue.pending[op.seq_id]
-            queue.running = entry
-            self._started(entry)
-            chosen.append((queue, entry))
-        # The queue after the batch's first one leads the next rotation.
-        self._cursor = (self._order.index(ops[0].queue_id) + 1) % len(self._order)
-        return chosen
+        return self._queues.run([by_op[id(op)] for op in ops])
 
     def _work(self, only: Work | None = None) -> None:
         while True:
@@ -585,7 +364,7 @@ class Scheduler:
             self._last = work
 
     def _run_decode(self, joining: list[Op], stopping: list[Op]
-                    ) -> tuple[list[tuple[_Queue, _Entry]], list[Any]]:
+                    ) -> tuple[list[tuple[Queue, Entry]], list[Any]]:
         """One decode slice: the entries it finished and their results. A slice that
         raises fails every op in the pool (its state is then unknown); an op the
         scheduler does not hold (answered already) is passed over."""
@@ -595,15 +374,10 @@ class Scheduler:
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else _wrapped(exc)
             with self._cond:
-                finished = [(pair, error) for pair in self._decoding.values()]
-                self._decoding.clear()
-                self._stopping.clear()
-                self._slices_run += 1
+                finished = self._lane.failed(error)
         else:
             with self._cond:
-                finished = [(self._decoding.pop(id(op)), result) for op, result in done
-                            if id(op) in self._decoding]
-                self._slices_run += 1
+                finished = self._lane.finished(done)
         return [pair for pair, _ in finished], [result for _, result in finished]
 
     def _run(self, ops: list[Op]) -> list[Any]:
@@ -628,21 +402,7 @@ class Scheduler:
             return [error] * n
         return results
 
-    def _retire(self, queue: _Queue, entry: _Entry) -> None:
-        """The op is over: free its queue, and an ordered one takes its seq_id (kept for
-        retries); call with the lock. `queue` may be unregistered by now; updating the
-        orphan is harmless."""
-        if queue.running is entry:
-            queue.running = None
-        seq = entry.op.seq_id
-        if seq is not None:
-            queue.next_seq = seq + 1
-            if self.result_cache_size:
-                queue.done[seq] = entry
-                while len(queue.done) > self.result_cache_size:
-                    queue.done.popitem(last=False)
-
-    def _finish(self, chosen: list[tuple[_Queue, _Entry]], results: list[Any],
+    def _finish(self, chosen: list[tuple[Queue, Entry]], results: list[Any],
                 batch: bool = True) -> None:
         """Answer `chosen` with `results`; `batch` False: they finished in a decode slice."""
         with self._cond:
@@ -652,7 +412,7 @@ class Scheduler:
                 if len(chosen) > 1:
                     self._merged_ops += len(chosen)
             for queue, entry in chosen:
-                self._retire(queue, entry)
+                self._queues.retire(queue, entry)
             self._cond.notify_all()
         for (_, entry), result in zip(chosen, results, strict=True):
             if entry.future.done():
@@ -665,10 +425,6 @@ class Scheduler:
                 entry.future.set_exception(_wrapped(result))
             else:
                 entry.future.set_result(result)
-
-
-def _unknown(queue_id: str) -> str:
-    return f"model_id: no model or sampling session {queue_id!r} is registered"
 
 
 def _cancelled(op: Op, cause: BaseException | None = None) -> Cancelled:
@@ -687,7 +443,7 @@ def _wrapped(exc: BaseException) -> RuntimeError:
     return error
 
 
-def _fail_all(entries: list[_Entry], exc: BaseException) -> None:
+def _fail_all(entries: list[Entry], exc: BaseException) -> None:
     for entry in entries:
         if not entry.future.done():
             entry.future.set_exception(exc)

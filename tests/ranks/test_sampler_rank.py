@@ -16,7 +16,7 @@ from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import InvalidArgument, NotFound, Unavailable
 from twinkle_server.engine.prompt_scoring import PromptScoring
 from twinkle_server.engine.types import EngineLimits, LoraSpec, SampleRequest, SamplingParams
-from twinkle_server.sampler_rank import PUBLISH, RELEASE, Link, Need, Publication, SamplerRank
+from twinkle_server.ranks.sampler_rank import PUBLISH, RELEASE, Link, Need, Publication, SamplerRank
 
 from ..numerics import LOGPROB_ATOL
 

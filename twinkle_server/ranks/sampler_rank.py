@@ -2,7 +2,7 @@
 trained adapter weights rank 0 publishes to it in memory.
 
 A model served with `sampler_ranks = K` (`model_table`) trains on its first ranks and
-samples on its last K (`twinkle_server.split` is rank 0's side). Each sampler rank talks
+samples on its last K (`twinkle_server.ranks.split` is rank 0's side). Each sampler rank talks
 to rank 0 over two gloo channels of their own (a `Link`):
 
 - `weights`: publications, each an adapter's LoRA tensors under a routing key with a
@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from twinkle_server.channel import Channel
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import Cancelled, EngineError, Unavailable
 from twinkle_server.engine.types import LoraSpec, SampleRequest
+from twinkle_server.ranks.channel import Channel
 
 log = logging.getLogger(__name__)
 

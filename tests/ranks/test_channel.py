@@ -11,7 +11,7 @@ import sys
 
 def test_a_calls_arrays_arrive_whole_and_answers_come_back_over_a_pair():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "tests.server.channel_ranks"],
+                          "--nproc-per-node", "2", "-m", "tests.ranks.channel_ranks"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
@@ -25,7 +25,7 @@ def test_a_calls_arrays_travel_beside_its_pickled_header_not_inside_it():
 
     import numpy as np
 
-    from twinkle_server.channel import _Pickler
+    from twinkle_server.ranks.channel import _Pickler
 
     call = ("forward", {"tokens": np.arange(2**17, dtype=np.int64), "name": "a"})
     buffer = io.BytesIO()

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from twinkle_server.channel import Channel
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import ModelConfig
+from twinkle_server.config.placement import Demand, Place, job_ranks, place
 from twinkle_server.engine.base_model import model_dir, resolve_device, resolve_dtype
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import EngineError, InvalidArgument
@@ -32,10 +33,9 @@ from twinkle_server.engine.memory import (
     kv_bytes_per_token,
 )
 from twinkle_server.engine.parallel import Parallel, placement_from_env
-from twinkle_server.model_table import ModelConfig
-from twinkle_server.placement import Demand, Place, job_ranks, place
-from twinkle_server.replication import follow
-from twinkle_server.sampler_rank import Link, SamplerRank
+from twinkle_server.ranks.channel import Channel
+from twinkle_server.ranks.replication import follow
+from twinkle_server.ranks.sampler_rank import Link, SamplerRank
 
 log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 90

@@ -2,7 +2,7 @@
 
 `SplitEngine` is an `engine.protocol.EngineAPI`: training verbs, adapter reads and saves go
 to the trainer ranks' engine (a `ReplicatedEngine` over them, FSDP2 as on any ranks);
-decode slices and prompt scoring go to the sampler ranks (`twinkle_server.sampler_rank`),
+decode slices and prompt scoring go to the sampler ranks (`twinkle_server.ranks.sampler_rank`),
 each a whole copy of the base with its own decode pool, over `sampler_links`. The
 scheduler runs the two on workers of their own (`Scheduler(decode_apart=True)`), so they
 run at the same time.
@@ -47,16 +47,14 @@ import numpy as np
 
 from twinkle_server.engine import checkpoint
 from twinkle_server.engine.adapter import Adapter
-from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, NotFound
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.sampler_cache import KEY_PREFIX, SAMPLER_CACHE_SIZE, sampler_key
-from twinkle_server.engine.sampling.pool import PoolStats
+from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import inflight_key
 from twinkle_server.engine.types import (
     AdamParams,
-    EngineLimits,
     ForwardOutput,
     ForwardRequest,
     Generation,
@@ -65,8 +63,17 @@ from twinkle_server.engine.types import (
     SampledSequence,
     SampleRequest,
 )
-from twinkle_server.sampler_links import SamplerEnd, SamplerLinks
-from twinkle_server.sampler_rank import DECODE, PUBLISH, RELEASE, SCORE, Link, Need, Publication
+from twinkle_server.ranks.reads import RankZeroReads
+from twinkle_server.ranks.sampler_links import SamplerEnd, SamplerLinks
+from twinkle_server.ranks.sampler_rank import (
+    DECODE,
+    PUBLISH,
+    RELEASE,
+    SCORE,
+    Link,
+    Need,
+    Publication,
+)
 
 log = logging.getLogger(__name__)
 _ROUTE_TRIES = 3
@@ -82,13 +89,14 @@ class PublishStats:
     bytes: int = 0
 
 
-class SplitEngine:
+class SplitEngine(RankZeroReads):
     """Rank 0's engine of a split model: training on `trainer`, sampling on the sampler
     ranks over `links`, weights published between them. `timeout_s` is the collective
     timeout: idle channels get a no-op well within it."""
 
     def __init__(self, trainer: EngineAPI, links: Sequence[Link], timeout_s: float,
                  keep: int = SAMPLER_CACHE_SIZE) -> None:
+        super().__init__(trainer)
         self.trainer = trainer
         self.links = SamplerLinks(links, timeout_s)
         self.keep = keep
@@ -105,27 +113,9 @@ class SplitEngine:
 
     # ------------------------------------------------------------------ the trainer's
 
-    @property
-    def base(self) -> BaseModel:
-        return self.trainer.base
-
-    @property
-    def limits(self) -> EngineLimits:
-        return self.trainer.limits
-
-    @property
-    def adapters(self) -> Mapping[str, Adapter]:
-        return self.trainer.adapters
-
-    def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
-        return self.trainer.estimate_adapter_bytes(spec)
-
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
                     gradient_accumulation_steps: int = 1) -> dict[str, Any]:
         return self.trainer.add_adapter(adapter_id, spec, gradient_accumulation_steps)
-
-    def adapter_info(self, adapter_id: str) -> dict[str, Any]:
-        return self.trainer.adapter_info(adapter_id)
 
     def remove_adapter(self, adapter_id: str) -> None:
         """Remove it from the trainer ranks, and its live and inflight weights from the
@@ -135,12 +125,6 @@ class SplitEngine:
             gone = NotFound(f"model_id: model {adapter_id!r} was unloaded while sampling")
             for key in (adapter_id, inflight_key(adapter_id)):
                 self._release(key, gone)
-
-    def check_forward(self, request: ForwardRequest) -> None:
-        self.trainer.check_forward(request)
-
-    def validate_forward(self, request: ForwardRequest) -> LossSpec:
-        return self.trainer.validate_forward(request)
 
     def forward_batch(self, requests: Sequence[ForwardRequest]
                       ) -> list[ForwardOutput | EngineError]:
@@ -179,22 +163,12 @@ class SplitEngine:
     def calculate_metric(self, adapter_id: str, is_training: bool = True) -> dict[str, float]:
         return self.trainer.calculate_metric(adapter_id, is_training)
 
-    def get_train_configs(self, adapter_id: str) -> dict[str, Any]:
-        return self.trainer.get_train_configs(adapter_id)
-
     def save_weights(self, adapter_id: str, path: str | Path, overwrite: bool = False) -> int:
         """Save on rank 0, then publish the same tensors as the checkpoint's key."""
         written = self.trainer.save_weights(adapter_id, path, overwrite)
         adapter = self.trainer.adapters[adapter_id]
         self._publish_adapter(sampler_key(path), adapter)
         return written
-
-    def save_state(self, adapter_id: str, path: str | Path, include_optimizer: bool = True,
-                   overwrite: bool = False) -> int:
-        return self.trainer.save_state(adapter_id, path, include_optimizer, overwrite)
-
-    def read_checkpoint_spec(self, path: str | Path) -> LoraSpec:
-        return self.trainer.read_checkpoint_spec(path)
 
     def load_state(self, adapter_id: str, path: str | os.PathLike, include_optimizer: bool,
                    adopt_accumulation: bool = False) -> None:

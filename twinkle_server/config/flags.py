@@ -11,8 +11,8 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from twinkle_server.config.model_table import ModelConfig, read_models_file, shorthand
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.model_table import ModelConfig, read_models_file, shorthand
 
 
 def _opt(default, help: str, **extra):

@@ -1,5 +1,5 @@
-"""Run by tests/server/test_channel.py on two ranks (`python -m torch.distributed.run
---nproc-per-node 2 -m tests.server.channel_ranks`): rank 0 sends calls over the job's
+"""Run by tests/ranks/test_channel.py on two ranks (`python -m torch.distributed.run
+--nproc-per-node 2 -m tests.ranks.channel_ranks`): rank 0 sends calls over the job's
 channel, rank 1 answers over a channel of the two; rank 0 prints one JSON line of what
 came back."""
 
@@ -11,7 +11,7 @@ import os
 import numpy as np
 import torch.distributed as dist
 
-from twinkle_server.channel import Channel
+from twinkle_server.ranks.channel import Channel
 
 CALL = ("forward", {"tokens": np.arange(7, dtype=np.int64),
                     "weights": np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3),

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from twinkle_server.engine.errors import EngineError, Unavailable
-from twinkle_server.engine.sampling.pool import PoolStats
-from twinkle_server.sampler_rank import NOOP, STOP, Link
+from twinkle_server.engine.sampling.book import PoolStats
+from twinkle_server.ranks.sampler_rank import NOOP, STOP, Link
 
 log = logging.getLogger(__name__)
 

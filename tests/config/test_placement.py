@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from twinkle_server.config.placement import GIB, Demand, place
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.placement import GIB, Demand, place
 
 GPUS = {"cpu": 64 * GIB, "cuda:0": 80 * GIB, "cuda:1": 80 * GIB}
 

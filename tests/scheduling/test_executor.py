@@ -10,8 +10,8 @@ from collections.abc import Callable
 import pytest
 
 from twinkle_server.engine.errors import Cancelled
-from twinkle_server.executor import SAMPLE, EngineExecutor
-from twinkle_server.scheduler import Op, Scheduler
+from twinkle_server.scheduling.executor import SAMPLE, EngineExecutor
+from twinkle_server.scheduling.scheduler import Op, Scheduler
 
 WAIT_SECONDS = 5
 
@@ -138,7 +138,7 @@ def test_turns_go_first_come_first_served_and_a_releaser_queues_behind_a_waiter(
     the one already waiting, so neither starves the other."""
     import threading
 
-    from twinkle_server.executor import Turns
+    from twinkle_server.scheduling.executor import Turns
 
     turns = Turns()
     order: list[str] = []
@@ -168,7 +168,7 @@ def test_an_engine_decoding_elsewhere_takes_no_turn_for_its_slices():
     device its training shares with another model, while its training batches do."""
     import threading
 
-    from twinkle_server.executor import Turns
+    from twinkle_server.scheduling.executor import Turns
 
     turns = Turns()
     executor = EngineExecutor(FakeEngine(), turns, decodes_here=False)

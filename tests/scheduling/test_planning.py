@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.planning import default_token_budget, plan_batch, plan_cancel, plan_work
-from twinkle_server.scheduler import Op
+from twinkle_server.scheduling.planning import (
+    default_token_budget,
+    plan_batch,
+    plan_cancel,
+    plan_work,
+)
+from twinkle_server.scheduling.scheduler import Op
 
 
 def fwd(queue, seq, tokens=10):

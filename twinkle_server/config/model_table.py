@@ -15,10 +15,10 @@ from typing import Any
 
 import tomllib
 
+from twinkle_server.config.placement import GIB
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.tiny_model import RECIPES, TINY_MODEL_NAME
 from twinkle_server.engine.types import AUTO_PASS_TOKENS, EngineLimits
-from twinkle_server.placement import GIB
 
 TRAIN, SAMPLE = "train", "sample"
 ROLES = (TRAIN, SAMPLE)
@@ -43,7 +43,7 @@ class ModelConfig:
     """Under torchrun, the ranks it is sharded over; empty: every rank."""
     sampler_ranks: int = 0
     """Under torchrun, how many of its ranks (the last ones) sample apart from the others,
-    which train; trained weights reach them in memory (`twinkle_server.split`). 0: every
+    which train; trained weights reach them in memory (`twinkle_server.ranks.split`). 0: every
     rank trains and samples (colocated)."""
     max_adapters: int = 32
     max_rank: int = 128

@@ -241,9 +241,9 @@ def test_a_model_the_decode_pool_cannot_hold_is_refused_at_start_naming_the_cure
 
 
 def test_a_sliding_window_model_samples_with_the_static_sampler(tmp_path, tiny_cache):
-    from twinkle_server.config import ServerConfig
+    from twinkle_server.config.flags import ServerConfig
     from twinkle_server.engine.types import SampleRequest, SamplingParams
-    from twinkle_server.launch import load_engine
+    from twinkle_server.ranks.launch import load_engine
 
     model_dir = _sliding_window_copy(tiny_cache, tmp_path)
     config = ServerConfig(model=str(model_dir), sampler="static", data_dir=tmp_path)
@@ -258,10 +258,10 @@ def test_a_split_models_trainer_ranks_refuse_a_model_the_sampler_ranks_pool_cann
         tmp_path, tiny_cache):
     """Trainer ranks hold no decode pool, but rank 0 (a trainer) starts first and is what
     refuses a model its sampler ranks could not sample, naming the cure."""
-    from twinkle_server.config import ServerConfig
+    from twinkle_server.config.flags import ServerConfig
     from twinkle_server.engine.errors import InvalidArgument
     from twinkle_server.engine.parallel import OneRank
-    from twinkle_server.launch import load_engine
+    from twinkle_server.ranks.launch import load_engine
 
     model_dir = _sliding_window_copy(tiny_cache, tmp_path)
     config = ServerConfig(model=str(model_dir), sampler_ranks=1, data_dir=tmp_path)

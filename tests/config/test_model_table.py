@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from twinkle_server.config import ServerConfig
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.config.model_table import SAMPLE, TRAIN
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.model_table import SAMPLE, TRAIN
 
 
 def _models(tmp_path, text: str, **flags):
@@ -97,7 +97,7 @@ SEVERAL = "[[models]]\nname = 'a'\npath = 'tiny'\n[[models]]\nname = 'b'\npath =
 ])
 def test_several_models_on_several_ranks_refuse_what_cannot_work(tmp_path, monkeypatch, extra,
                                                                   flags, named):
-    from twinkle_server.launch import several_ranks_problem
+    from twinkle_server.ranks.launch import several_ranks_problem
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -128,7 +128,7 @@ def test_a_models_ranks_and_device_are_honoured_or_refused_by_name(tmp_path, mon
                                                                    text, flags, world, named):
     """One model's table is checked as several models' are: its ranks and device are never
     silently ignored, and a rank no model uses (which would hold nothing) is refused."""
-    from twinkle_server.launch import several_ranks_problem
+    from twinkle_server.ranks.launch import several_ranks_problem
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -139,7 +139,7 @@ def test_a_models_ranks_and_device_are_honoured_or_refused_by_name(tmp_path, mon
 
 
 def test_one_model_on_every_rank_of_the_job_is_accepted(tmp_path, monkeypatch):
-    from twinkle_server.launch import several_ranks_problem
+    from twinkle_server.ranks.launch import several_ranks_problem
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -156,7 +156,7 @@ def test_a_device_that_resolves_to_the_jobs_kind_is_accepted_on_several_ranks(
     """'auto' is the kind it resolves to here (cuda where present, else cpu), in a table
     or as the flag: compared by what it means, not by its spelling."""
     from twinkle_server.engine.base_model import resolve_device
-    from twinkle_server.launch import several_ranks_problem
+    from twinkle_server.ranks.launch import several_ranks_problem
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -169,7 +169,7 @@ def test_a_device_that_resolves_to_the_jobs_kind_is_accepted_on_several_ranks(
 
 
 def test_several_models_on_several_ranks_that_fit_are_accepted(tmp_path, monkeypatch):
-    from twinkle_server.launch import several_ranks_problem
+    from twinkle_server.ranks.launch import several_ranks_problem
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -183,7 +183,7 @@ def test_rank_0_counts_a_models_kv_pool_only_where_rank_0_holds_it(tmp_path, mon
                                                                     tiny_cache):
     """A pool larger than any host: refused for a model rank 0 samples, not for one whose
     sampler ranks hold the pool (rank 0 is among its trainer ranks, which hold none)."""
-    from twinkle_server.launch import several_ranks_problem
+    from twinkle_server.ranks.launch import several_ranks_problem
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")

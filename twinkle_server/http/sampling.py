@@ -1,0 +1,84 @@
+"""The Tinker REST routes of sampling: sampling sessions and `asample`, the body turned
+into the runtime's values (`convert`, `sampling_options`) and checked once by
+`runtime.sampling` before anything is queued: a bad parameter is a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.http import convert, sampling_options
+from twinkle_server.http.app import API_PREFIX, Front, json_body, route
+from twinkle_server.runtime import checkpoint_ref
+
+
+class SamplingRoutes:
+    """The SDK's `SamplingClient` routes over the front's auth and futures; it keeps the
+    path each sampling session was created from, for `get_sampler`."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.rt = front.rt
+        self.sampler_paths: dict[str, str | None] = {}
+
+    @route
+    async def create_sampling_session(self, request: Request) -> Any:
+        tenant = self.front.tenant(request)
+        body = await json_body(request)
+        text = convert.text(body, "model_path")
+        sampler = await self.rt.sampling.create_session(
+            tenant, convert.text(body, "session_id"),
+            model_path=checkpoint_ref(text, "model_path") if text else None,
+            base_model=convert.text(body, "base_model"))
+        self.sampler_paths[sampler] = text or None
+        return {"type": "create_sampling_session", "sampling_session_id": sampler}
+
+    @route
+    async def get_sampler(self, request: Request) -> Any:
+        tenant = self.front.tenant(request)
+        sampler = request.path_params["sampler_id"]
+        entry = self.rt.sampler_of(tenant, sampler)
+        return {"sampler_id": sampler, "base_model": entry.base_model,
+                "model_path": self.sampler_paths.get(sampler)}
+
+    @route
+    async def asample(self, request: Request) -> Any:
+        tenant = self.front.tenant(request)
+        body = await json_body(request)
+        rid = self.front._id()
+        sampler = convert.text(body, "sampling_session_id")
+        if not sampler:
+            raise InvalidArgument("sampling_session_id: required; create a sampling client "
+                                  "with ServiceClient.create_sampling_client")
+        target = self.rt.sampling.target(tenant, None, sampler, rid)
+        prompt = convert.prompt_tokens(body)
+        params = convert.sampling_params(body)
+        num_samples = convert.integer(body, "num_samples", 1) or 1
+        include = bool(body.get("prompt_logprobs"))
+        topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
+        options = sampling_options.read(body)
+        work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
+                                       topk_sample_logprobs=options.topk_sample_logprobs,
+                                       prompt_options=options.prompt)
+        # Fixed at submission (the SDK reads them off the promise); kept, with what
+        # stable_reinforce needs, when the request asks to record (`runtime.stability`).
+        ids = self.rt.stability.new_ids(num_samples)
+        if body.get("record_stability_info"):
+            work = self.rt.stability.recorded(tenant, target.queue, prompt, ids, work)
+        return self.front.promise(
+            tenant, rid, work,
+            lambda result: Response(sampling_options.sample_response(result, include, options),
+                                    media_type=convert.PROTOBUF),
+            sample_sequence_ids=ids)
+
+    def routes(self) -> list[Route]:
+        table = [
+            ("POST", "/create_sampling_session", self.create_sampling_session),
+            ("GET", "/samplers/{sampler_id}", self.get_sampler),
+            ("POST", "/asample", self.asample),
+        ]
+        return [Route(API_PREFIX + path, fn, methods=[method]) for method, path, fn in table]
