@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from ..timeouts import SUBPROCESS_TIMEOUT_S
+
 ROWS = ("engine 2 x 64, pieces <= 96", "engine 2 x 64, one piece",
         "8 tenants x 1 x 32 merged", "8 tenants x 1 x 32 timeshare",
         "8 x 2 of 8..64 tokens, packed", "8 x 2 of 8..64 tokens, padded",
@@ -56,7 +58,7 @@ def _summary(stdout: str) -> list[str]:
 
 def _run(*command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *command], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+                          timeout=SUBPROCESS_TIMEOUT_S, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.integration

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from ..timeouts import SUBPROCESS_TIMEOUT_S
+
 ROWS = ("groups 8 x 8 x 32: tinker_compat over gRPC vs generate",
         "groups 8 x 8 x 32: tinker SDK over HTTP vs generate",
         "groups 32 x 16 x 16: tinker_compat over gRPC vs generate",
@@ -25,7 +27,7 @@ def test_the_quick_run_prints_every_row_and_one_prefill_per_group(tiny_cache):
     # A bound against a hang, not a timing: on 2 cores shared with other jobs the run took
     # 166 s alone, and longer beside other tests (35 s on a quiet machine).
     done = subprocess.run([sys.executable, "-m", "bench.sampling", "--quick", "--model",
-                           "tiny"], capture_output=True, text=True, timeout=900)
+                           "tiny"], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = done.stdout[done.stdout.index("summary ("):].splitlines()
     for row in ROWS:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ..timeouts import SUBPROCESS_TIMEOUT_S
+
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_tinker_client.py"
@@ -22,7 +24,7 @@ def test_the_grpo_example_raises_the_reward(tiny_cache, tmp_path, monkeypatch):
     plot = tmp_path / "grpo.png"
     done = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--seed", "0",
                            "--plot", str(plot)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     rewards = [float(x) for x in re.findall(r"^step +\d+ +reward ([\d.]+)", out, re.M)]

@@ -21,6 +21,8 @@ import pytest
 
 from twinkle_server.process import start_server
 
+from ..timeouts import SUBPROCESS_TIMEOUT_S
+
 pytestmark = pytest.mark.integration
 
 SCRIPT = '''\
@@ -134,7 +136,7 @@ def test_the_articles_tinker_example_runs_as_written_with_twinkle_base_url(tmp_p
                                "MODELSCOPE_TOKEN")}
         env.update(TWINKLE_BASE_URL=base_url, PYTHONIOENCODING="utf-8")
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              encoding="utf-8", env=env, cwd=tmp_path, timeout=300)
+                              encoding="utf-8", env=env, cwd=tmp_path, timeout=SUBPROCESS_TIMEOUT_S)
         out = done.stdout + done.stderr
         assert done.returncode == 0, out
         losses = [float(loss) for loss in re.findall(r"^Step \d loss:sum (\S+)$",

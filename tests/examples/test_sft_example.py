@@ -12,6 +12,8 @@ import pytest
 
 from twinkle_server.process import start_server
 
+from ..timeouts import SUBPROCESS_TIMEOUT_S
+
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_twinkle_client.py"
@@ -27,7 +29,7 @@ def server(tmp_path_factory, tiny_cache):
 def _run(server, *args: str) -> str:
     done = subprocess.run([sys.executable, str(EXAMPLE), "--base-url",
                            f"http://{server.address}", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 

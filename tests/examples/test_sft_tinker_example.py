@@ -12,6 +12,8 @@ import pytest
 
 from twinkle_server.process import start_server
 
+from ..timeouts import SUBPROCESS_TIMEOUT_S
+
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_tinker_client.py"
@@ -24,7 +26,7 @@ def test_the_tinker_sft_example_trains_saves_and_plots(tmp_path, tiny_cache):
         done = subprocess.run([sys.executable, str(EXAMPLE), "--base-url",
                                f"http://{server.address}", "--rows", "8", "--batch-size", "8",
                                "--epochs", "6", "--plot", str(plot)],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
         out = done.stdout + done.stderr
         assert done.returncode == 0, out
         losses = [float(x) for x in re.findall(r"loss/token ([\d.]+)", out)]
