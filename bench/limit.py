@@ -289,17 +289,25 @@ def _engine(path: str, batch_invariant: bool = False) -> Engine:
     return engine
 
 
-def invariant_cost(path: str, rounds: int) -> None:
+def invariant_cost(path: str, rounds: int, shorter: int = 1) -> None:
     """Tokens/s of the RL group and mixed rows with `--batch-invariant` off and on, rounds
-    interleaved; prints the medians and the cost (1 - on / off)."""
+    interleaved; prints the medians and the cost (1 - on / off). `shorter` divides every
+    request's `max_tokens` (the mode's rows take minutes each at full length)."""
     engines = {mode: _engine(path, mode) for mode in (False, True)}
     flops = ModelFlops.of(engines[False].base.config, SPEC.rank)
     vocab = engines[False].base.vocab_size
     print(f"batch-invariant cost ({torch.get_num_threads()} threads, float32, hidden 512, "
           f"8 layers, LoRA rank 16 all-linear; medians of {rounds} interleaved rounds)")
     print(f"  {'row':<34}{'off tok/s':>10}{'on tok/s':>10}{'cost':>7}")
-    for name, make in (("decode, RL group 24 x 4 x 128", _group),
-                       ("decode, mixed 64 x 8..256", _mixed)):
+    def short(make: Callable[[int, int], list[SampleRequest]]
+              ) -> Callable[[int, int], list[SampleRequest]]:
+        return lambda vocab, seed: [replace(r, params=replace(
+            r.params, max_tokens=max(r.params.max_tokens // shorter, 1)))
+            for r in make(vocab, seed)]
+
+    for name, make in ((f"decode, RL group 24 x 4 x {GROUP_TOKENS // shorter}", short(_group)),
+                       (f"decode, mixed 64 x {MIXED_LOW // shorter}..{MIXED_HIGH // shorter}",
+                        short(_mixed))):
         speeds: dict[bool, list[float]] = {False: [], True: []}
         for engine in engines.values():      # a short warm-up each
             _sample(engine, flops, make(vocab, 0)[:2])
@@ -373,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="measure what --batch-invariant on costs instead")
+    parser.add_argument("--shorter", type=int, default=1,
+                        help="with --batch-invariant: divide every max_tokens by this")
     args = parser.parse_args(argv)
     from bench.engine import _wider_base
 
@@ -380,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = _wider_base(f"{tmp}/wide")
         if args.batch_invariant:
-            invariant_cost(path, args.rounds)
+            invariant_cost(path, args.rounds, args.shorter)
             return
         engine = _engine(path)
     rows = measure(engine, args.rounds)
