@@ -4,7 +4,8 @@ Where each job lives:
 
 - `engine/`: one frozen base model and many LoRA adapters, pure torch, no network: the
   multi-LoRA layers, merged training passes, losses, optimizers, PEFT checkpoints,
-  prompt scoring; `Engine` its entry (its training verbs in `training`),
+  prompt scoring, batch-invariant sampling forwards (`batch_invariant`, every row as
+  alone: `--batch-invariant on`); `Engine` its entry (its training verbs in `training`),
   `protocol.EngineAPI` how the rest of the server sees it. A failed request comes back
   as an `EngineError` value, so one tenant's bad request never stops another's.
 - `engine/sampling/`: the engine's decode wing: the continuous-batching pool (admission,
