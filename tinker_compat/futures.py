@@ -93,7 +93,8 @@ def client_future(client_cls: type, label: str) -> type[ClientFuture]:
     namespace: dict[str, Any] = {"__doc__": f"A future of a `{label}`, usable (deprecated) "
                                             f"as the {label} itself.", "client_label": label,
                                  "__module__": client_cls.__module__}
-    for name, member in vars(client_cls).items():
+    for name in dir(client_cls):     # its own methods and those it inherits
+        member = inspect.getattr_static(client_cls, name)
         if not name.startswith("_") and inspect.isfunction(member):
             namespace[name] = _forwarder(name, member, message)
     return type(f"{label}Future", (ClientFuture, client_cls), namespace)
