@@ -1,0 +1,109 @@
+"""Tiny random models of the architecture families Tinker users train, built offline.
+
+Each family is its transformers config class at toy sizes (hidden 64, a few layers, a few
+experts), random weights from a fixed seed, and the tiny model's own tokenizer, written
+as a model directory the engine loads like any local model. Hybrids get both of their
+layer kinds; MoE models both dense and expert layers where the family has both.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from twinkle_server.engine.tiny_model import TINY_MODEL_NAME
+
+# Shared by every family: small enough that a forward_backward takes milliseconds.
+_COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                               max_position_embeddings=512, tie_word_embeddings=False)
+_MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "smollm3": ("SmolLM3Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 16}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 16, "num_hidden_layers": 2,
+                                         "layer_types": ["sliding_attention",
+                                                         "full_attention"]}),
+    "phi3": ("Phi3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, decoder_sparse_step=1, mlp_only_layers=[0])),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
+        _MOE, num_hidden_layers=4, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4)),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        _MOE, num_hidden_layers=4, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=32, sliding_window=16,
+                                     layer_types=["sliding_attention", "full_attention"])),
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, n_shared_experts=1,
+                                       first_k_dense_replace=1, n_group=1, topk_group=1)),
+    "nemotron_h": ("NemotronHConfig", dict(
+        num_hidden_layers=4, hybrid_override_pattern="M*-E", mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, n_groups=1, mamba_d_conv=4,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1)),
+}
+"""Family name -> (transformers config class, its settings over `_COMMON`)."""
+
+
+def family_config(family: str, vocab_size: int, **overrides: Any
+                  ) -> transformers.PretrainedConfig:
+    """`family`'s config at toy sizes, over the tiny tokenizer's `vocab_size`."""
+    class_name, settings = FAMILIES[family]
+    cls = getattr(transformers, class_name)
+    return cls(**{**_COMMON, **settings, "vocab_size": vocab_size, **overrides},
+               dtype="float32")
+
+
+def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
+                 **overrides: Any) -> Path:
+    """A model directory of `family` under `root` with the tiny model's tokenizer and
+    random weights from `seed`; returns it (written once per root)."""
+    out = root / family
+    if (out / "config.json").exists():
+        return out
+    tiny = _tiny_dir(tiny_cache)
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    config = family_config(family, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _tiny_dir(tiny_cache: Path) -> Path:
+    """The tiny model's directory in the test session's cache."""
+    hits = [p.parent for p in Path(tiny_cache).rglob("tokenizer.json")
+            if TINY_MODEL_NAME in str(p.parent)]
+    if not hits:
+        raise FileNotFoundError(f"no tiny model with a tokenizer under {tiny_cache}")
+    return min(hits, key=lambda p: len(str(p)))
