@@ -1,6 +1,7 @@
-"""The executor between the scheduler and the engine's decode pool, with a scripted fake
-engine (no torch): keys of cancelled ops reach the engine, and keys it no longer knows
-(their ops failed with a slice that raised) never fail another op."""
+"""The scheduler and executor before the engine's decode pool, with a scripted fake engine
+(no torch): a sample's one key reaches the engine and comes back, keys of cancelled ops
+reach the engine, and keys it no longer knows (their ops failed with a slice that
+raised) never fail another op."""
 
 from __future__ import annotations
 
@@ -41,48 +42,68 @@ def sample(name: str) -> Op:
     return Op("samp", None, "sample", SAMPLE, 4, name)
 
 
-def test_the_keys_of_cancelled_ops_reach_the_engine_and_come_back_as_their_ops():
-    engine = FakeEngine(lambda r, k, c: [],
-                        lambda r, k, c: [(key, Cancelled("gone")) for key in c])
-    executor = EngineExecutor(engine)   # type: ignore[arg-type]
-    kept, gone = sample("kept"), sample("gone")
-    assert executor.decode([kept, gone], 0.1) == []
-    (op, result), = executor.decode([], 0.1, cancelled=[gone])
-    assert op is gone and isinstance(result, Cancelled)
-    assert engine.calls[1][2] == [engine.calls[0][1][1]]   # gone's key, and only it
+def scheduled(engine: FakeEngine, **kw) -> Scheduler:
+    sched = Scheduler(EngineExecutor(engine), decode_group=SAMPLE,   # type: ignore[arg-type]
+                      decode_slice_s=0.01, **kw)
+    sched.register_model("samp")
+    return sched
 
 
-def test_a_cancelled_op_already_answered_sends_no_key():
-    engine = FakeEngine(lambda r, k, c: [(k[0], "done")])
-    executor = EngineExecutor(engine)   # type: ignore[arg-type]
-    op = sample("quick")
-    assert executor.decode([op], 0.1) == [(op, "done")]
-    assert executor.decode([], 0.1, cancelled=[op]) == []
-    assert engine.calls[1][2] == []
+def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
 
 
-def test_after_a_raising_slice_the_executor_forgets_its_keys_and_late_answers_fail_no_op():
-    first_keys: list[int] = []
+def test_a_sample_has_one_key_from_its_queue_to_the_engine_pool_and_back():
+    """The scheduler's arrival ticket is the key the engine's pool answers under: no
+    registry between them renames it."""
+    answered: list[int] = []
 
-    def late(requests, keys, cancelled):
-        # The engine still answers the ops the raising slice failed, and the new one.
-        return [(key, "late") for key in first_keys] + [(keys[0], "fresh")]
+    def answer_next(requests, keys, cancelled):
+        answered.extend(keys)
+        return [(key, f"answer {key}") for key in keys]
 
-    engine = FakeEngine(lambda r, k, c: first_keys.extend(k) or [],
-                        RuntimeError("device lost"), late)
-    executor = EngineExecutor(engine)   # type: ignore[arg-type]
-    assert executor.decode([sample("a"), sample("b")], 0.1) == []
-    with pytest.raises(RuntimeError, match="device lost"):
-        executor.decode([], 0.1)
-    new = sample("new")
-    assert executor.decode([new], 0.1) == [(new, "fresh")]
-    # The next slice asked the engine to drop what it may still hold of the failed ops.
-    assert sorted(engine.calls[2][2]) == sorted(first_keys)
+    sched = scheduled(FakeEngine(then=answer_next))
+    try:
+        sched.start()
+        first = sched.submit(sample("first"))
+        assert first.result(WAIT_SECONDS) == f"answer {answered[0]}"
+        second = sched.submit(sample("second"))
+        assert second.result(WAIT_SECONDS) == f"answer {answered[1]}"
+        assert answered[1] > answered[0]
+    finally:
+        sched.stop(drain=False, timeout=WAIT_SECONDS)
+
+
+def test_the_key_of_a_sample_cancelled_in_the_pool_reaches_the_engine_and_only_it():
+    held: list[int] = []
+
+    def hold(requests, keys, cancelled):
+        held.extend(keys)
+        return [(key, Cancelled("left the pool")) for key in cancelled]
+
+    engine = FakeEngine(then=hold)
+    sched = scheduled(engine)
+    try:
+        sched.start()
+        kept, gone = sched.submit(sample("kept")), sched.submit(sample("gone"))
+        until(lambda: len(held) == 2, "the samples never reached the engine")
+        assert sched.cancel(gone) is True
+        with pytest.raises(Cancelled):
+            gone.result(WAIT_SECONDS)
+        until(lambda: any(c for _, _, c in engine.calls), "the cancel never reached the engine")
+        sent = [key for _, _, cancelled in engine.calls for key in cancelled]
+        assert sent == [max(held)] and not kept.done()   # gone came second: the later ticket
+    finally:
+        sched.stop(drain=False, timeout=WAIT_SECONDS)
 
 
 def test_a_slice_that_raises_fails_its_pool_and_the_next_sample_still_succeeds():
     """Issue 30, fault 3: the engine answering a key of a failed op once raised KeyError
-    in the executor and failed every innocent request of that slice."""
+    in the executor and failed every innocent request of that slice. The next slice also
+    asks the engine to drop whatever it still holds of the failed ops."""
     failed_keys: list[int] = []
 
     def remember(requests, keys, cancelled):
@@ -101,6 +122,7 @@ def test_a_slice_that_raises_fails_its_pool_and_the_next_sample_still_succeeds()
         with pytest.raises(RuntimeError, match="device lost"):
             doomed.result(WAIT_SECONDS)
         assert sched.submit(sample("innocent")).result(WAIT_SECONDS) == "ok"
+        assert engine.calls[2][2] == failed_keys
     finally:
         sched.stop(drain=False, timeout=WAIT_SECONDS)
 

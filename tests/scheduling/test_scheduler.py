@@ -534,27 +534,27 @@ class SlicedDecoder(Recorder):
         self.left: dict[int, int] = {}
         self.ops: dict[int, Op] = {}
         self.joined: list[Op] = []
-        self.cancelled: list[Op] = []
+        self.cancelled: list[Op] = []   # the ops of the keys passed as cancelled
 
     def run_batch(self, ops):
         self.log.append("train:" + ",".join(o.kind for o in ops))
         return super().run_batch(ops)
 
     def decode(self, joining, slice_s, cancelled=()):
-        for op in joining:
-            self.left[id(op)], self.ops[id(op)] = op.tokens, op
-        self.joined += joining
-        self.cancelled += cancelled
+        for key, op in joining:
+            self.left[key], self.ops[key] = op.tokens, op
+            self.joined.append(op)
         done = []
-        for op in cancelled:
-            if self.left.pop(id(op), None) is not None:
-                done.append((self.ops.pop(id(op)), Cancelled("cancelled in the pool")))
+        for key in cancelled:
+            self.cancelled.append(self.ops[key])
+            if self.left.pop(key, None) is not None:
+                done.append((key, Cancelled("cancelled in the pool")))
         self.log.append(f"slice:{len(self.left)}")
         for key in list(self.left):
             self.left[key] -= 1
             if not self.left[key]:
                 del self.left[key]
-                done.append((self.ops.pop(key), ("sampled", key)))
+                done.append((key, ("sampled", key)))
         self.entered.set()
         assert self.gate.wait(WAIT_SECONDS), "test never opened the gate"
         return done

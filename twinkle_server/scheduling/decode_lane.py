@@ -11,6 +11,10 @@ Between its queue and its answer an op is `joining` (taken off its queue, not ye
 to the pool) and then `decoding` (in the pool). A cancelled one leaves the lane before
 it joins the pool, or is `stopping`: the next slice ends it. Like `Queues`, the lane has
 no lock of its own: the scheduler calls it with its lock held, and runs the slices.
+
+An op in the pool has one key from its queue to its answer: its entry's arrival ticket
+(`Entry.ticket`). The executor hands it to the engine, the engine's pool answers under
+it, and the lane finds the entry by it.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ class DecodeLane:
 
     def __init__(self, group: str | None) -> None:
         self.group = group
-        # Decode ops taken from their queues: not yet handed to the pool, and in it.
+        # Decode ops taken from their queues: not yet handed to the pool, and in it (by key).
         self.joining: list[tuple[Queue, Entry]] = []
         self.decoding: dict[int, tuple[Queue, Entry]] = {}
-        # Ops in the pool whose callers went away: the next slice ends them.
-        self.stopping: list[Op] = []
+        # Keys of ops in the pool whose callers went away: the next slice ends them.
+        self.stopping: list[int] = []
+        # Keys of ops failed with a slice that raised: the next slice has the pool drop
+        # whatever of them it still holds.
+        self._forgotten: list[int] = []
         self.slices_run = 0
 
     def takes(self, op: Op) -> bool:
@@ -72,29 +79,34 @@ class DecodeLane:
         """The arrival ticket of the oldest op joining, None when none is."""
         return min((e.ticket for _, e in self.joining), default=None)
 
-    def hand_over(self) -> tuple[list[tuple[Queue, Entry]], list[Op]]:
-        """The ops that join the pool in the next slice (now decoding), and the pool's
-        ops that it must stop."""
+    def stop(self, entry: Entry) -> None:
+        """End `entry`, in the pool, at the next slice."""
+        self.stopping.append(entry.ticket)
+
+    def hand_over(self) -> tuple[list[tuple[Queue, Entry]], list[int]]:
+        """The ops that join the pool in the next slice (now decoding), and the keys of
+        the pool's ops that it must stop or drop."""
         joining, self.joining = self.joining, []
         for queue, entry in joining:
-            self.decoding[id(entry.op)] = queue, entry
+            self.decoding[entry.ticket] = queue, entry
         # One that finished since its cancel is no longer the pool's.
-        stopping = [op for op in self.stopping if id(op) in self.decoding]
-        self.stopping = []
+        stopping = self._forgotten + [key for key in self.stopping if key in self.decoding]
+        self.stopping, self._forgotten = [], []
         return joining, stopping
 
-    def finished(self, done: Sequence[tuple[Op, Any]]
+    def finished(self, done: Sequence[tuple[int, Any]]
                  ) -> list[tuple[tuple[Queue, Entry], Any]]:
-        """The entries a slice finished, each with its result; an op the lane does not
-        hold (answered already) is passed over."""
+        """The entries a slice finished, each with its result; a key the lane does not
+        hold (its op was answered already, by a slice that raised) is passed over."""
         self.slices_run += 1
-        return [(self.decoding.pop(id(op)), result) for op, result in done
-                if id(op) in self.decoding]
+        return [(self.decoding.pop(key), result) for key, result in done
+                if key in self.decoding]
 
     def failed(self, error: Exception) -> list[tuple[tuple[Queue, Entry], Any]]:
         """Every entry in the pool, each with `error`: a slice that raised leaves the
-        pool's state unknown."""
+        pool's state unknown, so the next slice has it drop them all."""
         finished = [(pair, error) for pair in self.decoding.values()]
+        self._forgotten = list(self.decoding)
         self.decoding.clear()
         self.stopping.clear()
         self.slices_run += 1

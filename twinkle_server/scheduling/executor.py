@@ -13,7 +13,6 @@ while its model holds the device, first come first served.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -25,7 +24,6 @@ from twinkle_server.engine.types import Generation
 from twinkle_server.scheduling.planning import FORWARD, SAMPLE, Op
 
 __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
-log = logging.getLogger(__name__)
 
 
 class Turns:
@@ -77,11 +75,6 @@ class EngineExecutor:
         self.engine = engine
         self.turns = turns if turns is not None else _Alone()
         self.decode_turns = self.turns if decodes_here else _Alone()
-        # Sample ops in the decode pool, by the key the engine answers them under.
-        self._waiting: dict[int, Op] = {}
-        self._keys = 0
-        # Keys of ops failed with a raising slice: the next slice has the engine drop them.
-        self._forgotten: list[int] = []
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         with self.turns:
@@ -102,44 +95,13 @@ class EngineExecutor:
                 results.append(exc)
         return results
 
-    def decode(self, joining: Sequence[Op], slice_s: float, cancelled: Sequence[Op] = ()
-               ) -> list[tuple[Op, Any]]:
-        """One decode slice with `joining` sample ops new to the pool and `cancelled` ones
-        to end; returns the sample ops finished (now or in earlier slices' rows) with
-        their results, a cancelled one's `Cancelled`.
-
-        When the engine raises, the scheduler fails every op in the pool: they are
-        forgotten here, and the next slice asks the engine to drop whatever of them it
-        still holds. A key the engine answers that is not (or no longer) known here is
-        passed over, so it can never fail another op.
-        """
-        waiting = self._waiting
-        keys = []
-        for op in joining:
-            self._keys += 1
-            waiting[self._keys] = op
-            keys.append(self._keys)
-        gone = self._forgotten + _keys_of(waiting, cancelled)
-        self._forgotten = []
-        try:
-            with self.decode_turns:
-                done = self.engine.decode([op.payload for op in joining], keys, slice_s,
-                                          cancelled=gone)
-        except BaseException:
-            self._forgotten = list(waiting)
-            waiting.clear()
-            raise
-        finished = []
-        for key, result in done:
-            op = waiting.pop(key, None)
-            if op is None:   # its op failed with a slice that raised
-                log.debug("decode: key %s answered after its op was failed; passed over", key)
-            else:
-                finished.append((op, result))
-        return finished
-
-
-def _keys_of(waiting: dict[int, Op], ops: Sequence[Op]) -> list[int]:
-    """The keys of `ops` among `waiting` (one answered since is not there any more)."""
-    wanted = {id(op) for op in ops}
-    return [key for key, op in waiting.items() if id(op) in wanted] if wanted else []
+    def decode(self, joining: Sequence[tuple[int, Op]], slice_s: float,
+               cancelled: Sequence[int] = ()) -> list[tuple[int, Any]]:
+        """One decode slice with `joining` sample ops new to the pool, each under the key
+        the scheduler gave it, and the keys of `cancelled` ones to end; returns the keys
+        of the sample ops finished (now or in earlier slices' rows) with their results,
+        a cancelled one's `Cancelled`. The engine's pool answers under the same keys."""
+        with self.decode_turns:
+            return self.engine.decode([op.payload for _, op in joining],
+                                      [key for key, _ in joining], slice_s,
+                                      cancelled=list(cancelled))

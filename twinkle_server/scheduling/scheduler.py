@@ -70,13 +70,14 @@ class Executor(Protocol):
         Raising fails every op of the batch with that exception.
         """
 
-    def decode(self, joining: Sequence[Op], slice_s: float, cancelled: Sequence[Op] = ()
-               ) -> Sequence[tuple[Op, Any]]:
-        """One decode slice of about `slice_s` seconds, `joining` new to the pool; the ops
-        finished in it (any earlier joiner's too), each with its result or exception.
-        `cancelled` are ops of earlier calls that must leave the pool now, waiting or
-        decoding: each comes back finished, with a `Cancelled` result unless it had
-        already finished. Only called when the scheduler has a `decode_group`.
+    def decode(self, joining: Sequence[tuple[int, Op]], slice_s: float,
+               cancelled: Sequence[int] = ()) -> Sequence[tuple[int, Any]]:
+        """One decode slice of about `slice_s` seconds, `joining` new to the pool, each
+        under its key; the keys of the ops finished in it (any earlier joiner's too),
+        each with its result or exception. `cancelled` are keys of earlier calls' ops
+        that must leave the pool now, waiting or decoding: each comes back finished,
+        with a `Cancelled` result unless it had already finished (or the pool no longer
+        holds it). Only called when the scheduler has a `decode_group`.
 
         Raising fails every op in the pool with that exception.
         """
@@ -255,7 +256,7 @@ class Scheduler:
                 return False
             entry.cancelled = True
             if action == "stop":
-                self._lane.stopping.append(entry.op)
+                self._lane.stop(entry)
                 return True
             if place == "joining":
                 self._lane.joining.remove((queue, entry))
@@ -298,7 +299,7 @@ class Scheduler:
     # ------------------------------------------------------------------ worker
 
     def _take(self, only: Work | None = None
-              ) -> tuple[Work, list[tuple[Queue, Entry]], list[Op]] | None:
+              ) -> tuple[Work, list[tuple[Queue, Entry]], list[int]] | None:
         """Wait for work and claim it: a training batch, or the decode ops joining the
         next slice and the pool's ops to stop in it; None once closed and drained.
         `only`: this worker's one kind of work (`decode_apart`)."""
@@ -359,18 +360,17 @@ class Scheduler:
             if work == "train":
                 self._finish(chosen, self._run([entry.op for _, entry in chosen]))
             else:
-                self._finish(*self._run_decode([entry.op for _, entry in chosen], stopping),
-                             batch=False)
+                self._finish(*self._run_decode(chosen, stopping), batch=False)
             self._last = work
 
-    def _run_decode(self, joining: list[Op], stopping: list[Op]
+    def _run_decode(self, joining: list[tuple[Queue, Entry]], stopping: list[int]
                     ) -> tuple[list[tuple[Queue, Entry]], list[Any]]:
         """One decode slice: the entries it finished and their results. A slice that
-        raises fails every op in the pool (its state is then unknown); an op the
+        raises fails every op in the pool (its state is then unknown); a key the
         scheduler does not hold (answered already) is passed over."""
         try:
-            done = [(op, result) for op, result in
-                    self.executor.decode(joining, self.decode_slice_s, stopping)]
+            done = list(self.executor.decode([(e.ticket, e.op) for _, e in joining],
+                                             self.decode_slice_s, stopping))
         except BaseException as exc:
             error = exc if isinstance(exc, Exception) else _wrapped(exc)
             with self._cond:
