@@ -142,9 +142,9 @@ def test_the_async_client_and_stop_sequences(server, base_url):
         stopped = await client.completions.create(model="tiny", prompt="The", max_tokens=12,
                                                   seed=9, temperature=1.0, stop=[cut])
         await client.close()
-        return plain.choices[0].text, stopped.choices[0]
-    text, stopped = asyncio.run(run())
-    assert cut_before(text, stopped.text)
+        return plain.choices[0].text, stopped.choices[0], cut
+    text, stopped, cut = asyncio.run(run())
+    assert cut_before(text, stopped.text) and cut not in stopped.text
     assert stopped.finish_reason == "stop"
 
 

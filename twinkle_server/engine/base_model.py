@@ -70,7 +70,9 @@ class BaseModel:
         return int(pad if pad is not None else self.eos_token_ids[0])
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        """The text of `ids` as a client is shown it, special tokens left out (as vLLM
+        does): stop strings are matched in it, and the OpenAI route answers with it."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def hidden_states(self, **inputs) -> torch.Tensor:
         """`last_hidden_states(self.model, **inputs)`."""

@@ -117,15 +117,18 @@ StopReason = Literal["stop", "length"]
 
 @dataclass(frozen=True)
 class SampledSequence:
-    """One completion: int32 tokens, float32 logprob of each sampled token, why it stopped;
-    with `SampleRequest.topk_logprobs` k > 0, the k likeliest tokens at each sampled
-    position and their logprobs (int32 / float32 `[n, k]`, most likely first)."""
+    """One completion: int32 tokens, float32 logprob of each sampled token, why it stopped
+    (`stop_text_at`: where the stop string that ended it begins in its text, the tokens
+    decoded as `BaseModel.decode` does; None when no stop string did); with
+    `SampleRequest.topk_logprobs` k > 0, the k likeliest tokens at each sampled position
+    and their logprobs (int32 / float32 `[n, k]`, most likely first)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     stop_reason: StopReason
     topk_token_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
+    stop_text_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,7 @@ class _Reply:
     def __init__(self, route: str, asked: OaiRequest, served: Served,
                  prompts: Sequence[np.ndarray]) -> None:
         self.route, self.asked, self.prompts = route, asked, prompts
+        self.base = served.engine.base
         self.tokenizer = served.engine.base.tokenizer
         self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -318,12 +319,10 @@ class _Reply:
 
     def _choice(self, index: int, prompt: int, seq: SampledSequence,
                 result: SampleResult) -> dict[str, Any]:
-        text = self.tokenizer.decode(seq.tokens.tolist(), skip_special_tokens=True)
-        # The engine searched for the stop strings and says whether one ended the row;
-        # OpenAI's text leaves out the one it stopped on.
+        # The engine searched for the stop strings in this same text and says where the
+        # one it stopped on begins: OpenAI's text leaves it out.
+        text = self.base.decode(seq.tokens.tolist())[:seq.stop_text_at]
         finish = "stop" if seq.stop_reason == "stop" else "length"
-        if finish == "stop":
-            text = oai_request.cut_at_stop(text, self.asked.stop)
         if self.route == "chat":
             return {"index": index, "message": {"role": "assistant", "content": text},
                     "logprobs": self._chat_logprobs(seq), "finish_reason": finish}
@@ -333,7 +332,7 @@ class _Reply:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _prompt_text(self, prompt: int) -> str:
-        return self.tokenizer.decode(self.prompts[prompt].tolist(), skip_special_tokens=True)
+        return self.base.decode(self.prompts[prompt].tolist())
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([int(token)])

@@ -9,7 +9,7 @@ asks for nothing. Nothing here touches the runtime.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,10 +275,3 @@ def _content(value: Any, where: str) -> str:
         return "".join(texts)
     raise OaiError(where, "give a string or a list of text parts")
 
-
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """The text of a row the engine stopped on one of `stops`, cut before it (OpenAI
-    returns the text without its stop sequence); unchanged when the row ended on a stop
-    token instead."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
-    return text[:cut]

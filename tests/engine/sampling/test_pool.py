@@ -96,6 +96,7 @@ def test_stop_strings_that_span_tokens_end_the_row_where_they_complete(model):
     seq = _drain(pool)[0].sequences[0]
     assert seq.stop_reason == "stop"
     assert stop in _decode(seq.tokens) and stop not in _decode(seq.tokens[:-1])
+    assert seq.stop_text_at == _decode(seq.tokens).index(stop)
 
 
 def test_a_group_prefills_its_prompt_once_whatever_num_samples(model):

@@ -88,6 +88,7 @@ def test_stop_string_ends_at_the_token_that_completes_it(model):
                                   stop_strings=(stop,)))[0][0]
     assert stopped.stop_reason == "stop"
     assert stop in _decode(stopped.tokens) and stop not in _decode(stopped.tokens[:-1])
+    assert stopped.stop_text_at == _decode(stopped.tokens).index(stop)
 
 
 def test_max_tokens_gives_length_and_eos_stops_unless_disabled(model):

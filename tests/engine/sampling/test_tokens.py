@@ -144,7 +144,13 @@ def test_the_error_of_non_finite_logits_names_the_model():
 def test_a_row_stops_at_a_stop_token_a_stop_string_or_max_tokens():
     params = SamplingParams(max_tokens=4, stop_strings=("cd",))
     text = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # noqa: E731
-    assert tokens.stop_reason([0, 9], params, {9}, text) == "stop"
-    assert tokens.stop_reason([1, 2, 3], params, set(), text) == "stop"     # 'bcd'
-    assert tokens.stop_reason([0, 0, 0, 0], params, set(), text) == "length"
+    assert tokens.stop_reason([0, 9], params, {9}, text) == tokens.Stop("stop")
+    assert tokens.stop_reason([1, 2, 3], params, set(), text) == tokens.Stop("stop", 1)  # 'bcd'
+    assert tokens.stop_reason([0, 0, 0, 0], params, set(), text) == tokens.Stop("length")
     assert tokens.stop_reason([0, 0], params, set(), text) is None
+
+
+def test_the_stop_names_where_the_earliest_stop_string_begins_in_the_text():
+    params = SamplingParams(max_tokens=9, stop_strings=("ef", "cd", "zz"))
+    text = lambda ids: "".join(chr(ord("a") + i) for i in ids)  # noqa: E731
+    assert tokens.stop_reason([0, 1, 2, 3, 4, 5], params, set(), text) == tokens.Stop("stop", 2)

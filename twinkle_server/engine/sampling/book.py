@@ -53,7 +53,7 @@ class PoolRow:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    reason: str | None = None
+    stop: token_step.Stop | None = None
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class PoolBook:
             if request.error is not None:
                 self._answer(request, request.error)
                 continue
-            if row.reason is None:
+            if row.stop is None:
                 keep.append(i)
                 continue
             request.left -= 1
@@ -243,7 +243,7 @@ class PoolBook:
             if request.left == 0:
                 self._answer(request, Generation(
                     [token_step.sequence(r.tokens, r.logprobs, r.topk,
-                                         request.sample.topk_logprobs, r.reason)
+                                         request.sample.topk_logprobs, r.stop)
                      for r in request.rows], prompt_cache_hit_tokens=request.cached))
         if len(keep) < len(self.rows):
             self.batch.select(keep)

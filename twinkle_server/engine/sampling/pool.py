@@ -291,8 +291,8 @@ class DecodePool(PoolBook):
             row.logprobs.append(drawn.logprobs[i])
             if k := request.sample.topk_logprobs:
                 row.topk.append((drawn.top_ids[i, :k], drawn.top_logprobs[i, :k]))  # type: ignore[index]
-            row.reason = token_step.stop_reason(row.tokens, request.sample.params,
-                                                request.stops, self.decode)
+            row.stop = token_step.stop_reason(row.tokens, request.sample.params,
+                                              request.stops, self.decode)
         self._count(tokens_decoded=sum(drawn.finite(i) for i in range(len(rows))))
 
 def _generator_states(requests: Iterable[PoolRequest]) -> list[tuple[torch.Generator,

@@ -93,7 +93,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
     out_tokens: list[list[int]] = [[] for _ in owners]
     out_logprobs: list[list[float]] = [[] for _ in owners]
     out_topk: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in owners]
-    reasons: list[str | None] = [None] * len(owners)
+    stopped: list[token_step.Stop | None] = [None] * len(owners)
     active = list(range(len(owners)))  # global row index of each batch row, in order
     cache_kw = cache_keyword(model)
     cache = None
@@ -128,9 +128,9 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
             if k := requests[owner].topk_logprobs:
                 out_topk[row].append((drawn.top_ids[batch_row, :k],  # type: ignore[index]
                                       drawn.top_logprobs[batch_row, :k]))  # type: ignore[index]
-            reasons[row] = token_step.stop_reason(out_tokens[row], requests[owner].params,
+            stopped[row] = token_step.stop_reason(out_tokens[row], requests[owner].params,
                                                   stops[owner], decode)
-            if reasons[row] is None:
+            if stopped[row] is None:
                 keep.append(batch_row)
         # A request that failed on a later row drops the rows it kept before.
         keep = [b for b in keep if failed[owners[active[b]]] is None]
@@ -149,5 +149,5 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
         if failed[owner] is None:
             results[owner].append(token_step.sequence(  # type: ignore[union-attr]
                 out_tokens[row], out_logprobs[row], out_topk[row],
-                requests[owner].topk_logprobs, reasons[row]))
+                requests[owner].topk_logprobs, stopped[row]))
     return results

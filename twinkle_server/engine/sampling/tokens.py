@@ -27,7 +27,12 @@ import torch
 from twinkle_server.engine.errors import FailedPrecondition
 from twinkle_server.engine.prompt_scoring import TOPK_MASK_LOGPROB
 from twinkle_server.engine.temperature import tempered
-from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
+from twinkle_server.engine.types import (
+    SampledSequence,
+    SampleRequest,
+    SamplingParams,
+    StopReason,
+)
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -175,14 +180,29 @@ def stop_tokens(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int
     return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Why a row stopped; `text_at`: where the stop string that ended it begins in the
+    row's text (`decode(tokens)`), None when no stop string did."""
+
+    reason: StopReason
+    text_at: int | None = None
+
+
 def stop_reason(tokens: Sequence[int], params: SamplingParams, stops: set[int],
-                decode: Callable[[Sequence[int]], str]) -> str | None:
-    """Why a row whose tokens are `tokens` stops now ('stop' or 'length'), or None."""
-    if tokens[-1] in stops or (params.stop_strings and any(
-            s in decode(tokens) for s in params.stop_strings)):
-        return "stop"
+                decode: Callable[[Sequence[int]], str]) -> Stop | None:
+    """Why a row whose tokens are `tokens` stops now, or None. A stop string is searched
+    once, here, in the text a client is shown (`BaseModel.decode`); where the earliest
+    one begins travels with the row, so no front searches again."""
+    if tokens[-1] in stops:
+        return Stop("stop")
+    if params.stop_strings:
+        text = decode(tokens)
+        found = [at for at in (text.find(s) for s in params.stop_strings) if at >= 0]
+        if found:
+            return Stop("stop", min(found))
     if len(tokens) >= params.max_tokens:
-        return "length"
+        return Stop("length")
     return None
 
 
@@ -202,7 +222,7 @@ def not_finite(request: SampleRequest) -> FailedPrecondition:
 
 def sequence(tokens: Sequence[int], logprobs: Sequence[float],
              topk: Sequence[tuple[np.ndarray, np.ndarray]], k: int,
-             reason: str | None) -> SampledSequence:
+             stop: Stop | None) -> SampledSequence:
     """One finished row as a `SampledSequence`: int32 tokens, float32 logprobs, and its
     per-step top-k as `[n, k]` (a vocabulary narrower than k leaves token 0 and
     `TOPK_MASK_LOGPROB` in the last columns; None when not asked)."""
@@ -215,5 +235,6 @@ def sequence(tokens: Sequence[int], logprobs: Sequence[float],
             ids[i, :n], lps[i, :n] = step_ids[:n], step_lps[:n]
     return SampledSequence(tokens=np.asarray(tokens, dtype=np.int32),
                            logprobs=np.asarray(logprobs, dtype=np.float32),
-                           stop_reason=reason, topk_token_ids=ids,  # type: ignore[arg-type]
-                           topk_logprobs=lps)
+                           stop_reason=stop.reason if stop else None,  # type: ignore[arg-type]
+                           stop_text_at=stop.text_at if stop else None,
+                           topk_token_ids=ids, topk_logprobs=lps)
