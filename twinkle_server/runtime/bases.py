@@ -19,6 +19,9 @@ from twinkle_server.scheduling.scheduler import Scheduler
 
 ADMIN_QUEUE = "__admin__"
 """Each model's queue for engine mutations (adding and removing adapters)."""
+ONCE_QUEUE = "__once__"
+"""Each model's queue for samples without a session (`Sampling.sample_from`): unordered,
+so they decode together, and standing, so a request adds no queue of its own."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
         EngineExecutor(engine, turns, decodes_here=not split), mode=config.scheduling,
         token_budget=budget, decode_group=SAMPLE if config.sampler == "continuous" else None,
         decode_slice_s=config.decode_slice_ms / 1000, decode_apart=split)
-    scheduler.register_model(ADMIN_QUEUE)
+    for queue in (ADMIN_QUEUE, ONCE_QUEUE):
+        scheduler.register_model(queue)
     return Served(model, engine, scheduler)
 
 

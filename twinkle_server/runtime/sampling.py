@@ -17,14 +17,13 @@ import numpy as np
 
 from twinkle_server.engine import PromptScoring, checks
 from twinkle_server.engine.errors import (
-    Cancelled,
     EngineError,
     FailedPrecondition,
     InvalidArgument,
 )
 from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.runtime import audit
-from twinkle_server.runtime.bases import Served
+from twinkle_server.runtime.bases import ONCE_QUEUE, Served
 from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.values import CheckpointRef, OpRef, Refusal, SamplerEntry
 from twinkle_server.scheduling.executor import SAMPLE
@@ -243,26 +242,17 @@ class Sampling:
                     params: SamplingParams, *, include_prompt_logprobs: bool = False,
                     topk_sample_logprobs: int = 0) -> Awaitable[SampleResult]:
         """`sample` without a sampling session: `num_samples` completions of `prompt` on
-        `source` (the OpenAI route's one request). It runs in the same decode pool, on a
-        queue of its own that lasts while it runs, shares no cached prefix and leaves
-        nothing behind (no session, queue or audit row).
+        `source` (the OpenAI route's one request). It runs in the same decode pool, on the
+        model's standing queue for such samples (`ONCE_QUEUE`), shares no cached prefix
+        and leaves nothing behind (no session, queue or audit row).
 
         Raises:
             InvalidArgument: at once, naming the field and its limit.
         """
-        target = Target("once-" + secrets.token_hex(6), None, "", None, source.weights_path)
+        target = Target(ONCE_QUEUE, None, "", None, source.weights_path)
         payload, scoring = _checked(source.served, target, prompt, num_samples, params,
                                     include_prompt_logprobs, 0, topk_sample_logprobs, None)
-        return self._sample_once(target, payload, scoring, source.served)
-
-    async def _sample_once(self, target: Target, payload: SampleRequest,
-                           scoring: PromptScoring, served: Served) -> SampleResult:
-        scheduler = served.scheduler
-        scheduler.register_model(target.queue)
-        try:
-            return await self._sample(target, payload, scoring, served)
-        finally:
-            scheduler.unregister(target.queue, Cancelled("sample: its request ended"))
+        return self._sample(target, payload, scoring, source.served)
 
     async def _sample(self, target: Target, payload: SampleRequest, scoring: PromptScoring,
                       served: Served) -> SampleResult:
