@@ -74,7 +74,10 @@ def test_a_completion_counts_its_usage_exactly_and_is_seeded(client):
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), generated)
     assert usage.total_tokens == len(PROMPT_IDS) + generated
     assert again.choices[0].finish_reason in ("stop", "length")
-    assert all(len(top) <= 2 for top in again.choices[0].logprobs.top_logprobs)
+    logprobs = again.choices[0].logprobs
+    # The two likeliest, and the chosen token where it is not one of them.
+    assert all(token in top and len(top) <= 3
+               for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
 
 
 def test_the_checkpoints_logprobs_are_the_tinker_samplers(client, checkpoint):
@@ -381,3 +384,17 @@ def test_a_request_samples_without_a_session_and_leaves_no_rows_behind(server, c
     events = _audit_events(server, since)
     assert [event for event, _ in events] == ["checkpoint_read"], events
     assert json.loads(events[0][1])["purpose"] == "sample"
+
+
+@pytest.mark.parametrize("prompt", [PROMPT_IDS, "The cat sat on the", [PROMPT_IDS, "Hello"]],
+                         ids=["token-ids", "text", "a-list"])
+def test_echoed_prompts_carry_a_top_k_dict_with_the_chosen_token_after_the_first(client,
+                                                                                  prompt):
+    """Harnesses score multiple choice from these dicts (is the continuation greedy?)."""
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, echo=True,
+                                    logprobs=2, temperature=1.0, seed=4)
+    for choice in out.choices:
+        logprobs = choice.logprobs
+        assert logprobs.top_logprobs[0] is None and logprobs.token_logprobs[0] is None
+        for token, top in zip(logprobs.tokens[1:], logprobs.top_logprobs[1:], strict=True):
+            assert isinstance(top, dict) and 2 <= len(top) <= 3 and token in top

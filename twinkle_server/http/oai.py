@@ -226,11 +226,12 @@ class OpenAIRoutes:
             log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
                      asked.model)
         started: list[Any] = []
+        echoed = asked.echo and asked.top_logprobs is not None
         try:
             for prompt in prompts:
                 started.append(self.rt.sampling.sample_from(
-                    source, prompt, asked.n, params,
-                    include_prompt_logprobs=asked.echo and asked.top_logprobs is not None,
+                    source, prompt, asked.n, params, include_prompt_logprobs=echoed,
+                    topk_prompt_logprobs=asked.top_logprobs or 0 if echoed else 0,
                     topk_sample_logprobs=asked.top_logprobs or 0))
         except BaseException:
             for work in started:   # refused before any of them was queued
@@ -360,21 +361,17 @@ class _Reply:
         tokens: list[int] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
-        if self.asked.echo and result.prompt_logprobs is not None:
+        if self.asked.echo and (scored := result.prompt_logprobs) is not None:
             ids = self.prompts[prompt].tolist()
-            scored = result.prompt_logprobs.logprobs
             tokens += ids
-            values += [None] + [float(v) for v in scored[1:]]
-            tops += [None] * len(ids)
+            values += [None] + [float(v) for v in scored.logprobs[1:]]
+            tops += [None] + [self._top(ids[i], float(scored.logprobs[i]),
+                                        scored.topk_token_ids, scored.topk_logprobs, i)
+                              for i in range(1, len(ids))]
         tokens += seq.tokens.tolist()
         values += [float(v) for v in seq.logprobs]
-        for i in range(seq.tokens.size):
-            top: dict[str, float] = {}
-            if seq.topk_token_ids is not None and seq.topk_logprobs is not None:
-                for t, lp in list(zip(seq.topk_token_ids[i], seq.topk_logprobs[i],
-                                      strict=True))[:self.asked.top_logprobs]:
-                    top.setdefault(self._piece(t), float(lp))
-            tops.append(top)
+        tops += [self._top(int(t), float(lp), seq.topk_token_ids, seq.topk_logprobs, i)
+                 for i, (t, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True))]
         pieces = [self._piece(t) for t in tokens]
         offsets, at = [], 0
         for piece in pieces:
@@ -382,6 +379,18 @@ class _Reply:
             at += len(piece)
         return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _top(self, chosen: int, logprob: float, ids: np.ndarray | None,
+             logprobs: np.ndarray | None, position: int) -> dict[str, float]:
+        """One position's `top_logprobs` dict: its k likeliest tokens and, as OpenAI
+        gives it, the chosen one too (so k or k + 1 entries)."""
+        top: dict[str, float] = {}
+        if ids is not None and logprobs is not None:
+            for t, lp in list(zip(ids[position], logprobs[position],
+                                  strict=True))[:self.asked.top_logprobs]:
+                top.setdefault(self._piece(t), float(lp))
+        top.setdefault(self._piece(chosen), logprob)
+        return top
 
     def _usage(self, results: Sequence[SampleResult]) -> dict[str, int]:
         prompt = sum(int(p.size) for p in self.prompts)

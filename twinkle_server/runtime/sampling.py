@@ -240,6 +240,7 @@ class Sampling:
 
     def sample_from(self, source: Source, prompt: np.ndarray, num_samples: int,
                     params: SamplingParams, *, include_prompt_logprobs: bool = False,
+                    topk_prompt_logprobs: int = 0,
                     topk_sample_logprobs: int = 0) -> Awaitable[SampleResult]:
         """`sample` without a sampling session: `num_samples` completions of `prompt` on
         `source` (the OpenAI route's one request). It runs in the same decode pool, on the
@@ -251,7 +252,8 @@ class Sampling:
         """
         target = Target(ONCE_QUEUE, None, "", None, source.weights_path)
         payload, scoring = _checked(source.served, target, prompt, num_samples, params,
-                                    include_prompt_logprobs, 0, topk_sample_logprobs, None)
+                                    include_prompt_logprobs, topk_prompt_logprobs,
+                                    topk_sample_logprobs, None)
         return self._sample(target, payload, scoring, source.served)
 
     async def _sample(self, target: Target, payload: SampleRequest, scoring: PromptScoring,
