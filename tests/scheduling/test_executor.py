@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from twinkle_server.engine.errors import Cancelled
+from twinkle_server.engine.types import Progress
 from twinkle_server.scheduling.executor import SAMPLE, EngineExecutor
 from twinkle_server.scheduling.scheduler import Op, Scheduler
 
@@ -201,3 +204,33 @@ def test_an_engine_decoding_elsewhere_takes_no_turn_for_its_slices():
         thread.start()
         assert finished.wait(WAIT_SECONDS)
         thread.join(WAIT_SECONDS)
+
+
+def test_a_samples_progress_reaches_its_listener_before_its_answer_and_a_bad_one_harms_none():
+    """The engine's `Progress` for an op still decoding goes to `Op.on_partial` (from the
+    worker thread) and the op decodes on; a listener that raises loses nothing."""
+    joined: list[int] = []
+
+    def step(requests, keys, cancelled):
+        """Two slices of progress for every op in the pool, then their answers."""
+        joined.extend(keys)
+        if len(engine.calls) <= 2:
+            return [(key, Progress([np.array([len(engine.calls)])], [None])) for key in joined]
+        return [(key, "answer") for key in joined]
+
+    heard: list = []
+
+    def broken(progress):
+        raise RuntimeError("listener bug")
+
+    engine = FakeEngine(then=step)
+    sched = scheduled(engine)
+    try:
+        listened = sched.submit(replace(sample("heard"), on_partial=heard.append))
+        ignored = sched.submit(replace(sample("broken"), on_partial=broken))
+        sched.start()
+        assert listened.result(WAIT_SECONDS) == "answer"
+        assert ignored.result(WAIT_SECONDS) == "answer"
+        assert [p.tokens[0].tolist() for p in heard] == [[1], [2]]
+    finally:
+        sched.stop(drain=False, timeout=WAIT_SECONDS)

@@ -77,6 +77,7 @@ from twinkle_server.engine.types import (
     ForwardRequest,
     Generation,
     LoraSpec,
+    Progress,
     SampledSequence,
     SampleRequest,
 )
@@ -343,13 +344,14 @@ class Engine(Training):
 
     @replicated
     def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
-               cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError]]:
+               cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError | Progress]]:
         """One slice of continuous batching (`engine.sampling.pool`): the requests under
         `cancelled` (keys of earlier calls) leave the pool, new `requests` (answered under
         their `keys`) wait for room, what fits joins, and the pool decodes for about
         `slice_s` seconds; returns the requests finished, by key, each with its result
-        or the error it alone failed with. On several ranks each rank takes a
-        token-balanced share of the new requests."""
+        or the error it alone failed with, and a streamed request still decoding with its
+        `Progress`. On several ranks each rank takes a token-balanced share of the new
+        requests."""
         return self.sampling.decode(requests, keys, slice_s, cancelled)
 
     @rank_zero_only

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         Generation,
         LoraSpec,
         LossSpec,
+        Progress,
         SampledSequence,
         SampleRequest,
     )
@@ -160,7 +161,7 @@ class EngineAPI(Protocol):
 
     def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
                cancelled: Sequence[int] = ()
-               ) -> list[tuple[int, Generation | EngineError]]: ...
+               ) -> list[tuple[int, Generation | EngineError | Progress]]: ...
 
     def decode_stats(self) -> PoolStats: ...
 

@@ -141,6 +141,18 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A streamed sample request's rows so far (`SampleRequest.stream`), reported by a
+    decode slice that ends with the request still decoding: one int32 array of tokens a
+    row in its samples' order, and for a row that already stopped on a stop string where
+    that string begins in its text (`SampledSequence.stop_text_at`). Its answer, a
+    `Generation`, still comes when every row stops."""
+
+    tokens: list[np.ndarray]
+    stop_text_at: list[int | None]
+
+
+@dataclass(frozen=True)
 class SampleRequest:
     """Sample from a live adapter or an inflight target (`Engine.publish_inflight`), a saved
     sampler checkpoint, or (both None) the base."""
@@ -156,6 +168,9 @@ class SampleRequest:
     cache_namespace: str = ""
     """The sampling session whose prompts may reuse each other's KV (`engine.sampling.pool`);
     '' reuses none. Never shared between tenants: a session belongs to one."""
+    stream: bool = False
+    """The decode pool reports its rows' tokens so far at the end of every slice it is
+    still decoding in (`Progress`), before its answer."""
 
     @property
     def num_tokens(self) -> int:

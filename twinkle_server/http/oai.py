@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from twinkle_server.engine import WEIGHTS_FILE, checks
 from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, NotFound
-from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
+from twinkle_server.engine.types import Progress, SampledSequence, SampleRequest, SamplingParams
 from twinkle_server.http import oai_request
 from twinkle_server.http.app import Front, json_body
 from twinkle_server.http.errors import category_of, message_of
@@ -142,10 +142,10 @@ class OpenAIRoutes:
             prompts = self._prompts(served, asked)
             # What the engine would refuse, refused here: a stream's 200 goes out first.
             _check_sizes(served, asked, prompts)
-            work = self._start(tenant, source, asked, prompts)
+            reply = _Reply(route, asked, served, prompts)
+            work = self._start(tenant, source, asked, prompts, reply.hear)
         except Exception as exc:
             return error_response(exc)
-        reply = _Reply(route, asked, served, prompts)
         if asked.stream:
             return StreamingResponse(reply.stream(work), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
@@ -214,11 +214,13 @@ class OpenAIRoutes:
         return out
 
     def _start(self, tenant: str, source: Source, asked: OaiRequest,
-               prompts: Sequence[np.ndarray]) -> asyncio.Future:
+               prompts: Sequence[np.ndarray],
+               hear: Callable[[int], Callable[[Progress], None] | None]) -> asyncio.Future:
         """Every prompt's `n` choices, checked now and started, sampled without a session
         (`Sampling.sample_from`: their prompts could never be reused, and kept they would
-        push live sessions' cached prefixes out of the pool first); cancelling the
-        returned future (a client gone away) cancels them."""
+        push live sessions' cached prefixes out of the pool first); `hear(p)` listens to
+        prompt p's progress (None: no progress wanted). Cancelling the returned future (a
+        client gone away) cancels them."""
         params = SamplingParams(max_tokens=asked.max_tokens or 0,
                                 temperature=asked.temperature, top_p=asked.top_p,
                                 stop_strings=asked.stop, seed=asked.seed)
@@ -228,11 +230,11 @@ class OpenAIRoutes:
         started: list[Any] = []
         echoed = asked.echo and asked.top_logprobs is not None
         try:
-            for prompt in prompts:
+            for p, prompt in enumerate(prompts):
                 started.append(self.rt.sampling.sample_from(
                     source, prompt, asked.n, params, include_prompt_logprobs=echoed,
                     topk_prompt_logprobs=asked.top_logprobs or 0 if echoed else 0,
-                    topk_sample_logprobs=asked.top_logprobs or 0))
+                    topk_sample_logprobs=asked.top_logprobs or 0, on_progress=hear(p)))
         except BaseException:
             for work in started:   # refused before any of them was queued
                 work.close()
@@ -305,6 +307,13 @@ class _Reply:
     def __init__(self, route: str, asked: OaiRequest, served: Served,
                  prompts: Sequence[np.ndarray]) -> None:
         self.route, self.asked, self.prompts = route, asked, prompts
+        # Token by token: a stream whose chunks carry text only (logprobs and echo come
+        # whole, in one chunk a choice, once it is decoded).
+        self.incremental = asked.stream and asked.top_logprobs is None and not asked.echo
+        self._progress: asyncio.Queue[tuple[int, Progress]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        # What each choice's stream has carried so far.
+        self._sent: dict[int, str] = {}
         self.base = served.engine.base
         self.tokenizer = served.engine.base.tokenizer
         self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -403,43 +412,90 @@ class _Reply:
                 "model": self.asked.model, "choices": self._choices(results),
                 "usage": self._usage(results)}
 
+    def hear(self, prompt: int) -> Callable[[Progress], None] | None:
+        """The listener for prompt `prompt`'s progress (from the scheduler's thread onto
+        this loop), or None where the reply is not streamed token by token."""
+        if not self.incremental:
+            return None
+        loop, queue = self._loop, self._progress
+        return lambda progress: loop.call_soon_threadsafe(queue.put_nowait,
+                                                          (prompt, progress))
+
     async def stream(self, work: asyncio.Future) -> AsyncIterator[str]:
-        """Server-sent events: for chat, each choice's role first; once decoded, each
-        choice's content and its finish reason; the usage when asked; `[DONE]`. A
-        client gone away cancels this, and with it the request's samples."""
+        """Server-sent events: for chat, each choice's role first; each choice's text as
+        it is decoded (a chunk a decode slice; whole, once decoded, when logprobs or echo
+        are asked), then its finish reason; the usage when asked; `[DONE]`. A client gone
+        away cancels this, and with it the request's samples."""
         chunk = {"id": self.id, "object": f"{self.object}.chunk" if self.route == "chat"
                  else self.object, "created": self.created, "model": self.asked.model}
         count = len(self.prompts) * self.asked.n
-        task = work
+        heard: asyncio.Future | None = None
         try:
             if self.route == "chat":
                 for index in range(count):
                     yield _event({**chunk, "choices": [{
                         "index": index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]})
+            while not work.done():
+                heard = asyncio.ensure_future(self._progress.get())
+                await asyncio.wait({work, heard}, return_when=asyncio.FIRST_COMPLETED)
+                if not heard.done():
+                    break
+                for index, text in self._partial_texts(*heard.result()):
+                    yield _event({**chunk, "choices": [self._text_delta(index, text)]})
             try:
-                results = await task
+                results = work.result()
             except Exception as exc:
                 yield _event(json.loads(error_response(exc).body))
                 yield "data: [DONE]\n\n"
                 return
             for choice in self._choices(results):
-                finish = choice.pop("finish_reason")
-                if self.route == "chat":
-                    message = choice.pop("message")
-                    delta = {"index": choice["index"], "delta": {"content": message["content"]},
-                             "logprobs": choice["logprobs"], "finish_reason": None}
-                    yield _event({**chunk, "choices": [delta]})
-                    yield _event({**chunk, "choices": [{"index": choice["index"], "delta": {},
-                                                        "logprobs": None,
-                                                        "finish_reason": finish}]})
-                else:
-                    yield _event({**chunk, "choices": [{**choice, "finish_reason": finish}]})
+                for event in self._last_of(choice):
+                    yield _event({**chunk, "choices": [event]})
             if self.asked.include_usage:
                 yield _event({**chunk, "choices": [], "usage": self._usage(results)})
             yield "data: [DONE]\n\n"
         finally:
-            task.cancel()
+            work.cancel()
+            if heard is not None:
+                heard.cancel()
+
+    def _partial_texts(self, prompt: int, progress: Progress) -> Iterator[tuple[int, str]]:
+        """The new text of each of prompt `prompt`'s choices that may go out now: held
+        back are the last characters a stop string could still begin in, and a character
+        whose bytes have not all been drawn."""
+        hold = max((len(s) for s in self.asked.stop), default=1) - 1
+        for row, (tokens, stop_at) in enumerate(zip(progress.tokens, progress.stop_text_at,
+                                                    strict=True)):
+            index = prompt * self.asked.n + row
+            text = self.base.decode(tokens.tolist())
+            # A row stopped on a stop string ends where the engine says it begins.
+            safe = len(text) - hold if stop_at is None else stop_at
+            while safe > 0 and text[safe - 1] == "\ufffd":
+                safe -= 1
+            sent = self._sent.get(index, "")
+            if safe > len(sent) and text.startswith(sent):
+                self._sent[index] = text[:safe]
+                yield index, text[len(sent):safe]
+
+    def _text_delta(self, index: int, text: str, finish: str | None = None
+                    ) -> dict[str, Any]:
+        if self.route == "chat":
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def _last_of(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
+        """A finished choice's last events: what its stream has not carried yet, with its
+        logprobs, then its finish reason."""
+        index, finish = choice["index"], choice.pop("finish_reason")
+        text = choice["message"]["content"] if self.route == "chat" else choice["text"]
+        rest = text[len(self._sent.get(index, "")):]
+        if self.route == "chat":
+            return [{"index": index, "delta": {"content": rest},
+                     "logprobs": choice["logprobs"], "finish_reason": None},
+                    self._text_delta(index, "", finish)]
+        return [{**choice, "text": rest, "finish_reason": finish}]
 
 
 def _event(data: dict[str, Any]) -> str:

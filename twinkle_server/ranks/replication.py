@@ -55,6 +55,7 @@ from twinkle_server.engine.types import (
     Generation,
     LoraSpec,
     LossSpec,
+    Progress,
     SampledSequence,
     SampleRequest,
 )
@@ -223,7 +224,7 @@ class ReplicatedEngine(RankZeroReads):
 
     def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
                cancelled: Sequence[int] = ()
-               ) -> list[tuple[int, Generation | EngineError]]:
+               ) -> list[tuple[int, Generation | EngineError | Progress]]:
         """Every rank ends the `cancelled` keys it holds (each holds its own share)."""
         requests = [_fill_seed(r) for r in requests]
         return self._all("decode", requests, keys, slice_s, list(cancelled),

@@ -60,6 +60,7 @@ from twinkle_server.engine.types import (
     Generation,
     LoraSpec,
     LossSpec,
+    Progress,
     SampledSequence,
     SampleRequest,
 )
@@ -286,7 +287,7 @@ class SplitEngine(RankZeroReads):
 
     def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
                cancelled: Sequence[int] = ()
-               ) -> list[tuple[int, Generation | EngineError]]:
+               ) -> list[tuple[int, Generation | EngineError | Progress]]:
         """One slice on every sampler rank with work, at once: each new request goes
         whole (all its samples) to the sampler rank with the fewest tokens in flight."""
         done: list[tuple[int, Any]] = []
@@ -312,7 +313,8 @@ class SplitEngine(RankZeroReads):
         answers = self.links.call_all({s: (DECODE, *plan[:3], slice_s, plan[3])
                                        for s, plan in calls.items()})
         for sampler, (_, answered) in answers:
-            self.links.done(sampler, [key for key, _ in answered])
+            self.links.done(sampler, [key for key, result in answered
+                                      if not isinstance(result, Progress)])
             done += answered
         return done + self.links.take_failed()
 

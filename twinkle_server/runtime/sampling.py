@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +21,12 @@ from twinkle_server.engine.errors import (
     FailedPrecondition,
     InvalidArgument,
 )
-from twinkle_server.engine.types import SampledSequence, SampleRequest, SamplingParams
+from twinkle_server.engine.types import (
+    Progress,
+    SampledSequence,
+    SampleRequest,
+    SamplingParams,
+)
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import ONCE_QUEUE, Served
 from twinkle_server.runtime.core import Core
@@ -240,12 +245,15 @@ class Sampling:
 
     def sample_from(self, source: Source, prompt: np.ndarray, num_samples: int,
                     params: SamplingParams, *, include_prompt_logprobs: bool = False,
-                    topk_prompt_logprobs: int = 0,
-                    topk_sample_logprobs: int = 0) -> Awaitable[SampleResult]:
+                    topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+                    on_progress: Callable[[Progress], None] | None = None
+                    ) -> Awaitable[SampleResult]:
         """`sample` without a sampling session: `num_samples` completions of `prompt` on
         `source` (the OpenAI route's one request). It runs in the same decode pool, on the
         model's standing queue for such samples (`ONCE_QUEUE`), shares no cached prefix
-        and leaves nothing behind (no session, queue or audit row).
+        and leaves nothing behind (no session, queue or audit row). `on_progress` hears
+        its rows' tokens so far after each decode slice it is still decoding in (from the
+        scheduler's worker thread; the static sampler reports none).
 
         Raises:
             InvalidArgument: at once, naming the field and its limit.
@@ -254,14 +262,17 @@ class Sampling:
         payload, scoring = _checked(source.served, target, prompt, num_samples, params,
                                     include_prompt_logprobs, topk_prompt_logprobs,
                                     topk_sample_logprobs, None)
-        return self._sample(target, payload, scoring, source.served)
+        if on_progress is not None:
+            payload = replace(payload, stream=True)
+        return self._sample(target, payload, scoring, source.served, on_progress)
 
     async def _sample(self, target: Target, payload: SampleRequest, scoring: PromptScoring,
-                      served: Served) -> SampleResult:
+                      served: Served, on_progress: Callable[[Progress], None] | None = None
+                      ) -> SampleResult:
         core, prompt = self.core, payload.prompt
         generation = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
-                                       payload.num_tokens, payload, target.request_id),
-                                    served)
+                                       payload.num_tokens, payload, target.request_id,
+                                       on_progress), served)
         scored = None
         if scoring.wanted:
             scored = await core.run(Op(

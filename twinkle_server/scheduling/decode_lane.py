@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from twinkle_server.scheduling.planning import Op, Place
+from twinkle_server.scheduling.planning import Op, Partial, Place
 from twinkle_server.scheduling.queues import Entry, Queue, Queues
 
 
@@ -95,12 +95,20 @@ class DecodeLane:
         return joining, stopping
 
     def finished(self, done: Sequence[tuple[int, Any]]
-                 ) -> list[tuple[tuple[Queue, Entry], Any]]:
-        """The entries a slice finished, each with its result; a key the lane does not
-        hold (its op was answered already, by a slice that raised) is passed over."""
+                 ) -> tuple[list[tuple[tuple[Queue, Entry], Any]], list[tuple[Entry, Partial]]]:
+        """The entries a slice finished, each with its result, and the entries it
+        reported a `Partial` for (they decode on); a key the lane does not hold (its op
+        was answered already) is passed over."""
         self.slices_run += 1
-        return [(self.decoding.pop(key), result) for key, result in done
-                if key in self.decoding]
+        finished, partial = [], []
+        for key, result in done:
+            if key not in self.decoding:
+                continue
+            if isinstance(result, Partial):
+                partial.append((self.decoding[key][1], result))
+            else:
+                finished.append((self.decoding.pop(key), result))
+        return finished, partial
 
     def failed(self, error: Exception) -> list[tuple[tuple[Queue, Entry], Any]]:
         """Every entry in the pool, each with `error`: a slice that raised leaves the

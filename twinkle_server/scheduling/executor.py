@@ -20,8 +20,8 @@ from typing import Any
 
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.engine.types import Generation
-from twinkle_server.scheduling.planning import FORWARD, SAMPLE, Op
+from twinkle_server.engine.types import Generation, Progress
+from twinkle_server.scheduling.planning import FORWARD, SAMPLE, Op, Partial
 
 __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
 
@@ -100,8 +100,11 @@ class EngineExecutor:
         """One decode slice with `joining` sample ops new to the pool, each under the key
         the scheduler gave it, and the keys of `cancelled` ones to end; returns the keys
         of the sample ops finished (now or in earlier slices' rows) with their results,
-        a cancelled one's `Cancelled`. The engine's pool answers under the same keys."""
+        a cancelled one's `Cancelled`, and a streamed one still decoding with its
+        `Progress` as a `Partial`. The engine's pool answers under the same keys."""
         with self.decode_turns:
-            return self.engine.decode([op.payload for _, op in joining],
+            done = self.engine.decode([op.payload for _, op in joining],
                                       [key for key, _ in joining], slice_s,
                                       cancelled=list(cancelled))
+        return [(key, Partial(result) if isinstance(result, Progress) else result)
+                for key, result in done]

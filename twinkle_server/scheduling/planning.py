@@ -11,8 +11,8 @@ way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from twinkle_server.engine.errors import InvalidArgument
@@ -48,7 +48,9 @@ class Op:
 
     `seq_id` None means unordered: the op runs in arrival order and is not idempotent.
     `merge_group` names which ops may share a pass ('forward', 'sample'); None runs alone.
-    `tokens` is the op's share of a merged pass's `token_budget`.
+    `tokens` is the op's share of a merged pass's `token_budget`. `on_partial` hears each
+    `Partial` a decode slice reports for the op before its result (called from the
+    worker thread, outside the scheduler's lock).
     """
 
     queue_id: str
@@ -58,6 +60,15 @@ class Op:
     tokens: int
     payload: Any
     request_id: str = ""
+    on_partial: Callable[[Any], None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A decode slice's word on an op still decoding (a streamed sample's tokens so far):
+    given to its `Op.on_partial`, and the op decodes on."""
+
+    value: Any
 
     @classmethod
     def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,

@@ -31,6 +31,7 @@ imports neither torch nor grpc.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from twinkle_server.scheduling.planning import (
     MODES,
     Mode,
     Op,
+    Partial,
     Place,
     Work,
     plan_batch,
@@ -59,6 +61,8 @@ from twinkle_server.scheduling.queues import (
     Queues,
     SchedulerClosed,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -377,7 +381,9 @@ class Scheduler:
                 finished = self._lane.failed(error)
         else:
             with self._cond:
-                finished = self._lane.finished(done)
+                finished, partial = self._lane.finished(done)
+            for entry, word in partial:
+                _tell(entry, word)
         return [pair for pair, _ in finished], [result for _, result in finished]
 
     def _run(self, ops: list[Op]) -> list[Any]:
@@ -425,6 +431,17 @@ class Scheduler:
                 entry.future.set_exception(_wrapped(result))
             else:
                 entry.future.set_result(result)
+
+
+def _tell(entry: Entry, partial: Partial) -> None:
+    """Give `partial` to its op's listener; one that raises harms no other op."""
+    if entry.op.on_partial is None or entry.future.done():
+        return
+    try:
+        entry.op.on_partial(partial.value)
+    except Exception:
+        log.exception("%s: its partial-result listener raised; the op decodes on",
+                      entry.op.kind)
 
 
 def _cancelled(op: Op, cause: BaseException | None = None) -> Cancelled:

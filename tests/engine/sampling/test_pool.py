@@ -4,6 +4,8 @@ cancelled request leaves at once."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from twinkle_server.engine.parallel import OneRank
 from twinkle_server.engine.sampling import pool as pool_module
 from twinkle_server.engine.sampling.pool import DecodePool
 from twinkle_server.engine.sampling.static import generate
-from twinkle_server.engine.types import SampleRequest, SamplingParams
+from twinkle_server.engine.types import Generation, Progress, SampleRequest, SamplingParams
 
 from .. import small
 from ..draws import assert_sampled_alike, sampled_alone
@@ -333,3 +335,25 @@ def test_stats_are_a_snapshot_any_thread_may_read_while_the_pool_runs(model):
         reader.join()
         sys.setswitchinterval(switch)
     assert not errors
+
+
+def test_a_streamed_request_reports_its_rows_so_far_after_every_slice_until_answered(model):
+    pool = _pool(model)
+    pool.submit(0, replace(_req([9, 2], n=2, max_tokens=6, temperature=1.0, seed=5),
+                           stream=True), None)
+    pool.submit(1, _req([9, 3], max_tokens=6, temperature=1.0, seed=5), None)
+    heard: list[list[np.ndarray]] = []
+    for _ in range(100):
+        for key, result in pool.run(0.0):   # one step a slice
+            assert key == 0 or isinstance(result, Generation), "only key 0 is streamed"
+            if isinstance(result, Progress):
+                heard.append(result.tokens)
+            elif key == 0:
+                final = [seq.tokens for seq in result.sequences]
+        if not pool.rows and not pool.waiting:
+            break
+    assert len(heard) >= 2
+    for before, after in zip(heard, heard[1:] + [final], strict=True):
+        for row_before, row_after in zip(before, after, strict=True):
+            assert row_after[:row_before.size].tolist() == row_before.tolist()
+    assert sum(row.size for row in heard[-1]) < sum(row.size for row in final)

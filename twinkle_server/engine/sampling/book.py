@@ -27,7 +27,7 @@ from twinkle_server.engine.sampling.admission import (
 )
 from twinkle_server.engine.sampling.kv_batch import KVBatch
 from twinkle_server.engine.sampling.prefix_cache import Namespace, Prefix, PrefixCache
-from twinkle_server.engine.types import Generation, SampleRequest
+from twinkle_server.engine.types import Generation, Progress, SampleRequest
 
 
 @dataclass(eq=False)
@@ -144,6 +144,13 @@ class PoolBook:
     def take_finished(self) -> list[tuple[Any, Generation | EngineError]]:
         done, self.finished = self.finished, []
         return done
+
+    def progress(self) -> list[tuple[Any, Progress]]:
+        """Each streamed request still decoding, with its rows' tokens so far."""
+        return [(request.key, Progress(
+                    [np.asarray(row.tokens, np.int32) for row in request.rows],
+                    [row.stop.text_at if row.stop else None for row in request.rows]))
+                for request in self._decoding() if request.sample.stream]
 
     def stats(self) -> PoolStats:
         """The counters and state as the worker last published them (any thread)."""

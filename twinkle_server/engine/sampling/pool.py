@@ -66,7 +66,7 @@ from twinkle_server.engine.sampling.kv_batch import (
     unsupported_layers,
 )
 from twinkle_server.engine.sampling.static import Route, cache_keyword, forwarding, idle_step
-from twinkle_server.engine.types import Generation
+from twinkle_server.engine.types import Generation, Progress
 
 SPARE_COLUMNS = 64
 """KV columns a step may write in place before the batch moves into wider buffers."""
@@ -129,9 +129,10 @@ class DecodePool(PoolBook):
     # ------------------------------------------------------------------ slices
 
     @torch.inference_mode()
-    def run(self, slice_s: float) -> list[tuple[Any, Generation | EngineError]]:
+    def run(self, slice_s: float) -> list[tuple[Any, Generation | EngineError | Progress]]:
         """Admit what fits, prefill it, then decode until no rank has rows or rank 0's
-        `slice_s` seconds are up (one step at least); returns the requests finished."""
+        `slice_s` seconds are up (one step at least); returns the requests finished, and
+        the progress of streamed ones still decoding."""
         parallel = self.parallel
         joiners = self._admit()
         if parallel.any_rank(bool(joiners)):
@@ -148,7 +149,7 @@ class DecodePool(PoolBook):
             if parallel.any_rank(parallel.rank == 0 and self.clock() >= deadline):
                 break
         self._publish()
-        return self.take_finished()
+        return self.take_finished() + self.progress()
 
     # ------------------------------------------------------------------ compute
 

@@ -33,6 +33,7 @@ from twinkle_server.engine.types import (
     EngineLimits,
     Generation,
     LoraSpec,
+    Progress,
     SampledSequence,
     SampleRequest,
 )
@@ -222,7 +223,7 @@ class Sampling:
     # ------------------------------------------------------------------ sampling
 
     def decode(self, requests: Sequence[SampleRequest], keys: Sequence[int], slice_s: float,
-               cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError]]:
+               cancelled: Sequence[int] = ()) -> list[tuple[int, Generation | EngineError | Progress]]:
         """One slice of continuous batching; see `Engine.decode`."""
         if self.pool is None:
             raise self.pool_refusal or FailedPrecondition(TRAINS_ONLY)
