@@ -181,9 +181,9 @@ class TrainingClient(TrainingWeights):
         - `adam_params`: legacy keyword alias; not together with `optim_params`
 
         Returns:
-        - `APIFuture` of the `OptimStepResponse`; its `metrics` are empty, as the hosted
-          service's: tinker-cookbook's loops merge them into their own log rows (`step`,
-          `learning_rate`, ...), which a server's counters would overwrite
+        - `APIFuture` of the `OptimStepResponse`; its `metrics` hold the gradient norm
+          (`grad_norm`) only: tinker-cookbook's loops merge them into their own log rows
+          (`step`, `learning_rate`, ...), which a server's other counters would overwrite
 
         Example:
         ```python
@@ -194,7 +194,8 @@ class TrainingClient(TrainingWeights):
             raise ValueError("Specify optim_params or legacy adam_params, not both")
         adam = convert.adam_spec(optim_params if optim_params is not None else adam_params)
         return self._submit(api.optim_step(adam),
-                            lambda _: types.OptimStepResponse(metrics={}))
+                            lambda metrics: types.OptimStepResponse(
+                                metrics={"grad_norm": metrics["grad_norm"]}))
 
     @deprecated(moved_to_sync("optim_step", _AT_ONCE))
     async def optim_step_async(self, optim_params: types.AdamParams | None = None, *,

@@ -203,9 +203,11 @@ class Front:
 
     @route
     async def retrieve_future(self, request: Request) -> Any:
+        """The result of `request_id` (in the body, or the path's
+        `/retrieve_future/{request_id}` other Tinker tools call), or try again."""
         tenant = self.tenant(request)
-        body = await json_body(request)
-        request_id = convert.text(body, "request_id", required=True)
+        request_id = request.path_params.get("request_id") or convert.text(
+            await json_body(request), "request_id", required=True)
         entry = self.futures.get(tenant, request_id)
         if not await self.futures.wait(entry):
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
@@ -242,6 +244,8 @@ class Front:
             ("POST", "/session_heartbeat", self.heartbeat),
             ("POST", "/sessions/{session_id}/finish", self.finish_session),
             ("POST", "/retrieve_future", self.retrieve_future),
+            ("POST", "/retrieve_future/{request_id}", self.retrieve_future),
             ("POST", "/cancel_future", self.cancel_future),
         ]
-        return [Route(API_PREFIX + path, fn, methods=[method]) for method, path, fn in table]
+        return [Route(API_PREFIX + path, fn, methods=[method]) for method, path, fn in table] + [
+            Route("/health", self.healthz, methods=["GET"])]   # what other Tinker tools probe

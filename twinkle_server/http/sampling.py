@@ -14,6 +14,8 @@ from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.http import convert, sampling_options
 from twinkle_server.http.app import API_PREFIX, Front, json_body, route
 from twinkle_server.runtime import checkpoint_ref
+from twinkle_server.runtime.bases import ONCE_QUEUE
+from twinkle_server.runtime.sampling import Source
 
 
 class SamplingRoutes:
@@ -51,29 +53,48 @@ class SamplingRoutes:
         body = await json_body(request)
         rid = self.front._id()
         sampler = convert.text(body, "sampling_session_id")
-        if not sampler:
-            raise InvalidArgument("sampling_session_id: required; create a sampling client "
-                                  "with ServiceClient.create_sampling_client")
-        target = self.rt.sampling.target(tenant, None, sampler, rid)
         prompt = convert.prompt_tokens(body)
         params = convert.sampling_params(body)
         num_samples = convert.integer(body, "num_samples", 1) or 1
         include = bool(body.get("prompt_logprobs"))
         topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
         options = sampling_options.read(body)
-        work = self.rt.sampling.sample(target, prompt, num_samples, params, include, topk,
-                                       topk_sample_logprobs=options.topk_sample_logprobs,
-                                       prompt_options=options.prompt)
+        if sampler:
+            target = self.rt.sampling.target(tenant, None, sampler, rid)
+            work = self.rt.sampling.sample(
+                target, prompt, num_samples, params, include, topk,
+                topk_sample_logprobs=options.topk_sample_logprobs,
+                prompt_options=options.prompt)
+            queue = target.queue
+        else:   # the SDK types' alternative to a session: a checkpoint or a base
+            work = self.rt.sampling.sample_from(
+                self._source(tenant, body), prompt, num_samples, params,
+                include_prompt_logprobs=include, topk_prompt_logprobs=topk,
+                topk_sample_logprobs=options.topk_sample_logprobs,
+                prompt_options=options.prompt)
+            queue = ONCE_QUEUE
         # Fixed at submission (the SDK reads them off the promise); kept, with what
         # stable_reinforce needs, when the request asks to record (`runtime.stability`).
         ids = self.rt.stability.new_ids(num_samples)
         if body.get("record_stability_info"):
-            work = self.rt.stability.recorded(tenant, target.queue, prompt, ids, work)
+            work = self.rt.stability.recorded(tenant, queue, prompt, ids, work)
         return self.front.promise(
             tenant, rid, work,
             lambda result: Response(sampling_options.sample_response(result, include, options),
                                     media_type=convert.PROTOBUF),
             sample_sequence_ids=ids)
+
+    def _source(self, tenant: str, body: dict[str, Any]) -> Source:
+        """What a sample without a session reads: `model_path` (a sampler checkpoint the
+        tenant may read), else `base_model`; one of the three is required."""
+        path = convert.text(body, "model_path")
+        base = convert.text(body, "base_model")
+        if not (path or base):
+            raise InvalidArgument("sampling_session_id: required unless model_path or "
+                                  "base_model names what to sample; create a sampling client "
+                                  "with ServiceClient.create_sampling_client")
+        return self.rt.sampling.source(
+            tenant, checkpoint_ref(path, "model_path") if path else None, base or "")
 
     def routes(self) -> list[Route]:
         table = [

@@ -105,11 +105,12 @@ class TrainingRoutes:
             adam = convert.adam(body)
         except EngineError as exc:
             raise self.front.refused(tenant, ref, "optim_step", exc) from None
-        # No metrics: the hosted service names none for optim_step, and the cookbook's
-        # loops merge these into their own log rows, where our `step` (a float counting
-        # from 1) and `learning_rate` overwrote theirs. gRPC's OptimStep keeps them.
+        # The gradient norm only: the cookbook's loops merge these metrics into their own
+        # log rows, where our `step` (a float counting from 1) and `learning_rate` would
+        # overwrite theirs; no loop of theirs names `grad_norm`. gRPC's OptimStep keeps all.
         return self.front.promise(tenant, rid, self.rt.training.optim_step(tenant, ref, adam),
-                            lambda _: {"metrics": {}})
+                                  lambda metrics: {"metrics": {
+                                      "grad_norm": metrics["grad_norm"]}})
 
     @route
     async def save_weights(self, request: Request) -> Any:
@@ -204,6 +205,7 @@ class TrainingRoutes:
             ("POST", "/create_model", self.create_model),
             ("POST", "/get_info", self.get_info),
             ("POST", "/unload_model", self.unload_model),
+            ("POST", "/delete_model", self.unload_model),   # other Tinker tools' name
             ("POST", "/forward_backward", self.forward_backward),
             ("POST", "/optim_step", self.optim_step),
             ("POST", "/save_weights", self.save_weights),

@@ -246,10 +246,12 @@ class Sampling:
     def sample_from(self, source: Source, prompt: np.ndarray, num_samples: int,
                     params: SamplingParams, *, include_prompt_logprobs: bool = False,
                     topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+                    prompt_options: PromptScoring | None = None,
                     on_progress: Callable[[Progress], None] | None = None
                     ) -> Awaitable[SampleResult]:
         """`sample` without a sampling session: `num_samples` completions of `prompt` on
-        `source` (the OpenAI route's one request). It runs in the same decode pool, on the
+        `source` (the OpenAI route's one request, and `asample` by `model_path` or
+        `base_model`), with `sample`'s options. It runs in the same decode pool, on the
         model's standing queue for such samples (`ONCE_QUEUE`), shares no cached prefix
         and leaves nothing behind (no session, queue or audit row). `on_progress` hears
         its rows' tokens so far after each decode slice it is still decoding in (from the
@@ -261,7 +263,7 @@ class Sampling:
         target = Target(ONCE_QUEUE, None, "", None, source.weights_path)
         payload, scoring = _checked(source.served, target, prompt, num_samples, params,
                                     include_prompt_logprobs, topk_prompt_logprobs,
-                                    topk_sample_logprobs, None)
+                                    topk_sample_logprobs, prompt_options)
         if on_progress is not None:
             payload = replace(payload, stream=True)
         return self._sample(target, payload, scoring, source.served, on_progress)
