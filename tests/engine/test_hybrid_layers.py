@@ -1,6 +1,6 @@
-"""Hybrid models whose layers carry state along a sequence train exactly: Qwen3.5 dense
-and Qwen3-Next (Gated DeltaNet linear attention beside full attention) and Nemotron-H
-(Mamba2 beside attention), tiny random configs from `tests/engine/families.py`.
+"""Hybrid models whose layers carry state along a sequence train exactly: Qwen3.5 dense,
+Qwen3.6 MoE and Qwen3-Next (Gated DeltaNet linear attention beside full attention) and
+Nemotron-H (Mamba2 beside attention), tiny random configs from `tests/engine/families.py`.
 
 Linear attention and Mamba run a causal conv1d and a recurrent state over the sequence,
 so a packed pass (datums one after another in one sequence, `engine.packing`) must start
@@ -39,6 +39,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
     # Gated DeltaNet with separate input projections; a dense MLP.
     "qwen3_5_text": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
                      *_ATTENTION, "gate_proj", "up_proj", "down_proj"),
+    # Qwen3.6's MoE (its Gated DeltaNet as Qwen3.5's), mixers and attention only.
+    "qwen3_5_moe_text": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                         *_ATTENTION),
     # Gated DeltaNet with fused input projections, attention (its MoE layers' shared
     # experts are the MoE workers' business: PEFT maps their names onto fused experts).
     "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj", *_ATTENTION),
