@@ -27,7 +27,15 @@ from transformers import AutoModelForCausalLM
 from twinkle_server.engine import recurrent
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpec, LossSpec
+from twinkle_server.engine.types import (
+    AdamParams,
+    Datum,
+    EngineLimits,
+    LoraSpec,
+    LossSpec,
+    SampleRequest,
+    SamplingParams,
+)
 
 from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close
 from .conftest import SENTENCES
@@ -270,3 +278,26 @@ def test_padding_groups_keep_the_padding_within_the_real_tokens(lengths, groups)
         group = lengths[first:first + size]
         assert size * max(group) - sum(group) <= sum(group)
         first += size
+
+
+def test_static_sampling_keeps_each_rows_state_as_its_own(hybrid, adapters):
+    """`--sampler static` on a hybrid: rows of two prompt lengths (left-padded) decode
+    beside each other, one stopping first (the batch drops its row from the conv and
+    recurrent states too); every sampled token's logprob is the one a teacher-forced
+    pass of that row alone gives."""
+    _add(hybrid, adapters, "s", seed=10)
+    tokenizer = hybrid.base.tokenizer
+    prompts = [np.asarray(tokenizer(text)["input_ids"], np.int64)
+               for text in (SENTENCES[1], "Hi there")]
+    requests = [SampleRequest("s", None, prompt, 2, SamplingParams(max_tokens=n, seed=3,
+                                                                   ignore_eos=True))
+                for prompt, n in zip(prompts, (3, 8), strict=True)]
+    results = hybrid.sample_batch(requests)
+    for request, result in zip(requests, results, strict=True):
+        assert not isinstance(result, Exception), result
+        for sequence in result:
+            assert len(sequence.tokens) == request.params.max_tokens
+            scored = hybrid.compute_logprobs(
+                "s", None, np.concatenate([request.prompt, np.asarray(sequence.tokens)]))
+            np.testing.assert_allclose(sequence.logprobs, scored[request.prompt.size:],
+                                       rtol=0, atol=LOGPROB_ATOL)
