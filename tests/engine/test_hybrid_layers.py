@@ -301,3 +301,28 @@ def test_static_sampling_keeps_each_rows_state_as_its_own(hybrid, adapters):
                 "s", None, np.concatenate([request.prompt, np.asarray(sequence.tokens)]))
             np.testing.assert_allclose(sequence.logprobs, scored[request.prompt.size:],
                                        rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_next"], indirect=True)
+def test_shared_expert_lora_routes_rows_the_moe_block_flattens(hybrid, adapters):
+    """A MoE block flattens `[rows, seq, hidden]` to `[rows * seq, hidden]` before its
+    shared expert: under row routing (padded passes, sampling) each row's tokens still
+    get their own adapter. Padded == packed, and a two-adapter static sample runs."""
+    shared = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+    _add(hybrid, adapters, "a", seed=11, targets=shared)
+    _add(hybrid, adapters, "b", seed=12, targets=shared + ("in_proj_qkvz",))
+    datums = _datums(hybrid)
+    requests = [ForwardRequest("a", datums[:2], CE, True),
+                ForwardRequest("b", datums[2:], CE, True)]
+    packed, packed_grads = _run(hybrid, requests)
+    padded, padded_grads = _run(hybrid, requests, packed=False)
+    for got, want in zip(padded, packed, strict=True):
+        _assert_logprobs_close(got.logprobs, want.logprobs)
+    for name in ("a", "b"):
+        for g, w in zip(padded_grads[name], packed_grads[name], strict=True):
+            assert_grads_close(g, w)
+    prompt = np.asarray(hybrid.base.tokenizer(SENTENCES[1])["input_ids"], np.int64)
+    results = hybrid.sample_batch([SampleRequest(name, None, prompt, 1,
+                                                 SamplingParams(max_tokens=3, seed=1))
+                                   for name in ("a", "b")])
+    assert all(not isinstance(r, Exception) for r in results), results
