@@ -65,6 +65,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         mamba_head_dim=16, ssm_state_size=16, n_groups=1, mamba_d_conv=4,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1)),
+    # Not a Tinker family: a hybrid whose short convolution (`Lfm2ShortConv`) carries state
+    # along the sequence in a kind the engine does not pack (`engine.recurrent`).
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
 """Family name -> (transformers config class, its settings over `_COMMON`)."""
 

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checks, memory
+from twinkle_server.engine import activations, checks, memory, recurrent
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -58,6 +58,7 @@ from twinkle_server.engine.errors import (
     ResourceExhausted,
 )
 from twinkle_server.engine.lora import (
+    ALL_LINEAR,
     LoraWeights,
     Router,
     inject,
@@ -116,6 +117,18 @@ class Engine(Training):
         self.packing = packing
         self.router = Router()
         self.layers = inject(base.model, self.router)
+        # Linear attention and Mamba keep packed datums apart by running per datum
+        # (`engine.recurrent`); a stateful layer of a kind it does not know cannot pack.
+        mixers = recurrent.install(base.model, self.router)
+        if mixers:
+            log.info("packed passes run %s per datum (%d layers)",
+                     " and ".join(sorted(set(mixers.values()))), len(mixers))
+        stateful = recurrent.unpackable(base.model)
+        if packing and stateful is not None:
+            log.warning("merged passes are padded, not packed: %s carries state along the "
+                        "sequence and the engine cannot restart it per datum", stateful)
+            self.packing = False
+        self.peft_refused = recurrent.peft_refused(base.model, list(self.layers))
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
         # datum; every rank makes the same calls in order (`twinkle_server.ranks.replication`).
         # One process alone is the trivial `OneRank`: the same code, every collective the
@@ -243,7 +256,18 @@ class Engine(Training):
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
-        return resolve_targets(self.layers, spec, self.output_layer)
+        """The layers `spec` trains; 'all-linear' leaves out those PEFT refuses LoRA on
+        (Mamba's `out_proj`: `recurrent.peft_refused`), a name that selects one is refused."""
+        targets = resolve_targets(self.layers, spec, self.output_layer)
+        refused = [t for t in targets if t in self.peft_refused]
+        if not refused:
+            return targets
+        if isinstance(spec.target_modules, str) and spec.target_modules.lower() == ALL_LINEAR:
+            return [t for t in targets if t not in self.peft_refused]
+        raise InvalidArgument(
+            f"lora.target_modules: selects {refused[:3]}, which PEFT refuses LoRA on in a "
+            f"{self.base.config.model_type} model (Mamba kernels read its out_proj weights "
+            "directly), so the adapter could not be exported; leave them out")
 
     @rank_zero_only
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:

@@ -177,7 +177,8 @@ class LoraWeights(nn.Module):
 class MultiLoraLinear(nn.Module):
     """A frozen `nn.Linear` plus the LoRA deltas of every adapter that targets it.
 
-    `forward(x)` with `x: [batch, seq, in]` (or `[tokens, in]` under `TOKENS` routing)
+    `forward(x)` with `x: [batch, seq, in]` (or `[tokens, in]` under `TOKENS` routing, or
+    `[batch * seq, in]` flattened row by row under `ROWS`, as MoE blocks feed shared experts)
     returns `W0 x (+ bias)` everywhere plus, for each router segment whose adapter targets
     this layer, that adapter's delta on the segment's slice of the router's axis.
     `adapters` maps adapter id -> `LoraWeights` (references, not owned). Raises ValueError
@@ -210,6 +211,11 @@ class MultiLoraLinear(nn.Module):
         if not any(weights):
             return out
         dim = self.router.axis
+        rows = segments[-1].end
+        if dim == ROWS and x.dim() == 2 and x.shape[0] != rows and x.shape[0] % rows == 0:
+            # A MoE block flattens [rows, seq, hidden] row by row before its shared
+            # expert: its rows are the batch's, `seq` tokens each.
+            return self.forward(x.view(rows, -1, x.shape[-1])).flatten(0, 1)
         if segments[-1].end != x.shape[dim]:
             raise ValueError(f"router: segments cover {segments[-1].end} positions but the "
                              f"input has {x.shape[dim]} along dimension {dim}; route every "

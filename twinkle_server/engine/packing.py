@@ -2,13 +2,15 @@
 
 Padded, a merged pass is `[datums, longest]`: a 64-token datum beside a 2048-token one
 costs 2048 positions in every linear layer. Packed, the datums sit one after another in
-ONE row `[1, total_tokens]`, and three things keep each datum as it would be alone:
+ONE row `[1, total_tokens]`, and these keep each datum as it would be alone:
 
 - position ids restart at 0 at every datum, so rotary embeddings see what they see alone;
 - attention runs per datum (`packed_attention`): sdpa with `is_causal` on each datum's
   `[start, end)` of the queries and keys (consecutive datums of one length batched into
   one call), so no datum sees another and attention costs `sum(n_i^2)`, not `total^2`;
-- the multi-LoRA router routes token segments of that row (`Router.route_tokens`).
+- the multi-LoRA router routes token segments of that row (`Router.route_tokens`);
+- layers that carry state along the sequence (Gated DeltaNet linear attention, Mamba2)
+  run their datums as padded rows, each state from zero (`engine.recurrent`).
 
 What transformers (5.x, `masking_utils`) does with restarting position ids on its own:
 with no 2D attention mask and no cache, `find_packed_sequence_indices` starts a new datum
