@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checks, memory
+from twinkle_server.engine import activations, checks, memory, roles
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -137,6 +137,9 @@ class Engine(Training):
                                keep_input_grads=parallel.keeps_input_grads)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
+        # What Tinker's switches select on this model (`engine.roles`), logged once.
+        self.roles = roles.layer_roles(base.model, self.layers, self.output_layer)
+        log.info("Tinker's LoRA switches select, by role: %s", roles.describe(self.roles))
         self.adapters: dict[str, Adapter] = {}
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
@@ -242,7 +245,7 @@ class Engine(Training):
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
-        return resolve_targets(self.layers, spec, self.output_layer)
+        return resolve_targets(self.layers, spec, self.output_layer, self.roles)
 
     @rank_zero_only
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
