@@ -96,14 +96,20 @@ def write_state(out: Path, state: dict) -> None:
 
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
-               target_modules: list[str], base_model_path: str) -> None:
+               target_modules: list[str], base_model_path: str,
+               for_sampling: bool = False) -> None:
     """Write `adapter_config.json` and `adapter_model.safetensors` into `out`; the linears
-    `target_modules` names as peft must read them (`peft_targets`)."""
+    `target_modules` names as peft must read them (`peft_targets`).
+
+    peft refuses dropout on parameter targets. Dropout changes no output outside
+    training, so a checkpoint `for_sampling` (sampler weights, exports) that has them
+    records 0; a training checkpoint keeps the adapter's own, for training to resume."""
     from peft import LoraConfig
 
     modules, parameters = peft_targets(target_modules, _model_type(base_model_path))
+    dropout = 0.0 if parameters and for_sampling else spec.dropout
     config = LoraConfig(
-        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=dropout,
         target_modules=modules, target_parameters=parameters or None,
         use_rslora=spec.use_rslora, base_model_name_or_path=base_model_path,
         task_type="CAUSAL_LM",
@@ -224,16 +230,18 @@ def copy_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
             tensor.copy_(found[key].to(tensor.device, tensor.dtype))
 
 
-def _fill_weights(adapter: Adapter, out: Path, base_model_path: str) -> None:
+def _fill_weights(adapter: Adapter, out: Path, base_model_path: str,
+                  for_sampling: bool = False) -> None:
     write_peft(out, adapter.spec, peft_tensors(adapter), sorted(adapter.weights),
-               base_model_path)
+               base_model_path, for_sampling)
 
 
 def save_weights(adapter: Adapter, path: str | Path, base_model_path: str,
                  overwrite: bool = False) -> int:
-    """PEFT weights only (a sampler checkpoint); returns bytes written."""
-    return write_atomically(path, lambda out: _fill_weights(adapter, out, base_model_path),
-                            overwrite)
+    """PEFT weights only (a sampler checkpoint, an export); returns bytes written."""
+    return write_atomically(
+        path, lambda out: _fill_weights(adapter, out, base_model_path, for_sampling=True),
+        overwrite)
 
 
 def save_state(adapter: Adapter, path: str | Path, base_model_path: str,
