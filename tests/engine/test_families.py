@@ -20,7 +20,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from twinkle_server.engine.adapter_import import base_linears, read_import
 from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpec, LossSpec
 
 from ..numerics import LOGPROB_ATOL, assert_trained_alike
@@ -200,6 +202,17 @@ def test_a_glm4_moe_export_names_its_mlp_linears_as_peft_reads_them(tiny_cache, 
     assert engine.read_checkpoint_spec(tmp_path / "state").dropout == 0.1
     assert sorted(engine.read_checkpoint_spec(tmp_path / "export").target_modules) == sorted(
         engine.adapters["drop"].weights)
+    # Imported again as it was exported: every linear it trains, by name.
+    linears = base_linears(path)
+    again = read_import(tmp_path / "export", linears, max_rank=8, max_bytes=1 << 24)
+    assert sorted(again.modules) == sorted(engine.adapters["drop"].weights)
+    config["target_parameters"].append("model.layers.1.mlp.experts.gate_up_proj")
+    (tmp_path / "export" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidArgument, match=r"target_parameters names "
+                                              r"'model.layers.1.mlp.experts.gate_up_proj'"):
+        read_import(tmp_path / "export", linears, max_rank=8, max_bytes=1 << 24)
+    config["target_parameters"].pop()
+    (tmp_path / "export" / "adapter_config.json").write_text(json.dumps(config))
     ours = _logprobs(engine, [ForwardRequest("drop", datums, CE, False)])[0]
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(tmp_path / "export")).eval()
