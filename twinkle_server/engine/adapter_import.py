@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from twinkle_server.engine import checks
 from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, peft_key, write_peft
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import ALL_LINEAR
+from twinkle_server.engine.roles import layer_roles
 from twinkle_server.engine.types import LoraSpec
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -35,7 +36,7 @@ UNSERVED_CONFIG: dict[str, Any] = {
     "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
     "fan_in_fan_out": False, "use_qalora": False, "lora_bias": False,
     "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
-    "alora_invocation_tokens": None, "target_parameters": None, "use_bdlora": None,
+    "alora_invocation_tokens": None, "use_bdlora": None,
     "arrow_config": None, "kasa_config": None,
 }
 """PEFT LoRA options the engine does not compute, each with the value that asks for
@@ -58,6 +59,8 @@ class ImportedAdapter:
     spec: LoraSpec
     modules: tuple[str, ...]
     tensors: dict[str, torch.Tensor]
+    roles: Mapping[str, str | None] = field(default_factory=dict)
+    """Each adapted module's role for Tinker's switches (`engine.roles`)."""
 
     def write(self, out: Path, base_model_path: str) -> None:
         """The engine's checkpoint files for it, into directory `out`."""
@@ -66,11 +69,13 @@ class ImportedAdapter:
 
 @dataclass(frozen=True)
 class BaseLinears:
-    """A base's linear layers as `(in_features, out_features)` by module name, and the
-    name of its output layer (which `'all-linear'` leaves out)."""
+    """A base's linear layers as `(in_features, out_features)` by module name, the
+    name of its output layer (which `'all-linear'` leaves out), and each linear's role
+    for Tinker's switches (`engine.roles`)."""
 
     shapes: dict[str, tuple[int, int]]
     output: str | None
+    roles: Mapping[str, str | None] = field(default_factory=dict)
 
 
 def base_linears(model_dir: Path) -> BaseLinears:
@@ -82,10 +87,10 @@ def base_linears(model_dir: Path) -> BaseLinears:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    return BaseLinears({name: (module.in_features, module.out_features)
-                        for name, module in model.named_modules()
-                        if type(module) is torch.nn.Linear},
-                       next((n for n, m in model.named_modules() if m is head), None))
+    shapes = {name: (module.in_features, module.out_features)
+              for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    output = next((n for n, m in model.named_modules() if m is head), None)
+    return BaseLinears(shapes, output, layer_roles(model, shapes, output or ""))
 
 
 def read_import(directory: Path, base: BaseLinears, max_rank: int,
@@ -104,32 +109,57 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
         if size > limit:
             raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
     spec, targets, excluded = _config(directory / CONFIG_FILE, max_rank)
+    weights = _weight_targets(directory / CONFIG_FILE, base)
     # Names and shapes first, from the file's header: a file of other tensors is refused
     # before any is read (their size is then bounded by the base's layers and the rank).
     modules = _modules(_shapes(directory / WEIGHTS_FILE), base.shapes, spec.rank)
-    if targets is not None:
-        _targeted(modules, targets, excluded, base)
-    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE))
+    if targets is not None or weights:
+        _targeted(modules, targets, excluded, base, weights)
+    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE),
+                           {m: base.roles.get(m) for m in modules})
 
 
-def _targeted(modules: list[str], targets: str | list[str], excluded: Any,
-              base: BaseLinears) -> None:
+def _weight_targets(path: Path, base: BaseLinears) -> set[str]:
+    """The linears whose weight the config's `target_parameters` names (`<module>.weight`,
+    as `checkpoint.peft_targets` writes for MoE model types peft would otherwise rewrite):
+    LoRA on such a weight is LoRA on its linear. Any other parameter is refused by name."""
+    found = json.loads(path.read_bytes()).get("target_parameters") or []
+    if not isinstance(found, list) or not all(isinstance(p, str) for p in found):
+        raise InvalidArgument(f"{CONFIG_FILE}: target_parameters is {found!r}; give a list "
+                              "of parameter names")
+    linears: set[str] = set()
+    for parameter in found:
+        module = parameter.removesuffix(".weight")
+        hits = {n for n in base.shapes if n == module or n.endswith(f".{module}")}
+        if not parameter.endswith(".weight") or not hits:
+            raise InvalidArgument(f"{CONFIG_FILE}: target_parameters names {parameter!r}, "
+                                  "not the weight of a linear layer of this base; the "
+                                  "engine computes LoRA on linear layers")
+        linears |= hits
+    return linears
+
+
+def _targeted(modules: list[str], targets: str | list[str] | None, excluded: Any,
+              base: BaseLinears, weights: set[str]) -> None:
     """Every module the tensors adapt is one the config's `target_modules` selects (and
-    `exclude_modules` leaves), by peft's own rules: peft would leave the others' matrices
-    out, and the adapter would mean something else. As peft, a pattern among several that
-    matches nothing of this base is no error."""
+    `exclude_modules` leaves), by peft's own rules, or whose weight `target_parameters`
+    names (`weights`): peft would leave the others' matrices out, and the adapter would
+    mean something else. As peft, a pattern among several that matches nothing of this
+    base is no error."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
-        selected = {n for n in base.shapes if n != base.output}
+    if targets is None:
+        selected = set(weights)
+    elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        selected = {n for n in base.shapes if n != base.output} | weights
     else:
         try:
             config = LoraConfig(target_modules=targets, exclude_modules=excluded)
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"{CONFIG_FILE}: target_modules or exclude_modules: "
                                   f"{exc}") from None
-        selected = {n for n in base.shapes if check_target_module_exists(config, n)}
+        selected = {n for n in base.shapes if check_target_module_exists(config, n)} | weights
     if stray := [m for m in modules if m not in selected]:
         raise InvalidArgument(f"{CONFIG_FILE}: target_modules {targets!r} does not select "
                               f"{stray[0]!r}, which {WEIGHTS_FILE} adapts (peft would leave "

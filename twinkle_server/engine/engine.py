@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checks, memory, recurrent
+from twinkle_server.engine import activations, checks, memory, recurrent, roles
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -74,6 +74,7 @@ from twinkle_server.engine.training import Training
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
     AUTO_SEQ_LEN,
+    ROLE_TARGETS,
     EngineLimits,
     ForwardRequest,
     Generation,
@@ -88,6 +89,17 @@ T = TypeVar("T")
 
 
 __all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
+
+
+
+def _named_patterns(targets: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """The patterns of `target_modules` that name modules, not Tinker's roles or
+    'all-linear' (empty when none do): what `Engine._targets` refuses PEFT-refused
+    linears for."""
+    if isinstance(targets, str):
+        return "" if targets.lower() == ALL_LINEAR else targets
+    return tuple(t for t in targets if t not in ROLE_TARGETS)
+
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
 _STATE_COPIES = 4
@@ -151,6 +163,9 @@ class Engine(Training):
                                keep_input_grads=parallel.keeps_input_grads)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
+        # What Tinker's switches select on this model (`engine.roles`), logged once.
+        self.roles = roles.layer_roles(base.model, self.layers, self.output_layer)
+        log.info("Tinker's LoRA switches select, by role: %s", roles.describe(self.roles))
         self.adapters: dict[str, Adapter] = {}
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
@@ -256,18 +271,24 @@ class Engine(Training):
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
-        """The layers `spec` trains; 'all-linear' leaves out those PEFT refuses LoRA on
-        (Mamba's `out_proj`: `recurrent.peft_refused`), a name that selects one is refused."""
-        targets = resolve_targets(self.layers, spec, self.output_layer)
+        """The layers `spec` trains. 'all-linear' and Tinker's role switches leave out
+        those PEFT refuses LoRA on (Mamba's `out_proj`: `recurrent.peft_refused`); a module
+        name that selects one is refused."""
+        targets = resolve_targets(self.layers, spec, self.output_layer, self.roles)
         refused = [t for t in targets if t in self.peft_refused]
         if not refused:
             return targets
-        if isinstance(spec.target_modules, str) and spec.target_modules.lower() == ALL_LINEAR:
-            return [t for t in targets if t not in self.peft_refused]
-        raise InvalidArgument(
-            f"lora.target_modules: selects {refused[:3]}, which PEFT refuses LoRA on in a "
-            f"{self.base.config.model_type} model (Mamba kernels read its out_proj weights "
-            "directly), so the adapter could not be exported; leave them out")
+        named = _named_patterns(spec.target_modules)
+        if named:
+            by_name = resolve_targets(self.layers, replace(spec, target_modules=named),
+                                      self.output_layer, self.roles)
+            if any(t in self.peft_refused for t in by_name):
+                raise InvalidArgument(
+                    f"lora.target_modules: selects {refused[:3]}, which PEFT refuses LoRA "
+                    f"on in a {self.base.config.model_type} model (Mamba kernels read its "
+                    "out_proj weights directly), so the adapter could not be exported; "
+                    "leave them out")
+        return [t for t in targets if t not in self.peft_refused]
 
     @rank_zero_only
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
