@@ -96,14 +96,17 @@ def write_state(out: Path, state: dict) -> None:
 
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
-               target_modules: list[str], base_model_path: str) -> None:
-    """Write `adapter_config.json` and `adapter_model.safetensors` into `out`."""
+               target_modules: list[str], base_model_path: str,
+               target_parameters: list[str] | None = None) -> None:
+    """Write `adapter_config.json` and `adapter_model.safetensors` into `out`;
+    `target_parameters` names the MoE expert projections it trains (`engine.experts`)."""
     from peft import LoraConfig
 
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
         target_modules=sorted(target_modules), use_rslora=spec.use_rslora,
         base_model_name_or_path=base_model_path, task_type="CAUSAL_LM",
+        target_parameters=sorted(target_parameters) if target_parameters else None,
     )
     config.save_pretrained(str(out))
     (out / WEIGHTS_FILE).write_bytes(save_safetensors(
@@ -122,7 +125,8 @@ def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
     spec = LoraSpec(rank=int(data["r"]), alpha=float(data["lora_alpha"]),
                     dropout=float(data.get("lora_dropout") or 0.0),
                     target_modules=tuple(sorted(targets)),
-                    use_rslora=bool(data.get("use_rslora", False)))
+                    use_rslora=bool(data.get("use_rslora", False)),
+                    target_parameters=tuple(sorted(data.get("target_parameters") or ())))
     return spec, targets
 
 
@@ -171,8 +175,10 @@ def copy_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
 
 
 def _fill_weights(adapter: Adapter, out: Path, base_model_path: str) -> None:
-    write_peft(out, adapter.spec, peft_tensors(adapter), sorted(adapter.weights),
-               base_model_path)
+    # Expert weights are keyed by PEFT module path and name their base parameter.
+    parameters = [w.parameter for w in adapter.weights.values() if hasattr(w, "parameter")]
+    modules = [n for n, w in adapter.weights.items() if not hasattr(w, "parameter")]
+    write_peft(out, adapter.spec, peft_tensors(adapter), modules, base_model_path, parameters)
 
 
 def save_weights(adapter: Adapter, path: str | Path, base_model_path: str,

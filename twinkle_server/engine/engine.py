@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checks, memory
+from twinkle_server.engine import activations, checks, experts, memory
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -115,6 +115,8 @@ class Engine(Training):
         self.packing = packing
         self.router = Router()
         self.layers = inject(base.model, self.router)
+        # MoE experts (fused parameters, not linears): LoRA per expert (`engine.experts`).
+        self.experts = experts.inject(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
         # datum; every rank makes the same calls in order (`twinkle_server.ranks.replication`).
         # One process alone is the trivial `OneRank`: the same code, every collective the
@@ -242,7 +244,12 @@ class Engine(Training):
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
-        return resolve_targets(self.layers, spec, self.output_layer)
+        """The linear layers `spec` trains (its expert projections: `experts.targets`)."""
+        linear = experts.linear_spec(spec, self.layers, self.experts)
+        if linear is None:
+            return []
+        return experts.exportable(resolve_targets(self.layers, linear, self.output_layer),
+                                  spec, self.experts)
 
     @rank_zero_only
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
@@ -250,6 +257,8 @@ class Engine(Training):
         (its own state only; `add_adapter` also keeps `pass_headroom_bytes` free)."""
         params = sum(spec.rank * (self.layers[n].in_features + self.layers[n].out_features)
                      for n in self._targets(spec))
+        params += experts.parameter_count(self.experts, experts.targets(self.experts, spec),
+                                          spec.rank)
         return params * 4 * _STATE_COPIES
 
     @replicated
@@ -272,13 +281,17 @@ class Engine(Training):
                                   f"got {gradient_accumulation_steps}")
         checks.lora_spec(spec, self.limits)
         targets = self._targets(spec)
+        expert_targets = experts.targets(self.experts, spec)
+        if not targets and not expert_targets:
+            raise InvalidArgument("lora.target_modules: selects no layer of the base model; "
+                                  "name linear layers or expert projections")
         need = self.estimate_adapter_bytes(spec)
         headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
         free = self._free_bytes()
         if free is not None and need + headroom > free:
             raise ResourceExhausted(
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
-                f"state for rank {spec.rank} on {len(targets)} layers) plus "
+                f"state for rank {spec.rank} on {len(targets) + len(expert_targets)} layers) plus "
                 f"{headroom / 2**20:.1f} MiB pass headroom (activations and logits of a "
                 f"{self.pass_tokens}-token pass) "
                 f"but only {free / 2**20:.1f} MiB are free; use a smaller rank or fewer target "
@@ -292,17 +305,27 @@ class Engine(Training):
         return self.adapter_info(adapter_id)
 
     def _new_weights(self, spec: LoraSpec, targets: list[str]) -> dict[str, LoraWeights]:
+        """Fresh weights for the linears `targets` and the expert projections `spec`
+        trains (keyed by PEFT module path, `engine.experts`)."""
         generator = torch.Generator().manual_seed(int(spec.seed or 0))
-        return {name: LoraWeights(self.layers[name].in_features, self.layers[name].out_features,
-                                  spec, generator, self.base.device) for name in targets}
+        weights = {name: LoraWeights(self.layers[name].in_features,
+                                     self.layers[name].out_features, spec, generator,
+                                     self.base.device) for name in targets}
+        return {**weights, **experts.new_weights(
+            self.experts, experts.targets(self.experts, spec), spec, generator,
+            self.base.device)}
 
     def _attach(self, adapter: Adapter) -> None:
         for name, weights in adapter.weights.items():
-            self.layers[name].adapters[adapter.adapter_id] = weights
+            if name in self.layers:
+                self.layers[name].adapters[adapter.adapter_id] = weights
+        experts.attach(self.experts, adapter.adapter_id, adapter.weights)
 
     def _detach(self, adapter_id: str, names: Iterable[str]) -> None:
         for name in names:
-            self.layers[name].adapters.pop(adapter_id, None)
+            if name in self.layers:
+                self.layers[name].adapters.pop(adapter_id, None)
+        experts.detach(self.experts, adapter_id)
 
     @rank_zero_only
     def adapter_info(self, adapter_id: str) -> dict[str, Any]:

@@ -33,6 +33,11 @@ class LoraSpec:
     `target_modules` follows PEFT: the string `'all-linear'` (every linear layer of the
     decoder except the output head), or a tuple of module-name suffixes. `scaling` is
     `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`.
+
+    `target_parameters` follows PEFT too: MoE expert projections by full name or dotted
+    suffix (`'mlp.experts.gate_up_proj'`), LoRA per expert (`engine.experts`); None
+    trains the experts' projections that `target_modules` names (`'gate_proj'`...), an
+    empty tuple none.
     """
 
     rank: int
@@ -41,6 +46,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] | str = "all-linear"
     use_rslora: bool = False
     seed: int | None = None
+    target_parameters: tuple[str, ...] | None = None
 
     @property
     def scaling(self) -> float:
@@ -69,6 +75,7 @@ class LoraSpec:
         targets = getattr(config, "target_modules", None) or "all-linear"
         if not isinstance(targets, str):
             targets = tuple(sorted(targets))
+        parameters = getattr(config, "target_parameters", None)
         return cls(
             rank=int(config.r),
             alpha=float(config.lora_alpha),
@@ -76,6 +83,7 @@ class LoraSpec:
             target_modules=targets,
             use_rslora=bool(getattr(config, "use_rslora", False)),
             seed=seed,
+            target_parameters=None if parameters is None else tuple(sorted(parameters)),
         )
 
 

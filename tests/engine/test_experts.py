@@ -1,0 +1,173 @@
+"""LoRA on MoE experts (`engine.experts`) against transformers + peft's parameter targets.
+
+Each family is a tiny random model from transformers' own config class
+(`tests/engine/families.py`); the reference is the exported adapter loaded with
+`PeftModel.from_pretrained`, which computes the experts through PEFT's `ParamWrapper`
+(the expert weights with `B A` folded in), where the engine adds `B_e (A_e x)` per expert.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from twinkle_server.engine import checkpoint
+from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.engine.experts import ExpertLoraWeights
+from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpec, LossSpec
+
+from ..numerics import LOGPROB_ATOL, assert_grads_close
+from .conftest import SENTENCES
+from .families import write_family
+
+FAMILIES = ["qwen3_moe"]
+CE = LossSpec("cross_entropy")
+# Tinker's default switches: attention, MLP (the experts here), unembedding.
+TINKER = LoraSpec.from_tinker(rank=4, seed=1)
+EXPERTS_ONLY = LoraSpec(rank=4, alpha=8, target_modules=(), seed=2,
+                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def moe(request, tiny_cache, tmp_path_factory) -> Engine:
+    root = tmp_path_factory.mktemp("families")
+    path = write_family(root, request.param, tiny_cache)
+    return Engine.load(str(path), cache_dir=str(tiny_cache),
+                       limits=EngineLimits(max_adapters=4, max_rank=16, max_seq_len=128,
+                                           max_batch_tokens=2048))
+
+
+@pytest.fixture(scope="module")
+def data(moe) -> list[Datum]:
+    out = []
+    for text in SENTENCES:
+        ids = np.asarray(moe.base.tokenizer(text)["input_ids"], dtype=np.int64)
+        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
+                                    "weights": np.ones(ids.size - 1, np.float32)}))
+    return out
+
+
+@pytest.fixture
+def adapter(moe):
+    """`adapter(name, spec, seed)`: an adapter with random nonzero weights from `seed`
+    (`fresh`: as created, B zero), removed after the test."""
+    made: list[str] = []
+
+    def make(name: str, spec: LoraSpec, seed: int = 0, fresh: bool = False) -> None:
+        moe.add_adapter(name, spec)
+        made.append(name)
+        if fresh:
+            return
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in moe.adapters[name].parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    yield make
+    for name in made:
+        moe.remove_adapter(name)
+
+
+def logprobs(moe: Engine, name: str, datums, backward: bool = False) -> list[np.ndarray]:
+    out = moe.forward_batch([ForwardRequest(name, datums, CE, backward)])[0]
+    assert not isinstance(out, Exception), out
+    return out.logprobs
+
+
+def peft_logprobs(model, datum: Datum) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(datum.input_ids)[None]).logits[0].float()
+    targets = torch.from_numpy(datum.loss_inputs["target_tokens"])
+    return (-torch.nn.functional.cross_entropy(logits, targets, reduction="none")).numpy()
+
+
+def test_tinker_default_trains_every_expert_projection(moe, adapter):
+    adapter("tinker", TINKER)
+    weights = moe.adapters["tinker"].weights
+    experts = {w.parameter for w in weights.values() if isinstance(w, ExpertLoraWeights)}
+    assert experts == {f"{layer}.{p}" for layer, m in moe.experts.served.items()
+                       for p in m.projections}
+    assert experts, "the family has experts"
+    # The router stays frozen: no adapter weight names it.
+    assert not any(".gate." in name or name.endswith(".gate") for name in weights)
+
+
+@pytest.mark.parametrize("spec", [TINKER, EXPERTS_ONLY], ids=["tinker", "experts_only"])
+def test_forward_equals_peft_on_the_exported_adapter(moe, data, adapter, spec, tmp_path):
+    adapter("parity", spec)
+    ours = logprobs(moe, "parity", data[:3])
+    moe.save_weights("parity", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / checkpoint.CONFIG_FILE).read_text())
+    assert config["target_parameters"], "experts exported as PEFT parameter targets"
+    base = AutoModelForCausalLM.from_pretrained(moe.base.model_dir, dtype=torch.float32)
+    bare = [peft_logprobs(base, d) for d in data[:3]]
+    model = PeftModel.from_pretrained(base, str(tmp_path / "out"))
+    for got, datum, plain in zip(ours, data, bare, strict=False):
+        want = peft_logprobs(model, datum)
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOGPROB_ATOL)
+        # The adapter changes the numbers far beyond the tolerance: the test can fail.
+        assert np.abs(want - plain).max() > 100 * LOGPROB_ATOL
+
+
+def test_loss_falls_in_four_steps(moe, data, adapter):
+    adapter("learn", EXPERTS_ONLY, fresh=True)
+    losses = []
+    for _ in range(4):
+        out = moe.forward_batch([ForwardRequest("learn", data[:4], CE, True)])[0]
+        losses.append(out.loss)
+        moe.optim_step("learn", AdamParams(learning_rate=1e-2))
+    # Only the experts train (fresh: B zero): every step lowers the loss, by far more than
+    # rounding (a delta that never reached the output would leave it unchanged).
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert losses[0] - losses[-1] > 1e-3 * losses[0], losses
+
+
+def test_merged_pass_equals_each_alone(moe, data, adapter):
+    adapter("a", TINKER, seed=1)
+    adapter("b", EXPERTS_ONLY, seed=2)
+    alone = {}
+    for name, rows in (("a", data[:3]), ("b", data[3:6])):
+        lp = logprobs(moe, name, rows, backward=True)
+        alone[name] = (lp, [p.grad.clone() for p in moe.adapters[name].parameters()])
+        moe.adapters[name].zero_grad()
+    merged = moe.forward_batch([ForwardRequest("a", data[:3], CE, True),
+                                ForwardRequest("b", data[3:6], CE, True)])
+    for name, out in zip("ab", merged, strict=True):
+        for got, want in zip(out.logprobs, alone[name][0], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=LOGPROB_ATOL)
+        for p, want in zip(moe.adapters[name].parameters(), alone[name][1], strict=True):
+            assert_grads_close(p.grad, want)
+        moe.adapters[name].zero_grad()
+
+
+def test_packed_pass_equals_separate_passes(moe, data, adapter):
+    adapter("pack", TINKER, seed=3)
+    assert moe.packing
+    packed = logprobs(moe, "pack", data[:4])
+    for got, datum in zip(packed, data[:4], strict=True):
+        np.testing.assert_allclose(got, logprobs(moe, "pack", [datum])[0], rtol=0,
+                                   atol=LOGPROB_ATOL)
+
+
+def test_sampler_checkpoint_scores_as_the_adapter(moe, data, adapter, tmp_path):
+    adapter("saved", TINKER, seed=4)
+    moe.save_weights("saved", tmp_path / "sampler")
+    tokens = np.concatenate([data[0].input_ids, data[0].loss_inputs["target_tokens"][-1:]])
+    got = moe.compute_logprobs(None, str(tmp_path / "sampler"), tokens)[1:]
+    np.testing.assert_allclose(got, logprobs(moe, "saved", data[:1])[0], rtol=0,
+                               atol=LOGPROB_ATOL)
+
+
+def test_refuses_what_peft_cannot_load_or_the_router(moe):
+    with pytest.raises(InvalidArgument, match="lora.dropout"):
+        moe.add_adapter("drop", LoraSpec(rank=2, alpha=4, dropout=0.1,
+                                         target_modules=("gate_proj",)))
+    with pytest.raises(InvalidArgument, match="lora.target_parameters.*router"):
+        moe.add_adapter("router", LoraSpec(rank=2, alpha=4, target_modules=(),
+                                           target_parameters=("mlp.gate.weight",)))
+    assert "drop" not in moe.adapters and "router" not in moe.adapters
