@@ -26,12 +26,18 @@ from ..numerics import LOGPROB_ATOL, assert_grads_close
 from .conftest import SENTENCES
 from .families import write_family
 
-FAMILIES = ["qwen3_moe"]
+FAMILIES = ["qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "nemotron_h"]
+PADDED = {"gpt_oss", "qwen3_next", "qwen3_5_moe_text", "nemotron_h"}
+"""Families whose packed passes are not exact yet for reasons outside the experts
+(attention sinks; linear attention without flash-linear-attention; Mamba state): their engine pads,
+so the experts are checked under row routing (`Router.route`); the others pack."""
 CE = LossSpec("cross_entropy")
 # Tinker's default switches: attention, MLP (the experts here), unembedding.
 TINKER = LoraSpec.from_tinker(rank=4, seed=1)
 EXPERTS_ONLY = LoraSpec(rank=4, alpha=8, target_modules=(), seed=2,
-                        target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+                        target_parameters=("experts.gate_up_proj", "experts.up_proj",
+                                           "experts.down_proj"))
+"""PEFT's explicit parameter targets, every expert projection a family may have."""
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -39,7 +45,7 @@ def moe(request, tiny_cache, tmp_path_factory) -> Engine:
     root = tmp_path_factory.mktemp("families")
     path = write_family(root, request.param, tiny_cache)
     return Engine.load(str(path), cache_dir=str(tiny_cache),
-                       limits=EngineLimits(max_adapters=4, max_rank=16, max_seq_len=128,
+                       packing=request.param not in PADDED, limits=EngineLimits(max_adapters=4, max_rank=16, max_seq_len=128,
                                            max_batch_tokens=2048))
 
 
@@ -67,7 +73,7 @@ def adapter(moe):
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in moe.adapters[name].parameters():
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
     yield make
     for name in made:
         moe.remove_adapter(name)
@@ -147,7 +153,6 @@ def test_merged_pass_equals_each_alone(moe, data, adapter):
 
 def test_packed_pass_equals_separate_passes(moe, data, adapter):
     adapter("pack", TINKER, seed=3)
-    assert moe.packing
     packed = logprobs(moe, "pack", data[:4])
     for got, datum in zip(packed, data[:4], strict=True):
         np.testing.assert_allclose(got, logprobs(moe, "pack", [datum])[0], rtol=0,
@@ -166,8 +171,8 @@ def test_sampler_checkpoint_scores_as_the_adapter(moe, data, adapter, tmp_path):
 def test_refuses_what_peft_cannot_load_or_the_router(moe):
     with pytest.raises(InvalidArgument, match="lora.dropout"):
         moe.add_adapter("drop", LoraSpec(rank=2, alpha=4, dropout=0.1,
-                                         target_modules=("gate_proj",)))
+                                         target_modules=("down_proj",)))
     with pytest.raises(InvalidArgument, match="lora.target_parameters.*router"):
         moe.add_adapter("router", LoraSpec(rank=2, alpha=4, target_modules=(),
-                                           target_parameters=("mlp.gate.weight",)))
+                                           target_parameters=("gate.weight",)))
     assert "drop" not in moe.adapters and "router" not in moe.adapters

@@ -228,7 +228,7 @@ def targets(layers: ExpertsLayers, spec: LoraSpec) -> list[ExpertTarget]:
     (`PROJECTIONS`: Tinker's `train_mlp`; a regex or 'all-linear' names linears only, as
     in PEFT).
 
-    Raises InvalidArgument naming the field when a `target_parameters` entry matches no
+    Raises InvalidArgument naming the field when no `target_parameters` entry matches an
     expert projection (the router's and other parameters are not trained), when the
     experts it would train are not computed by this engine (by class), or when the
     adapter has dropout (PEFT's parameter targets refuse it).
@@ -244,12 +244,12 @@ def targets(layers: ExpertsLayers, spec: LoraSpec) -> list[ExpertTarget]:
 
     everything = [f"{layer}.{p}" for layer, m in layers.served.items() for p in m.projections]
     everything += [f"{layer}.{p}" for layer, (_, ps) in layers.unserved.items() for p in ps]
-    for pattern in explicit or ():
-        if not any(_matches(name, pattern) for name in everything):
-            raise InvalidArgument(
-                f"lora.target_parameters: {pattern!r} matches no expert projection of the "
-                f"base model (e.g. {everything[:2]}); the router and other parameters are "
-                "not trained")
+    # As peft: one pattern of several may match nothing, but some must match.
+    if explicit and not any(_matches(n, pattern) for n in everything for pattern in explicit):
+        raise InvalidArgument(
+            f"lora.target_parameters: {list(explicit)} match no expert projection of the "
+            f"base model (e.g. {everything[:2]}); the router and other parameters are not "
+            "trained")
     refused = [(layer, cls) for layer, (cls, ps) in layers.unserved.items()
                if any(selects(layer, p) for p in ps)]
     if refused:
@@ -297,8 +297,9 @@ def linear_spec(spec: LoraSpec, linears: Iterable[str], layers: ExpertsLayers) -
     if not layers.served:
         return spec
     suffixes = {n.rsplit(".", 1)[-1] for n in linears}
-    expert_names = set().union(*(PROJECTIONS[p] for m in layers.served.values()
-                                 for p in m.projections))
+    # Every MLP projection name: on a model with experts, one that names no linear names
+    # the experts or nothing of theirs (nemotron_h's relu2 experts have no gate).
+    expert_names = set().union(*PROJECTIONS.values())
     kept = tuple(n for n in spec.target_modules
                  if n not in expert_names or (n in suffixes and n not in layers.peft_converted)
                  or "." in n)

@@ -203,8 +203,14 @@ class MultiLoraLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
         segments = self.router.segments
+        if (self.router.axis == ROWS and x.dim() == 2 and segments
+                and x.shape[0] != segments[-1].end and x.shape[0] % segments[-1].end == 0):
+            # An MoE block's shared expert sees the batch flattened to [rows * seq, in]
+            # (qwen3_5_moe, qwen3_next): routed by rows, its rows are the batch's again.
+            rows = x.reshape(segments[-1].end, -1, x.shape[-1])
+            return self.forward(rows).reshape(x.shape[0], -1)
+        out = self.base_layer(x)
         weights = [self.adapters.get(seg.adapter_id) if seg.adapter_id else None
                    for seg in segments]
         if not any(weights):
