@@ -13,13 +13,15 @@ import json
 import numpy as np
 import pytest
 import torch
-from peft import PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from twinkle_server.engine import checkpoint
+from twinkle_server.engine import checkpoint, experts
+from twinkle_server.engine.adapter_import import base_linears, read_import
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.experts import ExpertLoraWeights
+from twinkle_server.engine.lora import Router
 from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpec, LossSpec
 
 from ..numerics import LOGPROB_ATOL, assert_grads_close
@@ -176,3 +178,57 @@ def test_refuses_what_peft_cannot_load_or_the_router(moe):
         moe.add_adapter("router", LoraSpec(rank=2, alpha=4, target_modules=(),
                                            target_parameters=("gate.weight",)))
     assert "drop" not in moe.adapters and "router" not in moe.adapters
+
+
+def test_an_adapter_peft_made_imports_and_computes_as_in_peft(moe, data, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(moe.base.model_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                        target_parameters=list(EXPERTS_ONLY.target_parameters))
+    made = get_peft_model(base, config)
+    made.save_pretrained(tmp_path / "peft")
+    imported = read_import(tmp_path / "peft", base_linears(moe.base.model_dir), max_rank=16,
+                           max_bytes=1 << 30)
+    assert imported.parameters and all(".experts." in p for p in imported.parameters)
+    imported.write(tmp_path / "ckpt", str(moe.base.model_dir))
+    moe.add_adapter("imported", moe.read_checkpoint_spec(tmp_path / "ckpt"))
+    try:
+        moe.load_state("imported", tmp_path / "ckpt", include_optimizer=False)
+        for got, datum in zip(logprobs(moe, "imported", data[:2]), data, strict=False):
+            np.testing.assert_allclose(got, peft_logprobs(made, datum), rtol=0,
+                                       atol=LOGPROB_ATOL)
+    finally:
+        moe.remove_adapter("imported")
+
+
+def test_import_refuses_by_name_what_the_engine_does_not_compute(moe, tmp_path):
+    base = base_linears(moe.base.model_dir)
+    out = tmp_path / "router"
+    made = get_peft_model(AutoModelForCausalLM.from_pretrained(moe.base.model_dir),
+                          LoraConfig(r=2, target_modules=["q_proj"]))
+    made.save_pretrained(out)
+    config = json.loads((out / checkpoint.CONFIG_FILE).read_text())
+    (out / checkpoint.CONFIG_FILE).write_text(json.dumps(
+        {**config, "target_parameters": ["gate.weight"]}))
+    with pytest.raises(InvalidArgument, match="adapter_config.json: lora.target_parameters"):
+        read_import(out, base, max_rank=16, max_bytes=1 << 30)
+    if base.experts.peft_converted:
+        # transformers 4's names: peft would load them as the experts at twice the rank.
+        (out / checkpoint.CONFIG_FILE).write_text(json.dumps(
+            {**config, "target_modules": ["q_proj", "gate_proj"]}))
+        with pytest.raises(InvalidArgument, match="target_modules 'gate_proj' is read by peft"):
+            read_import(out, base, max_rank=16, max_bytes=1 << 30)
+
+
+def test_experts_outside_transformers_interface_are_refused_by_class():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                              intermediate_size_mlp=64, num_local_experts=4, vocab_size=128)
+    with torch.device("meta"):
+        model = Llama4ForCausalLM(config)
+    layers = experts.inject(model, Router())
+    assert not layers.served and "Llama4TextExperts" in str(layers.unserved)
+    with pytest.raises(InvalidArgument, match="Llama4TextExperts"):
+        experts.targets(layers, TINKER)
+    assert experts.targets(layers, LoraSpec.from_tinker(rank=4, train_mlp=False)) == []

@@ -3,9 +3,11 @@
 An upload is a PEFT LoRA directory: `adapter_config.json` and `adapter_model.safetensors`.
 Nothing in it is trusted: the weights are read as safetensors only (a format that holds
 tensors and no code; never unpickled), every tensor must be the LoRA matrix of a linear
-layer the engine trains, with that layer's shape at the declared rank, and finite; the
-config may ask for nothing the engine does not compute (DoRA, per-layer ranks, biases,
-extra trained modules). What passes is written again in the engine's own checkpoint
+layer the engine trains, with that layer's shape at the declared rank, or of an MoE expert
+projection its `target_parameters` name (PEFT's `ParamWrapper` layout, `engine.experts`),
+and finite; the config may ask for nothing the engine does not compute (DoRA, per-layer
+ranks, biases, extra trained modules, experts the engine does not compute, linears that
+peft reads as a MoE's experts). What passes is written again in the engine's own checkpoint
 format (`checkpoint.write_peft`), which every other path (sampling, loading to train,
 export) already reads.
 """
@@ -21,10 +23,10 @@ from typing import Any
 
 import torch
 
-from twinkle_server.engine import checks
+from twinkle_server.engine import checks, experts
 from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, peft_key, write_peft
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.lora import ALL_LINEAR
+from twinkle_server.engine.lora import ALL_LINEAR, Router
 from twinkle_server.engine.types import LoraSpec
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -35,7 +37,7 @@ UNSERVED_CONFIG: dict[str, Any] = {
     "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
     "fan_in_fan_out": False, "use_qalora": False, "lora_bias": False,
     "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
-    "alora_invocation_tokens": None, "target_parameters": None, "use_bdlora": None,
+    "alora_invocation_tokens": None, "use_bdlora": None,
     "arrow_config": None, "kasa_config": None,
 }
 """PEFT LoRA options the engine does not compute, each with the value that asks for
@@ -52,25 +54,30 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class ImportedAdapter:
-    """A checked upload: its LoRA shape, the modules it adapts, and its matrices as
-    float32 under their PEFT keys."""
+    """A checked upload: its LoRA shape, the linear modules it adapts, the expert
+    parameters it adapts (full names), and its matrices as float32 under their PEFT
+    keys."""
 
     spec: LoraSpec
     modules: tuple[str, ...]
     tensors: dict[str, torch.Tensor]
+    parameters: tuple[str, ...] = ()
 
     def write(self, out: Path, base_model_path: str) -> None:
         """The engine's checkpoint files for it, into directory `out`."""
-        write_peft(out, self.spec, self.tensors, list(self.modules), base_model_path)
+        write_peft(out, self.spec, self.tensors, list(self.modules), base_model_path,
+                   list(self.parameters))
 
 
 @dataclass(frozen=True)
 class BaseLinears:
-    """A base's linear layers as `(in_features, out_features)` by module name, and the
-    name of its output layer (which `'all-linear'` leaves out)."""
+    """A base's linear layers as `(in_features, out_features)` by module name, the
+    name of its output layer (which `'all-linear'` leaves out), and its MoE experts
+    modules (`engine.experts`; on the meta device)."""
 
     shapes: dict[str, tuple[int, int]]
     output: str | None
+    experts: experts.ExpertsLayers = experts.ExpertsLayers({}, {})
 
 
 def base_linears(model_dir: Path) -> BaseLinears:
@@ -85,7 +92,8 @@ def base_linears(model_dir: Path) -> BaseLinears:
     return BaseLinears({name: (module.in_features, module.out_features)
                         for name, module in model.named_modules()
                         if type(module) is torch.nn.Linear},
-                       next((n for n, m in model.named_modules() if m is head), None))
+                       next((n for n, m in model.named_modules() if m is head), None),
+                       experts.inject(model, Router()))
 
 
 def read_import(directory: Path, base: BaseLinears, max_rank: int,
@@ -104,12 +112,60 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
         if size > limit:
             raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
     spec, targets, excluded = _config(directory / CONFIG_FILE, max_rank)
+    _not_converted(targets, base)
     # Names and shapes first, from the file's header: a file of other tensors is refused
     # before any is read (their size is then bounded by the base's layers and the rank).
-    modules = _modules(_shapes(directory / WEIGHTS_FILE), base.shapes, spec.rank)
+    shapes = _shapes(directory / WEIGHTS_FILE)
+    parameters = _expert_tensors(shapes, spec, base)
+    modules = _modules({k: v for k, v in shapes.items() if k not in parameters},
+                       base.shapes, spec.rank)
     if targets is not None:
         _targeted(modules, targets, excluded, base)
-    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE))
+    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE),
+                           tuple(sorted(set(parameters.values()))))
+
+
+def _not_converted(targets: str | list[str] | None, base: BaseLinears) -> None:
+    """Refuse `target_modules` that peft would read as this base's experts (and router)
+    rather than as linears (`experts.peft_converted_names`): what it loads would not be
+    what the file's names say."""
+    converted = base.experts.peft_converted
+    if not converted or targets is None:
+        return
+    names = [targets] if isinstance(targets, str) else targets
+    for name in names:
+        if isinstance(targets, str) or name.rsplit(".", 1)[-1] in converted:
+            raise InvalidArgument(
+                f"{CONFIG_FILE}: target_modules {name!r} is read by peft on this MoE base "
+                f"as its experts or router (transformers 4 names {sorted(converted)}), "
+                "which the engine does not compute that way; list the linears by name and "
+                "the experts in target_parameters")
+
+
+def _expert_tensors(shapes: Mapping[str, tuple[int, ...]], spec: LoraSpec,
+                    base: BaseLinears) -> dict[str, str]:
+    """The file's expert matrices (PEFT key -> the base parameter they adapt), exactly
+    those `spec.target_parameters` selects on this base, each of its shape at the rank."""
+    if not spec.target_parameters:
+        return {}
+    try:
+        chosen = experts.targets(base.experts, spec)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{CONFIG_FILE}: {exc}") from None
+    out = {}
+    for target in chosen:
+        layer = base.experts.served[target.layer]
+        fan_in, fan_out = layer.features(target.projection)
+        rows = layer.num_experts * spec.rank
+        for which, shape in (("lora_A", (rows, fan_in)), ("lora_B", (fan_out, rows))):
+            key = peft_key(target.peft_module, which)
+            if shapes.get(key) != shape:
+                found = list(shapes[key]) if key in shapes else "nothing"
+                raise InvalidArgument(f"{WEIGHTS_FILE}: {key} has shape {found}; this base's "
+                                      f"{target.parameter} at rank {spec.rank} needs "
+                                      f"{list(shape)}")
+            out[key] = target.parameter
+    return out
 
 
 def _targeted(modules: list[str], targets: str | list[str], excluded: Any,
@@ -173,7 +229,13 @@ def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None
     rslora = config.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise InvalidArgument(f"{where}: use_rslora is {rslora!r}; give true or false")
-    spec = LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora)
+    parameters = config.get("target_parameters")
+    if parameters is not None and not (isinstance(parameters, list)
+                                       and all(isinstance(t, str) for t in parameters)):
+        raise InvalidArgument(f"{where}: target_parameters is {parameters!r}; give a list of "
+                              "expert parameter names")
+    spec = LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora,
+                    target_parameters=tuple(sorted(parameters or ())))
     checks.lora_scaling(spec, f"{where}: lora_alpha")
     targets = config.get("target_modules")
     if targets is not None and not (isinstance(targets, str) or isinstance(targets, list)

@@ -76,6 +76,7 @@ def register(store: Store, tenant: str, base_name: str, base_path: str,
     spec = adapter.spec
     lora = {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
             "target_modules": list(adapter.modules), "use_rslora": spec.use_rslora,
+            "target_parameters": list(adapter.parameters),
             "seed": None}
     try:
         store.create_run(run_id, tenant, base_name, lora, {"imported_from": source}, None)
@@ -242,7 +243,9 @@ def _lora_config(lora: Mapping[str, Any], max_rank: int) -> dict[str, Any]:
     return out
 
 
-MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "c_fc", "w1", "w2", "w3")
+MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2", "c_fc", "w1", "w2",
+       "w3")
+"""Leaf names of MLP linears, and of MoE expert projections (`engine.experts`)."""
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "c_proj", "out_proj")
 
 
@@ -252,7 +255,7 @@ def _agree(adapter: ImportedAdapter, lora: Mapping[str, Any]) -> None:
     if adapter.spec.rank != lora["rank"]:
         raise InvalidArgument(f"adapter_config.json: r is {adapter.spec.rank}, the upload "
                               f"was started with lora_config.rank {lora['rank']}")
-    for module in adapter.modules:
+    for module in (*adapter.modules, *adapter.parameters):
         leaf = module.rsplit(".", 1)[-1]
         group = ("train_mlp" if leaf in MLP else "train_attn" if leaf in ATTN
                  else "train_unembed" if leaf == "lm_head" else None)
