@@ -292,7 +292,7 @@ def linear_spec(spec: LoraSpec, linears: Iterable[str], layers: ExpertsLayers) -
     linear); None when nothing is left for the linears."""
     if isinstance(spec.target_modules, str):
         return spec
-    if not spec.target_modules:   # PEFT's `target_modules=[]`: parameter targets only
+    if not spec.target_modules and spec.target_parameters:   # PEFT's parameter targets only
         return None
     if not layers.served:
         return spec
