@@ -112,6 +112,10 @@ def test_tinker_default_trains_every_expert_projection(moe, adapter):
     assert experts == {f"{layer}.{p}" for layer, m in moe.experts.served.items()
                        for p in m.projections}
     assert experts, "the family has experts"
+    # The memory estimate counts what the adapter holds: its weights, their gradients and
+    # AdamW's two moments, float32 (expert pairs `E * r * (in + out)` each).
+    assert moe.estimate_adapter_bytes(TINKER) == moe.adapters["tinker"].num_params * 4 * 4
+    assert set(moe.adapter_info("tinker")["target_modules"]) >= experts
     # The router stays frozen: no adapter weight names it.
     assert not any(".gate." in name or name.endswith(".gate") for name in weights)
 

@@ -333,7 +333,9 @@ class Engine(Training):
         adapter = self._adapter(adapter_id)
         return {"trainable_params": adapter.num_params,
                 "state_bytes": adapter.num_params * 4 * _STATE_COPIES,
-                "target_modules": sorted(adapter.weights), "spec": adapter.spec}
+                "target_modules": sorted(getattr(w, "parameter", name)   # experts: theirs
+                                         for name, w in adapter.weights.items()),
+                "spec": adapter.spec}
 
     @replicated
     def remove_adapter(self, adapter_id: str) -> None:
