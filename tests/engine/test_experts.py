@@ -176,6 +176,22 @@ def test_packed_pass_equals_separate_passes(moe, data, adapter):
                                    atol=LOGPROB_ATOL)
 
 
+def test_a_training_checkpoint_resumes_exactly(moe, data, adapter, tmp_path):
+    adapter("first", EXPERTS_ONLY, fresh=True)
+    moe.forward_batch([ForwardRequest("first", data[:2], CE, True)])
+    moe.optim_step("first", AdamParams(learning_rate=1e-2))
+    moe.save_state("first", tmp_path / "state")
+    adapter("second", EXPERTS_ONLY, seed=9)
+    moe.load_state("second", tmp_path / "state", include_optimizer=True)
+    for name in ("first", "second"):
+        moe.forward_batch([ForwardRequest(name, data[:2], CE, True)])
+        moe.optim_step(name, AdamParams(learning_rate=1e-2))
+    # Exact: the same weights, moments and pass on both.
+    for a, b in zip(moe.adapters["first"].parameters(), moe.adapters["second"].parameters(),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 def test_sampler_checkpoint_scores_as_the_adapter(moe, data, adapter, tmp_path):
     adapter("saved", TINKER, seed=4)
     moe.save_weights("saved", tmp_path / "sampler")

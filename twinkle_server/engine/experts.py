@@ -38,6 +38,7 @@ there), so an adapter that targets experts has none.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -49,6 +50,8 @@ from torch.nn import functional as F
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import Router
 from twinkle_server.engine.types import LoraSpec
+
+log = logging.getLogger(__name__)
 
 PROJECTIONS: dict[str, frozenset[str]] = {
     "gate_up_proj": frozenset({"gate_up_proj", "gate_proj", "up_proj"}),
@@ -322,7 +325,12 @@ def exportable(linears: list[str], spec: LoraSpec, layers: ExpertsLayers) -> lis
                 f"lora.target_modules: {name!r} is a linear that peft reads as this MoE "
                 "model's experts (transformers 4 names) and could not load an export of; "
                 "name the experts with target_parameters, or other layers")
-    return [n for n in linears if n.rsplit(".", 1)[-1] not in converted]
+    kept = [n for n in linears if n.rsplit(".", 1)[-1] not in converted]
+    if len(kept) < len(linears):
+        log.info("lora: %d linears named %s left out: peft reads those names as this MoE "
+                 "model's experts and could not load them", len(linears) - len(kept),
+                 sorted(converted))
+    return kept
 
 
 def new_weights(layers: ExpertsLayers, chosen: Sequence[ExpertTarget], spec: LoraSpec,
