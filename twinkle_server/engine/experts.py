@@ -290,9 +290,10 @@ def peft_converted_names(model_type: str) -> frozenset[str]:
 
 
 def linear_spec(spec: LoraSpec, linears: Iterable[str], layers: ExpertsLayers) -> LoraSpec | None:
-    """`spec` for the linear layers alone: without the projection names that only the
-    experts have (all of a model's MLPs may be experts, and 'gate_proj' then names no
-    linear); None when nothing is left for the linears."""
+    """`spec` for the linear layers alone: without the bare projection names that name
+    only the experts here (all of a model's MLPs may be experts, and 'gate_proj' then
+    names no linear; or peft reads the name as the experts, `peft_converted_names`);
+    None when nothing is left for the linears."""
     if isinstance(spec.target_modules, str):
         return spec
     if not spec.target_modules and spec.target_parameters:   # PEFT's parameter targets only
