@@ -97,9 +97,12 @@ def write_state(out: Path, state: dict) -> None:
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
                target_modules: list[str], base_model_path: str,
-               for_sampling: bool = False) -> None:
+               for_sampling: bool = False,
+               target_parameters: list[str] | None = None) -> None:
     """Write `adapter_config.json` and `adapter_model.safetensors` into `out`; the linears
-    `target_modules` names as peft must read them (`peft_targets`).
+    `target_modules` names as peft must read them (`peft_targets`), and
+    `target_parameters` the MoE expert projections (`engine.experts`): both kinds of
+    parameter target in one list, as peft reads them.
 
     peft refuses dropout on parameter targets. Dropout changes no output outside
     training, so a checkpoint `for_sampling` (sampler weights, exports) that has them
@@ -107,6 +110,7 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
     from peft import LoraConfig
 
     modules, parameters = peft_targets(target_modules, _model_type(base_model_path))
+    parameters = sorted([*parameters, *(target_parameters or ())])
     dropout = 0.0 if parameters and for_sampling else spec.dropout
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=dropout,
@@ -134,12 +138,12 @@ def peft_targets(linears: list[str], model_type: str | None
     would get zero LoRA in its place (glm4_moe: logprobs off by 0.33 after 4 steps). Those
     linears are written as parameter targets of their weight (`<module>.weight`), which
     peft applies as `W0 + s B A`: the same LoRA, under the same tensor keys."""
-    renamed = _peft_renamed_leaves(model_type) if model_type else frozenset()
+    renamed = peft_renamed_leaves(model_type) if model_type else frozenset()
     parameters = sorted(f"{n}.weight" for n in linears if n.rsplit(".", 1)[-1] in renamed)
     return sorted(n for n in linears if n.rsplit(".", 1)[-1] not in renamed), parameters
 
 
-def _peft_renamed_leaves(model_type: str) -> frozenset[str]:
+def peft_renamed_leaves(model_type: str) -> frozenset[str]:
     """The module-name leaves peft rewrites into expert parameter targets for
     `model_type` (`peft.utils.transformers_weight_conversion._convert_peft_config_moe`'s
     own tables and test; none where this peft has no such rewrite)."""
@@ -170,19 +174,19 @@ def _model_type(base_model_path: str) -> str | None:
 
 def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
     """The LoRA shape and target module names recorded in a checkpoint's config (linears
-    written as parameter targets of their `.weight` by `peft_targets` included)."""
+    written as parameter targets of their `.weight` by `peft_targets` stay in
+    `target_parameters`: `experts.split_parameters` reads them as linears)."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise NotFound(f"checkpoint: no {CONFIG_FILE} at {Path(path).name!r}")
     data = json.loads(config_path.read_text())
     targets = data.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    targets += [p.removesuffix(".weight") for p in data.get("target_parameters") or []
-                if p.endswith(".weight")]
     spec = LoraSpec(rank=int(data["r"]), alpha=float(data["lora_alpha"]),
                     dropout=float(data.get("lora_dropout") or 0.0),
                     target_modules=tuple(sorted(targets)),
-                    use_rslora=bool(data.get("use_rslora", False)))
+                    use_rslora=bool(data.get("use_rslora", False)),
+                    target_parameters=tuple(sorted(data.get("target_parameters") or ())))
     return spec, targets
 
 
@@ -232,8 +236,11 @@ def copy_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
 
 def _fill_weights(adapter: Adapter, out: Path, base_model_path: str,
                   for_sampling: bool = False) -> None:
-    write_peft(out, adapter.spec, peft_tensors(adapter), sorted(adapter.weights),
-               base_model_path, for_sampling)
+    # Expert weights are keyed by PEFT module path and name their base parameter.
+    parameters = [w.parameter for w in adapter.weights.values() if hasattr(w, "parameter")]
+    modules = [n for n, w in adapter.weights.items() if not hasattr(w, "parameter")]
+    write_peft(out, adapter.spec, peft_tensors(adapter), sorted(modules), base_model_path,
+               for_sampling, parameters)
 
 
 def save_weights(adapter: Adapter, path: str | Path, base_model_path: str,

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checks, memory, recurrent, roles
+from twinkle_server.engine import activations, checks, experts, memory, recurrent, roles
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -141,6 +141,8 @@ class Engine(Training):
                         "sequence and the engine cannot restart it per datum", stateful)
             self.packing = False
         self.peft_refused = recurrent.peft_refused(base.model, list(self.layers))
+        # MoE experts (fused parameters, not linears): LoRA per expert (`engine.experts`).
+        self.experts = experts.inject(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
         # datum; every rank makes the same calls in order (`twinkle_server.ranks.replication`).
         # One process alone is the trivial `OneRank`: the same code, every collective the
@@ -271,16 +273,23 @@ class Engine(Training):
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
-        """The layers `spec` trains. 'all-linear' and Tinker's role switches leave out
-        those PEFT refuses LoRA on (Mamba's `out_proj`: `recurrent.peft_refused`); a module
-        name that selects one is refused."""
-        targets = resolve_targets(self.layers, spec, self.output_layer, self.roles)
+        """The linear layers `spec` trains (its expert projections: `experts.targets`).
+        'all-linear' and Tinker's role switches leave out those PEFT refuses LoRA on
+        (Mamba's `out_proj`: `recurrent.peft_refused`); a module name that selects one is
+        refused."""
+        linear = experts.linear_spec(spec, self.layers, self.experts)
+        if linear is None:
+            return []
+        # Switches that select only experts here (every MLP an MoE block) select no linear.
+        only_experts = bool(experts.targets(self.experts, spec))
+        targets = resolve_targets(self.layers, linear, self.output_layer, self.roles,
+                                  allow_empty=only_experts)
         refused = [t for t in targets if t in self.peft_refused]
         if not refused:
             return targets
-        named = _named_patterns(spec.target_modules)
+        named = _named_patterns(linear.target_modules)
         if named:
-            by_name = resolve_targets(self.layers, replace(spec, target_modules=named),
+            by_name = resolve_targets(self.layers, replace(linear, target_modules=named),
                                       self.output_layer, self.roles)
             if any(t in self.peft_refused for t in by_name):
                 raise InvalidArgument(
@@ -296,6 +305,8 @@ class Engine(Training):
         (its own state only; `add_adapter` also keeps `pass_headroom_bytes` free)."""
         params = sum(spec.rank * (self.layers[n].in_features + self.layers[n].out_features)
                      for n in self._targets(spec))
+        params += experts.parameter_count(self.experts, experts.targets(self.experts, spec),
+                                          spec.rank)
         return params * 4 * _STATE_COPIES
 
     @replicated
@@ -318,13 +329,17 @@ class Engine(Training):
                                   f"got {gradient_accumulation_steps}")
         checks.lora_spec(spec, self.limits)
         targets = self._targets(spec)
+        expert_targets = experts.targets(self.experts, spec)
+        if not targets and not expert_targets:
+            raise InvalidArgument("lora.target_modules: selects no layer of the base model; "
+                                  "name linear layers or expert projections")
         need = self.estimate_adapter_bytes(spec)
         headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
         free = self._free_bytes()
         if free is not None and need + headroom > free:
             raise ResourceExhausted(
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
-                f"state for rank {spec.rank} on {len(targets)} layers) plus "
+                f"state for rank {spec.rank} on {len(targets) + len(expert_targets)} layers) plus "
                 f"{headroom / 2**20:.1f} MiB pass headroom (activations and logits of a "
                 f"{self.pass_tokens}-token pass) "
                 f"but only {free / 2**20:.1f} MiB are free; use a smaller rank or fewer target "
@@ -338,17 +353,27 @@ class Engine(Training):
         return self.adapter_info(adapter_id)
 
     def _new_weights(self, spec: LoraSpec, targets: list[str]) -> dict[str, LoraWeights]:
+        """Fresh weights for the linears `targets` and the expert projections `spec`
+        trains (keyed by PEFT module path, `engine.experts`)."""
         generator = torch.Generator().manual_seed(int(spec.seed or 0))
-        return {name: LoraWeights(self.layers[name].in_features, self.layers[name].out_features,
-                                  spec, generator, self.base.device) for name in targets}
+        weights = {name: LoraWeights(self.layers[name].in_features,
+                                     self.layers[name].out_features, spec, generator,
+                                     self.base.device) for name in targets}
+        return {**weights, **experts.new_weights(
+            self.experts, experts.targets(self.experts, spec), spec, generator,
+            self.base.device)}
 
     def _attach(self, adapter: Adapter) -> None:
         for name, weights in adapter.weights.items():
-            self.layers[name].adapters[adapter.adapter_id] = weights
+            if name in self.layers:
+                self.layers[name].adapters[adapter.adapter_id] = weights
+        experts.attach(self.experts, adapter.adapter_id, adapter.weights)
 
     def _detach(self, adapter_id: str, names: Iterable[str]) -> None:
         for name in names:
-            self.layers[name].adapters.pop(adapter_id, None)
+            if name in self.layers:
+                self.layers[name].adapters.pop(adapter_id, None)
+        experts.detach(self.experts, adapter_id)
 
     @rank_zero_only
     def adapter_info(self, adapter_id: str) -> dict[str, Any]:
@@ -356,7 +381,9 @@ class Engine(Training):
         adapter = self._adapter(adapter_id)
         return {"trainable_params": adapter.num_params,
                 "state_bytes": adapter.num_params * 4 * _STATE_COPIES,
-                "target_modules": sorted(adapter.weights), "spec": adapter.spec}
+                "target_modules": sorted(getattr(w, "parameter", name)   # experts: theirs
+                                         for name, w in adapter.weights.items()),
+                "spec": adapter.spec}
 
     @replicated
     def remove_adapter(self, adapter_id: str) -> None:

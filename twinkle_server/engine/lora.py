@@ -211,18 +211,20 @@ class MultiLoraLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
         segments = self.router.segments
+        if (self.router.axis == ROWS and x.dim() == 2 and segments
+                and x.shape[0] != segments[-1].end and x.shape[0] % segments[-1].end == 0):
+            # An MoE block feeds its shared expert the batch flattened row by row to
+            # [rows * seq, in] (qwen3_next, qwen3_5_moe): routed by rows, they are the
+            # batch's rows again.
+            rows = x.reshape(segments[-1].end, -1, x.shape[-1])
+            return self.forward(rows).reshape(x.shape[0], -1)
+        out = self.base_layer(x)
         weights = [self.adapters.get(seg.adapter_id) if seg.adapter_id else None
                    for seg in segments]
         if not any(weights):
             return out
         dim = self.router.axis
-        rows = segments[-1].end
-        if dim == ROWS and x.dim() == 2 and x.shape[0] != rows and x.shape[0] % rows == 0:
-            # A MoE block flattens [rows, seq, hidden] row by row before its shared
-            # expert: its rows are the batch's, `seq` tokens each.
-            return self.forward(x.view(rows, -1, x.shape[-1])).flatten(0, 1)
         if segments[-1].end != x.shape[dim]:
             raise ValueError(f"router: segments cover {segments[-1].end} positions but the "
                              f"input has {x.shape[dim]} along dimension {dim}; route every "
@@ -279,7 +281,8 @@ def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
 
 
 def resolve_targets(layers: Iterable[str], spec: LoraSpec, output_layer: str | None,
-                    roles: Mapping[str, str | None] | None = None) -> list[str]:
+                    roles: Mapping[str, str | None] | None = None,
+                    allow_empty: bool = False) -> list[str]:
     """Names of the linear layers (of those named `layers`) `spec.target_modules`
     selects, with PEFT's own matching rules, or by role.
 
@@ -292,7 +295,8 @@ def resolve_targets(layers: Iterable[str], spec: LoraSpec, output_layer: str | N
     Entries of `ROLE_TARGETS` (Tinker's switches, `LoraSpec.from_tinker`) select the
     linears of that role in `roles` (`engine.roles.layer_roles`; routers never). A role
     the model has no linear of is no error when another entry selects something: a spec
-    that selects nothing at all is refused, naming each role's count.
+    that selects nothing at all is refused, naming each role's count, unless
+    `allow_empty` (the switches select MoE experts, `engine.experts`, and no linear).
     """
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -322,7 +326,7 @@ def resolve_targets(layers: Iterable[str], spec: LoraSpec, output_layer: str | N
         if not hits:
             raise InvalidArgument(_no_match(pattern, names))
         chosen.update(hits)
-    if not chosen:
+    if not chosen and not allow_empty:
         switches = ", ".join(f"train_{_SWITCH[r]}" for r in wanted_roles)
         raise InvalidArgument(
             f"lora: {switches} select no linear layer of this model "

@@ -37,6 +37,11 @@ class LoraSpec:
     decoder except the output head), or a tuple of module-name suffixes; or roles
     (`ROLE_TARGETS`, from `from_tinker`). `scaling` is
     `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`.
+
+    `target_parameters` follows PEFT too: MoE expert projections by full name or dotted
+    suffix (`'mlp.experts.gate_up_proj'`), LoRA per expert (`engine.experts`); None
+    trains the experts' projections that `target_modules` names (`'gate_proj'`...), an
+    empty tuple none.
     """
 
     rank: int
@@ -45,6 +50,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] | str = "all-linear"
     use_rslora: bool = False
     seed: int | None = None
+    target_parameters: tuple[str, ...] | None = None
 
     @property
     def scaling(self) -> float:
@@ -74,6 +80,7 @@ class LoraSpec:
         targets = getattr(config, "target_modules", None) or "all-linear"
         if not isinstance(targets, str):
             targets = tuple(sorted(targets))
+        parameters = getattr(config, "target_parameters", None)
         return cls(
             rank=int(config.r),
             alpha=float(config.lora_alpha),
@@ -81,6 +88,7 @@ class LoraSpec:
             target_modules=targets,
             use_rslora=bool(getattr(config, "use_rslora", False)),
             seed=seed,
+            target_parameters=None if parameters is None else tuple(sorted(parameters)),
         )
 
 

@@ -77,6 +77,7 @@ def register(store: Store, tenant: str, base_name: str, base_path: str,
     spec = adapter.spec
     lora = {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
             "target_modules": list(adapter.modules), "use_rslora": spec.use_rslora,
+            "target_parameters": list(adapter.parameters),
             "seed": None}
     try:
         store.create_run(run_id, tenant, base_name, lora, {"imported_from": source}, None)
@@ -245,7 +246,7 @@ def _lora_config(lora: Mapping[str, Any], max_rank: int) -> dict[str, Any]:
 
 SWITCHES = {ROLE_MLP: "train_mlp", ROLE_ATTENTION: "train_attn", ROLE_UNEMBED: "train_unembed"}
 """The Tinker switch that trains each role (`engine.roles`); routers and linears of no
-known part are in none."""
+known part are in none. MoE expert parameters are `train_mlp`'s."""
 
 
 def _agree(adapter: ImportedAdapter, lora: Mapping[str, Any]) -> None:
@@ -255,8 +256,9 @@ def _agree(adapter: ImportedAdapter, lora: Mapping[str, Any]) -> None:
     if adapter.spec.rank != lora["rank"]:
         raise InvalidArgument(f"adapter_config.json: r is {adapter.spec.rank}, the upload "
                               f"was started with lora_config.rank {lora['rank']}")
-    for module in adapter.modules:
-        group = SWITCHES.get(adapter.roles.get(module) or "")
+    roles = {**adapter.roles, **{p: ROLE_MLP for p in adapter.parameters}}
+    for module in (*adapter.modules, *adapter.parameters):
+        group = SWITCHES.get(roles.get(module) or "")
         if group is not None and not lora[group]:
             raise InvalidArgument(f"adapter_model.safetensors: adapts {module!r}, but the "
                                   f"upload was started with lora_config.{group} false")
