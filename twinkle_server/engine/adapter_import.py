@@ -68,10 +68,10 @@ class ImportedAdapter:
     spec: LoraSpec
     modules: tuple[str, ...]
     tensors: dict[str, torch.Tensor]
-    parameters: tuple[str, ...] = ()
     roles: Mapping[str, str | None] = field(default_factory=dict)
     """Each adapted linear's role for Tinker's switches (`engine.roles`); the expert
     `parameters` are `train_mlp`'s."""
+    parameters: tuple[str, ...] = ()
 
     def write(self, out: Path, base_model_path: str) -> None:
         """The engine's checkpoint files for it, into directory `out`."""
@@ -136,8 +136,8 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
     if targets is not None or weights:
         _targeted(modules, targets, excluded, base, weights)
     return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE),
-                           tuple(sorted(set(parameters.values()))),
-                           {m: base.roles.get(m) for m in modules})
+                           {m: base.roles.get(m) for m in modules},
+                           tuple(sorted(set(parameters.values()))))
 
 
 def _not_converted(targets: str | list[str] | None, base: BaseLinears) -> None:
