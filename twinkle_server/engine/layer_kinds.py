@@ -2,7 +2,7 @@
 keeps of it per token: the activation count of `engine.memory`, per layer kind.
 
 A layer is a token mixer (full or sliding attention, Gated DeltaNet linear attention, a
-Mamba2 mixer) and an MLP (dense, or MoE: routed experts plus shared experts), or, as
+Mamba2 mixer, LFM2's gated short convolution) and an MLP (dense, or MoE: routed experts plus shared experts), or, as
 Nemotron-H's blocks, one of the four alone. Sizes are read per kind from the fields that
 kind's configs carry, never from one field for all (Qwen3.5-MoE has no
 `intermediate_size`). A kind, or a size a kind needs, the config does not give is refused
@@ -23,9 +23,12 @@ keeps its input and output, 2H, and upcasts its input on a bf16 base, H):
                    scan's [c x c] scores per head)
     Mamba2         kept 2H + 9D + 6GN + m + c m          upcast 2H + D
                    (D = heads x head dim, G groups, N state size, m heads; c = 128)
+    short conv     kept 8H                               upcast 2H
+                   (LFM2: the norm, in_proj's 3H output, the gated conv input and
+                   output, the gated result out_proj reads)
 
 Only the attention and dense MLP counts are measured (`engine.memory`); MoE, linear
-attention and Mamba are counted from the code, under the same margin.
+attention, Mamba and short conv are counted from the code, under the same margin.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Any
 from twinkle_server.engine.errors import InvalidArgument
 
 ATTENTION, LINEAR_ATTENTION, MAMBA = "attention", "linear_attention", "mamba"
+SHORT_CONV = "conv"
+"""LFM2's `layer_types` entry for its gated short-convolution mixer."""
 DENSE, MOE = "mlp", "moe"
 _ATTENTION_TYPES = ("full_attention", "sliding_attention", "attention", "chunked_attention")
 _RECURRENT_TYPES = ("linear_attention", "mamba")
@@ -95,6 +100,8 @@ def layer_kinds(config: Any) -> list[LayerKind]:
             mixer: str | None = ATTENTION
         elif kind in _RECURRENT_TYPES:
             mixer = recurrent if kind == "linear_attention" else MAMBA
+        elif kind == SHORT_CONV:
+            mixer = SHORT_CONV
         elif blocks and kind in (DENSE, MOE):
             kinds.append(LayerKind(None, kind))
             continue
@@ -148,6 +155,8 @@ def part_elements(config: Any, part: str) -> tuple[int, int]:
         chunk = _size(text, "chunk_size") or MAMBA_SCAN_CHUNK
         return (2 * hidden + 9 * inner + 6 * groups_state + (1 + chunk) * heads,
                 2 * hidden + inner)
+    if part == SHORT_CONV:
+        return 8 * hidden, 2 * hidden
     raise InvalidArgument(f"model: a layer part of kind {part!r}, which the memory "
                           "estimate does not size")
 
