@@ -32,8 +32,9 @@ targeting `gate_up_proj` and `down_proj` saves `...experts.base_layer.lora_A.wei
 (gate_up) and `...experts.lora_A.weight` (down). An adapter keeps its expert weights
 under those module paths (`peft_module`), beside its linears' names.
 
-PEFT refuses dropout on parameter targets (it cannot factor `x` out of `B A dropout(x)`
-there), so an adapter that targets experts has none.
+An adapter's dropout applies to each expert's routed tokens in training, as on a linear
+(`B_e A_e dropout(x_e)`). PEFT refuses dropout on parameter targets, so exports for
+sampling record 0 (`checkpoint.write_peft`): dropout changes no output outside training.
 """
 
 from __future__ import annotations
@@ -81,10 +82,14 @@ class ExpertLoraWeights(nn.Module):
         self.lora_A = nn.Parameter(a.to(device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rows, device=device))
         self.num_experts, self.rank, self.scaling = num_experts, spec.rank, spec.scaling
+        self.dropout_p = float(spec.dropout)
         self.parameter, self.peft_module = parameter, peft_module
 
-    def delta(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """`s * B_e A_e x` for tokens `x: [n, in]` routed to `expert`, in float32."""
+    def delta(self, x: torch.Tensor, expert: int, train: bool = False) -> torch.Tensor:
+        """`s * B_e A_e dropout(x)` for tokens `x: [n, in]` routed to `expert`, in
+        float32; dropout only where `train` (a training forward's segment)."""
+        if train and self.dropout_p > 0:
+            x = F.dropout(x, self.dropout_p, training=True)
         a = self.lora_A.view(self.num_experts, self.rank, -1)[expert]
         b = self.lora_B.view(self.lora_B.shape[0], self.rank, self.num_experts)[:, :, expert]
         return F.linear(F.linear(x.to(a.dtype), a) * self.scaling, b)
@@ -167,9 +172,10 @@ class MultiLoraExperts:
         if not loras or all(w is None for w in loras):
             return y
         pieces = x.split(sizes)
-        deltas = [w.delta(piece, expert).to(y.dtype) if w is not None
+        trains = [s.train for s in self.router.segments]
+        deltas = [w.delta(piece, expert, train).to(y.dtype) if w is not None
                   else y.new_zeros((piece.shape[0], y.shape[-1]))
-                  for w, piece in zip(loras, pieces, strict=True)]
+                  for w, piece, train in zip(loras, pieces, trains, strict=True)]
         return y + torch.cat(deltas)
 
 
@@ -226,8 +232,7 @@ def targets(layers: ExpertsLayers, spec: LoraSpec) -> list[ExpertTarget]:
 
     Raises InvalidArgument naming the field when no `target_parameters` entry matches an
     expert projection (the router's and other parameters are not trained), when the
-    experts it would train are not computed by this engine (by class), or when the
-    adapter has dropout (PEFT's parameter targets refuse it).
+    experts it would train are not computed by this engine (by class).
     """
     explicit = None if spec.target_parameters is None else split_parameters(
         spec.target_parameters)[1]
@@ -258,10 +263,6 @@ def targets(layers: ExpertsLayers, spec: LoraSpec) -> list[ExpertTarget]:
               for layer, m in sorted(layers.served.items())}
     out = [ExpertTarget(layer, p, layer + ".base_layer" * (len(ps) - 1 - depth))
            for layer, ps in chosen.items() for depth, p in enumerate(ps)]
-    if out and spec.dropout:
-        raise InvalidArgument(
-            f"lora.dropout: {spec.dropout} on an adapter that trains MoE experts; PEFT's "
-            "parameter targets take no dropout (it could not load the export), so give 0")
     return out
 
 
@@ -282,13 +283,20 @@ def linear_spec(spec: LoraSpec, linears: Iterable[str], layers: ExpertsLayers) -
     if isinstance(spec.target_modules, str):
         return spec
     weights = split_parameters(spec.target_parameters or ())[0]
+    names = list(linears)
+    for module in weights:
+        if not any(n == module or n.endswith(f".{module}") for n in names):
+            raise InvalidArgument(
+                f"lora.target_parameters: {module + '.weight'!r} is the weight of no linear "
+                "layer of the base model (and names no expert projection); the router and "
+                "other parameters are not trained")
     if weights:
         spec = replace(spec, target_modules=tuple(sorted({*spec.target_modules, *weights})))
     if not spec.target_modules and spec.target_parameters:   # PEFT's parameter targets only
         return None
     if not layers.served:
         return spec
-    suffixes = {n.rsplit(".", 1)[-1] for n in linears}
+    suffixes = {n.rsplit(".", 1)[-1] for n in names}
     # Every MLP projection name: on a model with experts, one that names no linear names
     # the experts or nothing of theirs (nemotron_h's relu2 experts have no gate).
     expert_names = set().union(*PROJECTIONS.values())
