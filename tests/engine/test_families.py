@@ -6,8 +6,8 @@ Each family is a tiny random model from its own transformers config class
 (`tests/engine/families.py`). The engine and `peft` compute the same LoRA by different
 code, and merged or packed passes run GEMMs of other shapes than alone: they agree to the
 isolation contract's LOGPROB_ATOL (`tests/numerics.py`). glm4_moe is here for its dense
-MLP, shared experts and attention; its routed experts are parameters, not linears, and
-take no LoRA from the switches here (`engine.roles`).
+MLP, shared experts and attention beside its routed experts, which `train_mlp` trains too
+(`engine.experts`; every MoE family: tests/engine/test_experts.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpe
 
 from ..numerics import LOGPROB_ATOL, assert_trained_alike
 from .conftest import adapter_weights
-from .families import write_family
+from .families import next_token_datums, peft_logprobs, randomize_b, write_family
 
 CE = LossSpec("cross_entropy")
 DENSE = ["llama", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "glm4_moe"]
@@ -56,12 +56,7 @@ def family(request, tiny_cache, tmp_path_factory) -> tuple[str, Engine]:
 
 def _datums(engine: Engine) -> list[Datum]:
     """Next-token datums of different lengths from fixed sentences."""
-    out = []
-    for text in TEXTS:
-        ids = np.asarray(engine.base.tokenizer(text)["input_ids"], np.int64)
-        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
-                                    "weights": np.ones(ids.size - 1, np.float32)}))
-    return out
+    return next_token_datums(engine, TEXTS)
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +78,6 @@ def _logprobs(engine: Engine, requests: list[ForwardRequest]) -> list[list[np.nd
     return [out.logprobs for out in engine.forward_batch(requests)]
 
 
-def _peft_logprobs(model, datum: Datum, grad: bool = False):
-    """`peft`'s logprobs of a datum's targets, as numpy (with `grad`: a torch tensor
-    carrying its graph, for a plain training loop)."""
-    with torch.set_grad_enabled(grad):
-        logits = model(input_ids=torch.from_numpy(datum.input_ids)[None]).logits[0].float()
-        targets = torch.from_numpy(datum.loss_inputs["target_tokens"])
-        out = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-    return out if grad else out.numpy()
-
-
 def test_default_tinker_lora_trains_and_the_loss_falls(trained):
     name, engine, losses = trained
     trains = {n.rsplit(".", 1)[-1] for n in engine.adapters["default"].weights}
@@ -111,7 +96,7 @@ def test_the_export_loads_in_peft_with_the_engines_logprobs(trained, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(engine.base.model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(tmp_path / "export")).eval()
     for datum, got in zip(datums, ours, strict=True):
-        np.testing.assert_allclose(got, _peft_logprobs(model, datum), rtol=0,
+        np.testing.assert_allclose(got, peft_logprobs(model, datum), rtol=0,
                                    atol=LOGPROB_ATOL, err_msg=name)
 
 
@@ -119,11 +104,7 @@ def test_two_adapters_merged_in_one_pass_equal_each_alone(trained):
     name, engine, _ = trained
     engine.add_adapter("other", LoraSpec.from_tinker(4, seed=2, train_mlp=False))
     try:
-        generator = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for weights in engine.adapters["other"].weights.values():
-                weights.lora_B.copy_(torch.randn(weights.lora_B.shape, generator=generator)
-                                     * 0.05)
+        randomize_b(engine, "other", 3, 0.05)
         datums = _datums(engine)
         requests = [ForwardRequest("default", datums[:2], CE, False),
                     ForwardRequest("other", datums[1:], CE, False)]
@@ -148,7 +129,8 @@ def test_a_packed_pass_equals_each_datum_in_its_own_pass(trained):
 
 def test_three_adamw_steps_equal_a_plain_peft_loop(family, tmp_path):
     """The engine trains the numbers transformers + peft + torch.optim would, from the
-    same first weights (glm4_moe's routed experts left out on both sides)."""
+    same first weights (glm4_moe's routed experts included, as peft's parameter
+    targets)."""
     name, engine = family
     if name not in LOOP:
         pytest.skip(f"{name} is Llama-shaped: tests/engine/test_parity_peft.py's loop covers it")
@@ -166,7 +148,7 @@ def test_three_adamw_steps_equal_a_plain_peft_loop(family, tmp_path):
         for _ in range(3):
             engine.forward_batch([ForwardRequest("loop", batch, CE, True)])
             engine.optim_step("loop", adam)
-            loss = sum(-_peft_logprobs(model, d, grad=True).sum() for d in batch)
+            loss = sum(-peft_logprobs(model, d, grad=True).sum() for d in batch)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -180,8 +162,9 @@ def test_three_adamw_steps_equal_a_plain_peft_loop(family, tmp_path):
 def test_a_glm4_moe_export_names_its_mlp_linears_as_peft_reads_them(tiny_cache, tmp_path):
     """peft rewrites `gate_proj`/`up_proj`/`down_proj` targets of glm4_moe into its routed
     experts' parameters; the export names the dense MLP and shared experts' linears as
-    parameter targets of their weights instead, dropout (which peft refuses there)
-    written as 0 in a sampler export and kept in a training checkpoint."""
+    parameter targets of their weights instead, beside the routed experts' own
+    projections, dropout (which peft refuses there) written as 0 in a sampler export and
+    kept in a training checkpoint."""
     path = write_family(tmp_path / "models", "glm4_moe", tiny_cache)
     engine = Engine.load(str(path), cache_dir=str(tiny_cache), samples=False,
                          limits=EngineLimits(max_adapters=1, max_rank=8, max_seq_len=64,
@@ -194,28 +177,34 @@ def test_a_glm4_moe_export_names_its_mlp_linears_as_peft_reads_them(tiny_cache, 
     engine.save_weights("drop", tmp_path / "export")
     engine.save_state("drop", tmp_path / "state")
     config = json.loads((tmp_path / "export" / "adapter_config.json").read_text())
-    assert {t.rsplit(".", 2)[-2] for t in config["target_parameters"]} == {
-        "gate_proj", "up_proj", "down_proj"}
+    weights = engine.adapters["drop"].weights
+    linears = sorted(n for n in weights if n in engine.layers)
+    routed = sorted(w.parameter for n, w in weights.items() if n not in engine.layers)
+    assert routed, "train_mlp trains the routed experts too"
+    assert {t.rsplit(".", 2)[-2] for t in config["target_parameters"]
+            if t.endswith(".weight")} == {"gate_proj", "up_proj", "down_proj"}
+    assert sorted(t for t in config["target_parameters"] if not t.endswith(".weight")) == routed
     assert not any(t.endswith(("gate_proj", "up_proj", "down_proj"))
                    for t in config["target_modules"])
     assert config["lora_dropout"] == 0.0
     assert engine.read_checkpoint_spec(tmp_path / "state").dropout == 0.1
-    assert sorted(engine.read_checkpoint_spec(tmp_path / "export").target_modules) == sorted(
-        engine.adapters["drop"].weights)
-    # Imported again as it was exported: every linear it trains, by name.
-    linears = base_linears(path)
-    again = read_import(tmp_path / "export", linears, max_rank=8, max_bytes=1 << 24)
-    assert sorted(again.modules) == sorted(engine.adapters["drop"].weights)
-    config["target_parameters"].append("model.layers.1.mlp.experts.gate_up_proj")
+    # Read back, the export selects exactly the adapter's linears and experts.
+    again_spec = engine.read_checkpoint_spec(tmp_path / "export")
+    assert engine._targets(again_spec) == linears
+    # Imported again as it was exported: every linear and expert projection it trains.
+    base = base_linears(path)
+    again = read_import(tmp_path / "export", base, max_rank=8, max_bytes=1 << 24)
+    assert sorted(again.modules) == linears and list(again.parameters) == routed
+    config["target_parameters"].append("model.layers.1.mlp.gate.weight")
     (tmp_path / "export" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidArgument, match=r"target_parameters names "
-                                              r"'model.layers.1.mlp.experts.gate_up_proj'"):
-        read_import(tmp_path / "export", linears, max_rank=8, max_bytes=1 << 24)
+                                              r"'model.layers.1.mlp.gate.weight'"):
+        read_import(tmp_path / "export", base, max_rank=8, max_bytes=1 << 24)
     config["target_parameters"].pop()
     (tmp_path / "export" / "adapter_config.json").write_text(json.dumps(config))
     ours = _logprobs(engine, [ForwardRequest("drop", datums, CE, False)])[0]
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(tmp_path / "export")).eval()
     for datum, got in zip(datums, ours, strict=True):
-        np.testing.assert_allclose(got, _peft_logprobs(model, datum), rtol=0,
+        np.testing.assert_allclose(got, peft_logprobs(model, datum), rtol=0,
                                    atol=LOGPROB_ATOL)

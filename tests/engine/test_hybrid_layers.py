@@ -8,7 +8,7 @@ them afresh at each datum (`engine.recurrent`). Checked here per family: a packe
 equals each datum alone and a padded pass; merged equals alone; the engine's forward with
 an adapter equals transformers + peft's forward of the exported adapter; the loss falls.
 Every adapter here names its linears (the mixers' projections, attention, dense MLPs);
-experts stay untrained (`engine/experts.py`'s business).
+the MoE families' experts under Tinker's default switches are tests/engine/test_experts.py's.
 
 Different shapes of GEMMs on each side: numbers agree to tests/numerics.py's float32
 tolerances, not bit for bit.
@@ -39,7 +39,7 @@ from twinkle_server.engine.types import (
 
 from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close
 from .conftest import SENTENCES
-from .families import write_family
+from .families import next_token_datums, peft_logprobs, randomize_b, write_family
 
 CE = LossSpec("cross_entropy")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -50,8 +50,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
     # Qwen3.6's MoE (its Gated DeltaNet as Qwen3.5's), mixers and attention only.
     "qwen3_5_moe_text": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
                          *_ATTENTION),
-    # Gated DeltaNet with fused input projections, attention (its MoE layers' shared
-    # experts are the MoE workers' business: PEFT maps their names onto fused experts).
+    # Gated DeltaNet with fused input projections, attention (its MoE layers' shared and
+    # routed experts under Tinker's switches: tests/engine/test_experts.py).
     "qwen3_next": ("in_proj_qkvz", "in_proj_ba", "out_proj", *_ATTENTION),
     # Mamba2 mixers' input projection (PEFT refuses their out_proj), attention, an MLP
     # layer and a MoE layer's shared expert.
@@ -90,10 +90,7 @@ def _add(engine: Engine, added: list[str], name: str, seed: int,
     engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=seed,
                                       target_modules=targets or TARGETS[_family(engine)]))
     added.append(name)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for weights in engine.adapters[name].weights.values():
-            weights.lora_B.copy_(torch.randn(weights.lora_B.shape, generator=generator) * 0.1)
+    randomize_b(engine, name, seed, 0.1)
 
 
 def _family(engine: Engine) -> str:
@@ -103,15 +100,9 @@ def _family(engine: Engine) -> str:
 def _datums(engine: Engine) -> list[Datum]:
     """Next-token datums of mixed lengths (3 to about 150 tokens: past the gated delta
     rule's 64-token chunks and Mamba2's 128), two of one length in a row."""
-    tokenizer = engine.base.tokenizer
-    texts = [SENTENCES[0], SENTENCES[7], " ".join(SENTENCES + SENTENCES[:4]), SENTENCES[7],
-             "Hi there"]
-    out = []
-    for text in texts:
-        ids = np.asarray(tokenizer(text)["input_ids"], dtype=np.int64)
-        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
-                                    "weights": np.ones(ids.size - 1, np.float32)}))
-    return out
+    return next_token_datums(engine, [SENTENCES[0], SENTENCES[7],
+                                      " ".join(SENTENCES + SENTENCES[:4]), SENTENCES[7],
+                                      "Hi there"])
 
 
 def _run(engine: Engine, requests: list[ForwardRequest], packed: bool | None = True):
@@ -183,13 +174,9 @@ def test_engine_forward_equals_peft_forward_of_the_export(hybrid, adapters, tmp_
     hybrid.save_weights("export", tmp_path / "export")
     base = AutoModelForCausalLM.from_pretrained(hybrid.base.model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(tmp_path / "export")).eval()
-    with torch.no_grad():
-        for datum, got in zip(datums, ours.logprobs, strict=True):
-            logits = model(input_ids=torch.from_numpy(datum.input_ids)[None]).logits[0]
-            targets = torch.from_numpy(datum.loss_inputs["target_tokens"])
-            want = -torch.nn.functional.cross_entropy(logits.float(), targets,
-                                                      reduction="none")
-            np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=LOGPROB_ATOL)
+    for datum, got in zip(datums, ours.logprobs, strict=True):
+        np.testing.assert_allclose(got, peft_logprobs(model, datum), rtol=0,
+                                   atol=LOGPROB_ATOL)
 
 
 def test_the_loss_falls_over_four_steps(hybrid, adapters):
