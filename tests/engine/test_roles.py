@@ -36,6 +36,8 @@ EXPECTED: dict[str, tuple[set[str], set[str], set[str]]] = {
                  {"gate_proj", "up_proj", "down_proj"}, set()),
     "nemotron_h": ({"in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"},
                    {"up_proj", "down_proj"}, set()),
+    # LFM2: attention (its `out_proj`) and the gated short convolution's projections.
+    "lfm2": ({"q_proj", "k_proj", "v_proj", "out_proj", "in_proj"}, {"w1", "w2", "w3"}, set()),
     "gemma3_text": ({"q_proj", "k_proj", "v_proj", "o_proj"},
                     {"gate_proj", "up_proj", "down_proj"}, set()),
 }

@@ -10,7 +10,8 @@ they are resolved here against the loaded model's structure:
 - `attention`: every linear of a decoder layer's token mixer: self-attention (q, k, v, o,
   a fused `qkv_proj`), linear attention (Gated DeltaNet's `in_proj_qkvz`, `in_proj_ba`,
   `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`, `out_proj`), Mamba's `in_proj`
-  and `out_proj`;
+  and `out_proj` (the engine leaves Mamba's `out_proj` out: PEFT refuses LoRA on it,
+  `recurrent.peft_refused`), LFM2's gated short convolution (`in_proj`, `out_proj`);
 - `mlp`: every linear of a decoder layer's MLP: gate, up, down, a fused `gate_up_proj`,
   and the shared experts' linears of an MoE block;
 - `unembed`: the output head.
@@ -34,7 +35,7 @@ from twinkle_server.engine.types import ROLE_ATTENTION, ROLE_MLP, ROLE_UNEMBED
 
 ROUTER = "router"
 """The role of a router linear: never trained."""
-TOKEN_MIXER_WORDS = ("Attention", "Mamba", "Mixer", "DeltaNet", "SSM")
+TOKEN_MIXER_WORDS = ("Attention", "Mamba", "Mixer", "DeltaNet", "SSM", "ShortConv")
 MLP_WORDS = ("MLP", "Mlp", "MoE", "Moe", "FeedForward", "Expert")
 _ROUTER_LEAF = re.compile(r"(gate|router|.*_gate)")
 # `<...>.layers.<i>.<part>.<...>.<leaf>`: the part of a decoder layer a linear sits in (the
