@@ -103,6 +103,15 @@ def test_tinker_default_trains_every_expert_projection(moe, adapter):
     assert not any(".gate." in name or name.endswith(".gate") for name in weights)
 
 
+def test_train_mlp_alone_trains_the_experts_where_no_mlp_is_a_linear(moe, adapter):
+    # gpt-oss's every MLP is an MoE block without shared experts: the switch selects no
+    # linear, and trains the experts all the same.
+    adapter("mlp", LoraSpec.from_tinker(4, seed=1, train_attn=False, train_unembed=False))
+    weights = moe.adapters["mlp"].weights
+    assert any(isinstance(w, ExpertLoraWeights) for w in weights.values())
+    assert all(moe.roles[n] == "role:mlp" for n in weights if n in moe.layers)
+
+
 @pytest.mark.parametrize("spec", [TINKER, EXPERTS_ONLY], ids=["tinker", "experts_only"])
 def test_forward_equals_peft_on_the_exported_adapter(moe, data, adapter, spec, tmp_path):
     adapter("parity", spec)

@@ -58,10 +58,10 @@ from twinkle_server.engine.errors import (
     ResourceExhausted,
 )
 from twinkle_server.engine.lora import (
-    ALL_LINEAR,
     LoraWeights,
     Router,
     inject,
+    named_patterns,
     resolve_targets,
 )
 from twinkle_server.engine.memory import available_memory_bytes
@@ -74,7 +74,6 @@ from twinkle_server.engine.training import Training
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
     AUTO_SEQ_LEN,
-    ROLE_TARGETS,
     EngineLimits,
     ForwardRequest,
     Generation,
@@ -90,15 +89,6 @@ T = TypeVar("T")
 
 __all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
 
-
-
-def _named_patterns(targets: str | tuple[str, ...]) -> str | tuple[str, ...]:
-    """The patterns of `target_modules` that name modules, not Tinker's roles or
-    'all-linear' (empty when none do): what `Engine._targets` refuses PEFT-refused
-    linears for."""
-    if isinstance(targets, str):
-        return "" if targets.lower() == ALL_LINEAR else targets
-    return tuple(t for t in targets if t not in ROLE_TARGETS)
 
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
@@ -280,14 +270,14 @@ class Engine(Training):
         linear = experts.linear_spec(spec, self.layers, self.experts)
         if linear is None:
             return []
-        # Switches that select only experts here (every MLP an MoE block) select no linear.
-        only_experts = bool(experts.targets(self.experts, spec))
+        # Switches may select experts and no linear (every MLP an MoE block, train_mlp).
+        trains_experts = bool(experts.targets(self.experts, spec))
         targets = resolve_targets(self.layers, linear, self.output_layer, self.roles,
-                                  allow_empty=only_experts)
+                                  allow_empty=trains_experts)
         refused = [t for t in targets if t in self.peft_refused]
         if not refused:
             return targets
-        named = _named_patterns(linear.target_modules)
+        named = named_patterns(linear.target_modules)
         if named:
             by_name = resolve_targets(self.layers, replace(linear, target_modules=named),
                                       self.output_layer, self.roles)

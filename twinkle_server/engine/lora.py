@@ -335,6 +335,14 @@ def resolve_targets(layers: Iterable[str], spec: LoraSpec, output_layer: str | N
     return sorted(chosen)
 
 
+def named_patterns(targets: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """The patterns of `target_modules` that name modules, not Tinker's roles or
+    'all-linear' (empty when none do): those a user chose by name."""
+    if isinstance(targets, str):
+        return "" if targets.lower() == ALL_LINEAR else targets
+    return tuple(t for t in targets if t not in ROLE_TARGETS)
+
+
 _SWITCH = {ROLE_ATTENTION: "attn", ROLE_MLP: "mlp", ROLE_UNEMBED: "unembed"}
 
 
