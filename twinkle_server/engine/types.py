@@ -39,8 +39,10 @@ class LoraSpec:
     `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`.
 
     `target_parameters` follows PEFT too: MoE expert projections by full name or dotted
-    suffix (`'mlp.experts.gate_up_proj'`), LoRA per expert (`engine.experts`); None
-    trains the experts' projections that `target_modules` names (`'gate_proj'`...), an
+    suffix (`'mlp.experts.gate_up_proj'`), LoRA per expert (`engine.experts`), and
+    linears by their weight (`'...mlp.shared_experts.gate_proj.weight'`, as exports name
+    the linears peft would read as experts: `experts.split_parameters`); None trains the
+    experts' projections that `target_modules` names (`'gate_proj'`..., `ROLE_MLP`), an
     empty tuple none.
     """
 
