@@ -62,14 +62,6 @@ class Op:
     request_id: str = ""
     on_partial: Callable[[Any], None] | None = field(default=None, compare=False)
 
-
-@dataclass(frozen=True)
-class Partial:
-    """A decode slice's word on an op still decoding (a streamed sample's tokens so far):
-    given to its `Op.on_partial`, and the op decodes on."""
-
-    value: Any
-
     @classmethod
     def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,
                request_id: str = "") -> Op:
@@ -78,6 +70,14 @@ class Partial:
         def fail() -> Any:
             raise error
         return cls(queue_id, seq_id, kind, None, 0, fail, request_id)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A decode slice's word on an op still decoding (a streamed sample's tokens so far):
+    given to its `Op.on_partial`, and the op decodes on."""
+
+    value: Any
 
 
 def default_token_budget(device_type: str) -> int:
