@@ -12,10 +12,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 
+from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.tiny_model import TINY_MODEL_NAME
+from twinkle_server.engine.types import Datum
 
 # Shared by every family: small enough that a forward_backward takes milliseconds.
 _COMMON: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -65,6 +68,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         mamba_head_dim=16, ssm_state_size=16, n_groups=1, mamba_d_conv=4,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1)),
+    # Not a Tinker family: a hybrid whose short convolution (`Lfm2ShortConv`) carries state
+    # along the sequence in a kind the engine does not pack (`engine.recurrent`).
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
 }
 """Family name -> (transformers config class, its settings over `_COMMON`)."""
 
@@ -98,6 +104,37 @@ def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def next_token_datums(engine: Engine, texts: list[str]) -> list[Datum]:
+    """Cross-entropy datums predicting each text's next tokens, with the engine's
+    tokenizer: the family tests' shared data."""
+    out = []
+    for text in texts:
+        ids = np.asarray(engine.base.tokenizer(text)["input_ids"], dtype=np.int64)
+        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
+                                    "weights": np.ones(ids.size - 1, np.float32)}))
+    return out
+
+
+def peft_logprobs(model: torch.nn.Module, datum: Datum, grad: bool = False):
+    """A transformers (+ peft) model's logprobs of a datum's targets, as numpy (with
+    `grad`: a torch tensor carrying its graph, for a plain training loop)."""
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=torch.from_numpy(datum.input_ids)[None]).logits[0].float()
+        targets = torch.from_numpy(datum.loss_inputs["target_tokens"])
+        out = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    return out if grad else out.numpy()
+
+
+def randomize_b(engine: Engine, adapter_id: str, seed: int, scale: float) -> None:
+    """Give an adapter's B matrices (linears and experts) random values from `seed`
+    times `scale`: a new adapter's delta is 0, and parity checks need one that is not."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weights in engine.adapters[adapter_id].weights.values():
+            weights.lora_B.copy_(torch.randn(weights.lora_B.shape, generator=generator)
+                                 * scale)
 
 
 def _tiny_dir(tiny_cache: Path) -> Path:

@@ -18,7 +18,7 @@ from twinkle_server.engine.types import EngineLimits, LoraSpec
 def test_tiny_layer_count_is_the_documented_multiple(engine):
     # Tiny: H 128, Q 4 x 32 = 128, K 2 x 32 = 64, I 384.
     # kept 4H + 6Q + K + 4I = 512 + 768 + 64 + 1536; float32 copies 7H + 2Q + K + I.
-    assert memory.layer_elements(engine.base.config) == (2880, 896 + 256 + 64 + 384)
+    assert memory.layer_elements(engine.base.config) == [(2880, 896 + 256 + 64 + 384)] * 4
 
 
 def test_headroom_grows_with_max_batch_tokens(engine):
@@ -40,6 +40,7 @@ def test_checkpointing_and_dtype_change_the_per_token_bound(engine):
     assert memory.activation_bytes_per_token(config, torch.float32, checkpointing=True) == full
     deep = copy.deepcopy(config)
     deep.num_hidden_layers = 36
+    deep.layer_types = ["full_attention"] * 36
     assert (2 * memory.activation_bytes_per_token(deep, torch.float32, checkpointing=True)
             < memory.activation_bytes_per_token(deep, torch.float32))
     # bf16 keeps half-size activations, but LoRA inputs and RMSNorms are upcast to float32.

@@ -262,6 +262,35 @@ def test_packed_attention_keeps_a_sliding_window_inside_each_datum():
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)
 
 
+def test_packed_attention_keeps_gpt_oss_attention_sinks_per_datum():
+    # gpt-oss adds a learned sink logit per head to each softmax (`module.sinks`, passed
+    # as `s_aux`); the reference is transformers' own gpt-oss eager attention, one datum
+    # at a time, with its causal (and sliding-window) mask.
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 2, False
+    generator = torch.Generator().manual_seed(6)
+    module.sinks = torch.nn.Parameter(torch.randn(4, generator=generator))
+    q = torch.randn(1, 4, 12, 8, generator=generator)
+    k, v = (torch.randn(1, 2, 12, 8, generator=generator) for _ in range(2))
+    bounds = torch.tensor([0, 5, 10, 12], dtype=torch.int32)
+    for window in (None, 3):
+        got, _ = packing.packed_attention(module, q, k, v, None, scaling=0.3,
+                                          sliding_window=window, cu_seq_lens_q=bounds,
+                                          s_aux=module.sinks)
+        want = []
+        for start, end in ((0, 5), (5, 10), (10, 12)):
+            i = torch.arange(end - start)
+            keep = i[:, None] >= i[None]
+            if window is not None:
+                keep &= i[:, None] - i[None] < window
+            mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
+            want.append(eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end],
+                                                v[:, :, start:end], mask, scaling=0.3)[0])
+        torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=1e-6)
+
+
 def test_packed_attention_refuses_a_row_without_boundaries():
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="cu_seq_lens_q"):

@@ -35,3 +35,26 @@ def test_an_upload_is_its_tenants_alone(runtime):
         with pytest.raises(NotFound, match="no upload"):
             await runtime.imports.finish("alice", "upl-../../etc")
     asyncio.run(scenario())
+
+
+def test_an_upload_adapts_only_the_roles_its_switches_announced(tiny_cache, tmp_path):
+    """phi3's fused `gate_up_proj` is MLP and its `qkv_proj` attention, as the switches
+    select them when training (`engine.roles`), whatever their names."""
+    from twinkle_server.engine.adapter_import import ImportedAdapter, base_linears
+    from twinkle_server.engine.errors import InvalidArgument
+    from twinkle_server.engine.types import LoraSpec
+    from twinkle_server.runtime.imports import _agree
+
+    from ..engine.families import write_family
+
+    roles = base_linears(write_family(tmp_path, "phi3", tiny_cache)).roles
+    modules = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj")
+    adapter = ImportedAdapter(LoraSpec(rank=4, alpha=8), modules, {},
+                              {m: roles[m] for m in modules})
+    _agree(adapter, LORA)
+    with pytest.raises(InvalidArgument, match="adapts 'model.layers.0.mlp.gate_up_proj', "
+                                              "but the upload was started with "
+                                              "lora_config.train_mlp false"):
+        _agree(adapter, {**LORA, "train_mlp": False})
+    with pytest.raises(InvalidArgument, match="lora_config.train_attn false"):
+        _agree(adapter, {**LORA, "train_attn": False})

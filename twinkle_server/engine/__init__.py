@@ -1,9 +1,14 @@
 """The engine: one frozen base model, many LoRA adapters, no network.
 
 `Engine` (`engine.engine`) is its one entry point: the base and its adapters there, its
-training verbs (`training`: merged passes by `forward`, `packing`, `logprobs`, the
+training verbs (`training`: merged passes by `forward`, `packing` (with `recurrent` for
+linear-attention and Mamba layers), `logprobs`, the
 optimizer verbs, PEFT checkpoints) beside them, losses, prompt scoring and sampling
-(`sampling/`, its decode wing), on one rank or as one of several (`parallel`). A failed request comes back as an `EngineError` value, so one
+(`sampling/`, its decode wing), on one rank or as one of several (`parallel`). LoRA sits
+on linears (`lora`) and per expert on MoE experts (`experts`); which of them Tinker's
+switches train is read from the model's structure (`roles`), what a pass needs in memory
+from its layer kinds (`memory`, `layer_kinds`). A failed request comes back as an
+`EngineError` value, so one
 tenant's bad request never stops another's. The rest of the server sees it as
 `protocol.EngineAPI`. It imports only torch, transformers, peft, numpy, safetensors, the
 contract (`twinkle_wire`) and itself; the server's map is `twinkle_server/__init__.py`.

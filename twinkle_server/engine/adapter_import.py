@@ -3,9 +3,11 @@
 An upload is a PEFT LoRA directory: `adapter_config.json` and `adapter_model.safetensors`.
 Nothing in it is trusted: the weights are read as safetensors only (a format that holds
 tensors and no code; never unpickled), every tensor must be the LoRA matrix of a linear
-layer the engine trains, with that layer's shape at the declared rank, and finite; the
-config may ask for nothing the engine does not compute (DoRA, per-layer ranks, biases,
-extra trained modules). What passes is written again in the engine's own checkpoint
+layer the engine trains, with that layer's shape at the declared rank, or of an MoE expert
+projection its `target_parameters` name (PEFT's `ParamWrapper` layout, `engine.experts`),
+and finite; the config may ask for nothing the engine does not compute (DoRA, per-layer
+ranks, biases, extra trained modules, experts the engine does not compute, linears that
+peft reads as a MoE's experts). What passes is written again in the engine's own checkpoint
 format (`checkpoint.write_peft`), which every other path (sampling, loading to train,
 export) already reads.
 """
@@ -15,16 +17,23 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from twinkle_server.engine import checks
-from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, peft_key, write_peft
+from twinkle_server.engine import checks, experts
+from twinkle_server.engine.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    peft_key,
+    peft_renamed_leaves,
+    write_peft,
+)
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.lora import ALL_LINEAR
+from twinkle_server.engine.lora import ALL_LINEAR, Router
+from twinkle_server.engine.roles import layer_roles
 from twinkle_server.engine.types import LoraSpec
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -35,7 +44,7 @@ UNSERVED_CONFIG: dict[str, Any] = {
     "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
     "fan_in_fan_out": False, "use_qalora": False, "lora_bias": False,
     "trainable_token_indices": None, "megatron_config": None, "layer_replication": None,
-    "alora_invocation_tokens": None, "target_parameters": None, "use_bdlora": None,
+    "alora_invocation_tokens": None, "use_bdlora": None,
     "arrow_config": None, "kasa_config": None,
 }
 """PEFT LoRA options the engine does not compute, each with the value that asks for
@@ -52,25 +61,36 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class ImportedAdapter:
-    """A checked upload: its LoRA shape, the modules it adapts, and its matrices as
-    float32 under their PEFT keys."""
+    """A checked upload: its LoRA shape, the linear modules it adapts, the expert
+    parameters it adapts (full names), and its matrices as float32 under their PEFT
+    keys."""
 
     spec: LoraSpec
     modules: tuple[str, ...]
     tensors: dict[str, torch.Tensor]
+    roles: Mapping[str, str | None] = field(default_factory=dict)
+    """Each adapted linear's role for Tinker's switches (`engine.roles`); the expert
+    `parameters` are `train_mlp`'s."""
+    parameters: tuple[str, ...] = ()
 
     def write(self, out: Path, base_model_path: str) -> None:
         """The engine's checkpoint files for it, into directory `out`."""
-        write_peft(out, self.spec, self.tensors, list(self.modules), base_model_path)
+        write_peft(out, self.spec, self.tensors, list(self.modules), base_model_path,
+                   target_parameters=list(self.parameters))
 
 
 @dataclass(frozen=True)
 class BaseLinears:
-    """A base's linear layers as `(in_features, out_features)` by module name, and the
-    name of its output layer (which `'all-linear'` leaves out)."""
+    """A base's linear layers as `(in_features, out_features)` by module name, the
+    name of its output layer (which `'all-linear'` leaves out), each linear's role for
+    Tinker's switches (`engine.roles`), its MoE experts modules (`engine.experts`; on the
+    meta device) and its `model_type`."""
 
     shapes: dict[str, tuple[int, int]]
     output: str | None
+    roles: Mapping[str, str | None] = field(default_factory=dict)
+    experts: experts.ExpertsLayers = experts.ExpertsLayers({}, {})
+    model_type: str | None = None
 
 
 def base_linears(model_dir: Path) -> BaseLinears:
@@ -82,10 +102,11 @@ def base_linears(model_dir: Path) -> BaseLinears:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    return BaseLinears({name: (module.in_features, module.out_features)
-                        for name, module in model.named_modules()
-                        if type(module) is torch.nn.Linear},
-                       next((n for n, m in model.named_modules() if m is head), None))
+    shapes = {name: (module.in_features, module.out_features)
+              for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    output = next((n for n, m in model.named_modules() if m is head), None)
+    return BaseLinears(shapes, output, layer_roles(model, shapes, output or ""),
+                       experts.inject(model, Router()), config.model_type)
 
 
 def read_import(directory: Path, base: BaseLinears, max_rank: int,
@@ -104,32 +125,103 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
         if size > limit:
             raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
     spec, targets, excluded = _config(directory / CONFIG_FILE, max_rank)
+    _not_converted(targets, base)
+    weights = _weight_targets(spec, base)
     # Names and shapes first, from the file's header: a file of other tensors is refused
     # before any is read (their size is then bounded by the base's layers and the rank).
-    modules = _modules(_shapes(directory / WEIGHTS_FILE), base.shapes, spec.rank)
-    if targets is not None:
-        _targeted(modules, targets, excluded, base)
-    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE))
+    shapes = _shapes(directory / WEIGHTS_FILE)
+    parameters = _expert_tensors(shapes, spec, base)
+    modules = _modules({k: v for k, v in shapes.items() if k not in parameters},
+                       base.shapes, spec.rank)
+    if targets is not None or weights:
+        _targeted(modules, targets, excluded, base, weights)
+    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE),
+                           {m: base.roles.get(m) for m in modules},
+                           tuple(sorted(set(parameters.values()))))
 
 
-def _targeted(modules: list[str], targets: str | list[str], excluded: Any,
-              base: BaseLinears) -> None:
+def _not_converted(targets: str | list[str] | None, base: BaseLinears) -> None:
+    """Refuse `target_modules` that peft would read as this base's experts (and router)
+    rather than as linears (`checkpoint.peft_renamed_leaves`): what it loads would not be
+    what the file's names say."""
+    converted = peft_renamed_leaves(base.model_type) if base.model_type else frozenset()
+    if not converted or targets is None:
+        return
+    names = [targets] if isinstance(targets, str) else targets
+    for name in names:
+        if isinstance(targets, str) or name.rsplit(".", 1)[-1] in converted:
+            raise InvalidArgument(
+                f"{CONFIG_FILE}: target_modules {name!r} is read by peft on this MoE base "
+                f"as its experts or router (transformers 4 names {sorted(converted)}), "
+                "which the engine does not compute that way; list such linears in "
+                "target_parameters by their weight (`<module>.weight`), as the engine's "
+                "exports do, and the experts by their projections")
+
+
+def _expert_tensors(shapes: Mapping[str, tuple[int, ...]], spec: LoraSpec,
+                    base: BaseLinears) -> dict[str, str]:
+    """The file's expert matrices (PEFT key -> the base parameter they adapt), exactly
+    those `spec.target_parameters` selects on this base, each of its shape at the rank."""
+    if not spec.target_parameters:
+        return {}
+    try:
+        chosen = experts.targets(base.experts, spec)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{CONFIG_FILE}: {exc}") from None
+    out = {}
+    for target in chosen:
+        layer = base.experts.served[target.layer]
+        fan_in, fan_out = layer.features(target.projection)
+        rows = layer.num_experts * spec.rank
+        for which, shape in (("lora_A", (rows, fan_in)), ("lora_B", (fan_out, rows))):
+            key = peft_key(target.peft_module, which)
+            if shapes.get(key) != shape:
+                found = list(shapes[key]) if key in shapes else "nothing"
+                raise InvalidArgument(f"{WEIGHTS_FILE}: {key} has shape {found}; this base's "
+                                      f"{target.parameter} at rank {spec.rank} needs "
+                                      f"{list(shape)}")
+            out[key] = target.parameter
+    return out
+
+
+def _weight_targets(spec: LoraSpec, base: BaseLinears) -> set[str]:
+    """The linears whose weight the config's `target_parameters` names (`<module>.weight`,
+    as `checkpoint.peft_targets` writes for MoE model types peft would otherwise rewrite;
+    `experts.split_parameters`): LoRA on such a weight is LoRA on its linear. A weight of
+    no linear is refused by name (expert projections: `_expert_tensors`)."""
+    linears: set[str] = set()
+    for module in experts.split_parameters(spec.target_parameters or ())[0]:
+        hits = {n for n in base.shapes if n == module or n.endswith(f".{module}")}
+        if not hits:
+            raise InvalidArgument(f"{CONFIG_FILE}: target_parameters names "
+                                  f"{module + '.weight'!r}, not the weight of a linear layer "
+                                  "of this base; the engine computes LoRA on linear layers "
+                                  "and expert projections")
+        linears |= hits
+    return linears
+
+
+def _targeted(modules: list[str], targets: str | list[str] | None, excluded: Any,
+              base: BaseLinears, weights: set[str]) -> None:
     """Every module the tensors adapt is one the config's `target_modules` selects (and
-    `exclude_modules` leaves), by peft's own rules: peft would leave the others' matrices
-    out, and the adapter would mean something else. As peft, a pattern among several that
-    matches nothing of this base is no error."""
+    `exclude_modules` leaves), by peft's own rules, or whose weight `target_parameters`
+    names (`weights`): peft would leave the others' matrices out, and the adapter would
+    mean something else. As peft, a pattern among several that matches nothing of this
+    base is no error."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
-        selected = {n for n in base.shapes if n != base.output}
+    if targets is None:
+        selected = set(weights)
+    elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        selected = {n for n in base.shapes if n != base.output} | weights
     else:
         try:
             config = LoraConfig(target_modules=targets, exclude_modules=excluded)
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"{CONFIG_FILE}: target_modules or exclude_modules: "
                                   f"{exc}") from None
-        selected = {n for n in base.shapes if check_target_module_exists(config, n)}
+        selected = {n for n in base.shapes if check_target_module_exists(config, n)} | weights
     if stray := [m for m in modules if m not in selected]:
         raise InvalidArgument(f"{CONFIG_FILE}: target_modules {targets!r} does not select "
                               f"{stray[0]!r}, which {WEIGHTS_FILE} adapts (peft would leave "
@@ -173,7 +265,13 @@ def _config(path: Path, max_rank: int) -> tuple[LoraSpec, str | list[str] | None
     rslora = config.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise InvalidArgument(f"{where}: use_rslora is {rslora!r}; give true or false")
-    spec = LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora)
+    parameters = config.get("target_parameters")
+    if parameters is not None and not (isinstance(parameters, list)
+                                       and all(isinstance(t, str) for t in parameters)):
+        raise InvalidArgument(f"{where}: target_parameters is {parameters!r}; give a list of "
+                              "expert parameter names")
+    spec = LoraSpec(rank=rank, alpha=float(alpha), dropout=float(dropout), use_rslora=rslora,
+                    target_parameters=tuple(sorted(parameters or ())))
     checks.lora_scaling(spec, f"{where}: lora_alpha")
     targets = config.get("target_modules")
     if targets is not None and not (isinstance(targets, str) or isinstance(targets, list)

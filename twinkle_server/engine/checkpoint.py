@@ -96,14 +96,27 @@ def write_state(out: Path, state: dict) -> None:
 
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
-               target_modules: list[str], base_model_path: str) -> None:
-    """Write `adapter_config.json` and `adapter_model.safetensors` into `out`."""
+               target_modules: list[str], base_model_path: str,
+               for_sampling: bool = False,
+               target_parameters: list[str] | None = None) -> None:
+    """Write `adapter_config.json` and `adapter_model.safetensors` into `out`; the linears
+    `target_modules` names as peft must read them (`peft_targets`), and
+    `target_parameters` the MoE expert projections (`engine.experts`): both kinds of
+    parameter target in one list, as peft reads them.
+
+    peft refuses dropout on parameter targets. Dropout changes no output outside
+    training, so a checkpoint `for_sampling` (sampler weights, exports) that has them
+    records 0; a training checkpoint keeps the adapter's own, for training to resume."""
     from peft import LoraConfig
 
+    modules, parameters = peft_targets(target_modules, _model_type(base_model_path))
+    parameters = sorted([*parameters, *(target_parameters or ())])
+    dropout = 0.0 if parameters and for_sampling else spec.dropout
     config = LoraConfig(
-        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-        target_modules=sorted(target_modules), use_rslora=spec.use_rslora,
-        base_model_name_or_path=base_model_path, task_type="CAUSAL_LM",
+        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=dropout,
+        target_modules=modules, target_parameters=parameters or None,
+        use_rslora=spec.use_rslora, base_model_name_or_path=base_model_path,
+        task_type="CAUSAL_LM",
     )
     config.save_pretrained(str(out))
     (out / WEIGHTS_FILE).write_bytes(save_safetensors(
@@ -111,8 +124,58 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
         metadata={"format": "pt"}))
 
 
+def peft_targets(linears: list[str], model_type: str | None
+                 ) -> tuple[list[str], list[str]]:
+    """`(target_modules, target_parameters)` that make `peft` put LoRA on exactly the
+    linear layers `linears` of a base of `model_type`.
+
+    peft 0.21 on transformers 5 rewrites the config of MoE model types whose checkpoints
+    transformers converts (glm4_moe, qwen3_moe, qwen3_next, deepseek_v3, ...; those
+    mapped to qwen2_moe or mixtral): every `target_modules` entry ending in an expert
+    projection's old name (`gate_proj`, `up_proj`, `down_proj`, `w1`..`w3`, `gate`) becomes
+    a parameter target of the fused experts and leaves `target_modules`. A dense MLP's or
+    a shared expert's LoRA under such a name would load as nothing, and routed experts
+    would get zero LoRA in its place (glm4_moe: logprobs off by 0.33 after 4 steps). Those
+    linears are written as parameter targets of their weight (`<module>.weight`), which
+    peft applies as `W0 + s B A`: the same LoRA, under the same tensor keys."""
+    renamed = peft_renamed_leaves(model_type) if model_type else frozenset()
+    parameters = sorted(f"{n}.weight" for n in linears if n.rsplit(".", 1)[-1] in renamed)
+    return sorted(n for n in linears if n.rsplit(".", 1)[-1] not in renamed), parameters
+
+
+def peft_renamed_leaves(model_type: str) -> frozenset[str]:
+    """The module-name leaves peft rewrites into expert parameter targets for
+    `model_type` (`peft.utils.transformers_weight_conversion._convert_peft_config_moe`'s
+    own tables and test; none where this peft has no such rewrite)."""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_FUSED_TARGETS,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return frozenset()
+    base = _MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    if (base is None or get_checkpoint_conversion_mapping(model_type) is None
+            or not _MOE_FUSED_TARGETS.get(base)):
+        return frozenset()
+    return frozenset(_MOE_TARGET_MODULE_MAPPING.get(base, {}))
+
+
+def _model_type(base_model_path: str) -> str | None:
+    """The `model_type` in a base model directory's `config.json` (None without one)."""
+    config = Path(base_model_path) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
-    """The LoRA shape and target module names recorded in a checkpoint's config."""
+    """The LoRA shape and target module names recorded in a checkpoint's config (linears
+    written as parameter targets of their `.weight` by `peft_targets` stay in
+    `target_parameters`: `experts.split_parameters` reads them as linears)."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise NotFound(f"checkpoint: no {CONFIG_FILE} at {Path(path).name!r}")
@@ -122,7 +185,8 @@ def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
     spec = LoraSpec(rank=int(data["r"]), alpha=float(data["lora_alpha"]),
                     dropout=float(data.get("lora_dropout") or 0.0),
                     target_modules=tuple(sorted(targets)),
-                    use_rslora=bool(data.get("use_rslora", False)))
+                    use_rslora=bool(data.get("use_rslora", False)),
+                    target_parameters=tuple(sorted(data.get("target_parameters") or ())))
     return spec, targets
 
 
@@ -170,16 +234,21 @@ def copy_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
             tensor.copy_(found[key].to(tensor.device, tensor.dtype))
 
 
-def _fill_weights(adapter: Adapter, out: Path, base_model_path: str) -> None:
-    write_peft(out, adapter.spec, peft_tensors(adapter), sorted(adapter.weights),
-               base_model_path)
+def _fill_weights(adapter: Adapter, out: Path, base_model_path: str,
+                  for_sampling: bool = False) -> None:
+    # Expert weights are keyed by PEFT module path and name their base parameter.
+    parameters = [w.parameter for w in adapter.weights.values() if hasattr(w, "parameter")]
+    modules = [n for n, w in adapter.weights.items() if not hasattr(w, "parameter")]
+    write_peft(out, adapter.spec, peft_tensors(adapter), sorted(modules), base_model_path,
+               for_sampling, parameters)
 
 
 def save_weights(adapter: Adapter, path: str | Path, base_model_path: str,
                  overwrite: bool = False) -> int:
-    """PEFT weights only (a sampler checkpoint); returns bytes written."""
-    return write_atomically(path, lambda out: _fill_weights(adapter, out, base_model_path),
-                            overwrite)
+    """PEFT weights only (a sampler checkpoint, an export); returns bytes written."""
+    return write_atomically(
+        path, lambda out: _fill_weights(adapter, out, base_model_path, for_sampling=True),
+        overwrite)
 
 
 def save_state(adapter: Adapter, path: str | Path, base_model_path: str,

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from twinkle_server.engine import activations, checks, memory
+from twinkle_server.engine import activations, checks, experts, memory, recurrent, roles
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -61,6 +61,7 @@ from twinkle_server.engine.lora import (
     LoraWeights,
     Router,
     inject,
+    named_patterns,
     resolve_targets,
 )
 from twinkle_server.engine.memory import available_memory_bytes
@@ -87,6 +88,8 @@ T = TypeVar("T")
 
 
 __all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
+
+
 
 # Adam keeps two moments per weight and the gradient one more: 4 copies of the weights.
 _STATE_COPIES = 4
@@ -116,6 +119,20 @@ class Engine(Training):
         self.packing = packing
         self.router = Router()
         self.layers = inject(base.model, self.router)
+        # Linear attention and Mamba keep packed datums apart by running per datum
+        # (`engine.recurrent`); a stateful layer of a kind it does not know cannot pack.
+        mixers = recurrent.install(base.model, self.router)
+        if mixers:
+            log.info("packed passes run %s per datum (%d layers)",
+                     " and ".join(sorted(set(mixers.values()))), len(mixers))
+        stateful = recurrent.unpackable(base.model)
+        if packing and stateful is not None:
+            log.warning("merged passes are padded, not packed: %s carries state along the "
+                        "sequence and the engine cannot restart it per datum", stateful)
+            self.packing = False
+        self.peft_refused = recurrent.peft_refused(base.model, list(self.layers))
+        # MoE experts (fused parameters, not linears): LoRA per expert (`engine.experts`).
+        self.experts = experts.inject(base.model, self.router)
         # On several ranks (`engine.parallel`): the base sharded with FSDP2, passes split by
         # datum; every rank makes the same calls in order (`twinkle_server.ranks.replication`).
         # One process alone is the trivial `OneRank`: the same code, every collective the
@@ -138,6 +155,9 @@ class Engine(Training):
                                keep_input_grads=parallel.keeps_input_grads)
         out = base.model.get_output_embeddings()
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
+        # What Tinker's switches select on this model (`engine.roles`), logged once.
+        self.roles = roles.layer_roles(base.model, self.layers, self.output_layer)
+        log.info("Tinker's LoRA switches select, by role: %s", roles.describe(self.roles))
         self.adapters: dict[str, Adapter] = {}
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
@@ -243,7 +263,31 @@ class Engine(Training):
     # ------------------------------------------------------------------ adapters
 
     def _targets(self, spec: LoraSpec) -> list[str]:
-        return resolve_targets(self.layers, spec, self.output_layer)
+        """The linear layers `spec` trains (its expert projections: `experts.targets`).
+        'all-linear' and Tinker's role switches leave out those PEFT refuses LoRA on
+        (Mamba's `out_proj`: `recurrent.peft_refused`); a module name that selects one is
+        refused."""
+        linear = experts.linear_spec(spec, self.layers, self.experts)
+        if linear is None:
+            return []
+        # Switches may select experts and no linear (every MLP an MoE block, train_mlp).
+        trains_experts = bool(experts.targets(self.experts, spec))
+        targets = resolve_targets(self.layers, linear, self.output_layer, self.roles,
+                                  allow_empty=trains_experts)
+        refused = [t for t in targets if t in self.peft_refused]
+        if not refused:
+            return targets
+        named = named_patterns(linear.target_modules)
+        if named:
+            by_name = resolve_targets(self.layers, replace(linear, target_modules=named),
+                                      self.output_layer, self.roles)
+            if any(t in self.peft_refused for t in by_name):
+                raise InvalidArgument(
+                    f"lora.target_modules: selects {refused[:3]}, which PEFT refuses LoRA "
+                    f"on in a {self.base.config.model_type} model (Mamba kernels read its "
+                    "out_proj weights directly), so the adapter could not be exported; "
+                    "leave them out")
+        return [t for t in targets if t not in self.peft_refused]
 
     @rank_zero_only
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
@@ -251,6 +295,8 @@ class Engine(Training):
         (its own state only; `add_adapter` also keeps `pass_headroom_bytes` free)."""
         params = sum(spec.rank * (self.layers[n].in_features + self.layers[n].out_features)
                      for n in self._targets(spec))
+        params += experts.parameter_count(self.experts, experts.targets(self.experts, spec),
+                                          spec.rank)
         return params * 4 * _STATE_COPIES
 
     @replicated
@@ -273,13 +319,17 @@ class Engine(Training):
                                   f"got {gradient_accumulation_steps}")
         checks.lora_spec(spec, self.limits)
         targets = self._targets(spec)
+        expert_targets = experts.targets(self.experts, spec)
+        if not targets and not expert_targets:
+            raise InvalidArgument("lora.target_modules: selects no layer of the base model; "
+                                  "name linear layers or expert projections")
         need = self.estimate_adapter_bytes(spec)
         headroom = self.pass_headroom_bytes if self.reserve_pass_memory else 0
         free = self._free_bytes()
         if free is not None and need + headroom > free:
             raise ResourceExhausted(
                 f"memory: adapter needs {need / 2**20:.1f} MiB (weights, gradients, AdamW "
-                f"state for rank {spec.rank} on {len(targets)} layers) plus "
+                f"state for rank {spec.rank} on {len(targets) + len(expert_targets)} layers) plus "
                 f"{headroom / 2**20:.1f} MiB pass headroom (activations and logits of a "
                 f"{self.pass_tokens}-token pass) "
                 f"but only {free / 2**20:.1f} MiB are free; use a smaller rank or fewer target "
@@ -293,17 +343,27 @@ class Engine(Training):
         return self.adapter_info(adapter_id)
 
     def _new_weights(self, spec: LoraSpec, targets: list[str]) -> dict[str, LoraWeights]:
+        """Fresh weights for the linears `targets` and the expert projections `spec`
+        trains (keyed by PEFT module path, `engine.experts`)."""
         generator = torch.Generator().manual_seed(int(spec.seed or 0))
-        return {name: LoraWeights(self.layers[name].in_features, self.layers[name].out_features,
-                                  spec, generator, self.base.device) for name in targets}
+        weights = {name: LoraWeights(self.layers[name].in_features,
+                                     self.layers[name].out_features, spec, generator,
+                                     self.base.device) for name in targets}
+        return {**weights, **experts.new_weights(
+            self.experts, experts.targets(self.experts, spec), spec, generator,
+            self.base.device)}
 
     def _attach(self, adapter: Adapter) -> None:
         for name, weights in adapter.weights.items():
-            self.layers[name].adapters[adapter.adapter_id] = weights
+            if name in self.layers:
+                self.layers[name].adapters[adapter.adapter_id] = weights
+        experts.attach(self.experts, adapter.adapter_id, adapter.weights)
 
     def _detach(self, adapter_id: str, names: Iterable[str]) -> None:
         for name in names:
-            self.layers[name].adapters.pop(adapter_id, None)
+            if name in self.layers:
+                self.layers[name].adapters.pop(adapter_id, None)
+        experts.detach(self.experts, adapter_id)
 
     @rank_zero_only
     def adapter_info(self, adapter_id: str) -> dict[str, Any]:
@@ -311,7 +371,9 @@ class Engine(Training):
         adapter = self._adapter(adapter_id)
         return {"trainable_params": adapter.num_params,
                 "state_bytes": adapter.num_params * 4 * _STATE_COPIES,
-                "target_modules": sorted(adapter.weights), "spec": adapter.spec}
+                "target_modules": sorted(getattr(w, "parameter", name)   # experts: theirs
+                                         for name, w in adapter.weights.items()),
+                "spec": adapter.spec}
 
     @replicated
     def remove_adapter(self, adapter_id: str) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.engine.types import LoraSpec
+from twinkle_server.engine.roles import by_role, describe
+from twinkle_server.engine.types import (
+    ROLE_ATTENTION,
+    ROLE_MLP,
+    ROLE_TARGETS,
+    ROLE_UNEMBED,
+    LoraSpec,
+)
 
 ALL_LINEAR = "all-linear"
 
@@ -177,7 +184,8 @@ class LoraWeights(nn.Module):
 class MultiLoraLinear(nn.Module):
     """A frozen `nn.Linear` plus the LoRA deltas of every adapter that targets it.
 
-    `forward(x)` with `x: [batch, seq, in]` (or `[tokens, in]` under `TOKENS` routing)
+    `forward(x)` with `x: [batch, seq, in]` (or `[tokens, in]` under `TOKENS` routing, or
+    `[batch * seq, in]` flattened row by row under `ROWS`, as MoE blocks feed shared experts)
     returns `W0 x (+ bias)` everywhere plus, for each router segment whose adapter targets
     this layer, that adapter's delta on the segment's slice of the router's axis.
     `adapters` maps adapter id -> `LoraWeights` (references, not owned). Raises ValueError
@@ -203,8 +211,15 @@ class MultiLoraLinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
         segments = self.router.segments
+        if (self.router.axis == ROWS and x.dim() == 2 and segments
+                and x.shape[0] != segments[-1].end and x.shape[0] % segments[-1].end == 0):
+            # An MoE block feeds its shared expert the batch flattened row by row to
+            # [rows * seq, in] (qwen3_next, qwen3_5_moe): routed by rows, they are the
+            # batch's rows again.
+            rows = x.reshape(segments[-1].end, -1, x.shape[-1])
+            return self.forward(rows).reshape(x.shape[0], -1)
+        out = self.base_layer(x)
         weights = [self.adapters.get(seg.adapter_id) if seg.adapter_id else None
                    for seg in segments]
         if not any(weights):
@@ -265,16 +280,23 @@ def inject(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
     return layers
 
 
-def resolve_targets(layers: Iterable[str], spec: LoraSpec,
-                    output_layer: str | None) -> list[str]:
+def resolve_targets(layers: Iterable[str], spec: LoraSpec, output_layer: str | None,
+                    roles: Mapping[str, str | None] | None = None,
+                    allow_empty: bool = False) -> list[str]:
     """Names of the linear layers (of those named `layers`) `spec.target_modules`
-    selects, with PEFT's own matching rules.
+    selects, with PEFT's own matching rules, or by role.
 
     `'all-linear'` is every linear except the output head (`output_layer`), as PEFT's
     `_maybe_include_all_linear_layers` does; any other string is a full-match regex; a
     tuple lists names or dotted suffixes (`peft.tuners.tuners_utils.
     check_target_module_exists`). Each pattern that matches nothing raises
     InvalidArgument naming it and a few available module names.
+
+    Entries of `ROLE_TARGETS` (Tinker's switches, `LoraSpec.from_tinker`) select the
+    linears of that role in `roles` (`engine.roles.layer_roles`; routers never). A role
+    the model has no linear of is no error when another entry selects something: a spec
+    that selects nothing at all is refused, naming each role's count, unless
+    `allow_empty` (the switches select MoE experts, `engine.experts`, and no linear).
     """
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -287,15 +309,41 @@ def resolve_targets(layers: Iterable[str], spec: LoraSpec,
     if not patterns:
         raise InvalidArgument("lora.target_modules: is empty; list module names or use "
                               f"{ALL_LINEAR!r}")
+    wanted_roles = [p for p in patterns if p in ROLE_TARGETS]
     chosen: set[str] = set()
+    if wanted_roles:
+        if roles is None:
+            raise InvalidArgument(f"lora.target_modules: roles {wanted_roles} need the "
+                                  "model's structure; give module names instead")
+        for hits in by_role(roles, wanted_roles).values():
+            chosen.update(n for n in hits if n in names)
     for pattern in patterns:
+        if pattern in ROLE_TARGETS:
+            continue
         config = LoraConfig(r=spec.rank, target_modules=pattern if isinstance(targets, str)
                             else [pattern])
         hits = [n for n in names if check_target_module_exists(config, n)]
         if not hits:
             raise InvalidArgument(_no_match(pattern, names))
         chosen.update(hits)
+    if not chosen and not allow_empty:
+        switches = ", ".join(f"train_{_SWITCH[r]}" for r in wanted_roles)
+        raise InvalidArgument(
+            f"lora: {switches} select no linear layer of this model "
+            f"({describe(roles or {})}); the adapter would train nothing: turn on another "
+            "switch or give target_modules")
     return sorted(chosen)
+
+
+def named_patterns(targets: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """The patterns of `target_modules` that name modules, not Tinker's roles or
+    'all-linear' (empty when none do): those a user chose by name."""
+    if isinstance(targets, str):
+        return "" if targets.lower() == ALL_LINEAR else targets
+    return tuple(t for t in targets if t not in ROLE_TARGETS)
+
+
+_SWITCH = {ROLE_ATTENTION: "attn", ROLE_MLP: "mlp", ROLE_UNEMBED: "unembed"}
 
 
 def _no_match(target: str, names: list[str]) -> str:

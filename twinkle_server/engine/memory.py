@@ -13,11 +13,12 @@ device out of memory in its forward_backward.
 
 How it is bounded, per token of a pass of T tokens (H hidden size, I intermediate size,
 Q = heads x head_dim and K = kv_heads x head_dim the attention widths, d the model dtype's
-bytes):
+bytes), for a Qwen3-style layer (other kinds, MoE, linear attention and Mamba, are
+counted per layer by `engine.layer_kinds`):
 
     per layer   d x (4H + 6Q + K + 4I)            tensors autograd keeps for backward
               + 4 x (7H + 2Q + K + I)             float32 copies, when d < 4 (bf16, fp16)
-    whole pass  T x (layers x per layer + 3H x d) x ACTIVATION_MARGIN
+    whole pass  T x (sum of layers + 3H x d) x ACTIVATION_MARGIN
               + 4 x min(T, chunk) x V x 4         one logits chunk's backward
                                                   (chunk = `logprobs.chunk_tokens(V)`)
 
@@ -34,7 +35,8 @@ and kept: q, k, v, gate and up cast the normed input separately (5H), o and down
 norm's input and output and the last hidden states kept for the logprob chunks (3H).
 With activation checkpointing each layer keeps only its input (H x d) and one layer at a
 time is recomputed in backward: `(layers x H x d + one layer + 3H x d) x
-CHECKPOINTED_MARGIN` per token, and never more than the uncheckpointed bound.
+CHECKPOINTED_MARGIN` per token (the largest layer for "one layer"), and never more than the
+uncheckpointed bound.
 
 `ACTIVATION_MARGIN` covers what the count leaves out: backward's transients (a layer's
 activation gradients exist beside what it still keeps) and the allocator's slack.
@@ -71,7 +73,7 @@ from typing import Any
 
 import torch
 
-from twinkle_server.engine import logprobs
+from twinkle_server.engine import layer_kinds, logprobs
 from twinkle_server.engine.errors import InvalidArgument
 
 ACTIVATION_MARGIN = 1.5
@@ -89,33 +91,27 @@ log-softmax and their two gradients (`engine.logprobs`)."""
 _FLOAT32_BYTES = 4
 
 
-def layer_elements(config: Any) -> tuple[int, int]:
-    """(elements in the model dtype, float32 elements) one decoder layer keeps for backward
-    per token, from a transformers config (hidden, intermediate, heads, kv heads, head dim)."""
-    hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    q_width = heads * head_dim
-    kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    inter = int(config.intermediate_size)
-    kept = 4 * hidden + 6 * q_width + kv_width + 4 * inter
-    upcast = 7 * hidden + 2 * q_width + kv_width + inter
-    return kept, upcast
+def layer_elements(config: Any) -> list[tuple[int, int]]:
+    """(elements in the model dtype, float32 elements) each decoder layer keeps for
+    backward per token, read per layer kind (`engine.layer_kinds`: attention, dense MLP,
+    MoE experts and shared experts, linear attention, Mamba); a kind or size the config
+    does not give raises InvalidArgument naming it."""
+    return layer_kinds.layer_elements(config)
 
 
 def activation_bytes_per_token(config: Any, dtype: torch.dtype,
                                checkpointing: bool = False) -> int:
     """Activation bytes a training pass keeps per token, margin included (module docstring)."""
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    kept, upcast = layer_elements(config)
-    layer = kept * dtype_bytes + (upcast * _FLOAT32_BYTES if dtype_bytes < 4 else 0)
-    hidden = int(config.hidden_size)
-    layers = int(config.num_hidden_layers)
+    layers = [kept * dtype_bytes + (upcast * _FLOAT32_BYTES if dtype_bytes < 4 else 0)
+              for kept, upcast in layer_elements(config)]
+    hidden = int(layer_kinds.text_config(config).hidden_size)
     outside = 3 * hidden * dtype_bytes
-    full = math.ceil((layers * layer + outside) * ACTIVATION_MARGIN)
+    full = math.ceil((sum(layers) + outside) * ACTIVATION_MARGIN)
     if not checkpointing:
         return full
-    kept = layers * hidden * dtype_bytes + layer + outside
+    # Each layer keeps its input; the largest is the one recomputed at a time.
+    kept = len(layers) * hidden * dtype_bytes + max(layers) + outside
     return min(full, math.ceil(kept * CHECKPOINTED_MARGIN))
 
 

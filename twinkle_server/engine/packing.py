@@ -2,13 +2,15 @@
 
 Padded, a merged pass is `[datums, longest]`: a 64-token datum beside a 2048-token one
 costs 2048 positions in every linear layer. Packed, the datums sit one after another in
-ONE row `[1, total_tokens]`, and three things keep each datum as it would be alone:
+ONE row `[1, total_tokens]`, and these keep each datum as it would be alone:
 
 - position ids restart at 0 at every datum, so rotary embeddings see what they see alone;
 - attention runs per datum (`packed_attention`): sdpa with `is_causal` on each datum's
   `[start, end)` of the queries and keys (consecutive datums of one length batched into
   one call), so no datum sees another and attention costs `sum(n_i^2)`, not `total^2`;
-- the multi-LoRA router routes token segments of that row (`Router.route_tokens`).
+- the multi-LoRA router routes token segments of that row (`Router.route_tokens`);
+- layers that carry state along the sequence (Gated DeltaNet linear attention, Mamba2)
+  run their datums as padded rows, each state from zero (`engine.recurrent`).
 
 What transformers (5.x, `masking_utils`) does with restarting position ids on its own:
 with no 2D attention mask and no cache, `find_packed_sequence_indices` starts a new datum
@@ -174,7 +176,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None,
-                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs: Any
+                     cu_seq_lens_q: torch.Tensor | None = None,
+                     s_aux: torch.Tensor | None = None, **kwargs: Any
                      ) -> tuple[torch.Tensor, None]:
     """Attention over one packed row: each datum's queries attend causally to its own
     keys and to nothing else.
@@ -184,7 +187,9 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     of consecutive datums of one length, batched over the run (`[datums, heads, n, d]`
     views, as a padded pass of equal rows would run): a batch of equal lengths costs what
     it costs padded, a mixed one `sum(n_i^2)`. A sliding-window layer gets a banded mask
-    on datums longer than its window. Returns `[1, T, heads, d]` and no weights, as
+    on datums longer than its window. Attention sinks (`s_aux`, gpt-oss: one learned
+    logit per head in every softmax's denominator) run `_sink_attention`, as the model's
+    own eager attention computes them. Returns `[1, T, heads, d]` and no weights, as
     transformers' own attention functions do. Raises ValueError without boundaries or
     with an `attention_mask` (a packed pass has none).
     """
@@ -208,10 +213,36 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             # transformers' sliding window: query i sees keys (i - window, i].
             i = torch.arange(n, device=q.device)
             band = ((i[:, None] >= i[None]) & (i[:, None] - i[None] < sliding_window))[None, None]
-        out = sdpa_attention_forward(module, q, k, v, band, dropout=dropout,
-                                     scaling=scaling)[0]
+        if s_aux is not None:
+            out = _sink_attention(module, q, k, v, band, s_aux, dropout, scaling)
+        else:
+            out = sdpa_attention_forward(module, q, k, v, band, dropout=dropout,
+                                         scaling=scaling)[0]
         outputs.append(out.reshape(1, count * n, *out.shape[2:]))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _sink_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, band: torch.Tensor | None, sinks: torch.Tensor,
+                    dropout: float, scaling: float | None) -> torch.Tensor:
+    """Causal attention of `[b, heads, n, d]` rows (only keys `band` keeps, when given)
+    with one sink logit per head joining each softmax and dropped after it: gpt-oss's
+    eager attention (`modeling_gpt_oss.eager_attention_forward`), which sdpa cannot do.
+    Returns `[b, n, heads, d]`."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    n = query.shape[2]
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = torch.matmul(query, key.transpose(2, 3)) * scale
+    keep = band if band is not None else torch.ones(
+        n, n, dtype=torch.bool, device=query.device).tril()[None, None]
+    logits = logits.masked_fill(~keep, float("-inf"))
+    sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, n, 1).to(logits.dtype)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

@@ -20,10 +20,13 @@ from twinkle_wire.datums import Datum as Datum
 from twinkle_wire.values import AdamParams as AdamParams
 from twinkle_wire.values import SamplingParams as SamplingParams
 
-# Module-name suffixes for Tinker's coarse LoRA switches (Qwen/Llama naming).
-ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES: tuple[str, ...] = ("lm_head",)
+ROLE_ATTENTION = "role:attention"
+ROLE_MLP = "role:mlp"
+ROLE_UNEMBED = "role:unembed"
+ROLE_TARGETS: tuple[str, ...] = (ROLE_ATTENTION, ROLE_MLP, ROLE_UNEMBED)
+"""`target_modules` entries naming a role, not a module: what Tinker's three switches
+select, resolved against the loaded model's structure (`engine.roles`). No module name
+holds a colon, so they never clash with PEFT's names."""
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,16 @@ class LoraSpec:
     """One adapter's LoRA shape: `x -> W0 x + scaling * B A x` on every targeted linear.
 
     `target_modules` follows PEFT: the string `'all-linear'` (every linear layer of the
-    decoder except the output head), or a tuple of module-name suffixes. `scaling` is
+    decoder except the output head), or a tuple of module-name suffixes; or roles
+    (`ROLE_TARGETS`, from `from_tinker`). `scaling` is
     `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`.
+
+    `target_parameters` follows PEFT too: MoE expert projections by full name or dotted
+    suffix (`'mlp.experts.gate_up_proj'`), LoRA per expert (`engine.experts`), and
+    linears by their weight (`'...mlp.shared_experts.gate_proj.weight'`, as exports name
+    the linears peft would read as experts: `experts.split_parameters`); None trains the
+    experts' projections that `target_modules` names (`'gate_proj'`..., `ROLE_MLP`), an
+    empty tuple none.
     """
 
     rank: int
@@ -41,6 +52,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] | str = "all-linear"
     use_rslora: bool = False
     seed: int | None = None
+    target_parameters: tuple[str, ...] | None = None
 
     @property
     def scaling(self) -> float:
@@ -55,12 +67,13 @@ class LoraSpec:
         train_attn: bool = True,
         train_unembed: bool = True,
     ) -> LoraSpec:
-        """Tinker's options: alpha 32 as in Tinker, targets chosen by the three switches."""
-        targets = (
-            (ATTN_MODULES if train_attn else ())
-            + (MLP_MODULES if train_mlp else ())
-            + (UNEMBED_MODULES if train_unembed else ())
-        )
+        """Tinker's options: alpha 32 as in Tinker; the switches select roles, the same on
+        every architecture (`engine.roles`): `train_attn` every linear of the token mixers
+        (attention, fused qkv, linear attention, Mamba), `train_mlp` every linear of the
+        MLPs (fused gate_up, shared experts), `train_unembed` the output head. Routers are
+        never trained. All three off gives no targets (refused when the adapter is made)."""
+        targets = tuple(role for role, on in zip(
+            ROLE_TARGETS, (train_attn, train_mlp, train_unembed), strict=True) if on)
         return cls(rank=rank, alpha=32.0, target_modules=targets, seed=seed)
 
     @classmethod
@@ -69,6 +82,7 @@ class LoraSpec:
         targets = getattr(config, "target_modules", None) or "all-linear"
         if not isinstance(targets, str):
             targets = tuple(sorted(targets))
+        parameters = getattr(config, "target_parameters", None)
         return cls(
             rank=int(config.r),
             alpha=float(config.lora_alpha),
@@ -76,6 +90,7 @@ class LoraSpec:
             target_modules=targets,
             use_rslora=bool(getattr(config, "use_rslora", False)),
             seed=seed,
+            target_parameters=None if parameters is None else tuple(sorted(parameters)),
         )
 
 

@@ -36,6 +36,7 @@ from twinkle_server.engine import (
     write_atomically,
 )
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
+from twinkle_server.engine.types import ROLE_ATTENTION, ROLE_MLP, ROLE_UNEMBED
 from twinkle_server.runtime.audit import checkpoint_details
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import Core
@@ -76,6 +77,7 @@ def register(store: Store, tenant: str, base_name: str, base_path: str,
     spec = adapter.spec
     lora = {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
             "target_modules": list(adapter.modules), "use_rslora": spec.use_rslora,
+            "target_parameters": list(adapter.parameters),
             "seed": None}
     try:
         store.create_run(run_id, tenant, base_name, lora, {"imported_from": source}, None)
@@ -242,20 +244,21 @@ def _lora_config(lora: Mapping[str, Any], max_rank: int) -> dict[str, Any]:
     return out
 
 
-MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "c_fc", "w1", "w2", "w3")
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "c_proj", "out_proj")
+SWITCHES = {ROLE_MLP: "train_mlp", ROLE_ATTENTION: "train_attn", ROLE_UNEMBED: "train_unembed"}
+"""The Tinker switch that trains each role (`engine.roles`); routers and linears of no
+known part are in none. MoE expert parameters are `train_mlp`'s."""
 
 
 def _agree(adapter: ImportedAdapter, lora: Mapping[str, Any]) -> None:
     """The uploaded adapter is the one `external_weights_upload_start` announced: its
-    rank, and layers only of the groups it said it trains."""
+    rank, and layers only of the roles it said it trains (by the base's structure, as the
+    switches select them when training: fused and linear-attention layers included)."""
     if adapter.spec.rank != lora["rank"]:
         raise InvalidArgument(f"adapter_config.json: r is {adapter.spec.rank}, the upload "
                               f"was started with lora_config.rank {lora['rank']}")
-    for module in adapter.modules:
-        leaf = module.rsplit(".", 1)[-1]
-        group = ("train_mlp" if leaf in MLP else "train_attn" if leaf in ATTN
-                 else "train_unembed" if leaf == "lm_head" else None)
+    roles = {**adapter.roles, **{p: ROLE_MLP for p in adapter.parameters}}
+    for module in (*adapter.modules, *adapter.parameters):
+        group = SWITCHES.get(roles.get(module) or "")
         if group is not None and not lora[group]:
             raise InvalidArgument(f"adapter_model.safetensors: adapts {module!r}, but the "
                                   f"upload was started with lora_config.{group} false")

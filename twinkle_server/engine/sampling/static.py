@@ -14,6 +14,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,27 @@ def idle_step(model: torch.nn.Module, route: Route, pad_token_id: int,
     with route([None]):
         model(input_ids=torch.full((1, 1), pad_token_id, device=device), use_cache=False,
               logits_to_keep=1)
+
+
+def select_rows(cache: Any, index: torch.Tensor) -> None:
+    """Keep only rows `index` of a decode cache, in place: each layer's keys and values
+    (transformers' `batch_select_indices`) and a linear-attention or Mamba layer's conv
+    and recurrent states, which transformers (5.25) leaves out of that method (a hybrid's
+    pure linear-attention layers do not have it at all)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for states in (layer.conv_states, layer.recurrent_states):
+                for key, value in states.items():
+                    if value is None:
+                        continue
+                    if not isinstance(value, torch.Tensor):
+                        raise ValueError("select_rows: a recorded list of recurrent states "
+                                         "cannot be selected by row")
+                    states[key] = value.index_select(0, index)
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(index)
 
 
 @torch.inference_mode()
@@ -137,7 +159,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
         chosen = drawn.chosen
         if len(keep) < len(active):
             index = torch.tensor(keep, dtype=torch.long, device=device)
-            cache.batch_select_indices(index)
+            select_rows(cache, index)
             chosen, mask, positions = chosen[index], mask[index], positions[index]
             active = [active[i] for i in keep]
         step_input = chosen[:, None]
