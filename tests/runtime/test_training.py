@@ -34,8 +34,15 @@ def test_set_loss_queued_behind_a_busy_worker_is_the_loss_the_next_forward_runs_
         runtime):
     async def scenario():
         mid = await _model(runtime)
-        release = threading.Event()
-        busy = asyncio.ensure_future(runtime.admin("hold the worker", release.wait))
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            release.wait()
+
+        busy = asyncio.ensure_future(runtime.admin("hold the worker", hold))
+        # Only once the worker holds it can nothing queued after it have run yet.
+        assert await asyncio.to_thread(holding.wait, 60), "the worker never took the op"
         set_loss = asyncio.ensure_future(runtime.training.set_loss(
             "alice", OpRef(mid, 0), LossSpec("CrossEntropyLoss")))
         # Built (and checked) while set_loss still waits behind the held worker.
