@@ -6,4 +6,10 @@ two other test jobs (2026-12-06, an AMD EPYC at load 5), so the bound leaves roo
 machine several times slower than quiet, and still ends a hung run well inside CI's 90
 minutes."""
 
+import pytest
+
 SUBPROCESS_TIMEOUT_S = 1800
+
+WAITS_FOR_A_SUBPROCESS = pytest.mark.timeout(SUBPROCESS_TIMEOUT_S + 120)
+"""The pytest-timeout of a test that runs one such subprocess: the suite's 600 s would end
+it first on a loaded machine (it did, beside two CPU burners, 2026-12-06)."""

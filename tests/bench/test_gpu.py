@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from ..timeouts import SUBPROCESS_TIMEOUT_S
+from ..timeouts import SUBPROCESS_TIMEOUT_S, WAITS_FOR_A_SUBPROCESS
+
+pytestmark = WAITS_FOR_A_SUBPROCESS
 
 ROWS = ("engine 2 x 64, pieces <= 96", "engine 2 x 64, one piece",
         "8 tenants x 1 x 32 merged", "8 tenants x 1 x 32 timeshare",

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from ..timeouts import SUBPROCESS_TIMEOUT_S
+from ..timeouts import SUBPROCESS_TIMEOUT_S, WAITS_FOR_A_SUBPROCESS
+
+pytestmark = WAITS_FOR_A_SUBPROCESS
 
 ROWS = ("groups 8 x 8 x 32: tinker_compat over gRPC vs generate",
         "groups 8 x 8 x 32: tinker SDK over HTTP vs generate",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ..timeouts import SUBPROCESS_TIMEOUT_S
+from ..timeouts import SUBPROCESS_TIMEOUT_S, WAITS_FOR_A_SUBPROCESS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, WAITS_FOR_A_SUBPROCESS]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_tinker_client.py"
 STEPS = 12  # GRPO steps: seeds 0, 1 and 2 all end above where they start

@@ -12,9 +12,9 @@ import pytest
 
 from twinkle_server.process import start_server
 
-from ..timeouts import SUBPROCESS_TIMEOUT_S
+from ..timeouts import SUBPROCESS_TIMEOUT_S, WAITS_FOR_A_SUBPROCESS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, WAITS_FOR_A_SUBPROCESS]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sft_twinkle_client.py"
 
