@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import transformers
+from packaging.version import Version
 
+from twinkle_server.engine import recurrent
 from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.tiny_model import TINY_MODEL_NAME
 from twinkle_server.engine.types import Datum
@@ -77,9 +80,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def family_config(family: str, vocab_size: int, **overrides: Any
                   ) -> transformers.PretrainedConfig:
-    """`family`'s config at toy sizes, over the tiny tokenizer's `vocab_size`."""
+    """`family`'s config at toy sizes, over the tiny tokenizer's `vocab_size`; skips the
+    test where the installed transformers predates the family (the engine could not load
+    it there either: `make test-oldest`)."""
     class_name, settings = FAMILIES[family]
-    cls = getattr(transformers, class_name)
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
     return cls(**{**_COMMON, **settings, "vocab_size": vocab_size, **overrides},
                dtype="float32")
 
@@ -144,3 +151,28 @@ def _tiny_dir(tiny_cache: Path) -> Path:
     if not hits:
         raise FileNotFoundError(f"no tiny model with a tokenizer under {tiny_cache}")
     return min(hits, key=lambda p: len(str(p)))
+
+
+def skip_unserved_experts(engine: Engine) -> Engine:
+    """`engine`, or a skip where the installed transformers' experts predate the experts
+    interface the engine's expert LoRA computes on: there the engine refuses an adapter on
+    them by name (`engine.experts.targets`), so Tinker's default cannot train them."""
+    if engine.experts.unserved:
+        cls = next(iter(engine.experts.unserved.values()))[0]
+        pytest.skip(f"transformers {transformers.__version__}'s experts ({cls}) predate "
+                    "the experts interface this engine's expert LoRA computes on")
+    return engine
+
+
+MIXER_FAMILIES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"})
+"""Families with Gated DeltaNet or Mamba2 mixers (`engine.recurrent.MIXERS`)."""
+
+
+def skip_unchecked_mixers(family: str) -> None:
+    """Skip where the installed transformers predates the one the engine's mixers were
+    checked on: the engine refuses such a model at load there (`recurrent.refusal`)."""
+    if family in MIXER_FAMILIES and (Version(transformers.__version__)
+                                     < Version(recurrent.VERIFIED_TRANSFORMERS)):
+        pytest.skip(f"transformers {transformers.__version__}: the engine refuses "
+                    f"{family}'s mixers there (recurrent.refusal)")
+

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import transformers
 
 from twinkle_server.engine import activations, checks, experts, memory, recurrent, roles
 from twinkle_server.engine.adapter import Adapter
@@ -121,6 +122,8 @@ class Engine(Training):
         self.layers = inject(base.model, self.router)
         # Linear attention and Mamba keep packed datums apart by running per datum
         # (`engine.recurrent`); a stateful layer of a kind it does not know cannot pack.
+        if (refused := recurrent.refusal(base.model, transformers.__version__)) is not None:
+            raise refused
         mixers = recurrent.install(base.model, self.router)
         if mixers:
             log.info("packed passes run %s per datum (%d layers)",

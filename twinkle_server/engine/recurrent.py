@@ -27,12 +27,15 @@ causal depthwise conv1d, or is named like Mamba or DeltaNet) cannot be packed ex
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from packaging.version import Version
 from torch import nn
 
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import Router, Segment
 from twinkle_server.engine.packing import datum_lengths
 
@@ -142,12 +145,43 @@ def padding_groups(lengths: Sequence[int]) -> list[int]:
     return [*groups, count] if count else groups
 
 
+VERIFIED_TRANSFORMERS = "5.25.0"
+"""The oldest transformers whose `MIXERS` this engine was checked against transformers +
+peft on (tests/engine/test_hybrid_layers.py). Under 5.0.0 their mixers took no pass
+arguments and a merged pass disagreed with each adapter alone by 0.3 in logprobs."""
+
+
+def refusal(model: nn.Module, installed: str) -> InvalidArgument | None:
+    """Why the engine cannot train `model` under transformers `installed`: it has
+    linear-attention or Mamba mixers and `installed` predates VERIFIED_TRANSFORMERS; or
+    None. Refused at load, by name, rather than trained on numbers never checked."""
+    kinds = sorted({MIXERS[type(m).__name__] for m in model.modules()
+                    if type(m).__name__ in MIXERS})
+    if not kinds or Version(installed) >= Version(VERIFIED_TRANSFORMERS):
+        return None
+    return InvalidArgument(
+        f"model: its {' and '.join(kinds)} layers need transformers >= "
+        f"{VERIFIED_TRANSFORMERS} (installed: {installed}), the oldest this engine's "
+        "training of them was checked against; upgrade transformers to serve this model")
+
+
+def _known(module: nn.Module) -> str | None:
+    """The layer kind of a mixer `PerDatum` can run: a class in `MIXERS` whose forward
+    takes the pass's keyword arguments (an older transformers' mixers take no `**kwargs`,
+    so a packed pass's boundaries never reach them: they cannot pack), or None."""
+    kind = MIXERS.get(type(module).__name__)
+    if kind is None:
+        return None
+    takes = inspect.signature(type(module).forward).parameters.values()
+    return kind if any(p.kind is p.VAR_KEYWORD for p in takes) else None
+
+
 def install(model: nn.Module, router: Router) -> dict[str, str]:
     """Make every mixer of a kind in `MIXERS` run per datum in packed passes; returns
     {module name: layer kind} of those it changed."""
     found: dict[str, str] = {}
     for name, module in model.named_modules():
-        kind = MIXERS.get(type(module).__name__)
+        kind = _known(module)
         if kind is not None:
             # An instance attribute: `nn.Module.__call__` runs it in place of the class's
             # forward, and the module's parameters and names stay as they are.
@@ -157,10 +191,11 @@ def install(model: nn.Module, router: Router) -> dict[str, str]:
 
 
 def unpackable(model: nn.Module) -> str | None:
-    """The class name of a layer of `model` that carries state along the sequence and is
-    not in `MIXERS` (a packed pass would carry it from one datum into the next), or None."""
+    """The class name of a layer of `model` that carries state along the sequence and
+    that `PerDatum` cannot run (a packed pass would carry it from one datum into the
+    next), or None."""
     for module in model.modules():
-        if type(module).__name__ in MIXERS:
+        if _known(module) is not None:
             continue
         name = type(module).__name__
         if any(mark in name for mark in _STATEFUL_NAMES) or any(
