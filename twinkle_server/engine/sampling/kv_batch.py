@@ -114,11 +114,17 @@ class _BufferedLayer(DynamicLayer):
 
 def unsupported_layers(config: Any) -> list[str]:
     """The cache layer kinds of `config`'s model the pool cannot hold (sliding-window
-    layers keep only their window), by layer index; empty when every layer is full
-    attention."""
+    layers keep only their window; linear-attention and Mamba layers a state), by layer
+    index; empty when every layer is full attention. Read from the cache transformers
+    builds and from the config's `layer_types`, since an older transformers keeps some
+    hybrids' states in a cache of the model's own that looks like full attention."""
     cache = DynamicCache(config=config)
-    return [f"{i}: {type(layer).__name__}" for i, layer in enumerate(cache.layers)
-            if type(layer) is not DynamicLayer]
+    found = {i: type(layer).__name__ for i, layer in enumerate(cache.layers)
+             if type(layer) is not DynamicLayer}
+    for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
+        if kind != "full_attention":
+            found.setdefault(i, kind)
+    return [f"{i}: {kind}" for i, kind in sorted(found.items())]
 
 
 def new_cache(config: Any, layers: LayerKV) -> DynamicCache:

@@ -87,7 +87,7 @@ def refusal(config: Any) -> InvalidArgument | None:
         return InvalidArgument(
             f"--sampler continuous: the model has cache layers the decode pool cannot "
             f"hold ({', '.join(unsupported)}; sliding-window attention keeps only its "
-            "window); serve it with --sampler static")
+            "window, linear attention and Mamba a state); serve it with --sampler static")
     return None
 
 

@@ -52,11 +52,11 @@ def select_rows(cache: Any, index: torch.Tensor) -> None:
     """Keep only rows `index` of a decode cache, in place: each layer's keys and values
     (transformers' `batch_select_indices`) and a linear-attention or Mamba layer's conv
     and recurrent states, which transformers (5.25) leaves out of that method (a hybrid's
-    pure linear-attention layers do not have it at all)."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
+    pure linear-attention layers do not have it at all). Such a layer is known by its two
+    state maps (`LinearAttentionCacheLayerMixin` there; older releases have no such
+    layers, and the engine refuses hybrids under them: `engine.recurrent.refusal`)."""
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
+        if hasattr(layer, "conv_states") and hasattr(layer, "recurrent_states"):
             for states in (layer.conv_states, layer.recurrent_states):
                 for key, value in states.items():
                     if value is None:
