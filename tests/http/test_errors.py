@@ -101,7 +101,7 @@ def _forward_body(model_id: str) -> bytes:
     return msg.SerializeToString()
 
 
-PUBLIC = {("GET", "/api/v1/healthz"), ("POST", "/api/v1/client/config"),
+PUBLIC = {("GET", "/api/v1/healthz"), ("GET", "/health"), ("POST", "/api/v1/client/config"),
           ("POST", "/api/v1/client/dynamic_config"), ("GET", "/api/v1/get_server_capabilities"),
           ("POST", "/api/v1/telemetry"), ("POST", "/api/v1/create_session"),
           ("POST", "/api/v1/external_weights_upload_start")}
@@ -130,6 +130,7 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
                                                     "lora_config": {"rank": 4}}},
         ("POST", "/api/v1/get_info"): {"json": {"model_id": o["model"]}},
         ("POST", "/api/v1/unload_model"): {"json": {"model_id": o["model"]}},
+        ("POST", "/api/v1/delete_model"): {"json": {"model_id": o["model"]}},
         ("POST", "/api/v1/forward_backward"): {"content": _forward_body(o["model"])},
         ("POST", "/api/v1/optim_step"): {"json": {"model_id": o["model"], "seq_id": 50}},
         ("POST", "/api/v1/save_weights"): {"json": {"model_id": o["model"], "path": "x"}},
@@ -150,6 +151,8 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5]}]},
             "sampling_params": {"max_tokens": 1}}},
         ("POST", "/api/v1/retrieve_future"): {"json": {"request_id": o["future"]}},
+        ("POST", "/api/v1/retrieve_future/{request_id}"): {
+            "url": f"/api/v1/retrieve_future/{o['future']}"},
         ("POST", "/api/v1/cancel_future"): {"json": {"request_id": o["future"]}},
         ("GET", "/api/v1/training_runs/{run_id}"): {"url": f"/api/v1/training_runs/{run}"},
         ("GET", "/api/v1/training_runs/{run_id}/checkpoints"):
