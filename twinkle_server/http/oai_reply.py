@@ -1,0 +1,243 @@
+"""The OpenAI routes' answers: a request's choices whole or streamed token by token in
+OpenAI's shapes (`Reply`), and OpenAI's error body for any error (`error_response`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from starlette.responses import JSONResponse
+
+from twinkle_server.engine.types import Progress, SampledSequence
+from twinkle_server.http.errors import category_of, message_of
+from twinkle_server.http.oai_request import OaiRequest
+from twinkle_server.runtime.bases import Served
+from twinkle_server.runtime.sampling import SampleResult
+
+ERRORS = {
+    "invalid_argument": (400, "invalid_request_error"),
+    "failed_precondition": (400, "invalid_request_error"),
+    "unauthenticated": (401, "authentication_error"),
+    "permission_denied": (403, "permission_error"),
+    "not_found": (404, "invalid_request_error"),
+    "resource_exhausted": (429, "rate_limit_error"),
+    "cancelled": (499, "invalid_request_error"),
+    "unavailable": (503, "server_error"),
+}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """OpenAI's error body and the status for `exc`."""
+    category = category_of(exc)
+    status, kind = ERRORS.get(category, (500, "server_error"))
+    param = getattr(exc, "param", None)
+    code = {"unauthenticated": "invalid_api_key",
+            "not_found": "model_not_found" if param == "model" else None}.get(category)
+    return JSONResponse({"error": {"message": message_of(exc), "type": kind,
+                                   "param": param, "code": code}}, status)
+
+
+class Reply:
+    """One request's answer, whole or streamed, in OpenAI's shapes."""
+
+    def __init__(self, route: str, asked: OaiRequest, served: Served,
+                 prompts: Sequence[np.ndarray]) -> None:
+        self.route, self.asked, self.prompts = route, asked, prompts
+        # Token by token: a stream whose chunks carry text only (logprobs and echo come
+        # whole, in one chunk a choice, once it is decoded).
+        self.incremental = asked.stream and asked.top_logprobs is None and not asked.echo
+        self._progress: asyncio.Queue[tuple[int, Progress]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        # What each choice's stream has carried so far.
+        self._sent: dict[int, str] = {}
+        self.base = served.engine.base
+        self.tokenizer = served.engine.base.tokenizer
+        self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if route == "chat" else "text_completion"
+
+    def _choices(self, results: Sequence[SampleResult]) -> list[dict[str, Any]]:
+        choices = []
+        for p, result in enumerate(results):
+            for s, seq in enumerate(result.sequences):
+                choices.append(self._choice(p * self.asked.n + s, p, seq, result))
+        return choices
+
+    def _choice(self, index: int, prompt: int, seq: SampledSequence,
+                result: SampleResult) -> dict[str, Any]:
+        # The engine searched for the stop strings in this same text and says where the
+        # one it stopped on begins: OpenAI's text leaves it out.
+        text = self.base.decode(seq.tokens.tolist())[:seq.stop_text_at]
+        finish = "stop" if seq.stop_reason == "stop" else "length"
+        if self.route == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(seq), "finish_reason": finish}
+        logprobs = self._completion_logprobs(seq, prompt, result)
+        if self.asked.echo:
+            text = self._prompt_text(prompt) + text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _prompt_text(self, prompt: int) -> str:
+        return self.base.decode(self.prompts[prompt].tolist())
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([int(token)])
+
+    def _chat_logprobs(self, seq: SampledSequence) -> dict[str, Any] | None:
+        if self.asked.top_logprobs is None:
+            return None
+        content = []
+        for i, (token, logprob) in enumerate(zip(seq.tokens, seq.logprobs, strict=True)):
+            piece = self._piece(token)
+            top = []
+            if seq.topk_token_ids is not None and seq.topk_logprobs is not None:
+                top = [{"token": self._piece(t), "logprob": float(lp),
+                        "bytes": list(self._piece(t).encode())}
+                       for t, lp in zip(seq.topk_token_ids[i], seq.topk_logprobs[i],
+                                        strict=True)][:self.asked.top_logprobs]
+            content.append({"token": piece, "logprob": float(logprob),
+                            "bytes": list(piece.encode()), "top_logprobs": top})
+        return {"content": content}
+
+    def _completion_logprobs(self, seq: SampledSequence, prompt: int,
+                             result: SampleResult) -> dict[str, Any] | None:
+        if self.asked.top_logprobs is None:
+            return None
+        tokens: list[int] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if self.asked.echo and (scored := result.prompt_logprobs) is not None:
+            ids = self.prompts[prompt].tolist()
+            tokens += ids
+            values += [None] + [float(v) for v in scored.logprobs[1:]]
+            tops += [None] + [self._top(ids[i], float(scored.logprobs[i]),
+                                        scored.topk_token_ids, scored.topk_logprobs, i)
+                              for i in range(1, len(ids))]
+        tokens += seq.tokens.tolist()
+        values += [float(v) for v in seq.logprobs]
+        tops += [self._top(int(t), float(lp), seq.topk_token_ids, seq.topk_logprobs, i)
+                 for i, (t, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True))]
+        pieces = [self._piece(t) for t in tokens]
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _top(self, chosen: int, logprob: float, ids: np.ndarray | None,
+             logprobs: np.ndarray | None, position: int) -> dict[str, float]:
+        """One position's `top_logprobs` dict: its k likeliest tokens and, as OpenAI
+        gives it, the chosen one too (so k or k + 1 entries)."""
+        top: dict[str, float] = {}
+        if ids is not None and logprobs is not None:
+            for t, lp in list(zip(ids[position], logprobs[position],
+                                  strict=True))[:self.asked.top_logprobs]:
+                top.setdefault(self._piece(t), float(lp))
+        top.setdefault(self._piece(chosen), logprob)
+        return top
+
+    def _usage(self, results: Sequence[SampleResult]) -> dict[str, int]:
+        prompt = sum(int(p.size) for p in self.prompts)
+        completion = sum(int(s.tokens.size) for r in results for s in r.sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def whole(self, results: Sequence[SampleResult]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.asked.model, "choices": self._choices(results),
+                "usage": self._usage(results)}
+
+    def hear(self, prompt: int) -> Callable[[Progress], None] | None:
+        """The listener for prompt `prompt`'s progress (from the scheduler's thread onto
+        this loop), or None where the reply is not streamed token by token."""
+        if not self.incremental:
+            return None
+        loop, queue = self._loop, self._progress
+        return lambda progress: loop.call_soon_threadsafe(queue.put_nowait,
+                                                          (prompt, progress))
+
+    async def stream(self, work: asyncio.Future) -> AsyncIterator[str]:
+        """Server-sent events: for chat, each choice's role first; each choice's text as
+        it is decoded (a chunk a decode slice; whole, once decoded, when logprobs or echo
+        are asked), then its finish reason; the usage when asked; `[DONE]`. A client gone
+        away cancels this, and with it the request's samples."""
+        chunk = {"id": self.id, "object": f"{self.object}.chunk" if self.route == "chat"
+                 else self.object, "created": self.created, "model": self.asked.model}
+        count = len(self.prompts) * self.asked.n
+        heard: asyncio.Future | None = None
+        try:
+            if self.route == "chat":
+                for index in range(count):
+                    yield _event({**chunk, "choices": [{
+                        "index": index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]})
+            while not work.done():
+                heard = asyncio.ensure_future(self._progress.get())
+                await asyncio.wait({work, heard}, return_when=asyncio.FIRST_COMPLETED)
+                if not heard.done():
+                    break
+                for index, text in self._partial_texts(*heard.result()):
+                    yield _event({**chunk, "choices": [self._text_delta(index, text)]})
+            try:
+                results = work.result()
+            except Exception as exc:
+                yield _event(json.loads(error_response(exc).body))
+                yield "data: [DONE]\n\n"
+                return
+            for choice in self._choices(results):
+                for event in self._last_of(choice):
+                    yield _event({**chunk, "choices": [event]})
+            if self.asked.include_usage:
+                yield _event({**chunk, "choices": [], "usage": self._usage(results)})
+            yield "data: [DONE]\n\n"
+        finally:
+            work.cancel()
+            if heard is not None:
+                heard.cancel()
+
+    def _partial_texts(self, prompt: int, progress: Progress) -> Iterator[tuple[int, str]]:
+        """The new text of each of prompt `prompt`'s choices that may go out now: held
+        back are the last characters a stop string could still begin in, and a character
+        whose bytes have not all been drawn."""
+        hold = max((len(s) for s in self.asked.stop), default=1) - 1
+        for row, (tokens, stop_at) in enumerate(zip(progress.tokens, progress.stop_text_at,
+                                                    strict=True)):
+            index = prompt * self.asked.n + row
+            text = self.base.decode(tokens.tolist())
+            # A row stopped on a stop string ends where the engine says it begins.
+            safe = len(text) - hold if stop_at is None else stop_at
+            while safe > 0 and text[safe - 1] == "\ufffd":
+                safe -= 1
+            sent = self._sent.get(index, "")
+            if safe > len(sent) and text.startswith(sent):
+                self._sent[index] = text[:safe]
+                yield index, text[len(sent):safe]
+
+    def _text_delta(self, index: int, text: str, finish: str | None = None
+                    ) -> dict[str, Any]:
+        if self.route == "chat":
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def _last_of(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
+        """A finished choice's last events: what its stream has not carried yet, with its
+        logprobs, then its finish reason."""
+        index, finish = choice["index"], choice.pop("finish_reason")
+        text = choice["message"]["content"] if self.route == "chat" else choice["text"]
+        rest = text[len(self._sent.get(index, "")):]
+        if self.route == "chat":
+            return [{"index": index, "delta": {"content": rest},
+                     "logprobs": choice["logprobs"], "finish_reason": None},
+                    self._text_delta(index, "", finish)]
+        return [{**choice, "text": rest, "finish_reason": finish}]
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
