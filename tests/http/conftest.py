@@ -4,9 +4,12 @@ a `tml-` key made by the CLI; the stock `tinker` SDK, unpatched, talks to it."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
@@ -69,3 +72,40 @@ def rl_data(n: int = 4, length: int = 16, seed: int = 1) -> list[types.Datum]:
                             "logprobs": rng.normal(-8.3, 0.1, length).astype(np.float32),
                             "advantages": rng.normal(0, 1, length).astype(np.float32)}))
     return data
+
+
+def download(urls: dict[str, str], dest: Path) -> Path:
+    """Fetch every URL with no API key into `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with httpx.Client(timeout=60) as plain:
+        for name, url in urls.items():
+            r = plain.get(url)
+            assert r.status_code == 200, (name, r.status_code, r.text)
+            (dest / name).write_bytes(r.content)
+    return dest
+
+
+def peft_logprobs(model_dir: str, adapter: Path, data: list[types.Datum]
+                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Target logprobs of `data` from `PeftModel.from_pretrained(base, adapter)`, and from
+    the base alone (the adapter disabled)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+
+    def run() -> list[np.ndarray]:
+        out = []
+        for datum in data:
+            ids = torch.tensor([datum.model_input.to_ints()])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            targets = torch.as_tensor(datum.loss_fn_inputs["target_tokens"].to_numpy())
+            out.append(logp.gather(-1, targets[:, None].long())[:, 0].numpy())
+        return out
+
+    with torch.no_grad():
+        adapted = run()
+        with model.disable_adapter():
+            plain = run()
+    return adapted, plain

@@ -7,7 +7,6 @@ Both fronts: the stock SDK over HTTP, `tinker_compat` over gRPC.
 
 from __future__ import annotations
 
-from pathlib import Path
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import httpx
@@ -15,12 +14,11 @@ import numpy as np
 import pyrage
 import pytest
 import tinker
-import torch
 from tinker import types
 
 import tinker_compat
 
-from .conftest import sft_data
+from .conftest import download, peft_logprobs, sft_data
 
 pytestmark = pytest.mark.integration
 PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors"}
@@ -43,43 +41,6 @@ def trained(service):
 @pytest.fixture(scope="module")
 def rest(server, base_url):
     return tinker.RestClient(base_url=base_url, api_key=server.keys["alice"])
-
-
-def download(urls: dict[str, str], dest: Path) -> Path:
-    """Fetch every URL with no API key into `dest`."""
-    dest.mkdir(parents=True, exist_ok=True)
-    with httpx.Client(timeout=60) as plain:
-        for name, url in urls.items():
-            r = plain.get(url)
-            assert r.status_code == 200, (name, r.status_code, r.text)
-            (dest / name).write_bytes(r.content)
-    return dest
-
-
-def peft_logprobs(model_dir: str, adapter: Path, data: list[types.Datum]
-                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Target logprobs of `data` from `PeftModel.from_pretrained(base, adapter)`, and from
-    the base alone (the adapter disabled)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter)).eval()
-
-    def run() -> list[np.ndarray]:
-        out = []
-        for datum in data:
-            ids = torch.tensor([datum.model_input.to_ints()])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-            targets = torch.as_tensor(datum.loss_fn_inputs["target_tokens"].to_numpy())
-            out.append(logp.gather(-1, targets[:, None].long())[:, 0].numpy())
-        return out
-
-    with torch.no_grad():
-        adapted = run()
-        with model.disable_adapter():
-            plain = run()
-    return adapted, plain
 
 
 def test_export_downloads_with_signed_urls_and_loads_in_peft_with_the_server_logits(
