@@ -83,6 +83,14 @@ Parts (each prints one summary line; `--only` takes a comma-separated list):
   teacher's logprobs run on `tiny-large`'s own engine (checked in the server log).
 * guess_number: `recipes/multiplayer_rl/guess_number` (`build_config` + `rl.train.main`, as
   its `__main__`), multi-turn games with `qwen3_5_disable_thinking`, 2 steps.
+* sl_loop_moe, sl_loop_hybrid: `recipes/sl_loop.main(Config(...))` (local no_robots
+  rows, 3 steps of 2) on a tiny Qwen3 MoE served as `Qwen/Qwen3-30B-A3B-Instruct-2507` by
+  the main server (LoRA per expert; sampled in the decode pool) and on a tiny Qwen3.5
+  hybrid (Gated DeltaNet beside full attention) served as `Qwen/Qwen3.5-4B` by a second
+  server with `--sampler static` (the pool does not hold linear-attention layers yet). Each
+  family model is built offline by `python -m tests.engine.families` in the project's venv.
+  The final checkpoint samples, the trainer scores the sampled tokens alike, and its
+  `save_weights_external` loads in PEFT with the server's logprobs.
 * step_column: `rl_loop` (importance_sampling) logs through the cookbook's `ml_log`; the
   `step` column of its `metrics.jsonl` must be the integers 0, 1, 2 (the loop merges the
   server's `optim_step` metrics into its own before logging), and so must that of every
@@ -142,6 +150,16 @@ aliases = ["{GRADER}"]
 role = "sample"
 """
 API_KEY = "tml-local"        # the server is open; the SDK only wants the `tml-` prefix
+# The families of issue 44: a tiny random model of each (the project's venv builds them
+# offline: `python -m tests.engine.families`), served under a name the cookbook knows. The
+# MoE joins the server above and samples in its decode pool; the hybrid has a server of its
+# own with `--sampler static`, since the decode pool does not hold linear-attention layers
+# yet (issue 45) and a server refuses such a model at start with the default sampler.
+MOE_MODEL = "Qwen/Qwen3-30B-A3B-Instruct-2507"
+HYBRID_MODEL = "Qwen/Qwen3.5-4B"
+FAMILY_OF = {MOE_MODEL: "qwen3_moe", HYBRID_MODEL: "qwen3_5_text"}
+HYBRID_PARTS = {"sl_loop_hybrid"}
+"""The parts that run against the hybrid's server; the others against the main one."""
 
 # --------------------------------------------------------------------------------------
 # Parent: start the server, run each part in a child process, summarise.
@@ -175,20 +193,39 @@ PARTS: dict[str, tuple[int, str]] = {
     "guess_number": (240, "recipes/multiplayer_rl/guess_number: multi-turn env, Qwen3.5 "
                      "renderer (qwen3_5_disable_thinking)"),
     "step_column": (240, "the `step` column of the recipes' metrics.jsonl is 0, 1, 2, ..."),
+    "sl_loop_moe": (240, f"recipes/sl_loop.py main() on a tiny Qwen3 MoE ({MOE_MODEL}: "
+                    "LoRA per expert); its weights sample in the pool and export to PEFT"),
+    "sl_loop_hybrid": (240, f"recipes/sl_loop.py main() on a tiny Qwen3.5 hybrid "
+                       f"({HYBRID_MODEL}: Gated DeltaNet beside full attention); its weights "
+                       "sample and export to PEFT"),
 }
 
 
-def start_server(data_dir: Path, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """Start the server; return it and the `HOST:PORT` of its HTTP front."""
+def family_models(out: Path) -> dict[str, str]:
+    """Build the tiny family models under `out` with the project's venv; name -> directory."""
+    built = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-m", "tests.engine.families", str(out),
+         *FAMILY_OF.values()], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if built.returncode != 0:
+        raise RuntimeError(f"could not build the family models:\n{built.stderr[-3000:]}")
+    dirs = built.stdout.split()
+    return {name: dirs[i] for i, name in enumerate(FAMILY_OF)}
+
+
+def start_server(data_dir: Path, models_file: str, *flags: str,
+                 timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+    """Start a server on `data_dir` serving `models_file` (TOML); return it and the
+    `HOST:PORT` of its HTTP front."""
+    data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "server.log"
     # COOKBOOK_CHECK_SERVER: another server command (e.g. another checkout's), shlex-split.
     server = shlex.split(os.environ.get("COOKBOOK_CHECK_SERVER", "")) or [str(SERVER)]
     models = data_dir / "models.toml"
-    models.write_text(MODELS_FILE)
+    models.write_text(models_file)
     proc = subprocess.Popen(
         [*server, "serve", "--models", str(models), "--port", "0", "--http-port", "0", "--data-dir", str(data_dir),
          # Each part is its own process with its own sessions and adapters.
-         "--max-adapters", "64", "--max-adapters-per-tenant", "64"],
+         "--max-adapters", "64", "--max-adapters-per-tenant", "64", *flags],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s
@@ -255,15 +292,30 @@ def parent(only: list[str], keep: bool) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="cookbook-check-"))
     results: dict[str, dict[str, Any]] = {}
     t_all = time.monotonic()
-    proc, http_address = start_server(tmp)
-    print(f"server pid {proc.pid}, http front {http_address}, data dir {tmp}", flush=True)
     work = tmp / "work"
     work.mkdir()
+    models = family_models(tmp / "models")
+    (work / "family_models.json").write_text(json.dumps(models))
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    servers["main"] = start_server(
+        tmp, MODELS_FILE + f'\n[[models]]\nname = "{MOE_MODEL}"\npath = "{models[MOE_MODEL]}"\n')
+    if HYBRID_PARTS & set(selected):
+        servers["hybrid"] = start_server(
+            tmp / "hybrid-server",
+            f'[[models]]\nname = "{HYBRID_MODEL}"\npath = "{models[HYBRID_MODEL]}"\n',
+            "--sampler", "static")
+    urls = {role: f"http://{address}" for role, (_, address) in servers.items()}
+    (work / "servers.json").write_text(json.dumps(urls))
+    for role, (proc, address) in servers.items():
+        print(f"{role} server pid {proc.pid}, http front {address}", flush=True)
+    print(f"data dir {tmp}", flush=True)
+    rc = 0
     try:
         for name in selected:
             timeout_s = PARTS[name][0]
             print(f"-- {name}: {PARTS[name][1]}", flush=True)
-            r = run_part(name, f"http://{http_address}", work, timeout_s)
+            url = urls["hybrid" if name in HYBRID_PARTS else "main"]
+            r = run_part(name, url, work, timeout_s)
             results[name] = r
             status = "PASS" if r["ok"] else "FAIL"
             print(f"{status} {name} ({r['seconds']:.1f}s): {r['summary']}", flush=True)
@@ -271,12 +323,16 @@ def parent(only: list[str], keep: bool) -> int:
                 tail = Path(r["log"]).read_text(errors="replace").splitlines()[-40:]
                 print("   | " + "\n   | ".join(tail), flush=True)
     finally:
-        rc = stop_server(proc)
-        print(f"server stopped (SIGTERM), exit code {rc}", flush=True)
+        for role, (proc, _) in servers.items():
+            code = stop_server(proc)
+            print(f"{role} server stopped (SIGTERM), exit code {code}", flush=True)
+            rc = rc or code
         failed = [n for n, r in results.items() if not r["ok"]]
         if failed or rc != 0:
-            server_log = (tmp / "server.log").read_text(errors="replace")
-            print(f"--- server log (tail) ---\n{server_log[-3000:]}", file=sys.stderr)
+            for log in (tmp / "server.log", tmp / "hybrid-server" / "server.log"):
+                if log.exists():
+                    text = log.read_text(errors="replace")
+                    print(f"--- {log} (tail) ---\n{text[-3000:]}", file=sys.stderr)
         if keep or failed:
             print(f"logs kept in {tmp}")
         else:
@@ -324,6 +380,9 @@ class Ctx:
     def __init__(self, base_url: str, work: Path):
         self.base_url = base_url
         self.work = work
+        self.servers: dict[str, str] = json.loads((work / "servers.json").read_text())
+        self.family_models: dict[str, str] = json.loads(
+            (work / "family_models.json").read_text())
         self.fwd_bwd_calls: list[tuple[str, int]] = []  # (loss_fn, datums) per request
 
     def losses(self) -> dict[str, int]:
@@ -342,7 +401,7 @@ def local_inputs(ctx: Ctx) -> None:
     # The tokenizer: the server names its own (a local directory for `tiny`) in get_info.
     tokenizer_dir = ctx.work / "tokenizer_id.txt"
     if not tokenizer_dir.exists():
-        service = tinker.ServiceClient(base_url=ctx.base_url)
+        service = tinker.ServiceClient(base_url=ctx.servers["main"])
         tc = service.create_lora_training_client(base_model=MODEL, rank=8)
         tokenizer_id = tc.get_info().model_data.tokenizer_id
         assert tokenizer_id and Path(tokenizer_id).is_dir(), f"tokenizer_id {tokenizer_id!r}"
@@ -350,6 +409,8 @@ def local_inputs(ctx: Ctx) -> None:
     local_tokenizer = get_tokenizer(tokenizer_dir.read_text())  # a directory: no hub
     for name in (*STUDENT_NAMES, TEACHER, GRADER):   # both tiny models share one tokenizer
         register_tokenizer(name, lambda: local_tokenizer)
+    for name, path in ctx.family_models.items():       # served under hub names: their own
+        register_tokenizer(name, lambda path=path: get_tokenizer(path))
 
     # Datasets: the local GSM8K rows; any other name is refused (no silent download).
     real_load = datasets.load_dataset
@@ -362,7 +423,9 @@ def local_inputs(ctx: Ctx) -> None:
              "zwhe99/DeepMath-103K": {"train": DATA / "deepmath-train.jsonl"},
              # SciKnowEval's columns (`domain`, `details.level`, `type`, `question`,
              # `choices`, `answerKey`); sdft filters Chemistry L3 MCQs from its test split.
-             "hicai-zju/SciKnowEval": {"test": DATA / "sciknoweval-test.jsonl"}}
+             "hicai-zju/SciKnowEval": {"test": DATA / "sciknoweval-test.jsonl"},
+             # no_robots' columns (`prompt`, `prompt_id`, `messages`, `category`).
+             "HuggingFaceH4/no_robots": {"train": DATA / "no_robots-train.jsonl"}}
 
     def load_dataset(path: str, name: str | None = None, *, split: str | None = None,
                      **kwargs: Any):
@@ -678,8 +741,9 @@ print(json.dumps(lp.tolist()))
 """
 
 
-def peft_matches_server(ctx: Ctx, tc: Any, adapter_dir: Path) -> float:
-    """Max |logprob difference| between the server and PEFT loading `adapter_dir`."""
+def peft_matches_server(ctx: Ctx, tc: Any, adapter_dir: Path, base_dir: str = "") -> float:
+    """Max |logprob difference| between the server and PEFT loading `adapter_dir` on
+    `base_dir` (default: the tiny model's own directory)."""
     from tinker_cookbook.supervised.data import conversation_to_datum
     renderer, _ = renderer_and_tokenizer()
     datum = conversation_to_datum(CONVERSATIONS[2], renderer, max_length=256)
@@ -687,7 +751,7 @@ def peft_matches_server(ctx: Ctx, tc: Any, adapter_dir: Path) -> float:
     server_lp = server.loss_fn_outputs[0]["logprobs"].to_torch().tolist()
     tokens = datum.model_input.to_ints()
     targets = datum.loss_fn_inputs["target_tokens"].to_torch().tolist()
-    base_dir = (ctx.work / "tokenizer_id.txt").read_text()  # the tiny model's own directory
+    base_dir = base_dir or (ctx.work / "tokenizer_id.txt").read_text()
     out = subprocess.run(
         [str(ROOT / ".venv" / "bin" / "python"), "-c", PEFT_LOGPROBS, base_dir,
          str(adapter_dir), json.dumps(tokens), json.dumps(targets)],
@@ -903,6 +967,58 @@ def part_step_column(ctx: Ctx) -> str:
             check_steps(ctx.work / name, row_key, n)
             checked.append(name)
     return "integer steps 0, 1, ... in " + ", ".join(checked)
+
+
+def sl_loop_family(ctx: Ctx, model: str) -> str:
+    """sl_loop on `model`'s tiny family model; its final weights sample (the trainer scores
+    the sampled tokens alike) and export to PEFT with the server's logprobs."""
+    import tinker
+    from tinker_cookbook import model_info, renderers, weights
+    from tinker_cookbook.recipes import sl_loop as recipe
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+    family = FAMILY_OF[model]
+    log_path = ctx.work / f"sl_loop-{family}"
+    recipe.main(recipe.Config(base_url=ctx.base_url, log_path=str(log_path), model_name=model,
+                              batch_size=2, learning_rate=5e-3, max_steps=3, lora_rank=8,
+                              save_every=0, max_length=512))
+    nlls = [r["train_mean_nll"] for r in metrics_rows(log_path) if "train_mean_nll" in r]
+    assert len(nlls) == 3 and all(math.isfinite(x) for x in nlls), nlls
+    assert ctx.losses() == {"cross_entropy": 3}, ctx.losses()
+    record = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])
+
+    service = tinker.ServiceClient(base_url=ctx.base_url)
+    tc = service.create_training_client_from_state(record["state_path"]).result()
+    sampler = service.create_sampling_client(model_path=record["sampler_path"])
+    renderer = renderers.get_renderer(model_info.get_recommended_renderer_name(model),
+                                      get_tokenizer(model))
+    prompt = renderer.build_generation_prompt(
+        [{"role": "user", "content": "Name a fruit that is yellow."}])
+    seq = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=8, seed=0)
+                         ).result().sequences[0]
+    full = prompt.to_ints() + list(seq.tokens)
+    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(full[:-1]),
+                         loss_fn_inputs={"target_tokens": full[1:],
+                                         "weights": [1.0] * (len(full) - 1)})
+    scored = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    trained = scored.to_torch().tolist()[-len(seq.tokens):]
+    gap = max(abs(a - b) for a, b in zip(seq.logprobs, trained, strict=True))
+    assert gap < 1e-3, f"the sampler's logprobs differ from the trainer's by {gap:.2e}"
+
+    external = tc.save_weights_external(f"cookbook-check-{family}").result().path
+    out = Path(weights.download(tinker_path=external, output_dir=str(ctx.work / family),
+                                base_url=ctx.base_url))
+    diff = peft_matches_server(ctx, tc, out, ctx.family_models[model])
+    return (f"{family}: 3 steps, NLL {', '.join(f'{x:.3f}' for x in nlls)}; sampled "
+            f"{len(seq.tokens)} tokens, sampler = trainer (max diff {gap:.1e}); "
+            f"{check_adapter_dir(out)}, PEFT = server (max diff {diff:.1e})")
+
+
+def part_sl_loop_moe(ctx: Ctx) -> str:
+    return sl_loop_family(ctx, MOE_MODEL)
+
+
+def part_sl_loop_hybrid(ctx: Ctx) -> str:
+    return sl_loop_family(ctx, HYBRID_MODEL)
 
 
 def child(name: str, base_url: str, work: Path) -> int:

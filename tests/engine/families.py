@@ -9,6 +9,7 @@ layer kinds; MoE models both dense and expert layers where the family has both.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from packaging.version import Version
 
 from twinkle_server.engine import recurrent
 from twinkle_server.engine.engine import Engine
-from twinkle_server.engine.tiny_model import TINY_MODEL_NAME
+from twinkle_server.engine.tiny_model import build_tiny_model, default_cache_root
 from twinkle_server.engine.types import Datum
 
 # Shared by every family: small enough that a forward_backward takes milliseconds.
@@ -98,7 +99,7 @@ def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
     out = root / family
     if (out / "config.json").exists():
         return out
-    tiny = _tiny_dir(tiny_cache)
+    tiny = build_tiny_model(tiny_cache)
     out.mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tiny / name).exists():
@@ -144,15 +145,6 @@ def randomize_b(engine: Engine, adapter_id: str, seed: int, scale: float) -> Non
                                  * scale)
 
 
-def _tiny_dir(tiny_cache: Path) -> Path:
-    """The tiny model's directory in the test session's cache."""
-    hits = [p.parent for p in Path(tiny_cache).rglob("tokenizer.json")
-            if TINY_MODEL_NAME in str(p.parent)]
-    if not hits:
-        raise FileNotFoundError(f"no tiny model with a tokenizer under {tiny_cache}")
-    return min(hits, key=lambda p: len(str(p)))
-
-
 def skip_unserved_experts(engine: Engine) -> Engine:
     """`engine`, or a skip where the installed transformers' experts predate the experts
     interface the engine's expert LoRA computes on: there the engine refuses an adapter on
@@ -176,3 +168,15 @@ def skip_unchecked_mixers(family: str) -> None:
         pytest.skip(f"transformers {transformers.__version__}: the engine refuses "
                     f"{family}'s mixers there (recurrent.refusal)")
 
+
+def main(argv: list[str]) -> None:
+    """`python -m tests.engine.families OUT FAMILY...`: write each family's tiny model under
+    OUT, with the tiny model's tokenizer (built first under `$TWINKLE_CACHE_DIR`, else
+    ~/.cache/twinkle), and print its directory: `make cookbook-check` serves them."""
+    out, *families = argv
+    for family in families:
+        print(write_family(Path(out), family, default_cache_root()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
