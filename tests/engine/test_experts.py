@@ -228,8 +228,9 @@ def test_refuses_the_router(moe):
 
 def test_dropout_on_experts_trains_and_exports_as_peft_loads_it(moe, data, adapter,
                                                                 tmp_path):
-    # PEFT refuses dropout on parameter targets: the sampler export records 0, the
-    # training checkpoint the adapter's own.
+    # PEFT refuses dropout on parameter targets: every checkpoint's adapter_config records
+    # 0 (dropout changes no output outside training); a training checkpoint keeps the
+    # adapter's own for its resume beside it, in the weights file's metadata.
     adapter("drop", LoraSpec(rank=2, alpha=4, dropout=0.1, target_modules=("down_proj",),
                              seed=3), seed=3)
     moe.forward_batch([ForwardRequest("drop", data[:2], CE, True)])
@@ -237,12 +238,13 @@ def test_dropout_on_experts_trains_and_exports_as_peft_loads_it(moe, data, adapt
     moe.save_weights("drop", tmp_path / "out")
     moe.save_state("drop", tmp_path / "state")
     assert moe.read_checkpoint_spec(tmp_path / "state").dropout == 0.1
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(moe.base.model_dir, dtype=torch.float32),
-        str(tmp_path / "out")).eval()
-    for got, datum in zip(logprobs(moe, "drop", data[:2]), data, strict=False):
-        np.testing.assert_allclose(got, peft_logprobs(model, datum), rtol=0,
-                                   atol=atol(moe))
+    for saved in ("out", "state"):
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(moe.base.model_dir, dtype=torch.float32),
+            str(tmp_path / saved)).eval()
+        for got, datum in zip(logprobs(moe, "drop", data[:2]), data, strict=False):
+            np.testing.assert_allclose(got, peft_logprobs(model, datum), rtol=0,
+                                       atol=atol(moe))
 
 
 def test_an_adapter_peft_made_imports_and_computes_as_in_peft(moe, data, tmp_path):

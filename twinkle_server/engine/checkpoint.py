@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
@@ -95,33 +96,40 @@ def write_state(out: Path, state: dict) -> None:
     (out / STATE_FILE).write_bytes(buffer.getvalue())
 
 
+DROPOUT_METADATA = "twinkle.lora_dropout"
+"""The weights file's metadata key for an adapter's dropout where its `adapter_config.json`
+cannot hold it (see `write_peft`)."""
+
+
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
                target_modules: list[str], base_model_path: str,
-               for_sampling: bool = False,
                target_parameters: list[str] | None = None) -> None:
     """Write `adapter_config.json` and `adapter_model.safetensors` into `out`; the linears
     `target_modules` names as peft must read them (`peft_targets`), and
     `target_parameters` the MoE expert projections (`engine.experts`): both kinds of
     parameter target in one list, as peft reads them.
 
-    peft refuses dropout on parameter targets. Dropout changes no output outside
-    training, so a checkpoint `for_sampling` (sampler weights, exports) that has them
-    records 0; a training checkpoint keeps the adapter's own, for training to resume."""
+    peft refuses to load dropout on parameter targets. Dropout changes no output outside
+    training, so such a config records 0, and the adapter's own dropout goes into the
+    weights file's metadata (`DROPOUT_METADATA`, which peft ignores) for `read_spec`:
+    every checkpoint loads in peft, and training resumes with the adapter's dropout."""
     from peft import LoraConfig
 
     modules, parameters = peft_targets(target_modules, _model_type(base_model_path))
     parameters = sorted([*parameters, *(target_parameters or ())])
-    dropout = 0.0 if parameters and for_sampling else spec.dropout
+    metadata = {"format": "pt"}
+    if parameters and spec.dropout:
+        metadata[DROPOUT_METADATA] = repr(float(spec.dropout))
     config = LoraConfig(
-        r=spec.rank, lora_alpha=spec.alpha, lora_dropout=dropout,
+        r=spec.rank, lora_alpha=spec.alpha,
+        lora_dropout=0.0 if parameters else spec.dropout,
         target_modules=modules, target_parameters=parameters or None,
         use_rslora=spec.use_rslora, base_model_name_or_path=base_model_path,
         task_type="CAUSAL_LM",
     )
     config.save_pretrained(str(out))
     (out / WEIGHTS_FILE).write_bytes(save_safetensors(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        metadata={"format": "pt"}))
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata))
 
 
 def peft_targets(linears: list[str], model_type: str | None
@@ -183,11 +191,20 @@ def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
     targets = data.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     spec = LoraSpec(rank=int(data["r"]), alpha=float(data["lora_alpha"]),
-                    dropout=float(data.get("lora_dropout") or 0.0),
+                    dropout=_recorded_dropout(Path(path)) or float(data.get("lora_dropout") or 0.0),
                     target_modules=tuple(sorted(targets)),
                     use_rslora=bool(data.get("use_rslora", False)),
                     target_parameters=tuple(sorted(data.get("target_parameters") or ())))
     return spec, targets
+
+
+def _recorded_dropout(path: Path) -> float:
+    """The dropout `write_peft` kept in the weights file's metadata (0 where none)."""
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), "pt") as weights:
+            return float((weights.metadata() or {}).get(DROPOUT_METADATA, 0.0))
+    except (OSError, ValueError, SafetensorError):
+        return 0.0
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -234,20 +251,19 @@ def copy_weights(adapter: Adapter, found: dict[str, torch.Tensor]) -> None:
             tensor.copy_(found[key].to(tensor.device, tensor.dtype))
 
 
-def _fill_weights(adapter: Adapter, out: Path, base_model_path: str,
-                  for_sampling: bool = False) -> None:
+def _fill_weights(adapter: Adapter, out: Path, base_model_path: str) -> None:
     # Expert weights are keyed by PEFT module path and name their base parameter.
     parameters = [w.parameter for w in adapter.weights.values() if hasattr(w, "parameter")]
     modules = [n for n, w in adapter.weights.items() if not hasattr(w, "parameter")]
     write_peft(out, adapter.spec, peft_tensors(adapter), sorted(modules), base_model_path,
-               for_sampling, parameters)
+               parameters)
 
 
 def save_weights(adapter: Adapter, path: str | Path, base_model_path: str,
                  overwrite: bool = False) -> int:
     """PEFT weights only (a sampler checkpoint, an export); returns bytes written."""
     return write_atomically(
-        path, lambda out: _fill_weights(adapter, out, base_model_path, for_sampling=True),
+        path, lambda out: _fill_weights(adapter, out, base_model_path),
         overwrite)
 
 

@@ -33,8 +33,9 @@ targeting `gate_up_proj` and `down_proj` saves `...experts.base_layer.lora_A.wei
 under those module paths (`peft_module`), beside its linears' names.
 
 An adapter's dropout applies to each expert's routed tokens in training, as on a linear
-(`B_e A_e dropout(x_e)`). PEFT refuses dropout on parameter targets, so exports for
-sampling record 0 (`checkpoint.write_peft`): dropout changes no output outside training.
+(`B_e A_e dropout(x_e)`). PEFT refuses dropout on parameter targets, so checkpoints'
+configs record 0 and keep the adapter's own beside it (`checkpoint.write_peft`): dropout
+changes no output outside training.
 """
 
 from __future__ import annotations
