@@ -9,9 +9,10 @@ import pytest
 import torch
 import transformers
 
+from twinkle_server.engine import recurrent
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import resolve_targets
-from twinkle_server.engine.roles import ROUTER, layer_roles
+from twinkle_server.engine.roles import ROUTER, describe, layer_roles
 from twinkle_server.engine.types import ROLE_ATTENTION, ROLE_MLP, ROLE_UNEMBED, LoraSpec
 
 from .families import family_config
@@ -97,3 +98,18 @@ def test_explicit_peft_target_modules_work_as_before():
         resolve_targets(names, LoraSpec(rank=4, alpha=8, target_modules=("q_proj",)), head,
                         roles)
 
+
+
+def test_the_log_counts_what_the_switches_train_not_what_peft_refuses():
+    model, names, head = _linears("nemotron_h")
+    layer_roles_ = layer_roles(model, {n: model.get_submodule(n) for n in names}, head)
+    refused = recurrent.peft_refused(model, names)
+    if not refused:
+        pytest.skip("this peft has no rule against LoRA on Mamba's out_proj")
+    mamba_out = {n for n in names if n.endswith("mixer.out_proj")}
+    assert mamba_out and mamba_out <= refused
+    attention = [n for n, r in layer_roles_.items() if r == ROLE_ATTENTION]
+    text = describe(layer_roles_, refused)
+    assert f"attention {len(attention) - len(refused)}," in text, text
+    assert f"left out, PEFT refuses LoRA on them: out_proj ({len(refused)})" in text, text
+    assert "left out" not in describe(layer_roles_)

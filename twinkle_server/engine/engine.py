@@ -160,7 +160,8 @@ class Engine(Training):
         self.output_layer = next((n for n, m in self.layers.items() if m is out), "lm_head")
         # What Tinker's switches select on this model (`engine.roles`), logged once.
         self.roles = roles.layer_roles(base.model, self.layers, self.output_layer)
-        log.info("Tinker's LoRA switches select, by role: %s", roles.describe(self.roles))
+        log.info("Tinker's LoRA switches select, by role: %s",
+                 roles.describe(self.roles, self.peft_refused))
         self.adapters: dict[str, Adapter] = {}
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(

@@ -27,7 +27,7 @@ linear in no known part takes no role, and is named when the switches select not
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from torch import nn
 
@@ -80,12 +80,18 @@ def by_role(roles: Mapping[str, str | None], wanted: Iterable[str]) -> dict[str,
     return {role: sorted(n for n, r in roles.items() if r == role) for role in wanted}
 
 
-def describe(roles: Mapping[str, str | None]) -> str:
-    """How many linears each role has, and the routers left frozen: for logs and errors."""
+def describe(roles: Mapping[str, str | None], left_out: Collection[str] = ()) -> str:
+    """How many linears each role's switch trains, those it leaves out (`left_out`: the
+    engine's `peft_refused`) and the routers left frozen: for logs and errors."""
+    kept = {n: r for n, r in roles.items() if n not in left_out}
     counts = {role: len(names) for role, names in
-              by_role(roles, (ROLE_ATTENTION, ROLE_MLP, ROLE_UNEMBED)).items()}
+              by_role(kept, (ROLE_ATTENTION, ROLE_MLP, ROLE_UNEMBED)).items()}
     routers = sorted({n.rsplit(".", 1)[-1] for n, r in roles.items() if r == ROUTER})
-    other = sorted({n.rsplit(".", 1)[-1] for n, r in roles.items() if r is None})
+    other = sorted({n.rsplit(".", 1)[-1] for n, r in kept.items() if r is None})
+    refused = sorted({n.rsplit(".", 1)[-1] for n in left_out if n in roles})
     text = ", ".join(f"{role.removeprefix('role:')} {count}" for role, count in counts.items())
+    if refused:
+        text += (f"; left out, PEFT refuses LoRA on them: {', '.join(refused)} "
+                 f"({sum(n in roles for n in left_out)})")
     text += "; routers are never trained" + (f" ({', '.join(routers)})" if routers else "")
     return text + (f"; in no known part: {', '.join(other)}" if other else "")
