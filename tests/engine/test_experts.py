@@ -9,6 +9,7 @@ Each family is a tiny random model from transformers' own config class
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from twinkle_server.engine.adapter_import import base_linears, read_import
 from twinkle_server.engine.engine import Engine, ForwardRequest
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.experts import ExpertLoraWeights
+from twinkle_server.engine.forward import pieces
 from twinkle_server.engine.lora import Router
 from twinkle_server.engine.types import (
     AdamParams,
@@ -192,6 +194,28 @@ def test_packed_pass_equals_separate_passes(moe, data, adapter):
     for got, datum in zip(packed, data[:4], strict=True):
         np.testing.assert_allclose(got, logprobs(moe, "pack", [datum])[0], rtol=0,
                                    atol=atol(moe))
+
+
+def test_a_pass_in_pieces_equals_the_pass_whole(moe, data, adapter):
+    """Pieces split a pass between datums (`forward.pieces`): each piece routes its own
+    tokens to the experts, and a mixer's state never crosses a datum."""
+    adapter("pieces", TINKER, seed=4)
+    rows = data[:4]
+    whole = logprobs(moe, "pieces", rows, backward=True)
+    want = [p.grad.clone() for p in moe.adapters["pieces"].parameters()]
+    moe.adapters["pieces"].zero_grad()
+    saved = moe.limits
+    cap = max(d.num_tokens for d in rows)
+    assert len(pieces([d.num_tokens for d in rows], cap)) > 1
+    moe.limits = replace(saved, max_pass_tokens=cap)
+    try:
+        split = logprobs(moe, "pieces", rows, backward=True)
+    finally:
+        moe.limits = saved
+    for got, ref in zip(split, whole, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=atol(moe))
+    for p, ref in zip(moe.adapters["pieces"].parameters(), want, strict=True):
+        assert_grads_close(p.grad, ref, grad_rtol(moe))
 
 
 def test_a_training_checkpoint_resumes_exactly(moe, data, adapter, tmp_path):
