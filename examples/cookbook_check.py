@@ -84,10 +84,9 @@ Parts (each prints one summary line; `--only` takes a comma-separated list):
 * guess_number: `recipes/multiplayer_rl/guess_number` (`build_config` + `rl.train.main`, as
   its `__main__`), multi-turn games with `qwen3_5_disable_thinking`, 2 steps.
 * sl_loop_moe, sl_loop_hybrid: `recipes/sl_loop.main(Config(...))` (local no_robots
-  rows, 3 steps of 2) on a tiny Qwen3 MoE served as `Qwen/Qwen3-30B-A3B-Instruct-2507` by
-  the main server (LoRA per expert; sampled in the decode pool) and on a tiny Qwen3.5
-  hybrid (Gated DeltaNet beside full attention) served as `Qwen/Qwen3.5-4B` by a second
-  server with `--sampler static` (the pool does not hold linear-attention layers yet). Each
+  rows, 3 steps of 2) on a tiny Qwen3 MoE served as `Qwen/Qwen3-30B-A3B-Instruct-2507`
+  (LoRA per expert) and on a tiny Qwen3.5 hybrid (Gated DeltaNet beside full attention)
+  served as `Qwen/Qwen3.5-4B`, both by the same server, sampled in its decode pool. Each
   family model is built offline by `python -m tests.engine.families` in the project's venv.
   The final checkpoint samples, the trainer scores the sampled tokens alike, and its
   `save_weights_external` loads in PEFT with the server's logprobs.
@@ -151,15 +150,11 @@ role = "sample"
 """
 API_KEY = "tml-local"        # the server is open; the SDK only wants the `tml-` prefix
 # The families of issue 44: a tiny random model of each (the project's venv builds them
-# offline: `python -m tests.engine.families`), served under a name the cookbook knows. The
-# MoE joins the server above and samples in its decode pool; the hybrid has a server of its
-# own with `--sampler static`, since the decode pool does not hold linear-attention layers
-# yet (issue 45) and a server refuses such a model at start with the default sampler.
+# offline: `python -m tests.engine.families`), served by the same server under a name the
+# cookbook knows, and sampled in its decode pool (the hybrid's recurrent states too).
 MOE_MODEL = "Qwen/Qwen3-30B-A3B-Instruct-2507"
 HYBRID_MODEL = "Qwen/Qwen3.5-4B"
 FAMILY_OF = {MOE_MODEL: "qwen3_moe", HYBRID_MODEL: "qwen3_5_text"}
-HYBRID_PARTS = {"sl_loop_hybrid"}
-"""The parts that run against the hybrid's server; the others against the main one."""
 
 # --------------------------------------------------------------------------------------
 # Parent: start the server, run each part in a child process, summarise.
@@ -197,7 +192,7 @@ PARTS: dict[str, tuple[int, str]] = {
                     "LoRA per expert); its weights sample in the pool and export to PEFT"),
     "sl_loop_hybrid": (240, f"recipes/sl_loop.py main() on a tiny Qwen3.5 hybrid "
                        f"({HYBRID_MODEL}: Gated DeltaNet beside full attention); its weights "
-                       "sample and export to PEFT"),
+                       "sample in the pool and export to PEFT"),
 }
 
 
@@ -212,11 +207,10 @@ def family_models(out: Path) -> dict[str, str]:
     return {name: dirs[i] for i, name in enumerate(FAMILY_OF)}
 
 
-def start_server(data_dir: Path, models_file: str, *flags: str,
+def start_server(data_dir: Path, models_file: str,
                  timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """Start a server on `data_dir` serving `models_file` (TOML); return it and the
+    """Start the server on `data_dir` serving `models_file` (TOML); return it and the
     `HOST:PORT` of its HTTP front."""
-    data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "server.log"
     # COOKBOOK_CHECK_SERVER: another server command (e.g. another checkout's), shlex-split.
     server = shlex.split(os.environ.get("COOKBOOK_CHECK_SERVER", "")) or [str(SERVER)]
@@ -225,7 +219,7 @@ def start_server(data_dir: Path, models_file: str, *flags: str,
     proc = subprocess.Popen(
         [*server, "serve", "--models", str(models), "--port", "0", "--http-port", "0", "--data-dir", str(data_dir),
          # Each part is its own process with its own sessions and adapters.
-         "--max-adapters", "64", "--max-adapters-per-tenant", "64", *flags],
+         "--max-adapters", "64", "--max-adapters-per-tenant", "64"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + timeout_s
@@ -296,26 +290,14 @@ def parent(only: list[str], keep: bool) -> int:
     work.mkdir()
     models = family_models(tmp / "models")
     (work / "family_models.json").write_text(json.dumps(models))
-    servers: dict[str, tuple[subprocess.Popen, str]] = {}
-    servers["main"] = start_server(
-        tmp, MODELS_FILE + f'\n[[models]]\nname = "{MOE_MODEL}"\npath = "{models[MOE_MODEL]}"\n')
-    if HYBRID_PARTS & set(selected):
-        servers["hybrid"] = start_server(
-            tmp / "hybrid-server",
-            f'[[models]]\nname = "{HYBRID_MODEL}"\npath = "{models[HYBRID_MODEL]}"\n',
-            "--sampler", "static")
-    urls = {role: f"http://{address}" for role, (_, address) in servers.items()}
-    (work / "servers.json").write_text(json.dumps(urls))
-    for role, (proc, address) in servers.items():
-        print(f"{role} server pid {proc.pid}, http front {address}", flush=True)
-    print(f"data dir {tmp}", flush=True)
-    rc = 0
+    proc, http_address = start_server(tmp, MODELS_FILE + "".join(
+        f'\n[[models]]\nname = "{name}"\npath = "{path}"\n' for name, path in models.items()))
+    print(f"server pid {proc.pid}, http front {http_address}, data dir {tmp}", flush=True)
     try:
         for name in selected:
             timeout_s = PARTS[name][0]
             print(f"-- {name}: {PARTS[name][1]}", flush=True)
-            url = urls["hybrid" if name in HYBRID_PARTS else "main"]
-            r = run_part(name, url, work, timeout_s)
+            r = run_part(name, f"http://{http_address}", work, timeout_s)
             results[name] = r
             status = "PASS" if r["ok"] else "FAIL"
             print(f"{status} {name} ({r['seconds']:.1f}s): {r['summary']}", flush=True)
@@ -323,16 +305,12 @@ def parent(only: list[str], keep: bool) -> int:
                 tail = Path(r["log"]).read_text(errors="replace").splitlines()[-40:]
                 print("   | " + "\n   | ".join(tail), flush=True)
     finally:
-        for role, (proc, _) in servers.items():
-            code = stop_server(proc)
-            print(f"{role} server stopped (SIGTERM), exit code {code}", flush=True)
-            rc = rc or code
+        rc = stop_server(proc)
+        print(f"server stopped (SIGTERM), exit code {rc}", flush=True)
         failed = [n for n, r in results.items() if not r["ok"]]
         if failed or rc != 0:
-            for log in (tmp / "server.log", tmp / "hybrid-server" / "server.log"):
-                if log.exists():
-                    text = log.read_text(errors="replace")
-                    print(f"--- {log} (tail) ---\n{text[-3000:]}", file=sys.stderr)
+            server_log = (tmp / "server.log").read_text(errors="replace")
+            print(f"--- server log (tail) ---\n{server_log[-3000:]}", file=sys.stderr)
         if keep or failed:
             print(f"logs kept in {tmp}")
         else:
@@ -380,7 +358,6 @@ class Ctx:
     def __init__(self, base_url: str, work: Path):
         self.base_url = base_url
         self.work = work
-        self.servers: dict[str, str] = json.loads((work / "servers.json").read_text())
         self.family_models: dict[str, str] = json.loads(
             (work / "family_models.json").read_text())
         self.fwd_bwd_calls: list[tuple[str, int]] = []  # (loss_fn, datums) per request
@@ -401,7 +378,7 @@ def local_inputs(ctx: Ctx) -> None:
     # The tokenizer: the server names its own (a local directory for `tiny`) in get_info.
     tokenizer_dir = ctx.work / "tokenizer_id.txt"
     if not tokenizer_dir.exists():
-        service = tinker.ServiceClient(base_url=ctx.servers["main"])
+        service = tinker.ServiceClient(base_url=ctx.base_url)
         tc = service.create_lora_training_client(base_model=MODEL, rank=8)
         tokenizer_id = tc.get_info().model_data.tokenizer_id
         assert tokenizer_id and Path(tokenizer_id).is_dir(), f"tokenizer_id {tokenizer_id!r}"

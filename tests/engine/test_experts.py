@@ -327,8 +327,6 @@ def test_experts_outside_transformers_interface_are_refused_by_class():
 
 
 def test_sampled_logprobs_equal_a_teacher_forced_forward(moe, data, adapter):
-    if moe.base.config.model_type in HYBRID:
-        pytest.skip("the decode pool holds no recurrent state yet (not the experts')")
     adapter("sample", TINKER, seed=5)
     prompt = data[2].input_ids[:5]
     seq = moe.sample_batch([SampleRequest("sample", None, prompt, 1, SamplingParams(

@@ -75,15 +75,15 @@ FAMILIES = sorted(TARGETS)
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def hybrid(request, tiny_cache, tmp_path_factory) -> Engine:
-    """An engine on the family's tiny model, as `--sampler static` loads it (no decode
-    pool: it cannot hold recurrent layers yet)."""
+    """An engine on the family's tiny model, with its decode pool (which holds the
+    mixers' states per row: `sampling.kv_batch`) beside the static sampler."""
     root = tmp_path_factory.mktemp("families")
     path = write_family(root, request.param, tiny_cache)
     skip_unchecked_mixers(request.param)
     engine = Engine.load(str(path), cache_dir=str(tiny_cache),
                          limits=EngineLimits(max_adapters=4, max_rank=16, max_seq_len=256,
                                              max_batch_tokens=4096))
-    assert engine.sampling.pool_refusal is not None  # what `--sampler static` runs beside
+    assert engine.sampling.pool is not None
     return engine
 
 
@@ -301,6 +301,39 @@ def test_static_sampling_keeps_each_rows_state_as_its_own(hybrid, adapters):
                 "s", None, np.concatenate([request.prompt, np.asarray(sequence.tokens)]))
             np.testing.assert_allclose(sequence.logprobs, scored[request.prompt.size:],
                                        rtol=0, atol=STATE_LOGPROB_ATOL)
+
+
+def test_the_pool_decodes_two_tenants_adapters_as_the_trainer_scores_them(hybrid, adapters):
+    """Two adapters' requests in one decode batch of the pool (rows joining, groups of
+    samples, rows stopping): every sampled token's logprob is the one a teacher-forced
+    pass of its own adapter gives (10 x STATE_LOGPROB_ATOL: one token a step through the
+    cache against one pass, as tests/engine/test_engine.py's 10 x LOGPROB_ATOL)."""
+    _add(hybrid, adapters, "alice", seed=11)
+    _add(hybrid, adapters, "bob", seed=12)
+    tokenizer = hybrid.base.tokenizer
+    prompts = [np.asarray(tokenizer(text)["input_ids"], np.int64)
+               for text in (SENTENCES[1], "Hi there", SENTENCES[3])]
+    requests = [SampleRequest(name, None, prompt, n, SamplingParams(max_tokens=m, seed=i,
+                                                                    ignore_eos=True))
+                for i, (name, prompt, n, m) in enumerate(
+                    [("alice", prompts[0], 2, 6), ("bob", prompts[1], 3, 9),
+                     ("alice", prompts[2], 1, 4)])]
+    results = dict(hybrid.decode(requests[:1], [0], 0.0))
+    results.update(hybrid.decode(requests[1:], [1, 2], 0.0))
+    for _ in range(100):
+        if len(results) == len(requests):
+            break
+        results.update(hybrid.decode([], [], 0.0))
+    for key, request in enumerate(requests):
+        result = results[key]
+        assert not isinstance(result, Exception), result
+        for sequence in result.sequences:
+            assert len(sequence.tokens) == request.params.max_tokens
+            scored = hybrid.compute_logprobs(
+                request.adapter_id, None,
+                np.concatenate([request.prompt, np.asarray(sequence.tokens)]))
+            np.testing.assert_allclose(sequence.logprobs, scored[request.prompt.size:],
+                                       rtol=0, atol=10 * STATE_LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("hybrid", ["qwen3_next"], indirect=True)

@@ -17,8 +17,11 @@ from twinkle_server.engine.layer_kinds import (
     MAMBA,
     MOE,
     LayerKind,
+    kv_elements_per_token,
     layer_kinds,
+    state_elements_per_row,
 )
+from twinkle_server.engine.sampling.kv_batch import state_layers
 
 from .families import FAMILIES, family_config
 
@@ -97,3 +100,31 @@ def test_a_kind_or_size_it_cannot_read_is_refused_by_name():
     config.num_hidden_layers = 3
     with pytest.raises(InvalidArgument, match="layer_types has 2 entries for 3 layers"):
         memory.activation_bytes_per_token(config, torch.float32)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_cache_sizes_equal_what_transformers_holds(family):
+    """Per position, the attention layers' keys and values; per row, the recurrent
+    mixers' conv and scan states (what the decode pool counts: `memory.kv_bytes_per_token`,
+    `memory.state_bytes_per_row`), against the cache transformers fills in a prefill."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = family_config(family, 300, pad_token_id=0)
+    if state_elements_per_row(config) and not state_layers(config):
+        pytest.skip(f"this transformers keeps {family}'s states in a cache of the model's "
+                    "own, not in DynamicCache")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = DynamicCache(config=config)
+    tokens = 6
+    with torch.no_grad():
+        model(input_ids=torch.arange(1, tokens + 1)[None], past_key_values=cache,
+              use_cache=True)
+    kv, state = 0, 0
+    for layer in cache.layers:
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            state += sum(t.numel() for t in states.values() if t is not None)
+        keys = getattr(layer, "keys", None)     # a window (16 here) holds all 6 tokens
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            kv += (keys.numel() + layer.values.numel()) // tokens
+    assert (kv, state) == (kv_elements_per_token(config), state_elements_per_row(config))

@@ -1,8 +1,10 @@
 """The families Tinker users train, through the stock `tinker` SDK, unchanged (issue 44).
 
-One server serves a tiny random model of each family (`tests/engine/families.py`) under
-the family's name (`--models`). It runs `--sampler static`: the decode pool does not hold
-sliding-window or recurrent layers yet, and refuses such a model at start by name.
+A server with default flags serves a tiny random model of each family
+(`tests/engine/families.py`) under the family's name (`--models`), sampling in its decode
+pool (a hybrid's recurrent states too); the sliding-window families have a second server
+with `--sampler static`, since the pool does not hold sliding windows yet and refuses such
+a model at start by name.
 
 Per family, Tinker's default `LoraConfig` (attention, MLP, unembed; experts per expert)
 trains 4 steps and the loss falls; the trained weights sample, and the sampler's logprobs
@@ -36,6 +38,8 @@ FAMILIES = ["phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma3_text", "qwen3_ne
             "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"]
 """The families whose layers differ from Llama's (fused projections, experts, sliding
 windows and sinks, Gated DeltaNet and Mamba2 mixers); Llama-shaped ones: tests/engine."""
+SLIDING = {"gpt_oss", "gemma3_text"}
+"""Served by the `--sampler static` server."""
 STEPS = 4
 UNSERVED_EXPERTS = "are not computed by this engine's expert LoRA"
 """The refusal an older transformers' experts get (`engine.experts.targets`)."""
@@ -52,19 +56,27 @@ def _served() -> list[str]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_cache):
-    """The server and the directory of each family it serves."""
+    """Each family served: its server, an SDK client of it and the family's directory."""
     root = tmp_path_factory.mktemp("models")
     dirs = {family: write_family(root, family, tiny_cache) for family in _served()}
-    models = root / "models.toml"
-    models.write_text("".join(f'[[models]]\nname = "{f}"\npath = "{d}"\n\n'
-                              for f, d in dirs.items()))
-    proc = keyed_server(tmp_path_factory.mktemp("families-server"), "--models", str(models),
-                        "--sampler", "static", "--max-adapters-per-tenant", "16")
-    client = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
-                                  api_key=proc.keys["alice"])
-    yield proc, client, dirs
-    client.close("success").result()
-    proc.stop()
+    out = {}
+    for name, flags, families in (("pool", (), [f for f in dirs if f not in SLIDING]),
+                                  ("static", ("--sampler", "static"),
+                                   [f for f in dirs if f in SLIDING])):
+        if not families:
+            continue
+        models = root / f"{name}.toml"
+        models.write_text("".join(f'[[models]]\nname = "{f}"\npath = "{dirs[f]}"\n\n'
+                                  for f in families))
+        proc = keyed_server(tmp_path_factory.mktemp(f"{name}-server"), "--models",
+                            str(models), "--max-adapters-per-tenant", "16", *flags)
+        client = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
+                                      api_key=proc.keys["alice"])
+        out.update({f: (proc, client, dirs[f]) for f in families})
+    yield out
+    for proc, client, _ in {id(v[0]): v for v in out.values()}.values():
+        client.close("success").result()
+        proc.stop()
 
 
 def _data(length: int = 12) -> list[types.Datum]:
@@ -86,10 +98,10 @@ def _training_client(client: tinker.ServiceClient, family: str, **switches: bool
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family, tmp_path):
-    proc, client, dirs = served
-    if family not in dirs:
+    if family not in served:
         pytest.skip(f"transformers {transformers.__version__} cannot serve {family} "
                     "(no config class, or mixers the engine refuses there)")
+    proc, client, model_dir = served[family]
     atol = STATE_LOGPROB_ATOL if family in MIXER_FAMILIES else LOGPROB_ATOL
     training = _training_client(client, family)
     losses = []
@@ -122,13 +134,13 @@ def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family
     adapter = download(rest.get_external_weights_urls(path).result().urls, tmp_path / "out")
     ours = training.forward(_data(), "cross_entropy").result().loss_fn_outputs[0][
         "logprobs"].to_numpy()
-    theirs, plain = peft_logprobs(str(dirs[family]), adapter, _data())
+    theirs, plain = peft_logprobs(str(model_dir), adapter, _data())
     np.testing.assert_allclose(ours, theirs[0], atol=atol, rtol=0)
     assert np.abs(ours - plain[0]).max() > 10 * atol
 
 
 def test_the_sdks_switches_select_by_role_on_fused_layers(served, tmp_path):
-    proc, client, _ = served
+    proc, client, _ = served["phi3"]
     attention_only = _training_client(client, "phi3", train_mlp=False, train_unembed=False)
     assert np.isfinite(attention_only.forward_backward(_data(), "cross_entropy").result()
                        .metrics["loss:sum"])

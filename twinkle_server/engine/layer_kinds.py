@@ -185,3 +185,42 @@ def layer_elements(config: Any) -> list[tuple[int, int]]:
         parts = [part_elements(config, p) for p in (kind.mixer, kind.mlp) if p is not None]
         out.append((sum(k for k, _ in parts), sum(u for _, u in parts)))
     return out
+
+
+def kv_elements_per_token(config: Any) -> int:
+    """Elements one position holds in a decode cache: keys and values (2 x the key/value
+    width) of every attention layer. Recurrent mixers hold a state of fixed size instead
+    (`state_elements_per_row`)."""
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    kv_width = int(getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    return sum(2 * kv_width for kind in layer_kinds(config) if kind.mixer == ATTENTION)
+
+
+def state_elements_per_row(config: Any) -> int:
+    """Elements a decoding row's recurrent mixers hold whatever its length: each causal
+    conv's last `kernel` inputs, and each scan's state (Gated DeltaNet: value heads x key
+    head dim x value head dim; Mamba2: heads x head dim x state size; LFM2's short conv
+    has its conv only)."""
+    return sum(_state_elements(config, kind.mixer) for kind in layer_kinds(config)
+               if kind.mixer in (LINEAR_ATTENTION, MAMBA, SHORT_CONV))
+
+
+def _state_elements(config: Any, mixer: str) -> int:
+    text = text_config(config)
+    if mixer == LINEAR_ATTENTION:
+        heads = _need(text, "linear attention", "linear_num_value_heads")
+        key_dim = _need(text, "linear attention", "linear_key_head_dim")
+        value_dim = _need(text, "linear attention", "linear_value_head_dim")
+        keys = _need(text, "linear attention", "linear_num_key_heads") * key_dim
+        kernel = _need(text, "linear attention", "linear_conv_kernel_dim")
+        return (2 * keys + heads * value_dim) * kernel + heads * key_dim * value_dim
+    if mixer == MAMBA:
+        heads = _need(text, "Mamba", "mamba_num_heads")
+        inner = heads * _need(text, "Mamba", "mamba_head_dim")
+        state = _need(text, "Mamba", "ssm_state_size")
+        groups_state = _need(text, "Mamba", "n_groups", "mamba_n_groups") * state
+        kernel = _need(text, "Mamba", "conv_kernel", "mamba_d_conv")
+        return (inner + 2 * groups_state) * kernel + inner * state
+    return int(text.hidden_size) * _need(text, "short convolution", "conv_L_cache")

@@ -256,11 +256,16 @@ KV_POOL_UNKNOWN = 65_536
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Keys and values of one position over every layer, in bytes."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+    """Keys and values of one position over every attention layer, in bytes (a hybrid's
+    recurrent layers hold a state per row instead: `state_bytes_per_row`)."""
+    return layer_kinds.kv_elements_per_token(config) * torch.finfo(dtype).bits // 8
+
+
+def state_bytes_per_row(config: Any) -> int:
+    """What a decoding row's recurrent mixers hold whatever its length, in bytes: counted
+    as float32 (the scans keep their states in float32 on any base dtype; the convs'
+    inputs are the base's dtype, so this bounds them)."""
+    return layer_kinds.state_elements_per_row(config) * 4
 
 
 def auto_kv_pool_tokens(config: Any, dtype: torch.dtype, free: int | None) -> int:
@@ -268,7 +273,8 @@ def auto_kv_pool_tokens(config: Any, dtype: torch.dtype, free: int | None) -> in
     `KV_POOL_MAX` (`KV_POOL_UNKNOWN` when free memory is unknown)."""
     if free is None:
         return KV_POOL_UNKNOWN
-    return max(1, min(KV_POOL_MAX, int(free * KV_SHARE) // kv_bytes_per_token(config, dtype)))
+    per_position = max(1, kv_bytes_per_token(config, dtype))
+    return max(1, min(KV_POOL_MAX, int(free * KV_SHARE) // per_position))
 
 
 def module_bytes(module: torch.nn.Module) -> int:

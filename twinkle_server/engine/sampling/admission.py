@@ -32,10 +32,11 @@ class Waiting:
     max_tokens: int
 
 
-def footprint(width: int, remaining: Sequence[int]) -> int:
+def footprint(width: int, remaining: Sequence[int], row_state: int = 0) -> int:
     """Most KV positions rows of a batch of `width`, with `remaining[i]` tokens still to
-    draw, can occupy before they leave."""
-    return sum(width + r for r in remaining)
+    draw, can occupy before they leave; each row's recurrent states count as `row_state`
+    positions (a hybrid model's: `KVBatch.row_state`)."""
+    return sum(width + r + row_state for r in remaining)
 
 
 def copies(samples: Sequence[int], shared: int) -> int:
@@ -48,10 +49,12 @@ def copies(samples: Sequence[int], shared: int) -> int:
 
 
 def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capacity: int,
-          prefill_tokens: int, samples: Sequence[int] = (), shared: int = 0) -> int:
+          prefill_tokens: int, samples: Sequence[int] = (), shared: int = 0,
+          row_state: int = 0) -> int:
     """How many of `waiting`, in order, join a batch of `width` whose rows have
     `remaining` tokens to draw, within `capacity` KV positions, with room for the shared
-    copies (`copies`) of its requests of `samples[i]` samples and `shared` columns alike.
+    copies (`copies`) of its requests of `samples[i]` samples and `shared` columns alike;
+    each row's recurrent states count as `row_state` positions.
 
     Joiners are prefilled together, padded to their widest cached prefix plus their
     widest suffix, and the batch takes the wider width: the rows there already hold that
@@ -67,7 +70,7 @@ def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capa
         new_rows = rows + [request.max_tokens] * request.rows
         new_groups = groups + [request.rows]
         alike = min(shared + new_width - width, new_width) if remaining else new_width
-        need = footprint(new_width, new_rows)
+        need = footprint(new_width, new_rows, row_state)
         alone = not remaining and not count     # an empty pool takes one without its copy
         if need > capacity or (need + copies(new_groups, alike) > capacity and not alone):
             break
@@ -79,13 +82,17 @@ def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capa
     return count
 
 
-def never_fits(request: SampleRequest, capacity: int) -> ResourceExhausted | None:
-    """The refusal of a request too large for an empty pool, else None."""
-    need = request.num_tokens
+def never_fits(request: SampleRequest, capacity: int,
+               row_state: int = 0) -> ResourceExhausted | None:
+    """The refusal of a request too large for an empty pool, else None; each of its rows'
+    recurrent states counts as `row_state` positions."""
+    need = request.num_tokens + request.num_samples * row_state
     if need <= capacity:
         return None
+    what, row = "prompt + max_tokens", f"{request.prompt.size} + {request.params.max_tokens}"
+    if row_state:
+        what, row = f"{what} + the recurrent layers' state", f"{row} + {row_state}"
     return ResourceExhausted(
-        f"num_samples x (prompt + max_tokens): {request.num_samples} x "
-        f"({request.prompt.size} + {request.params.max_tokens}) = {need} KV positions, over "
-        f"the sampler's pool of {capacity} (--kv-pool-tokens); ask fewer samples or tokens "
-        "per request")
+        f"num_samples x ({what}): {request.num_samples} x ({row}) = {need} KV positions, "
+        f"over the sampler's pool of {capacity} (--kv-pool-tokens); ask fewer samples or "
+        "tokens per request")

@@ -80,15 +80,19 @@ class PoolBook:
         device: where the KV batch lives and the requests' generators draw.
         eos: stop tokens of requests without `ignore_eos`.
         batch_invariant: no shared prompt copies to keep room for (`engine.batch_invariant`).
+        row_state: KV positions a row's recurrent states count as; a model with such
+            layers reuses no prompt prefixes (the prefix cache keeps keys and values, not
+            the states at a prefix's end).
     """
 
     def __init__(self, capacity: int, prefill_tokens: int, device: torch.device,
-                 eos: Sequence[int], batch_invariant: bool) -> None:
+                 eos: Sequence[int], batch_invariant: bool, row_state: int = 0) -> None:
         self.capacity, self.prefill_tokens = capacity, prefill_tokens
         self.device, self.eos, self.batch_invariant = device, tuple(eos), batch_invariant
+        self.row_state = row_state
         self.waiting: deque[PoolRequest] = deque()
         self.rows: list[PoolRow] = []
-        self.batch = KVBatch(self.device)
+        self.batch = KVBatch(self.device, row_state)
         self.prefixes = PrefixCache()
         self.finished: list[tuple[Any, Generation | EngineError]] = []
         self.counters = PoolStats(kv_capacity=capacity)
@@ -98,14 +102,16 @@ class PoolBook:
     def submit(self, key: Any, request: SampleRequest, route: str | None,
                namespace: Namespace | None = None) -> None:
         """Queue a checked request routed to `route`; its result comes out of a later
-        `run` under `key`. `namespace` (session, weights version) enables prefix reuse."""
-        refusal = never_fits(request, self.capacity)
+        `run` under `key`. `namespace` (session, weights version) enables prefix reuse,
+        where the model has no recurrent layers."""
+        refusal = never_fits(request, self.capacity, self.row_state)
         if refusal is not None:
             self.answer(key, refusal)
             return
         self._arrivals += 1
         self.waiting.append(PoolRequest(
-            key, request, route, namespace, token_step.new_generator(request.params.seed,
+            key, request, route, None if self.row_state else namespace,
+            token_step.new_generator(request.params.seed,
                                                                      self.device),
             token_step.stop_tokens(request.params, self.eos), self._arrivals))
         self._publish()
@@ -203,7 +209,8 @@ class PoolBook:
             return admit(self.batch.width, remaining, [
                 Waiting(r.sample.num_samples, r.cached, r.sample.prompt.size - r.cached,
                         r.sample.params.max_tokens) for r in self.waiting],
-                room, self.prefill_tokens, self._samples(), self._copied_width())
+                room, self.prefill_tokens, self._samples(), self._copied_width(),
+                self.row_state)
         count = plan(self.capacity - self.prefixes.tokens)
         # Cached prefixes make way for the next request only where that lets it join.
         if not count and self.waiting and plan(self.capacity):
@@ -227,7 +234,8 @@ class PoolBook:
     def _fit_prefixes(self) -> None:
         """Give up cached prefixes the rows' footprint and shared copies leave no room
         for."""
-        self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining())
+        self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining(),
+                                                    self.row_state)
                           - copies(self._samples(), self._copied_width()))
 
     def _leave(self) -> None:

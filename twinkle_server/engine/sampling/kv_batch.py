@@ -19,9 +19,16 @@ its attention mask, next positions and pending tokens.
   the pool has room for it (the copy counts in `held`), so that a decode step's
   attention reads them once for all of a request's samples (`decode_attention`), not
   once per sample: the reads a step's attention is bound by.
-* Only full-attention caches. A model with sliding-window (or other non-growing) cache
-  layers would keep fewer positions than the mask says; `unsupported_layers` names them,
-  and the pool refuses such a model when it is made.
+* Recurrent layers. A hybrid's linear-attention and Mamba layers (Qwen3.5, Qwen3-Next,
+  Nemotron-H) hold a state of fixed size per row instead of keys and values: the causal
+  conv's last inputs and the scan's state (`_StateLayer`). They join, leave, are undone
+  with a failed step and are held per row like the keys and values, rows first, with no
+  width (left padding never reaches them: padding positions enter a prefill zeroed by
+  its mask, which keeps a state at zero). A step replaces a layer's states rather than
+  writing into them (`_StateLayer.checkpoint`), so `snapshot` keeps the states before it.
+* Sliding windows are not held. A sliding-window (or other non-growing) cache layer would
+  keep fewer positions than the mask says; `unsupported_layers` names them, and the pool
+  refuses such a model when it is made.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+try:
+    from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+except ImportError:  # before transformers 5.25 a hybrid's states live in its own cache class
+    DummyLayer = LinearAttentionLayer = None
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -112,6 +124,86 @@ class _BufferedLayer(DynamicLayer):
         self.keys, self.values, self.buffers, self.start, self.used = state
 
 
+class _StateLayer(LinearAttentionLayer or object):  # type: ignore[misc]
+    """A linear-attention or Mamba layer's states for every row (rows first): conv and
+    recurrent, one of each per state index. Each update replaces a state (transformers'
+    layer writes into it), so a step's `snapshot` holds the states before it."""
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor | list[torch.Tensor],
+                               state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        last = (recurrent_states if isinstance(recurrent_states, torch.Tensor)
+                else recurrent_states[-1])
+        self.recurrent_states[state_idx] = last
+        return last
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every state it holds, conv then recurrent per state index."""
+        return tuple(t for i in range(self.number_of_states)
+                     for t in (self.conv_states[i], self.recurrent_states[i])
+                     if t is not None)
+
+    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Hold `tensors` (as `tensors()` gives them, rows selected or joined)."""
+        given = iter(tensors)
+        for i in range(self.number_of_states):
+            for states in (self.conv_states, self.recurrent_states):
+                if states[i] is not None:
+                    states[i] = next(given)
+
+    def checkpoint(self) -> tuple[torch.Tensor, ...]:
+        """The states now, for `hold` to put back; the conv states, which a decode step
+        writes in place (transformers' `causal_conv1d_update`), are given copies to
+        write into."""
+        saved = self.tensors()
+        for i in range(self.number_of_states):
+            if self.conv_states[i] is not None:
+                self.conv_states[i] = self.conv_states[i].clone()
+        return saved
+
+
+def _as_state(layer: Any) -> _StateLayer:
+    """`layer` (a fresh `LinearAttentionLayer`, as the cache made it for its layer) as a
+    `_StateLayer` with the same settings."""
+    state = _StateLayer.__new__(_StateLayer)
+    state.__dict__.update(layer.__dict__)
+    return state
+
+
+def _is_kv(layer: Any) -> bool:
+    return isinstance(layer, _BufferedLayer)
+
+
+def _is_state(layer: Any) -> bool:
+    return LinearAttentionLayer is not None and isinstance(layer, _StateLayer)
+
+
+def _row_tensors(layer: Any) -> tuple[torch.Tensor, ...]:
+    """A cache layer's per-row tensors: keys and values, states, or none (a layer of an
+    MoE or MLP block, which caches nothing)."""
+    if _is_kv(layer):
+        return layer.keys, layer.values
+    if _is_state(layer):
+        return layer.tensors()
+    return ()
+
+
+def _hold(layer: Any, tensors: Sequence[torch.Tensor]) -> None:
+    if _is_kv(layer):
+        layer.hold(*tensors)
+    elif _is_state(layer):
+        layer.hold(tensors)
+
+
+def state_layers(config: Any) -> list[str]:
+    """The layers of `config`'s model the pool holds as a state per row (linear attention,
+    Mamba, short convolution), by index."""
+    cache = DynamicCache(config=config)
+    return [f"{i}: {type(layer).__name__}" for i, layer in enumerate(cache.layers)
+            if LinearAttentionLayer is not None and type(layer) is LinearAttentionLayer]
+
+
 def unsupported_layers(config: Any) -> list[str]:
     """The cache layer kinds of `config`'s model the pool cannot hold (sliding-window
     layers keep only their window; linear-attention and Mamba layers a state), by layer
@@ -119,20 +211,27 @@ def unsupported_layers(config: Any) -> list[str]:
     builds and from the config's `layer_types`, since an older transformers keeps some
     hybrids' states in a cache of the model's own that looks like full attention."""
     cache = DynamicCache(config=config)
+    held = tuple(t for t in (DynamicLayer, LinearAttentionLayer, DummyLayer) if t is not None)
     found = {i: type(layer).__name__ for i, layer in enumerate(cache.layers)
-             if type(layer) is not DynamicLayer}
-    for i, kind in enumerate(getattr(config, "layer_types", None) or ()):
-        if kind != "full_attention":
+             if type(layer) not in held}
+    types = getattr(config, "layer_types", None) or ()
+    for i, (kind, layer) in enumerate(zip(types, cache.layers, strict=False)):
+        if kind != "full_attention" and type(layer) is DynamicLayer:
             found.setdefault(i, kind)
     return [f"{i}: {kind}" for i, kind in sorted(found.items())]
 
 
 def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
-    """A cache of `_BufferedLayer`s for `config`'s layers, holding `layers`' keys and
-    values if any (a prefill's cached prefixes)."""
+    """A cache for `config`'s layers: `_BufferedLayer`s for attention, `_StateLayer`s for
+    recurrent layers, holding `layers`' keys and values if any (a prefill's cached
+    prefixes, of a model without recurrent layers)."""
     cache = DynamicCache(config=config)
-    cache.layers = [_BufferedLayer() for _ in cache.layers]
-    for layer, (keys, values) in zip(cache.layers, layers, strict=False):
+    cache.layers = [_as_state(layer) if LinearAttentionLayer is not None
+                    and type(layer) is LinearAttentionLayer
+                    else layer if DummyLayer is not None and type(layer) is DummyLayer
+                    else _BufferedLayer() for layer in cache.layers]
+    kv = [layer for layer in cache.layers if _is_kv(layer)]
+    for layer, (keys, values) in zip(kv, layers, strict=False):
         layer.hold(keys, values)
     return cache
 
@@ -150,27 +249,31 @@ def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class SharedPrefix:
     """Columns `:width` of every row, held once per group of rows (a request's samples),
-    which have them alike: per layer `keys`/`values` `[groups, H, width, D]`. Every group
-    has `samples` rows, and rows `g * samples ...` are group g's."""
+    which have them alike: per cache layer `keys`/`values` `[groups, H, width, D]` (None
+    for a layer that holds no keys). Every group has `samples` rows, and rows
+    `g * samples ...` are group g's."""
 
     width: int
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
     samples: int
 
     @property
     def groups(self) -> int:
-        return self.keys[0].shape[0]
+        return next(k for k in self.keys if k is not None).shape[0]
 
 
 class KVBatch:
-    """The decoding rows' cache (`cache`, a `DynamicCache` of `_BufferedLayer`s), mask
+    """The decoding rows' cache (`cache`, a `DynamicCache` of `_BufferedLayer`s and
+    `_StateLayer`s), mask
     `[rows, width]`, next positions `[rows]` and pending tokens `[rows]`; per row its
     group (`group`: a label its request's rows share) and the first column a step wrote
     to it (`start`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, row_state: int = 0) -> None:
         self.device = device
+        self.row_state = row_state
+        """KV positions a row's recurrent states count as (0: the model has none)."""
         self._groups = 0
         self.clear()
 
@@ -193,17 +296,22 @@ class KVBatch:
     def width(self) -> int:
         return self.mask.shape[1]
 
-    def layers(self) -> list[_BufferedLayer]:
+    def layers(self) -> list[Any]:
+        """Every cache layer: keys and values, states, or none (`_row_tensors`)."""
         return [] if self.cache is None else list(self.cache.layers)
 
+    def kv_layers(self) -> list[_BufferedLayer]:
+        return [layer for layer in self.layers() if _is_kv(layer)]
+
     def held(self) -> int:
-        """KV positions the batch holds now: rows x columns of its buffers, and the
-        shared copy's groups x columns."""
-        layers = self.layers()
+        """KV positions the batch holds now: rows x (columns of its buffers, and
+        `row_state` positions for a row's recurrent states), and the shared copy's
+        groups x columns."""
+        layers = self.kv_layers()
         if not layers:
             return 0
         shared = self._shared.groups * self._shared.width if self._shared else 0
-        return self.rows * layers[0].columns() + shared
+        return self.rows * (layers[0].columns() + self.row_state) + shared
 
     @property
     def shared(self) -> SharedPrefix | None:
@@ -231,13 +339,14 @@ class KVBatch:
         fresh = {label: self._groups + i for i, label in enumerate(dict.fromkeys(labels))}
         new_groups = [fresh[label] for label in labels]
         if self.cache is None:
-            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            layers = [_row_tensors(layer) for layer in cache.layers]
             rest = (mask, positions, pending)
             group, start = new_groups, [mask.shape[1]] * len(new_groups)
         else:
             width = max(self.width, mask.shape[1])
-            layers = [(torch.cat([left_pad(old.keys, width), left_pad(new.keys, width)]),
-                       torch.cat([left_pad(old.values, width), left_pad(new.values, width)]))
+            layers = [tuple(torch.cat([left_pad(o, width), left_pad(n, width)]) if _is_kv(old)
+                            else torch.cat([o, n])
+                            for o, n in zip(_row_tensors(old), _row_tensors(new), strict=True))
                       for old, new in zip(self.layers(), cache.layers, strict=True)]
             rest = (torch.cat([left_pad(self.mask, width), left_pad(mask, width)]),
                     torch.cat([self.positions, positions]), torch.cat([self.pending, pending]))
@@ -245,7 +354,7 @@ class KVBatch:
             start = [s + width - self.width for s in self.start] + [width] * len(new_groups)
         if order is not None and list(order) != list(range(len(group))):
             index = torch.tensor(list(order), dtype=torch.long, device=self.device)
-            layers = [(keys[index], values[index]) for keys, values in layers]
+            layers = [tuple(t[index] for t in tensors) for tensors in layers]
             rest = tuple(t[index] for t in rest)
             group, start = [group[i] for i in order], [start[i] for i in order]
         unused = _unused_left(rest[0])
@@ -257,8 +366,8 @@ class KVBatch:
         self._forget_shared()
         self.mask, self.positions, self.pending = rest
         self.group, self.start = group, start
-        for layer, (keys, values) in zip(self.layers(), layers, strict=True):
-            layer.hold(keys, values)
+        for layer, tensors in zip(self.layers(), layers, strict=True):
+            _hold(layer, tensors)
         self._drop_left(unused)
 
     def select(self, keep: Sequence[int]) -> None:
@@ -268,9 +377,13 @@ class KVBatch:
             return
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         mask, positions, pending = self.mask[index], self.positions[index], self.pending[index]
-        states = [layer.picked(index) for layer in self.layers()]
+        states = [layer.picked(index) if _is_kv(layer)
+                  else tuple(t[index] for t in _row_tensors(layer)) for layer in self.layers()]
         for layer, state in zip(self.layers(), states, strict=True):
-            layer.set_state(state)
+            if _is_kv(layer):
+                layer.set_state(state)
+            else:
+                _hold(layer, state)
         self.mask, self.positions, self.pending = mask, positions, pending
         self.group = [self.group[i] for i in keep]
         self.start = [self.start[i] for i in keep]
@@ -280,7 +393,7 @@ class KVBatch:
     def _drop_left(self, columns: int) -> None:
         """Forget the first `columns` columns, which no row uses (views: nothing copied)."""
         if columns:
-            for layer in self.layers():
+            for layer in self.kv_layers():
                 layer.drop_left(columns)
             self.mask = self.mask[:, columns:]
             self.start = [max(s - columns, 0) for s in self.start]
@@ -314,27 +427,34 @@ class KVBatch:
             return None
         lead = torch.arange(0, self.rows, size, device=self.device)
         layers = self.layers()
-        return SharedPrefix(width, [layer.keys[lead, :, :width] for layer in layers],
-                            [layer.values[lead, :, :width] for layer in layers], size)
+        return SharedPrefix(width, [layer.keys[lead, :, :width] if _is_kv(layer) else None
+                                    for layer in layers],
+                            [layer.values[lead, :, :width] if _is_kv(layer) else None
+                             for layer in layers], size)
 
     def reserve(self, extra: int) -> None:
         """Give every layer `extra` spare columns when some layer has none left, so that
         the next steps write in place."""
-        layers = self.layers()
+        layers = self.kv_layers()
         if all(layer.spare() for layer in layers):
             return
         for layer in layers:
             layer.hold(layer.keys, layer.values, extra)
 
     def snapshot(self) -> tuple[Any, ...]:
-        """What `restore` needs to undo a step."""
+        """What `restore` needs to undo a step (a state layer's own `checkpoint`: from
+        here on its step writes into copies)."""
         return (self.mask, self.positions, self.pending,
-                [layer.state() for layer in self.layers()])
+                [layer.state() if _is_kv(layer) else layer.checkpoint() if _is_state(layer)
+                 else () for layer in self.layers()])
 
     def restore(self, snapshot: tuple[Any, ...]) -> None:
         self.mask, self.positions, self.pending, layers = snapshot
         for layer, state in zip(self.layers(), layers, strict=True):
-            layer.set_state(state)
+            if _is_kv(layer):
+                layer.set_state(state)
+            else:
+                _hold(layer, state)
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         """The next step's forward inputs; the mask takes the new column."""
@@ -363,13 +483,13 @@ def row_kv(cache: DynamicCache, row: int, mask_row: torch.Tensor) -> LayerKV:
     """Row `row` of `cache` at the positions `mask_row` keeps, as `[1, H, n, D]` copies."""
     columns = torch.nonzero(mask_row).squeeze(-1)
     return [(layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns])
-            for layer in cache.layers]
+            for layer in cache.layers if _is_kv(layer)]
 
 
 def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep rows `index` of `cache` (a prefill's), in that order."""
     for layer in cache.layers:
-        layer.hold(layer.keys[index], layer.values[index])
+        _hold(layer, tuple(t[index] for t in _row_tensors(layer)))
 
 
 def prefix_batch(prefixes: Sequence[LayerKV | None], cached: Sequence[int],

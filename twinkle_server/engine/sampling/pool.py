@@ -1,6 +1,8 @@
 """Continuous batching: the decode pool, where sample requests join and leave a running
 batch between decode steps.
 
+* Layer kinds. Full attention's keys and values, and a hybrid's linear-attention and
+  Mamba states per row (`kv_batch`); a model with sliding-window layers is refused.
 * Joining. Requests wait in arrival order; at the start of each slice those that fit
   (`admission`) are prefilled in one forward, ONE row per request whatever its
   `num_samples` (a GRPO group computes its prompt once), their first tokens drawn from
@@ -16,7 +18,8 @@ batch between decode steps.
 * Prefix reuse. A request may name a namespace (its sampling session and the version of
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
-  extends one computes only its new tokens.
+  extends one computes only its new tokens. Not on a hybrid model: the cache keeps keys
+  and values, not a recurrent state at a prefix's end.
 * Faults stay with their request. Logits that are not finite fail that request alone
   (`tokens.not_finite`). A prefill that fails (out of memory, a device error) has changed
   nothing: with several joiners each is prefilled again alone, so only the one that
@@ -46,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from twinkle_server.engine import memory
 from twinkle_server.engine.errors import (
     EngineError,
     InvalidArgument,
@@ -63,6 +67,7 @@ from twinkle_server.engine.sampling.kv_batch import (
     prefix_batch,
     row_kv,
     select_rows,
+    state_layers,
     unsupported_layers,
 )
 from twinkle_server.engine.sampling.static import Route, cache_keyword, forwarding, idle_step
@@ -81,13 +86,23 @@ def _strict(exc: BaseException, what: str) -> EngineError:
     raise exc
 
 
+def row_state_positions(config: Any, dtype: torch.dtype) -> int:
+    """KV positions of `dtype` that a decoding row's recurrent states (a hybrid model's
+    linear-attention or Mamba layers) take the room of, rounded up; 0 without such
+    layers."""
+    if not state_layers(config):
+        return 0
+    return -(-memory.state_bytes_per_row(config) // max(1, memory.kv_bytes_per_token(config,
+                                                                                     dtype)))
+
+
 def refusal(config: Any) -> InvalidArgument | None:
     """Why the pool cannot hold the cache of a model of `config`, or None."""
     if unsupported := unsupported_layers(config):
         return InvalidArgument(
             f"--sampler continuous: the model has cache layers the decode pool cannot "
-            f"hold ({', '.join(unsupported)}; sliding-window attention keeps only its "
-            "window, linear attention and Mamba a state); serve it with --sampler static")
+            f"hold ({', '.join(unsupported)}: sliding-window attention keeps only its "
+            "window); serve it with --sampler static")
     return None
 
 
@@ -119,8 +134,9 @@ class DecodePool(PoolBook):
                  batch_invariant: bool = False) -> None:
         if (refused := refusal(model.config)) is not None:
             raise refused
-        super().__init__(capacity, prefill_tokens, next(model.parameters()).device,
-                         eos_token_ids, batch_invariant)
+        weights = next(model.parameters())
+        super().__init__(capacity, prefill_tokens, weights.device, eos_token_ids,
+                         batch_invariant, row_state_positions(model.config, weights.dtype))
         self.model, self.route, self.decode = model, route, decode
         self.pad = pad_token_id
         self.parallel, self.fault, self.clock = parallel, fault, clock
@@ -233,7 +249,8 @@ class DecodePool(PoolBook):
         undone and fails the requests it can be held to."""
         batch = self.batch
         remaining = self._remaining()
-        room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining)
+        room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining,
+                                                                self.row_state)
         saved = batch.snapshot()
         requests = self._decoding()
         drawn_from = _generator_states(requests)
