@@ -38,8 +38,8 @@ from .families import (
 CE = LossSpec("cross_entropy")
 DENSE = ["llama", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "glm4_moe"]
 SLIDING = ["mistral", "gemma3_text"]
-"""Sliding-window families: trained on an engine that does not sample (the decode pool
-holds no sliding-window layers), as `--sampler static` or a split model's trainer ranks."""
+"""Sliding-window families (their decode pool holds the window: tests/engine/sampling/
+test_pool_layer_kinds.py)."""
 LOOP = ("phi3", "glm4_moe")
 """Families whose LoRA sits elsewhere than Llama's (fused linears; shared experts, dense
 MLP beside routed experts): trained against a plain peft loop too."""
@@ -54,7 +54,7 @@ ADAM = AdamParams(learning_rate=1e-2)
 def family(request, tiny_cache, tmp_path_factory) -> tuple[str, Engine]:
     name = request.param
     path = write_family(tmp_path_factory.mktemp("families"), name, tiny_cache)
-    engine = Engine.load(str(path), cache_dir=str(tiny_cache), samples=name not in SLIDING,
+    engine = Engine.load(str(path), cache_dir=str(tiny_cache),
                          limits=EngineLimits(max_adapters=4, max_rank=16, max_seq_len=64,
                                              max_batch_tokens=1024, kv_pool_tokens=256))
     return name, skip_unserved_experts(engine)

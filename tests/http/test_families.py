@@ -1,10 +1,8 @@
 """The families Tinker users train, through the stock `tinker` SDK, unchanged (issue 44).
 
-A server with default flags serves a tiny random model of each family
+One server with default flags serves a tiny random model of each family
 (`tests/engine/families.py`) under the family's name (`--models`), sampling in its decode
-pool (a hybrid's recurrent states too); the sliding-window families have a second server
-with `--sampler static`, since the pool does not hold sliding windows yet and refuses such
-a model at start by name.
+pool (a hybrid's recurrent states, a sliding window and gpt-oss's sinks too).
 
 Per family, Tinker's default `LoraConfig` (attention, MLP, unembed; experts per expert)
 trains 4 steps and the loss falls; the trained weights sample, and the sampler's logprobs
@@ -38,8 +36,6 @@ FAMILIES = ["phi3", "qwen3_moe", "glm4_moe", "gpt_oss", "gemma3_text", "qwen3_ne
             "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"]
 """The families whose layers differ from Llama's (fused projections, experts, sliding
 windows and sinks, Gated DeltaNet and Mamba2 mixers); Llama-shaped ones: tests/engine."""
-SLIDING = {"gpt_oss", "gemma3_text"}
-"""Served by the `--sampler static` server."""
 STEPS = 4
 UNSERVED_EXPERTS = "are not computed by this engine's expert LoRA"
 """The refusal an older transformers' experts get (`engine.experts.targets`)."""
@@ -56,27 +52,19 @@ def _served() -> list[str]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_cache):
-    """Each family served: its server, an SDK client of it and the family's directory."""
+    """Each family served: the server, an SDK client of it and the family's directory."""
     root = tmp_path_factory.mktemp("models")
     dirs = {family: write_family(root, family, tiny_cache) for family in _served()}
-    out = {}
-    for name, flags, families in (("pool", (), [f for f in dirs if f not in SLIDING]),
-                                  ("static", ("--sampler", "static"),
-                                   [f for f in dirs if f in SLIDING])):
-        if not families:
-            continue
-        models = root / f"{name}.toml"
-        models.write_text("".join(f'[[models]]\nname = "{f}"\npath = "{dirs[f]}"\n\n'
-                                  for f in families))
-        proc = keyed_server(tmp_path_factory.mktemp(f"{name}-server"), "--models",
-                            str(models), "--max-adapters-per-tenant", "16", *flags)
-        client = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
-                                      api_key=proc.keys["alice"])
-        out.update({f: (proc, client, dirs[f]) for f in families})
-    yield out
-    for proc, client, _ in {id(v[0]): v for v in out.values()}.values():
-        client.close("success").result()
-        proc.stop()
+    models = root / "models.toml"
+    models.write_text("".join(f'[[models]]\nname = "{f}"\npath = "{d}"\n\n'
+                              for f, d in dirs.items()))
+    proc = keyed_server(tmp_path_factory.mktemp("families-server"), "--models", str(models),
+                        "--max-adapters-per-tenant", "16")
+    client = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
+                                  api_key=proc.keys["alice"])
+    yield {family: (proc, client, path) for family, path in dirs.items()}
+    client.close("success").result()
+    proc.stop()
 
 
 def _data(length: int = 12) -> list[types.Datum]:

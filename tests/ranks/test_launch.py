@@ -212,17 +212,20 @@ def test_a_configuration_that_cannot_serve_ends_every_rank_at_once(tmp_path, tin
     assert time.monotonic() - started < 60
 
 
-def _sliding_window_copy(tiny_cache, tmp_path: Path) -> Path:
-    """The tiny model with its second layer made sliding-window attention (window 8)."""
+def _local_attention_copy(tiny_cache, tmp_path: Path) -> Path:
+    """The tiny model with its first layer's kind set to chunked (local) attention, chunks
+    of 8: a layer kind the decode pool does not hold (full and sliding-window attention
+    and recurrent states it does). Refused from its config, before any forward (Qwen3's
+    code would not run that kind)."""
     import json
     import shutil
 
     from twinkle_server.engine.tiny_model import build_tiny_model
 
-    model_dir = shutil.copytree(build_tiny_model(tiny_cache), tmp_path / "sliding")
+    model_dir = shutil.copytree(build_tiny_model(tiny_cache), tmp_path / "chunked")
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                  layer_types=None)
+    config.update(layer_types=["chunked_attention"] + ["full_attention"] * (
+        config["num_hidden_layers"] - 1), attention_chunk_size=8)
     (model_dir / "config.json").write_text(json.dumps(config))
     return model_dir
 
@@ -230,28 +233,15 @@ def _sliding_window_copy(tiny_cache, tmp_path: Path) -> Path:
 def test_a_model_the_decode_pool_cannot_hold_is_refused_at_start_naming_the_cure(
         tmp_path, tiny_cache):
     """A sliding-window layer once crashed the continuous sampler mid-generation with a
-    size mismatch; now the server refuses it at start, and serves it with --sampler static."""
-    model_dir = _sliding_window_copy(tiny_cache, tmp_path)
+    size mismatch (the pool holds windows now); a layer kind it does not hold is refused
+    at start, from its config before its weights load, naming --sampler static."""
+    model_dir = _local_attention_copy(tiny_cache, tmp_path)
     run = subprocess.run(
         [sys.executable, "-m", "twinkle_server.cli", "serve", "--model", str(model_dir),
          "--data-dir", str(tmp_path / "data"), "--port", "0", "--http-port", "0"],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
-    assert "DynamicSlidingWindowLayer" in run.stderr and "--sampler static" in run.stderr
-
-
-def test_a_sliding_window_model_samples_with_the_static_sampler(tmp_path, tiny_cache):
-    from twinkle_server.config.flags import ServerConfig
-    from twinkle_server.engine.types import SampleRequest, SamplingParams
-    from twinkle_server.ranks.launch import load_engine
-
-    model_dir = _sliding_window_copy(tiny_cache, tmp_path)
-    config = ServerConfig(model=str(model_dir), sampler="static", data_dir=tmp_path)
-    engine = load_engine(config, config.model_configs()[0])
-    request = SampleRequest(None, None, np.arange(1, 30), 2,
-                            SamplingParams(max_tokens=12, seed=1, ignore_eos=True))
-    out = engine.sample_batch([request])[0]
-    assert [s.tokens.size for s in out] == [12, 12]
+    assert "0: chunked_attention" in run.stderr and "--sampler static" in run.stderr
 
 
 def test_a_split_models_trainer_ranks_refuse_a_model_the_sampler_ranks_pool_cannot_hold(
@@ -263,9 +253,9 @@ def test_a_split_models_trainer_ranks_refuse_a_model_the_sampler_ranks_pool_cann
     from twinkle_server.engine.parallel import OneRank
     from twinkle_server.ranks.launch import load_engine
 
-    model_dir = _sliding_window_copy(tiny_cache, tmp_path)
+    model_dir = _local_attention_copy(tiny_cache, tmp_path)
     config = ServerConfig(model=str(model_dir), sampler_ranks=1, data_dir=tmp_path)
-    with pytest.raises(InvalidArgument, match="DynamicSlidingWindowLayer.*--sampler static"):
+    with pytest.raises(InvalidArgument, match="chunked_attention.*--sampler static"):
         load_engine(config, config.model_configs()[0], OneRank())
 
 

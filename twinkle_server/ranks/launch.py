@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
 from twinkle_server.config.flags import ServerConfig
 from twinkle_server.config.model_table import ModelConfig
@@ -33,6 +34,7 @@ from twinkle_server.engine.memory import (
     kv_bytes_per_token,
 )
 from twinkle_server.engine.parallel import Parallel, placement_from_env
+from twinkle_server.engine.sampling.pool import refusal as pool_refusal
 from twinkle_server.ranks.channel import Channel
 from twinkle_server.ranks.replication import follow
 from twinkle_server.ranks.sampler_rank import Link, SamplerRank
@@ -114,8 +116,12 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
     """The engine of served model `model` (on `device`, default its own), sharded over
     `parallel`'s ranks when given (each rank then logs the share of the base it holds); on
     a split model's trainer ranks it trains only (its sampler ranks' copies sample). A
-    model the decode pool cannot hold is refused here under `--sampler continuous`, naming
-    the cause and `--sampler static`."""
+    model the decode pool cannot hold is refused here under `--sampler continuous`, from
+    its config before its weights load, naming the cause and `--sampler static`."""
+    if config.sampler == "continuous":
+        hf_config = AutoConfig.from_pretrained(model_dir(model.path), local_files_only=True)
+        if (refused := pool_refusal(hf_config)) is not None:
+            raise refused
     samples = parallel is None or not model.sampler_ranks
     engine = Engine.load(model.path, device=device or model.device, dtype=model.dtype,
                          cache_dir=None, limits=model.limits(),
@@ -124,8 +130,6 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
                              config.activation_checkpointing],
                          parallel=parallel, samples=samples,
                          batch_invariant=config.batch_invariant == "on")
-    if config.sampler == "continuous" and engine.sampling.pool_refusal is not None:
-        raise engine.sampling.pool_refusal
     if parallel is not None:
         log.info("loaded: %s", parallel.describe_share())
     return engine

@@ -1,12 +1,17 @@
 """The KV batch: buffered layers write steps in place and record their used width; joins,
-selects and failed steps leave it consistent; sliding-window caches are named."""
+selects and failed steps leave it consistent; each layer kind is named."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from twinkle_server.engine.sampling.kv_batch import KVBatch, new_cache, unsupported_layers
+from twinkle_server.engine.sampling.kv_batch import (
+    KVBatch,
+    new_cache,
+    sliding_layers,
+    unsupported_layers,
+)
 
 from .. import small
 
@@ -100,7 +105,11 @@ def test_a_join_that_fails_while_ordering_its_rows_leaves_the_batch_as_it_was():
         assert torch.equal(layer.keys, keys)
 
 
-def test_sliding_window_layers_are_named_and_full_attention_is_not():
+def test_each_layer_kind_is_named_and_local_attention_is_not_held():
     assert unsupported_layers(small.build().config) == []
     sliding = small.build(use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    assert unsupported_layers(sliding.config) == ["1: DynamicSlidingWindowLayer"]
+    assert unsupported_layers(sliding.config) == []
+    assert sliding_layers(sliding.config) == ["1: DynamicSlidingWindowLayer"]
+    chunked = small.build(layer_types=["chunked_attention", "full_attention"],
+                          attention_chunk_size=8)
+    assert unsupported_layers(chunked.config) == ["0: chunked_attention"]

@@ -1,15 +1,20 @@
-"""The decode pool on hybrid models (issue 45): Gated DeltaNet linear attention (Qwen3.5,
-Qwen3-Next), Mamba2 (Nemotron-H) and a short convolution (LFM2) hold a state of fixed size
-per row beside the attention layers' keys and values (`kv_batch._StateLayer`).
+"""The decode pool on every layer kind (issue 45). Hybrids: Gated DeltaNet linear
+attention (Qwen3.5, Qwen3-Next), Mamba2 (Nemotron-H) and a short convolution (LFM2) hold a
+state of fixed size per row beside the attention layers' keys and values
+(`kv_batch._StateLayer`). Sliding windows (Mistral, Gemma 3, gpt-oss with its attention
+sinks) hold every position and a decode step's mask keeps each row's window
+(`decode_attention`); the window here is 4 positions, so that every request outgrows it.
 
 Rows join mid-generation, leave when they stop, and are undone with a failed step with
 their states; seeded requests get what the static batch gives each alone, up to the
 first near tie (`draws.assert_sampled_alike`: another batch rounds the logits
-differently); admission counts each row's states; such a model reuses no prefixes.
+differently); admission counts each row's states; such models reuse no prefixes.
 Random tiny models from the families' transformers config classes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -18,7 +23,11 @@ from transformers import AutoModelForCausalLM
 
 from twinkle_server.engine.errors import Cancelled, EngineError, ResourceExhausted
 from twinkle_server.engine.parallel import OneRank
-from twinkle_server.engine.sampling.kv_batch import state_layers, unsupported_layers
+from twinkle_server.engine.sampling.kv_batch import (
+    sliding_layers,
+    state_layers,
+    unsupported_layers,
+)
 from twinkle_server.engine.sampling.pool import DecodePool
 from twinkle_server.engine.sampling.static import generate
 from twinkle_server.engine.types import SampleRequest, SamplingParams
@@ -29,18 +38,27 @@ from ..families import family_config, skip_unchecked_mixers
 from ..faults import failing_forward
 
 HYBRIDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "lfm2"]
+WINDOWED = ["mistral", "gemma3_text", "gpt_oss"]
+WINDOW = 4
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
-def hybrid(request) -> torch.nn.Module:
-    skip_unchecked_mixers(request.param)
-    config = family_config(request.param, small.EOS + 1, pad_token_id=0)
+@functools.cache
+def _build(family: str) -> torch.nn.Module:
+    skip_unchecked_mixers(family)
+    window = {"sliding_window": WINDOW} if family in WINDOWED else {}
+    config = family_config(family, small.EOS + 1, pad_token_id=0, **window)
     if unsupported_layers(config):
-        pytest.skip(f"this transformers keeps {request.param}'s states in a cache of the "
-                    "model's own: the pool refuses it")
-    assert state_layers(config)
+        pytest.skip(f"this transformers keeps {family}'s states in a cache of the model's "
+                    "own: the pool refuses it")
+    assert state_layers(config) if family in HYBRIDS else sliding_layers(config)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module", params=HYBRIDS + WINDOWED)
+def layered(request) -> torch.nn.Module:
+    """A model of each layer kind the pool holds besides full attention."""
+    return _build(request.param)
 
 
 def _pool(model, capacity=100_000, fault=None) -> DecodePool:
@@ -69,12 +87,11 @@ def _drain(pool, results):
     raise AssertionError("the pool never drained")
 
 
-def test_rows_joining_mid_generation_and_leaving_get_what_the_static_batch_gives(hybrid):
+def test_rows_joining_mid_generation_and_leaving_get_what_the_static_batch_gives(layered):
     first = _req([5, 6, 7, 8], 2, max_tokens=12, seed=42)
     late = [_req([1, 2], 1, max_tokens=5, seed=1),
             _req(list(range(10, 20)), 3, max_tokens=7, seed=2, top_k=20, top_p=0.9)]
-    pool = _pool(hybrid)
-    assert pool.row_state > 0
+    pool = _pool(layered)
     pool.submit("first", first, None)
     results = dict(pool.run(0.0))
     assert pool.rows and "first" not in results      # mid-generation when the others join
@@ -82,31 +99,31 @@ def test_rows_joining_mid_generation_and_leaving_get_what_the_static_batch_gives
         pool.submit(i, request, None)
     _drain(pool, results)
     for key, request in [("first", first), *enumerate(late)]:
-        assert_sampled_alike(_alone(hybrid, request), results[key].sequences, str(key))
+        assert_sampled_alike(_alone(layered, request), results[key].sequences, str(key))
 
 
-def test_groups_of_samples_read_their_prompt_once_and_keep_their_own_states(hybrid):
+def test_groups_of_samples_read_their_prompt_once_and_keep_their_own_states(layered):
     """Two RL groups of four: the pool holds each group's prompt columns once
     (`KVBatch.shared_prefix`) while every row keeps its own recurrent state."""
     groups = [_req([5, 6, 7, 8, 9], 4, max_tokens=8, seed=3),
               _req([40, 41, 42], 4, max_tokens=8, seed=4)]
-    pool = _pool(hybrid)
+    pool = _pool(layered)
     for i, request in enumerate(groups):
         pool.submit(i, request, None)
     results = dict(pool.run(0.0))
     assert pool.batch.shared is not None
     _drain(pool, results)
     for i, request in enumerate(groups):
-        assert_sampled_alike(_alone(hybrid, request), results[i].sequences)
+        assert_sampled_alike(_alone(layered, request), results[i].sequences)
 
 
-def test_a_step_that_fails_after_the_mixers_ran_is_undone_states_and_all(hybrid):
+def test_a_step_that_fails_after_the_mixers_ran_is_undone_states_and_all(layered):
     """Out of memory at the output layer, after every mixer updated its state (a conv
     state in place): the step is undone, the newest request fails, and the older one
     goes on from the states before the step, as if alone."""
     older = _req([5, 6, 7], 2, max_tokens=12, seed=1)
     newer = _req([30, 31, 32], 1, max_tokens=12, seed=2)
-    pool = _pool(hybrid, fault=lambda exc, what: ResourceExhausted(f"{what}: {exc}"))
+    pool = _pool(layered, fault=lambda exc, what: ResourceExhausted(f"{what}: {exc}"))
     pool.submit(0, older, None)
     results = dict(pool.run(0.0))
     pool.submit(1, newer, None)
@@ -118,7 +135,7 @@ def test_a_step_that_fails_after_the_mixers_ran_is_undone_states_and_all(hybrid)
             hits.append(1)
             raise torch.OutOfMemoryError("out of memory at the output layer")
 
-    handle = hybrid.get_output_embeddings().register_forward_pre_hook(out_of_memory)
+    handle = layered.get_output_embeddings().register_forward_pre_hook(out_of_memory)
     try:
         results.update(pool.run(0.0))
     finally:
@@ -126,30 +143,34 @@ def test_a_step_that_fails_after_the_mixers_ran_is_undone_states_and_all(hybrid)
     assert hits
     _drain(pool, results)
     assert isinstance(results[1], ResourceExhausted), results[1]
-    assert_sampled_alike(_alone(hybrid, older), results[0].sequences)
+    assert_sampled_alike(_alone(layered, older), results[0].sequences)
 
 
-def test_admission_counts_each_rows_recurrent_states(hybrid):
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_admission_counts_each_rows_recurrent_states(family):
+    layered = _build(family)
     request = _req([5, 6, 7, 8], 2, max_tokens=6, seed=5)
     per_row = request.prompt.size + request.params.max_tokens
-    row_state = _pool(hybrid).row_state
+    row_state = _pool(layered).row_state
+    assert row_state > 0
     need = request.num_samples * (per_row + row_state)
-    pool = _pool(hybrid, capacity=need - 1)
+    pool = _pool(layered, capacity=need - 1)
     pool.submit(0, request, None)
     refused = dict(pool.run(0.0))
     assert isinstance(refused[0], ResourceExhausted)
     assert "recurrent layers' state" in str(refused[0]) and f"= {need} KV" in str(refused[0])
-    pool = _pool(hybrid, capacity=need)
+    pool = _pool(layered, capacity=need)
     pool.submit(0, request, None)
     served = _drain(pool, {})
-    assert_sampled_alike(_alone(hybrid, request), served[0].sequences)
+    assert_sampled_alike(_alone(layered, request), served[0].sequences)
     assert pool.stats().kv_in_use == 0
 
 
-def test_a_hybrid_reuses_no_prefixes_and_says_so_in_its_counters(hybrid):
-    """The prefix cache keeps keys and values, not a recurrent state at a prefix's end:
-    a session's repeat computes its whole prompt again, with the same draws."""
-    pool = _pool(hybrid)
+def test_such_models_reuse_no_prefixes_and_say_so_in_their_counters(layered):
+    """The prefix cache keeps keys and values, not a recurrent state at a prefix's end,
+    and a joiner with a cached prefix has padding a window would count: a session's
+    repeat computes its whole prompt again, with the same draws."""
+    pool = _pool(layered)
     outs = []
     for key in range(2):
         pool.submit(key, _req([5, 6, 7, 8, 9], 1, max_tokens=6, seed=7), None,
@@ -170,45 +191,45 @@ def _fault(exc: BaseException, what: str):
     return EngineError(f"sampling: {what} failed: {exc}")
 
 
-def test_out_of_memory_in_a_joiners_prefill_fails_that_joiner_alone(hybrid):
+def test_out_of_memory_in_a_joiners_prefill_fails_that_joiner_alone(layered):
     marker = 250
     decoding = _req([5, 6, 7], 2, max_tokens=10, seed=1)
     culprit = _req([marker, 1, 2, 3], seed=2)
     beside = _req([20, 21], 3, seed=3)
-    pool = _pool(hybrid, fault=_fault)
+    pool = _pool(layered, fault=_fault)
     pool.submit(0, decoding, None)
     results = dict(pool.run(0.0))
     pool.submit(1, culprit, None)
     pool.submit(2, beside, None)
     oom = torch.OutOfMemoryError("out of memory")
-    with failing_forward(hybrid, oom, lambda ids: (ids == marker).any(), times=10) as hits:
+    with failing_forward(layered, oom, lambda ids: (ids == marker).any(), times=10) as hits:
         _drain(pool, results)
     assert hits and isinstance(results[1], ResourceExhausted)
-    assert_sampled_alike(_alone(hybrid, decoding), results[0].sequences)
-    assert_sampled_alike(_alone(hybrid, beside), results[2].sequences)
+    assert_sampled_alike(_alone(layered, decoding), results[0].sequences)
+    assert_sampled_alike(_alone(layered, beside), results[2].sequences)
 
 
-def test_a_device_error_in_a_step_fails_its_rows_and_leaves_the_pool_clean(hybrid):
-    pool = _pool(hybrid, fault=_fault)
+def test_a_device_error_in_a_step_fails_its_rows_and_leaves_the_pool_clean(layered):
+    pool = _pool(layered, fault=_fault)
     pool.submit(0, _req([5, 6, 7], 2, max_tokens=10, seed=1), None)
     results = dict(pool.run(0.0))
     error = RuntimeError("device error")
-    with failing_forward(hybrid, error, lambda ids: ids.shape[1] == 1) as hits:
+    with failing_forward(layered, error, lambda ids: ids.shape[1] == 1) as hits:
         results.update(pool.run(0.0))
     assert hits and type(results[0]) is EngineError and "device error" in str(results[0])
     assert not pool.rows and not pool.batch.layers()
     later = _req([8, 9], 2, max_tokens=6, seed=4)
     pool.submit(1, later, None)
-    assert_sampled_alike(_alone(hybrid, later), _drain(pool, {})[1].sequences)
+    assert_sampled_alike(_alone(layered, later), _drain(pool, {})[1].sequences)
 
 
-def test_a_cancelled_request_leaves_and_the_others_states_stay_their_own(hybrid):
+def test_a_cancelled_request_leaves_and_the_others_states_stay_their_own(layered):
     kept = _req([5, 6, 7], 2, max_tokens=10, seed=1)
-    pool = _pool(hybrid)
+    pool = _pool(layered)
     pool.submit("gone", _req([30, 31], 3, max_tokens=10, seed=2), None)
     pool.submit("kept", kept, None)
     results = dict(pool.run(0.0))
     pool.cancel(["gone"])
     _drain(pool, results)
     assert isinstance(results["gone"], Cancelled)
-    assert_sampled_alike(_alone(hybrid, kept), results["kept"].sequences)
+    assert_sampled_alike(_alone(layered, kept), results["kept"].sequences)

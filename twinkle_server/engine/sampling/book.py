@@ -80,16 +80,19 @@ class PoolBook:
         device: where the KV batch lives and the requests' generators draw.
         eos: stop tokens of requests without `ignore_eos`.
         batch_invariant: no shared prompt copies to keep room for (`engine.batch_invariant`).
-        row_state: KV positions a row's recurrent states count as; a model with such
-            layers reuses no prompt prefixes (the prefix cache keeps keys and values, not
-            the states at a prefix's end).
+        row_state: KV positions a row's recurrent states count as.
+        reuses_prefixes: whether a session's prompts reuse cached prefixes: not for a
+            model with recurrent layers (the prefix cache keeps keys and values, not the
+            states at a prefix's end) or sliding windows (a joiner with a cached prefix
+            has padding between it and its new tokens, which a window would count).
     """
 
     def __init__(self, capacity: int, prefill_tokens: int, device: torch.device,
-                 eos: Sequence[int], batch_invariant: bool, row_state: int = 0) -> None:
+                 eos: Sequence[int], batch_invariant: bool, row_state: int = 0,
+                 reuses_prefixes: bool = True) -> None:
         self.capacity, self.prefill_tokens = capacity, prefill_tokens
         self.device, self.eos, self.batch_invariant = device, tuple(eos), batch_invariant
-        self.row_state = row_state
+        self.row_state, self.reuses_prefixes = row_state, reuses_prefixes
         self.waiting: deque[PoolRequest] = deque()
         self.rows: list[PoolRow] = []
         self.batch = KVBatch(self.device, row_state)
@@ -103,14 +106,14 @@ class PoolBook:
                namespace: Namespace | None = None) -> None:
         """Queue a checked request routed to `route`; its result comes out of a later
         `run` under `key`. `namespace` (session, weights version) enables prefix reuse,
-        where the model has no recurrent layers."""
+        where the model allows it (`reuses_prefixes`)."""
         refusal = never_fits(request, self.capacity, self.row_state)
         if refusal is not None:
             self.answer(key, refusal)
             return
         self._arrivals += 1
         self.waiting.append(PoolRequest(
-            key, request, route, None if self.row_state else namespace,
+            key, request, route, namespace if self.reuses_prefixes else None,
             token_step.new_generator(request.params.seed,
                                                                      self.device),
             token_step.stop_tokens(request.params, self.eos), self._arrivals))

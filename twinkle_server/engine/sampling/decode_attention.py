@@ -45,14 +45,21 @@ _SHARED: ContextVar[SharedPrefix | None] = ContextVar("twinkle_shared_prefix", d
 def decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """A decode step's mask: the 2D padding mask as `[rows, 1, 1, width]` booleans (one
     query a row, which may see all of its row), or None when it hides nothing (no row is
-    padded). Any other call: sdpa's own mask, with the arguments as given (their names
-    changed across transformers 5.x)."""
+    padded). For a sliding-window layer (`local_size` W) each row sees its last W real
+    positions, the new one among them, as transformers' window `q - W < k <= q` does;
+    the row's real columns are its positions in order, padding left out. Any other call:
+    sdpa's own mask, with the arguments as given (their names changed across
+    transformers 5.x)."""
     mask = kwargs.get("attention_mask")
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.numel())
     if (not args and q_length == 1 and not kwargs.get("kv_offset")
             and mask is not None and mask.dim() == 2
             and mask.shape[-1] == kwargs.get("kv_length")):
+        window = kwargs.get("local_size")
+        if window is not None:
+            keep = mask.bool() & (mask.flip(-1).cumsum(-1).flip(-1) <= window)
+            return keep[:, None, None, :]
         return None if bool(mask.all()) else mask[:, None, None, :].bool()
     return sdpa_mask(*args, **kwargs)
 
@@ -87,7 +94,14 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scores.mul_(scale)
     if attention_mask is not None:
         scores.masked_fill_(~attention_mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    sinks = getattr(module, "sinks", None)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    else:   # gpt-oss: a learned logit per head joins each softmax, then is dropped
+        sink = sinks.reshape(1, kv_heads, heads // kv_heads, 1).expand(rows, -1, -1, 1)
+        both = torch.cat([scores, sink.to(scores.dtype)], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(value.dtype)
     if shared is None:
         out = torch.matmul(weights, value)   # [rows, kv_heads, group, d]
     else:

@@ -26,9 +26,11 @@ its attention mask, next positions and pending tokens.
   width (left padding never reaches them: padding positions enter a prefill zeroed by
   its mask, which keeps a state at zero). A step replaces a layer's states rather than
   writing into them (`_StateLayer.checkpoint`), so `snapshot` keeps the states before it.
-* Sliding windows are not held. A sliding-window (or other non-growing) cache layer would
-  keep fewer positions than the mask says; `unsupported_layers` names them, and the pool
-  refuses such a model when it is made.
+* Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) holds every
+  position, as full attention does, and a decode step's mask keeps each row's last
+  `sliding_window` positions for it (`decode_attention.decode_mask`): it costs what a
+  full-attention layer costs. Other local attention (chunked) is not held:
+  `unsupported_layers` names it, and the pool refuses such a model when it is made.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 try:
     from transformers.cache_utils import DummyLayer, LinearAttentionLayer
@@ -196,40 +198,84 @@ def _hold(layer: Any, tensors: Sequence[torch.Tensor]) -> None:
         layer.hold(tensors)
 
 
+KV, SLIDING, STATE, NONE = "kv", "sliding", "state", "none"
+"""How the pool holds a cache layer: keys and values of every position (full attention;
+a sliding window too, its window applied by the decode step's mask), a state per row,
+or nothing (an MLP or MoE block's layer)."""
+
+
+def _how_held(layer: Any, layer_type: str | None) -> str | None:
+    """How the pool holds `layer` (a fresh cache's, of `layer_type` in the config's
+    `layer_types`), or None where it cannot: a chunked or other local attention, or an
+    older transformers' stand-in for a hybrid's state (a `DynamicLayer` of a
+    non-attention layer type)."""
+    kind = type(layer)
+    if kind is DynamicLayer:
+        return KV if layer_type in (None, "full_attention") else None
+    if kind is DynamicSlidingWindowLayer:
+        return SLIDING if layer_type in (None, "sliding_attention") else None
+    if LinearAttentionLayer is not None and kind is LinearAttentionLayer:
+        return STATE
+    if DummyLayer is not None and kind is DummyLayer:
+        return NONE
+    return None
+
+
+def _layers(config: Any) -> list[tuple[Any, str | None]]:
+    """A fresh cache's layers for `config`, each with how the pool holds it."""
+    cache = DynamicCache(config=config)
+    types = list(getattr(config, "layer_types", None) or [None] * len(cache.layers))
+    return [(layer, _how_held(layer, kind)) for layer, kind in zip(cache.layers, types,
+                                                                   strict=False)]
+
+
+def _named(config: Any, how: str | None) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    return [f"{i}: {types[i] if types and how is None else type(layer).__name__}"
+            for i, (layer, held) in enumerate(_layers(config)) if held == how]
+
+
 def state_layers(config: Any) -> list[str]:
     """The layers of `config`'s model the pool holds as a state per row (linear attention,
     Mamba, short convolution), by index."""
-    cache = DynamicCache(config=config)
-    return [f"{i}: {type(layer).__name__}" for i, layer in enumerate(cache.layers)
-            if LinearAttentionLayer is not None and type(layer) is LinearAttentionLayer]
+    return _named(config, STATE)
+
+
+def sliding_layers(config: Any) -> list[str]:
+    """The sliding-window attention layers of `config`'s model, by index."""
+    return _named(config, SLIDING)
 
 
 def unsupported_layers(config: Any) -> list[str]:
-    """The cache layer kinds of `config`'s model the pool cannot hold (sliding-window
-    layers keep only their window; linear-attention and Mamba layers a state), by layer
-    index; empty when every layer is full attention. Read from the cache transformers
-    builds and from the config's `layer_types`, since an older transformers keeps some
-    hybrids' states in a cache of the model's own that looks like full attention."""
-    cache = DynamicCache(config=config)
-    held = tuple(t for t in (DynamicLayer, LinearAttentionLayer, DummyLayer) if t is not None)
-    found = {i: type(layer).__name__ for i, layer in enumerate(cache.layers)
-             if type(layer) not in held}
-    types = getattr(config, "layer_types", None) or ()
-    for i, (kind, layer) in enumerate(zip(types, cache.layers, strict=False)):
-        if kind != "full_attention" and type(layer) is DynamicLayer:
-            found.setdefault(i, kind)
-    return [f"{i}: {kind}" for i, kind in sorted(found.items())]
+    """The cache layers of `config`'s model the pool cannot hold, by index: chunked or
+    other local attention, and (an older transformers') hybrid states kept in a cache of
+    the model's own, which looks like full attention there."""
+    return _named(config, None)
 
 
 def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
-    """A cache for `config`'s layers: `_BufferedLayer`s for attention, `_StateLayer`s for
-    recurrent layers, holding `layers`' keys and values if any (a prefill's cached
-    prefixes, of a model without recurrent layers)."""
+    """A cache for `config`'s layers, holding `layers`' keys and values if any (a
+    prefill's cached prefixes, of a model whose layers are all attention): a
+    `_BufferedLayer` for each attention layer (marked `is_sliding` for a sliding window,
+    so transformers sizes that mask against one), a `_StateLayer` for each recurrent one.
+
+    Raises:
+        ValueError: a layer the pool cannot hold (`unsupported_layers`).
+    """
+    held = []
+    for layer, how in _layers(config):
+        if how is None:
+            raise ValueError(f"decode pool: cannot hold a {type(layer).__name__} layer")
+        if how == STATE:
+            held.append(_as_state(layer))
+        elif how == NONE:
+            held.append(layer)
+        else:
+            buffered = _BufferedLayer()
+            buffered.is_sliding = how == SLIDING
+            held.append(buffered)
     cache = DynamicCache(config=config)
-    cache.layers = [_as_state(layer) if LinearAttentionLayer is not None
-                    and type(layer) is LinearAttentionLayer
-                    else layer if DummyLayer is not None and type(layer) is DummyLayer
-                    else _BufferedLayer() for layer in cache.layers]
+    cache.layers = held
     kv = [layer for layer in cache.layers if _is_kv(layer)]
     for layer, (keys, values) in zip(kv, layers, strict=False):
         layer.hold(keys, values)

@@ -1,8 +1,9 @@
 """Continuous batching: the decode pool, where sample requests join and leave a running
 batch between decode steps.
 
-* Layer kinds. Full attention's keys and values, and a hybrid's linear-attention and
-  Mamba states per row (`kv_batch`); a model with sliding-window layers is refused.
+* Layer kinds. Full and sliding-window attention's keys and values, and a hybrid's
+  linear-attention and Mamba states per row (`kv_batch`); other local attention is
+  refused.
 * Joining. Requests wait in arrival order; at the start of each slice those that fit
   (`admission`) are prefilled in one forward, ONE row per request whatever its
   `num_samples` (a GRPO group computes its prompt once), their first tokens drawn from
@@ -18,8 +19,8 @@ batch between decode steps.
 * Prefix reuse. A request may name a namespace (its sampling session and the version of
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
-  extends one computes only its new tokens. Not on a hybrid model: the cache keeps keys
-  and values, not a recurrent state at a prefix's end.
+  extends one computes only its new tokens. Not on a model with recurrent layers or
+  sliding windows (`PoolBook`'s `reuses_prefixes`).
 * Faults stay with their request. Logits that are not finite fail that request alone
   (`tokens.not_finite`). A prefill that fails (out of memory, a device error) has changed
   nothing: with several joiners each is prefilled again alone, so only the one that
@@ -67,6 +68,7 @@ from twinkle_server.engine.sampling.kv_batch import (
     prefix_batch,
     row_kv,
     select_rows,
+    sliding_layers,
     state_layers,
     unsupported_layers,
 )
@@ -101,7 +103,7 @@ def refusal(config: Any) -> InvalidArgument | None:
     if unsupported := unsupported_layers(config):
         return InvalidArgument(
             f"--sampler continuous: the model has cache layers the decode pool cannot "
-            f"hold ({', '.join(unsupported)}: sliding-window attention keeps only its "
+            f"hold ({', '.join(unsupported)}: local attention other than a sliding "
             "window); serve it with --sampler static")
     return None
 
@@ -135,8 +137,10 @@ class DecodePool(PoolBook):
         if (refused := refusal(model.config)) is not None:
             raise refused
         weights = next(model.parameters())
+        config = model.config
         super().__init__(capacity, prefill_tokens, weights.device, eos_token_ids,
-                         batch_invariant, row_state_positions(model.config, weights.dtype))
+                         batch_invariant, row_state_positions(config, weights.dtype),
+                         not (state_layers(config) or sliding_layers(config)))
         self.model, self.route, self.decode = model, route, decode
         self.pad = pad_token_id
         self.parallel, self.fault, self.clock = parallel, fault, clock

@@ -25,7 +25,11 @@ from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
 from twinkle_server.engine.sampling.book import PoolStats
-from twinkle_server.engine.sampling.kv_batch import state_layers, unsupported_layers
+from twinkle_server.engine.sampling.kv_batch import (
+    sliding_layers,
+    state_layers,
+    unsupported_layers,
+)
 from twinkle_server.engine.sampling.pool import DecodePool
 from twinkle_server.engine.sampling.pool import refusal as pool_refusal
 from twinkle_server.engine.sampling.static import Route, generate
@@ -90,8 +94,9 @@ class Sampling:
         # (said on a split model's trainer ranks too, which hold no pool: they start first).
         self.pool: DecodePool | None = None
         self.pool_refusal = pool_refusal(base.model.config)
-        if host.batch_invariant and (unsupported := unsupported_layers(base.model.config)
-                                     + state_layers(base.model.config)):
+        config = base.model.config
+        if host.batch_invariant and (unsupported := unsupported_layers(config)
+                                     + sliding_layers(config) + state_layers(config)):
             raise InvalidArgument(
                 f"--batch-invariant on: the model has layers other than full causal "
                 f"attention ({', '.join(unsupported)}), which batch-invariant sampling does "
