@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -65,6 +66,11 @@ SERVICES = tuple(
 """Descriptors of every Twinkle service this server registers."""
 SERVICE_NAMES = tuple(service.full_name for service in SERVICES)
 EXPIRY_CHECK_SECONDS = 1.0
+DRAIN_SECONDS = 60.0
+"""How long a stop lets each model's queued training ops finish (samples end at once)."""
+ANSWER_GRACE_SECONDS = 5.0
+"""After the drain, how long the HTTP front stays up for clients still polling to read
+the outcomes the drain gave their ops (`HttpServer.answered`)."""
 
 
 class ConfigError(Exception):
@@ -231,12 +237,14 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
 
     expiry = asyncio.create_task(expire())
     await stop.wait()
-    log.info("draining: finishing in-flight ops, refusing new ones")
+    log.info("draining: finishing in-flight ops, ending samples, refusing new ops")
     rt.draining = True
+    drained_from = time.monotonic()
     await health_servicer.enter_graceful_shutdown()
     expiry.cancel()
-    await asyncio.to_thread(rt.stop, 60.0)
+    await asyncio.to_thread(rt.stop, DRAIN_SECONDS)
     if http is not None:
+        await http.answered(drained_from, ANSWER_GRACE_SECONDS)
         await http.stop()
     await server.stop(grace=5.0)
     rt.close()

@@ -150,3 +150,24 @@ def test_an_sdk_sample_future_cancelled_by_its_caller_leaves_the_pool(service, b
     assert stopped - before < MAX_TOKENS, (before, at_cancel, stopped)
     assert stopped - at_cancel < STOPPED_WITHIN_TOKENS + 100   # the SDK's own queue too
     assert _metric(base_url, "twinkle_decode_rows_active") == 0
+
+
+def test_a_closed_session_ends_its_sample_in_the_pool_at_once(http, base_url):
+    """A sample pending when its session closed once ran to its end (104 s later) for
+    nobody. Now the close answers it, naming the session's end, and the pool drops its
+    row at the next step."""
+    session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+    sampler = http.post("/api/v1/create_sampling_session", json={
+        "session_id": session, "base_model": "tiny"}).json()["sampling_session_id"]
+    before = _decoded(base_url)
+    request_id = http.post("/api/v1/asample", json={
+        "sampling_session_id": sampler, "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": ENDLESS.model_dump()}).json()["request_id"]
+    _wait_decoding(base_url, before)
+    assert http.post(f"/api/v1/sessions/{session}/finish", json={}).is_success
+    closed = _decoded(base_url)
+    failed = http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+    assert f"{sampler!r} has ended (session closed)" in failed["error"], failed
+    stopped = _wait_still(base_url)
+    assert stopped - closed < STOPPED_WITHIN_TOKENS, (before, closed, stopped)

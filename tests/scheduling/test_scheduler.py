@@ -737,6 +737,8 @@ def test_decode_apart_runs_a_training_op_during_a_decode_slice(make):
 
 
 def test_decode_apart_drain_runs_an_op_queued_behind_an_ordered_sample(make):
+    """The sample in the pool is ended by the stop; its seq_id is taken, so the training
+    op behind it still drains."""
     decoder = HeldDecoder()
     sched = make(decoder, queues=("run",), decode_group="sample", decode_apart=True)
     sched.start()
@@ -747,7 +749,9 @@ def test_decode_apart_drain_runs_an_op_queued_behind_an_ordered_sample(make):
     stopper.start()
     decoder.slice_gate.set()
     stopper.join(WAIT_SECONDS)
-    assert sampled.result(0)[0] == "sampled"
+    assert not stopper.is_alive()
+    with pytest.raises(SchedulerClosed, match="shutting down; the sample was stopped"):
+        sampled.result(0)
     assert stepped.result(0) == ("run", 1)
 
 
@@ -768,7 +772,7 @@ def test_decode_apart_wakes_the_training_worker_whichever_worker_waited_first(ma
         assert sched.submit(fwd("run", seq)).result(WAIT_SECONDS) == ("run", seq)
 
 
-def test_decode_apart_drain_decodes_a_sample_queued_behind_a_running_training_op(make):
+def test_decode_apart_drain_ends_a_sample_queued_behind_a_running_training_op(make):
     decoder = HeldDecoder()
     decoder.slice_gate.set()
     sched = make(decoder, queues=("run",), decode_group="sample", decode_apart=True)
@@ -780,13 +784,64 @@ def test_decode_apart_drain_decodes_a_sample_queued_behind_a_running_training_op
     stopper = threading.Thread(target=sched.stop, kwargs={"timeout": WAIT_SECONDS})
     stopper.start()
     # The decode worker sees the stop with nothing to decode: the case this test is for.
-    # On a busy machine it may look only after the gate opens; the drain must decode the
-    # sample either way, so what is asserted holds in both orders.
+    # On a busy machine it may look only after the gate opens; the sample is ended by the
+    # stop either way and the drain exits, so what is asserted holds in both orders.
     deadline = time.monotonic() + WAIT_SECONDS
     while not sched._closed and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(0.1)
     decoder.gate.set()
     stopper.join(2 * WAIT_SECONDS)
+    assert not stopper.is_alive()
     assert trained.result(0) == ("run", 0)
-    assert sampled.result(0)[0] == "sampled"
+    with pytest.raises(SchedulerClosed, match="the sample was stopped"):
+        sampled.result(0)
+    assert decoder.joined == []
+
+
+# ---------------------------------------------------------------- samples nobody reads
+
+def test_unregister_ends_that_queues_samples_in_the_pool_at_once_and_no_others(make):
+    """A closed session's samples stop decoding at the next slice and are answered with
+    the reason now; another session's sample decodes on to its end."""
+    decoder = HeldDecoder()
+    decoder.slice_gate.set()
+    sched = make(decoder, queues=("gone", "kept"), decode_group="sample")
+    sched.start()
+    long = sched.submit(sample("gone", None, tokens=1000))
+    queued = sched.submit(sample("gone", None, tokens=1000))
+    other = sched.submit(sample("kept", None, tokens=20))
+    deadline = time.monotonic() + WAIT_SECONDS
+    while len(decoder.joined) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    sched.unregister("gone", InvalidArgument("sampling_session_id: 'gone' has ended"))
+    for future in (long, queued):
+        with pytest.raises(InvalidArgument, match="'gone' has ended"):
+            future.result(0)
+    assert other.result(WAIT_SECONDS)[0] == "sampled"
+    deadline = time.monotonic() + WAIT_SECONDS
+    while {op.queue_id for op in decoder.cancelled} != {"gone"}:
+        assert time.monotonic() < deadline, "the pool never dropped the ended samples"
+        time.sleep(0.001)
+    assert sorted(decoder.left) == []     # nothing of 'gone' decodes any more
+
+
+def test_stop_ends_every_sample_at_once_and_drains_the_training_ops(make):
+    decoder = HeldDecoder()
+    sched = make(decoder, queues=("samp", "run"), decode_group="sample")
+    sched.start()
+    decoding = sched.submit(sample("samp", None, tokens=1000))
+    assert decoder.in_slice.wait(WAIT_SECONDS)
+    waiting = sched.submit(sample("samp", None, tokens=1000))
+    trained = sched.submit(fwd("run", 0))
+    ordered = sched.submit(sample("run", 1, tokens=1000))
+    stepped = sched.submit(optim("run", 2))
+    stopper = threading.Thread(target=sched.stop, kwargs={"timeout": WAIT_SECONDS})
+    stopper.start()
+    for future in (decoding, waiting, ordered):
+        with pytest.raises(SchedulerClosed, match="the sample was stopped"):
+            future.result(WAIT_SECONDS)
+    decoder.slice_gate.set()
+    stopper.join(WAIT_SECONDS)
+    assert not stopper.is_alive()
+    assert trained.result(0) == ("run", 0) and stepped.result(0) == ("run", 2)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Iterator
 
 import uvicorn
@@ -101,6 +102,14 @@ class HttpServer:
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self.server.serve(sockets=[self.socket]))
+
+    async def answered(self, since: float, grace_s: float) -> None:
+        """Wait, at most `grace_s` seconds, until every op that finished at or after
+        `since` has had its outcome read by its client (`retrieve_future`): the ops a
+        drain finishes or fails reach clients still polling before the front stops."""
+        deadline = time.monotonic() + grace_s
+        while self.front.futures.unanswered(since) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         self.server.should_exit = True

@@ -98,18 +98,19 @@ class Front:
 
     # ------------------------------------------------------------------ helpers
 
-    def tenant(self, request: Request) -> str:
-        """The tenant of the request's API key; a legacy key the SDK sent as `tml-tw-...`
-        is tried again as `tw-...`."""
+    def tenant(self, request: Request, while_draining: bool = False) -> str:
+        """The tenant of the request's API key (refused while the server drains, unless
+        `while_draining`: reading an op's outcome); a legacy key the SDK sent as
+        `tml-tw-...` is tried again as `tw-...`."""
         token = request.headers.get("x-api-key")
         auth = request.headers.get("authorization", "")
         if token is None and auth.startswith("Bearer "):
             token = auth[7:]
         try:
-            return self.rt.authenticate(token or None)
+            return self.rt.authenticate(token or None, while_draining)
         except Unauthenticated:
             if token and token.startswith(LEGACY_KEY_PREFIX):
-                return self.rt.authenticate(token[len("tml-"):])
+                return self.rt.authenticate(token[len("tml-"):], while_draining)
             raise
 
     def model(self, tenant: str, model_id: str) -> str:
@@ -204,13 +205,15 @@ class Front:
     @route
     async def retrieve_future(self, request: Request) -> Any:
         """The result of `request_id` (in the body, or the path's
-        `/retrieve_future/{request_id}` other Tinker tools call), or try again."""
-        tenant = self.tenant(request)
+        `/retrieve_future/{request_id}` other Tinker tools call), or try again. Answered
+        while the server drains too: the ops it finishes or fails then are still read."""
+        tenant = self.tenant(request, while_draining=True)
         request_id = request.path_params.get("request_id") or convert.text(
             await json_body(request), "request_id", required=True)
         entry = self.futures.get(tenant, request_id)
         if not await self.futures.wait(entry):
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        entry.answered = True
         if entry.task.cancelled():
             return failed_response(Cancelled(f"request_id: {request_id!r} was cancelled "
                                              "(cancel_future) before it finished"))

@@ -35,6 +35,7 @@ class Entry:
     task: asyncio.Task
     render: Callable[[Any], Any]      # the verb's result -> the response body
     finished_at: float | None = None
+    answered: bool = False            # `retrieve_future` has given its outcome
 
 
 def _finished(entry: Entry, task: asyncio.Task) -> None:
@@ -82,6 +83,13 @@ class Futures:
         if not entry.task.done():
             await asyncio.wait([entry.task], timeout=timeout)
         return entry.task.done()
+
+    def unanswered(self, since: float) -> int:
+        """Futures that finished at or after `since` (a `time.monotonic()`) and whose
+        outcome no `retrieve_future` has given yet."""
+        return sum(1 for table in self._tables.values() for e in table.values()
+                   if e.finished_at is not None and e.finished_at >= since
+                   and not e.answered)
 
     def cancel(self, tenant: str, request_id: str) -> None:
         """Stop waiting for the op (`cancel_future`): a sample op leaves its queue or the

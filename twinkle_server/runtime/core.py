@@ -146,9 +146,11 @@ class Core:
 
     # ------------------------------------------------------------------ auth
 
-    def authenticate(self, token: str | None) -> str:
-        """The tenant of an API key (`None`: none sent); every front calls this first."""
-        if self.draining:
+    def authenticate(self, token: str | None, while_draining: bool = False) -> str:
+        """The tenant of an API key (`None`: none sent); every front calls this first.
+        While the server drains, only calls `while_draining` (reading an op's outcome)
+        are served."""
+        if self.draining and not while_draining:
             raise Unavailable("the server is shutting down")
         if self.open_mode:
             return OPEN_TENANT
@@ -393,9 +395,9 @@ class Core:
             await self.end_sampler(sid, reason)
 
     async def end_sampler(self, sampling_id: str, reason: str) -> None:
-        """Forget a sampling session: its waiting requests fail with `reason` (a running
-        one finishes, or fails if it had not loaded the weights yet), and the snapshot it
-        owns is deleted, on the writer thread."""
+        """Forget a sampling session: its requests fail with `reason`, waiting or in the
+        decode pool (whose next slice drops their rows; a static batch already running
+        finishes), and the snapshot it owns is deleted, on the writer thread."""
         if sampling_id not in self.samplers:
             return
         served = self.base_of(sampling_id)

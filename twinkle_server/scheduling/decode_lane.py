@@ -131,6 +131,11 @@ class DecodeLane:
                 return "joining", queue, entry
         return None
 
+    def entries(self) -> list[tuple[Place, Queue, Entry]]:
+        """Every op in the lane, with where it is: in the pool or joining it."""
+        return [*(("pool", queue, entry) for queue, entry in self.decoding.values()),
+                *(("joining", queue, entry) for queue, entry in self.joining)]
+
     def take_joining(self) -> list[Entry]:
         """Remove and return the ops not yet handed to the pool."""
         joining, self.joining = [entry for _, entry in self.joining], []

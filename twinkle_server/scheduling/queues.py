@@ -252,6 +252,11 @@ class Queues:
                     return "queued", queue, entry
         return None
 
+    def queued(self) -> list[tuple[Place, Queue, Entry]]:
+        """Every op still queued, with its queue."""
+        return [("queued", queue, entry) for queue in self._queues.values()
+                for entry in (*queue.pending.values(), *queue.unordered)]
+
     def take_waiting(self) -> list[Entry]:
         """Remove and return every queue's ops not yet running."""
         return [entry for queue in self._queues.values() for entry in queue.take_waiting()]

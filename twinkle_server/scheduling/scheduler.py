@@ -163,13 +163,20 @@ class Scheduler:
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Refuse new ops with `SchedulerClosed`; with `drain` finish queued ones first.
 
-        Without `drain` (or when the worker never started) every op not yet running fails
-        with `SchedulerClosed`. Draining ends when no op is ready: ops still waiting for an
-        earlier seq_id that never came then fail. If `timeout` seconds pass first, what
-        is still waiting fails and the worker exits after its current batch.
+        Samples of the decode pool are not drained: each fails with `SchedulerClosed` at
+        once, queued or decoding (`end_samples`), since they change no state and a
+        sample is retried as easily as it is waited for. Without `drain` (or when the
+        worker never started) every op not yet running fails with `SchedulerClosed`.
+        Draining ends when no op is ready: ops still waiting for an earlier seq_id that
+        never came then fail. If `timeout` seconds pass first, what is still waiting
+        fails and the worker exits after its current batch.
         """
         with self._cond:
             self._closed = True
+        self.end_samples(SchedulerClosed(
+            "the server is shutting down; the sample was stopped (send it again once the "
+            "server is back)"))
+        with self._cond:
             threads = list(self._threads)
             failed = [] if drain and threads else self._take_all_waiting()
             self._cond.notify_all()
@@ -201,7 +208,9 @@ class Scheduler:
             self._queues.register(queue_id, next_seq)
 
     def unregister(self, queue_id: str, reason: Exception) -> None:
-        """Forget a queue; its waiting ops fail with `reason` (a running op finishes)."""
+        """Forget a queue; its waiting ops and its samples in the decode pool fail with
+        `reason` now (a running batch finishes)."""
+        self.end_samples(reason, queue_id)
         with self._cond:
             failed = self._queues.unregister(queue_id)
         _fail_all(failed, reason)
@@ -252,25 +261,55 @@ class Scheduler:
             if found is None:
                 return False
             place, queue, entry = found
-            action = plan_cancel(self._lane.takes(entry.op), place, entry.op.seq_id is not None)
-            if action == "keep" or entry.cancelled:
+            if self._cancel_plan(place, entry) == "keep":
                 return False
             entry.waiters -= 1
             if entry.waiters > 0:
                 return False
-            entry.cancelled = True
-            if action == "stop":
-                self._lane.stop(entry)
-                return True
-            if place == "joining":
-                self._lane.joining.remove((queue, entry))
-                self._queues.retire(queue, entry)
-            elif action == "drop":
-                queue.unordered.remove(entry)
-            # `skip`: it stays queued, and the lane's `divert` takes its seq_id in its turn.
-            self._cond.notify_all()
-        entry.future.set_exception(_cancelled(entry.op))
+            in_pool = self._end(place, queue, entry) == "stop"
+        if not in_pool:
+            entry.future.set_exception(_cancelled(entry.op))
         return True
+
+    def end_samples(self, error: Exception, queue_id: str | None = None) -> int:
+        """Answer every sample op of the decode pool with `error` now, those of queue
+        `queue_id` or (None) of every queue, wherever each is: queued (an ordered one
+        still takes its seq_id in its turn), joining, or in the pool, whose next slice
+        drops its rows. What a closed session or a shutdown does: nobody is left to
+        read those samples, and their rows hold the pool. Returns how many it ended."""
+        with self._cond:
+            found = [(place, queue, entry) for place, queue, entry in
+                     (*self._lane.entries(), *self._queues.queued())
+                     if queue_id in (None, entry.op.queue_id)
+                     and self._cancel_plan(place, entry) != "keep"]
+            for place, queue, entry in found:
+                self._end(place, queue, entry)
+        _fail_all([entry for _, _, entry in found], error)
+        return len(found)
+
+    def _cancel_plan(self, place: Place, entry: Entry) -> str:
+        """What ending `entry` at `place` does (`planning.plan_cancel`); "keep" also for
+        one already ended."""
+        if entry.cancelled:
+            return "keep"
+        return plan_cancel(self._lane.takes(entry.op), place, entry.op.seq_id is not None)
+
+    def _end(self, place: Place, queue: Queue, entry: Entry) -> str:
+        """End `entry` as `_cancel_plan` says (with the lock; its future is the caller's
+        to answer); returns the plan."""
+        action = self._cancel_plan(place, entry)
+        entry.cancelled = True
+        if action == "stop":
+            self._lane.stop(entry)
+            return action
+        if place == "joining":
+            self._lane.joining.remove((queue, entry))
+            self._queues.retire(queue, entry)
+        elif action == "drop":
+            queue.unordered.remove(entry)
+        # `skip`: it stays queued, and the lane's `divert` takes its seq_id in its turn.
+        self._cond.notify_all()
+        return action
 
     def _locate(self, future: Future) -> tuple[Place, Queue, Entry] | None:
         """Where the op of `future` is (call with the lock); None: not here."""
