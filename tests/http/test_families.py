@@ -6,11 +6,12 @@ pool (a hybrid's recurrent states, a sliding window and gpt-oss's sinks too).
 
 Per family, Tinker's default `LoraConfig` (attention, MLP, unembed; experts per expert)
 trains 4 steps and the loss falls; the trained weights sample, and the sampler's logprobs
-of its own tokens are the trainer's; `save_weights_external` downloads through its signed
-URLs and loads in `peft` with the server's logprobs. The engine and peft, and the
-sampler's and the trainer's passes, add in different orders: they agree within the
-isolation contract's bounds (`tests/numerics.py`; recurrent mixers carry a state whose
-rounding grows along the sequence: STATE_LOGPROB_ATOL).
+of its own tokens, and its `compute_logprobs` of the whole sequence, are the trainer's;
+`save_weights_external` downloads through its signed URLs and loads in `peft` with the
+server's logprobs. The engine and peft, and the sampler's and the trainer's passes, add
+in different orders: they agree within the isolation contract's bounds
+(`tests/numerics.py`; recurrent mixers carry a state whose rounding grows along the
+sequence: STATE_LOGPROB_ATOL).
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family
                                      "weights": np.ones(len(full) - 1, np.float32)})],
         "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     np.testing.assert_allclose(sample.logprobs, scored[-len(sample.tokens):], atol=atol,
+                               rtol=0)
+    # The sampler scores the whole sequence as the trainer does (its first token: None).
+    computed = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    np.testing.assert_allclose(np.asarray(computed[1:], np.float32), scored, atol=atol,
                                rtol=0)
 
     # The export loads in peft with the server's logprobs, and the adapter matters.
