@@ -358,6 +358,36 @@ def _wider_base(out: str) -> str:
     return out
 
 
+def _hybrid_base(out: str) -> str:
+    """The tiny model's tokenizer on a random Qwen3.5 text hybrid of the wider base's
+    sizes (hidden 512, 8 layers: 6 Gated DeltaNet linear attention, 2 full attention, as
+    Qwen3.5 alternates them 3 to 1), for the decode pool's recurrent states."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5TextConfig
+
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    tiny = build_tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"]
+        + ["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        dtype="float32")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in Path(tiny).iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out)
+    return out
+
+
 def main() -> None:
     import argparse
 

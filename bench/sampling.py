@@ -3,7 +3,8 @@ transformers + PEFT `generate` and against the static sampler.
 
 Run: `.venv/bin/python -m bench.sampling` (about 9.5 minutes on 2 quiet CPU cores; in
 `make bench`); `--quick` shrinks every size (under 2 minutes), `--only SECTION`
-(repeatable) runs one section, `--model tiny` uses the embedded tiny model.
+(repeatable) runs one section, `--model tiny` uses the embedded tiny model, `--model
+hybrid` a random Qwen3.5 text hybrid (its decode pool holds recurrent states per row).
 
 The base is a random Qwen3 with the tiny model's tokenizer (hidden 512, 8 layers, 8
 heads, vocabulary 4096, 29.4M parameters: `bench.engine --base wide`; nothing is
@@ -110,9 +111,10 @@ def _base(kind: str, out: str) -> tuple[str, list[str]]:
 
     if kind == "tiny":
         return str(build_tiny_model()), ["--model", "tiny"]
-    from bench.engine import _wider_base
+    from bench.engine import _hybrid_base, _wider_base
 
-    return _wider_base(out), ["--model", out, "--model-alias", WIDE_ALIAS]
+    made = _hybrid_base(out) if kind == "hybrid" else _wider_base(out)
+    return made, ["--model", out, "--model-alias", WIDE_ALIAS]
 
 
 @dataclass
@@ -477,9 +479,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="smaller sizes everywhere (under 2 minutes on 2 CPU cores)")
     parser.add_argument("--only", choices=SECTIONS, action="append",
                         help="run only this section (repeatable); default: all")
-    parser.add_argument("--model", choices=("wide", "tiny"), default="wide",
+    parser.add_argument("--model", choices=("wide", "tiny", "hybrid"), default="wide",
                         help="wide: random Qwen3, hidden 512, 8 layers (default); tiny: "
-                             "the embedded tiny model")
+                             "the embedded tiny model; hybrid: a random Qwen3.5 text "
+                             "hybrid of the wide sizes (6 Gated DeltaNet layers, 2 full "
+                             "attention)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="groups: interleaved rounds of every pattern, each path's best "
                              "(default: 2 for the small pattern, 1 for the large)")
