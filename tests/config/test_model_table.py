@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from twinkle_server.config.flags import ServerConfig
-from twinkle_server.config.model_table import SAMPLE, TRAIN
+from twinkle_server.config.model_table import SAMPLE, TRAIN, ModelConfig, shorthand
 from twinkle_server.engine.errors import InvalidArgument
 
 
@@ -242,3 +242,24 @@ def test_sampler_ranks_on_one_process_are_refused_at_start(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "sampler_ranks: 'tiny' asks for 1, but the server runs as one process" in run.stderr
+
+
+def test_the_tokenizer_a_client_is_told_to_load_is_a_hub_id_or_the_directory(
+        tmp_path, monkeypatch):
+    """A local model served as `student` once answered tokenizer_id "student", which the
+    SDK's get_tokenizer asks the hub for. A hub-id name is what any client can load;
+    otherwise the model's directory, which a client sharing its files can."""
+    local = tmp_path / "weights"
+    local.mkdir()
+    assert ModelConfig(name="student", path=str(local)).tokenizer_id(local) == str(local)
+    aliased = ModelConfig(name="student", path=str(local), aliases=("Qwen/Qwen3-8B",))
+    assert aliased.tokenizer_id(local) == "Qwen/Qwen3-8B"
+    by_hub_id = ModelConfig(name="Qwen/Qwen3-4B", path="Qwen/Qwen3-4B")
+    assert by_hub_id.tokenizer_id(tmp_path / "snapshot") == "Qwen/Qwen3-4B"
+    built_in = shorthand({}, "tiny", ("Qwen/Qwen3-4B-Instruct-2507",))
+    assert built_in.tokenizer_id(local) == str(local)
+    # A name that is a local path (relative here) is not a hub id.
+    (tmp_path / "models" / "student").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    relative = ModelConfig(name="models/student", path="models/student")
+    assert relative.tokenizer_id(local) == str(local)

@@ -135,6 +135,9 @@ def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family
 def test_the_sdks_switches_select_by_role_on_fused_layers(served, tmp_path):
     proc, client, _ = served["phi3"]
     attention_only = _training_client(client, "phi3", train_mlp=False, train_unembed=False)
+    # Served as "phi3" from a local directory: the SDK is told the directory, which it
+    # loads (a name that is no hub id once sent it to the hub).
+    assert attention_only.get_tokenizer().encode("hello")
     assert np.isfinite(attention_only.forward_backward(_data(), "cross_entropy").result()
                        .metrics["loss:sum"])
     path = attention_only.save_weights_external("attention").result().path

@@ -79,12 +79,24 @@ class ModelConfig:
         return int(self.memory_gib * GIB)
 
     def tokenizer_id(self, model_dir: Path) -> str:
-        """What a client passes to `AutoTokenizer.from_pretrained`: the local directory
-        for a built-in, or for a directory served under its own path with no other name;
-        else the first name that is not the path (a hub id such as Qwen/Qwen3-4B)."""
-        if self.builtin or (model_dir.is_dir() and self.names == (self.path,)):
-            return str(model_dir)
-        return next((n for n in self.names if n != self.path), self.name)
+        """What a client passes to `AutoTokenizer.from_pretrained`: the first of the
+        model's names that is a hub id (`org/name`, not a local path: a client anywhere
+        can load it), else its files' directory `model_dir` (a client that shares this
+        machine's files can). A built-in, or a local model served as `student`, gives
+        the directory: the hub has no such tokenizer."""
+        if not self.builtin:
+            hub = next((n for n in self.names if _is_hub_id(n)), None)
+            if hub is not None:
+                return hub
+        return str(model_dir)
+
+
+def _is_hub_id(name: str) -> bool:
+    """Whether `name` reads as a Hugging Face hub id (`org/name`, one slash, neither part
+    empty or a dot) and names no local path."""
+    parts = name.split("/")
+    return (len(parts) == 2 and all(p and p not in (".", "..") for p in parts)
+            and not name.startswith("~") and not Path(name).exists())
 
 
 KEYS = tuple(f.name for f in fields(ModelConfig))
