@@ -255,13 +255,29 @@ print(json.dumps({'before': before, 'peak': status('VmHWM'), 'seconds': seconds,
 """
 
 
-def _random_qwen3(out: str, vocab: int, hidden: int, layers: int, intermediate: int,
-                  heads: int) -> str:
-    """The tiny model's tokenizer on a random Qwen3 of this shape (written to `out`)."""
+def _save_random(config, out: str) -> str:
+    """A model of `config` with random weights (seed 0) written to `out` with the tiny
+    model's tokenizer files beside it; returns `out`."""
     import shutil
     from pathlib import Path
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in Path(build_tiny_model()).iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out)
+    return out
+
+
+def _random_qwen3(out: str, vocab: int, hidden: int, layers: int, intermediate: int,
+                  heads: int) -> str:
+    """The tiny model's tokenizer on a random Qwen3 of this shape (written to `out`)."""
+
+    from transformers import AutoConfig
 
     from twinkle_server.engine.tiny_model import build_tiny_model
 
@@ -271,12 +287,7 @@ def _random_qwen3(out: str, vocab: int, hidden: int, layers: int, intermediate: 
                    "num_hidden_layers": layers, "num_attention_heads": heads,
                    "num_key_value_heads": max(1, heads // 2), "head_dim": hidden // heads,
                    "layer_types": ["full_attention"] * layers})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    for f in Path(tiny).iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, out)
-    return out
+    return _save_random(config, out)
 
 
 def training_memory(before: str | None = None, n: int = 4, length: int = 1024) -> None:
@@ -338,10 +349,8 @@ def pass_pieces(n: int = 16, length: int = 1024, cap: int = 4096) -> None:
 def _wider_base(out: str) -> str:
     """The tiny model's tokenizer on a wider random Qwen3 (hidden 512, 8 layers, ~40M
     parameters): closer to where base compute, not Python, dominates a pass."""
-    import shutil
-    from pathlib import Path
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from twinkle_server.engine.tiny_model import build_tiny_model
 
@@ -350,22 +359,15 @@ def _wider_base(out: str) -> str:
     config.update({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
                    "layer_types": ["full_attention"] * 8})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    for f in Path(tiny).iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, out)
-    return out
+    return _save_random(config, out)
 
 
 def _hybrid_base(out: str) -> str:
     """The tiny model's tokenizer on a random Qwen3.5 text hybrid of the wider base's
     sizes (hidden 512, 8 layers: 6 Gated DeltaNet linear attention, 2 full attention, as
     Qwen3.5 alternates them 3 to 1), for the decode pool's recurrent states."""
-    import shutil
-    from pathlib import Path
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5TextConfig
+    from transformers import AutoTokenizer, Qwen3_5TextConfig
 
     from twinkle_server.engine.tiny_model import build_tiny_model
 
@@ -380,12 +382,7 @@ def _hybrid_base(out: str) -> str:
         linear_value_head_dim=64, linear_conv_kernel_dim=4, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         dtype="float32")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    for f in Path(tiny).iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, out)
-    return out
+    return _save_random(config, out)
 
 
 def main() -> None:

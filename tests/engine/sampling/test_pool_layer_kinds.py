@@ -36,6 +36,7 @@ from .. import small
 from ..draws import assert_sampled_alike, sampled_alone
 from ..families import family_config, skip_unchecked_mixers
 from ..faults import failing_forward
+from .test_pool import _drain
 
 HYBRIDS = ["qwen3_5_text", "qwen3_next", "nemotron_h", "lfm2"]
 WINDOWED = ["mistral", "gemma3_text", "gpt_oss"]
@@ -77,14 +78,6 @@ def _alone(model, request):
     return sampled_alone(lambda: generate(
         model, small.route, [request], [None], eos_token_ids=(small.EOS,), pad_token_id=0,
         decode=small.decode)[0], request.params)
-
-
-def _drain(pool, results):
-    for _ in range(1000):
-        if not pool.rows and not pool.waiting and not pool.finished:
-            return results
-        results.update(dict(pool.run(0.0)))
-    raise AssertionError("the pool never drained")
 
 
 def test_rows_joining_mid_generation_and_leaving_get_what_the_static_batch_gives(layered):
