@@ -27,7 +27,7 @@ from ..numerics import assert_rows_alike, drawable
 @dataclass
 class _Call:
     logprobs: np.ndarray            # [n, V] float64, untempered
-    segments: list[tuple[int, int, int]]   # start, end, id of the generator
+    segments: list[tuple[list[int], int]]   # rows, id of the generator
     uniforms: dict[int, np.ndarray]        # id of a generator -> the numbers it gave
 
 
@@ -45,7 +45,7 @@ def _recording() -> Iterator[list[_Call]]:
 
     def draw(logits, segments, topk):
         calls.append(_Call(torch.log_softmax(logits.double(), -1).cpu().numpy(),
-                           [(s.start, s.end, id(s.generator)) for s in segments], {}))
+                           [(list(s.rows), id(s.generator)) for s in segments], {}))
         return real_draw(logits, segments, topk)
 
     token_step.draw, token_step.uniforms = draw, uniforms
@@ -84,8 +84,8 @@ def sampled_alone(sample: Callable[[], Sequence[SampledSequence]],
     steps: list[list[tuple[np.ndarray, float | None]]] = [[] for _ in sequences]
     for step, call in enumerate(calls):
         active = [row for row, n in enumerate(lengths) if n > step]
-        [(start, end, generator)] = call.segments
-        assert (start, end) == (0, len(active)), "the reference is not one request alone"
+        [(rows, generator)] = call.segments
+        assert rows == list(range(len(active))), "the reference is not one request alone"
         numbers = call.uniforms.get(generator)
         for i, row in enumerate(active):
             steps[row].append((call.logprobs[i], None if numbers is None else numbers[i]))

@@ -243,7 +243,7 @@ def test_out_of_memory_in_a_steps_draw_leaves_the_others_drawing_as_alone(engine
         if not failed and logits.shape[0] == 3:
             failed.append(1)
             for segment in segments:             # draws its numbers, then runs out
-                tokens.uniforms(segment.end - segment.start, segment.generator, logits)
+                tokens.uniforms(len(segment.rows), segment.generator, logits)
             raise torch.OutOfMemoryError("the draw ran out of memory")
         return real(logits, segments, topk)
 

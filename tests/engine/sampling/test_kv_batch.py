@@ -8,6 +8,7 @@ import torch
 
 from twinkle_server.engine.sampling.kv_batch import (
     KVBatch,
+    compaction,
     new_cache,
     sliding_layers,
     unsupported_layers,
@@ -72,16 +73,19 @@ def test_selecting_rows_drops_padding_no_kept_row_uses():
     assert batch.rows == 0 and batch.held() == 0
 
 
-def test_selected_rows_keep_their_spare_columns_so_the_next_step_writes_in_place():
-    """A select copies the kept rows once, into buffers with the spare columns the layer
-    had; the next step's reserve then moves nothing."""
+def test_selected_rows_stay_in_their_buffers_so_the_next_step_writes_in_place():
+    """A select moves the kept rows within the buffers, which keep their spare columns;
+    the next step's reserve then moves nothing. The row it no longer uses stays held
+    (`unused`) until the buffers are replaced."""
     batch = _batch()
     batch.reserve(4)
     before = [layer.keys.clone() for layer in batch.layers()]
-    batch.select([2, 0])
     layer = batch.layers()[0]
-    assert layer.spare() == 4 and torch.equal(layer.keys, before[0][[2, 0]])
     pointer = layer.keys.data_ptr()
+    batch.select([2, 0])
+    assert layer.keys.data_ptr() == pointer and batch.unused() == 9
+    assert layer.spare() == 4 and torch.equal(layer.keys, before[0][[2, 0]])
+    assert batch.held() == 3 * 9
     batch.reserve(4)
     assert layer.keys.data_ptr() == pointer
     new = torch.randn(2, 2, 1, 4)
@@ -113,3 +117,38 @@ def test_each_layer_kind_is_named_and_local_attention_is_not_held():
     chunked = small.build(layer_types=["chunked_attention", "full_attention"],
                           attention_chunk_size=8)
     assert unsupported_layers(chunked.config) == ["0: chunked_attention"]
+
+
+@pytest.mark.parametrize(("routes", "keep", "order"), [
+    (["a"] * 6, [0, 1, 3, 4, 5], [0, 1, 5, 3, 4]),          # the last row fills the hole
+    (["a"] * 6, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]),          # the last row goes: none moves
+    (["a", "a", "b", "b", "b", "c"], [0, 2, 3, 4, 5], [0, 4, 2, 3, 5]),
+    (["a", "a", "b", "b", "c", "c"], [1, 2, 3, 4, 5], [1, 3, 2, 5, 4]),
+    ([None, None, "b"], [2], [2]),
+    (["a", "b"], [], []),
+])
+def test_a_compaction_keeps_each_routes_rows_together_and_moves_one_row_a_route(
+        routes, keep, order):
+    """Each route's kept rows stay one run, routes in their order; a row already inside
+    its route's new run stays put, so a row that goes costs one move per route after it."""
+    assert compaction(routes, keep) == order
+    assert sorted(order) == keep
+
+
+def test_a_select_in_place_keeps_every_kept_rows_columns_and_state():
+    """Rows moved within the buffers carry their keys, values, mask, positions and
+    pending tokens; a join after it rebuilds the buffers without the unused rows."""
+    batch = _batch(rows=5)
+    batch.reserve(3)
+    batch.mask[1, :2] = 0
+    batch.positions = torch.arange(5) * 10
+    keys = [layer.keys.clone() for layer in batch.layers()]
+    mask = batch.mask.clone()
+    batch.select([0, 4, 3, 1])
+    for layer, before in zip(batch.layers(), keys, strict=True):
+        assert torch.equal(layer.keys, before[[0, 4, 3, 1]])
+    assert torch.equal(batch.mask, mask[[0, 4, 3, 1]])
+    assert batch.positions.tolist() == [0, 40, 30, 10] and batch.unused() == 8
+    late = _batch(rows=1)
+    batch.join(late.cache, late.mask, late.positions, late.pending)
+    assert batch.rows == 5 and batch.unused() == 0 and batch.held() == 5 * 5

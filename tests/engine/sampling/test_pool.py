@@ -243,6 +243,35 @@ def test_steps_write_the_cache_in_place_and_still_match_the_static_batch(model, 
         _same(_alone(model, request), results[i].sequences)
 
 
+def test_rows_that_stop_move_no_other_row_and_scattered_samples_draw_as_alone(
+        model, monkeypatch):
+    """Samples stopping at different steps leave holes their request's last rows fill
+    (`kv_batch.compaction`), so a request's samples end up apart and out of order in
+    the batch; each still draws in its own order and every request equals its static
+    batch alone. Stop tokens are a seventh of the vocabulary: rows stop early, apart."""
+    from twinkle_server.engine.sampling.kv_batch import KVBatch
+
+    orders, real = [], KVBatch.select
+    monkeypatch.setattr(KVBatch, "select",
+                        lambda self, keep: (orders.append(list(keep)), real(self, keep))[1])
+    stops = list(range(3, 300, 7))
+    requests = [_req([5, 6, 7, 8], 4, max_tokens=24, seed=s, stop_token_ids=stops)
+                for s in range(1, 4)]
+    capacity = 3 * 4 * (4 + 24) + 3 * 4     # the rows, and each group's prompt copy
+    pool = _pool(model, capacity=capacity)
+    for i, request in enumerate(requests):
+        pool.submit(i, request, None, (f"session-{i}", "v1"))
+    results = {}
+    while len(results) < len(requests):
+        results.update(pool.run(0.0))
+        stats = pool.stats()     # the rows stopped rows left unused count until replaced
+        assert stats.kv_in_use <= capacity + stats.active_rows, stats
+    assert any(order != sorted(order) for order in orders), orders
+    for i, request in enumerate(requests):
+        assert {s.stop_reason for s in results[i].sequences} <= {"stop", "length"}
+        _same(_alone(model, request), results[i].sequences)
+
+
 def test_joiners_regrouped_by_adapter_draw_from_their_own_logits(engine, fresh):
     """Rows of one adapter stay together, so a joiner of an adapter already decoding
     lands before later rows: each row must still draw from its own logits. Every request

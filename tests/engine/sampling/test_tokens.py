@@ -69,16 +69,36 @@ def test_requests_drawn_in_one_batch_draw_what_each_draws_alone():
     bounds = [0, 3, 4, 9, 11, 12, 16]
     logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(3)) * 2
     for seed in range(20):
-        segments = [tokens.Segment(a, b, p, torch.Generator().manual_seed(seed * 10 + i))
-                    for i, (a, b, p) in enumerate(zip(bounds[:-1], bounds[1:], params, strict=True))]
+        segments = [tokens.Segment(range(a, b), p,
+                                   torch.Generator().manual_seed(seed * 10 + i))
+                    for i, (a, b, p) in enumerate(zip(bounds[:-1], bounds[1:], params,
+                                                      strict=True))]
         together = tokens.draw(logits, segments, 0)
         for i, segment in enumerate(segments):
-            alone = tokens.draw(logits[segment.start:segment.end], [tokens.Segment(
-                0, segment.end - segment.start, segment.params,
+            alone = tokens.draw(logits[segment.at(logits.device)], [tokens.Segment(
+                range(len(segment.rows)), segment.params,
                 torch.Generator().manual_seed(seed * 10 + i))], 0)
-            assert together.tokens[segment.start:segment.end] == alone.tokens
-            assert together.logprobs[segment.start:segment.end] == pytest.approx(
+            assert [together.tokens[r] for r in segment.rows] == alone.tokens
+            assert [together.logprobs[r] for r in segment.rows] == pytest.approx(
                 alone.logprobs, abs=1e-6)
+
+
+def test_a_requests_rows_anywhere_in_the_batch_draw_as_when_they_are_together():
+    """The decode pool holds a request's samples wherever its batch put them: drawn in
+    the request's own order, each sample gets the number it gets with the rows together
+    (the same rows of the same logits: equal exactly)."""
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, top_k=4),
+              SamplingParams(max_tokens=1, temperature=0.7)]
+    logits = torch.randn(9, 200, generator=torch.Generator().manual_seed(8)) * 2
+    scattered = [[7, 0, 4], [2, 8, 5], [1, 6, 3]]     # each request's samples, in order
+    for seed in range(10):
+        apart = tokens.draw(logits, [tokens.Segment(rows, p, torch.Generator().manual_seed(
+            seed * 10 + i)) for i, (rows, p) in enumerate(zip(scattered, params,
+                                                              strict=True))], 0)
+        together = tokens.draw(logits[[r for rows in scattered for r in rows]], [
+            tokens.Segment(range(3 * i, 3 * i + 3), p, torch.Generator().manual_seed(
+                seed * 10 + i)) for i, p in enumerate(params)], 0)
+        assert [apart.tokens[r] for rows in scattered for r in rows] == together.tokens
 
 
 @pytest.mark.parametrize("params", [
@@ -94,11 +114,11 @@ def test_a_temperature_or_top_p_near_zero_draws_the_most_likely_token(params):
     top_p that rounds to 0 masked every token."""
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)) * 3
     for plain_beside in (False, True):
-        segments = [tokens.Segment(0, 3, params, torch.Generator().manual_seed(1))]
+        segments = [tokens.Segment(range(3), params, torch.Generator().manual_seed(1))]
         if plain_beside:
-            segments.append(tokens.Segment(3, 6, SamplingParams(max_tokens=1),
+            segments.append(tokens.Segment(range(3, 6), SamplingParams(max_tokens=1),
                                            torch.Generator().manual_seed(2)))
-        rows = segments[-1].end
+        rows = segments[-1].rows[-1] + 1
         drawn = tokens.draw(logits[:rows], segments, 0)
         assert drawn.tokens[:3] == logits[:3].argmax(-1).tolist()
         assert all(drawn.finite(i) and 0 <= drawn.tokens[i] < 300 for i in range(rows))
@@ -110,7 +130,7 @@ def test_a_temperature_past_float32s_largest_keeps_masked_tokens_masked(temperat
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     logits[:, 10:] = -math.inf                   # a model may mask tokens
     params = SamplingParams(max_tokens=1, temperature=temperature)
-    drawn = tokens.draw(logits, [tokens.Segment(0, 3, params,
+    drawn = tokens.draw(logits, [tokens.Segment(range(3), params,
                                                 torch.Generator().manual_seed(4))], 0)
     assert all(drawn.finite(i) and 0 <= drawn.tokens[i] < 10 for i in range(3))
 
@@ -121,7 +141,7 @@ def test_rows_whose_logits_are_not_finite_are_reported_and_the_others_drawn():
     logits[2, 5] = math.inf
     logits[3, :29] = -math.inf     # a model may mask tokens: one finite logit still draws
     params = SamplingParams(max_tokens=1, seed=1)
-    segments = [tokens.Segment(i, i + 1, params, torch.Generator().manual_seed(i))
+    segments = [tokens.Segment(range(i, i + 1), params, torch.Generator().manual_seed(i))
                 for i in range(4)]
     drawn = tokens.draw(logits, segments, topk=2)
     assert [drawn.finite(i) for i in range(4)] == [True, False, False, True]

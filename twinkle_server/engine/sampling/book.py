@@ -25,7 +25,7 @@ from twinkle_server.engine.sampling.admission import (
     footprint,
     never_fits,
 )
-from twinkle_server.engine.sampling.kv_batch import KVBatch
+from twinkle_server.engine.sampling.kv_batch import KVBatch, compaction
 from twinkle_server.engine.sampling.prefix_cache import Namespace, Prefix, PrefixCache
 from twinkle_server.engine.types import Generation, Progress, SampleRequest
 
@@ -50,6 +50,7 @@ class PoolRequest:
 @dataclass(eq=False)
 class PoolRow:
     request: PoolRequest
+    sample: int = 0                 # which of the request's samples: the order it draws in
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -169,10 +170,8 @@ class PoolBook:
         return list(self.waiting) + self._decoding()
 
     def _decoding(self) -> list[PoolRequest]:
-        """The requests with rows in the batch, in row order (a request's rows are
-        contiguous)."""
-        return [row.request for i, row in enumerate(self.rows)
-                if not i or self.rows[i - 1].request is not row.request]
+        """The requests with rows in the batch, in the order of their first rows."""
+        return list(dict.fromkeys(row.request for row in self.rows))
 
     def _fail(self, requests: list[PoolRequest], error: EngineError) -> None:
         for request in requests:
@@ -235,11 +234,11 @@ class PoolBook:
         return 0 if self.batch_invariant else self.batch.shared_width()
 
     def _fit_prefixes(self) -> None:
-        """Give up cached prefixes the rows' footprint and shared copies leave no room
-        for."""
+        """Give up cached prefixes the rows' footprint, shared copies and the buffer rows
+        left unused by rows that stopped leave no room for."""
         self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining(),
                                                     self.row_state)
-                          - copies(self._samples(), self._copied_width()))
+                          - copies(self._samples(), self._copied_width()) - self.batch.unused())
 
     def _leave(self) -> None:
         """Answer requests whose last row stopped or that failed; keep the other rows."""
@@ -264,6 +263,7 @@ class PoolBook:
                                          request.sample.topk_logprobs, r.stop)
                      for r in request.rows], prompt_cache_hit_tokens=request.cached))
         if len(keep) < len(self.rows):
-            self.batch.select(keep)
-            self.rows = [self.rows[i] for i in keep]
+            order = compaction([row.request.route for row in self.rows], keep)
+            self.batch.select(order)
+            self.rows = [self.rows[i] for i in order]
         self._fit_prefixes()

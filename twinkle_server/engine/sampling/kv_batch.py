@@ -9,6 +9,11 @@ its attention mask, next positions and pending tokens.
   (`_BufferedLayer`, which records both): a step writes its column into the buffer, where
   transformers' `DynamicLayer` would copy the whole cache. `reserve` gives the batch new
   buffers when a step would find no spare column.
+* Rows that leave move no other row where they can. `select` copies only the rows whose
+  place changes, within the buffers, and `compaction` orders the kept rows so that few
+  do: a row that stops is replaced by its route's last row (a request's samples may then
+  sit apart: the pool draws them in their own order). The buffers keep their unused rows
+  (`unused`, counted in `held`) until a join or a `reserve` replaces them.
 * Atomic changes. `join` and `select` build every layer's new tensors before replacing
   any, and a step is undone by `restore(snapshot())`: a forward that fails (out of memory,
   a device error) leaves the batch as it was.
@@ -59,6 +64,8 @@ class _BufferedLayer(DynamicLayer):
 
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     start = used = 0
+    allocated = 0
+    """Rows the buffers were made with: a select keeps its rows in their first ones."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +89,10 @@ class _BufferedLayer(DynamicLayer):
         """Columns held per row: the buffer's, or the keys' own."""
         return self.buffers[0].shape[-2] if self.buffers is not None else self.keys.shape[-2]
 
+    def rows_held(self) -> int:
+        """Rows whose memory it holds: the buffers' allocated rows, or the keys' own."""
+        return self.allocated if self.buffers is not None else self.keys.shape[0]
+
     def hold(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
         """Hold copies of `keys` and `values` as the leading columns of new buffers with
         `extra` spare columns (no buffers when `extra` is 0: plain tensors)."""
@@ -94,24 +105,29 @@ class _BufferedLayer(DynamicLayer):
                    values.new_empty((batch, heads, width + extra, values.shape[-1])))
         buffers[0][..., :width, :] = keys
         buffers[1][..., :width, :] = values
-        self.buffers, self.start, self.used = buffers, 0, width
+        self.buffers, self.start, self.used, self.allocated = buffers, 0, width, batch
         self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
         self.is_initialized = True
 
-    def picked(self, index: torch.Tensor) -> tuple[Any, ...]:
-        """This layer's state (for `set_state`) with only rows `index`, in that order,
-        gathered straight into new buffers with as many spare columns as it had: the next
-        step writes in place, where holding the rows bare made it copy them all again."""
-        keys, values = self.keys, self.values
-        extra = self.spare()
-        if not extra:
-            return keys[index], values[index], None, 0, 0
-        width = keys.shape[-2]
-        buffers = tuple(t.new_empty((index.numel(), *t.shape[1:-2], width + extra,
-                                     t.shape[-1])) for t in (keys, values))
-        for source, buffer in zip((keys, values), buffers, strict=True):
-            torch.index_select(source, 0, index, out=buffer[..., :width, :])
-        return buffers[0][..., :width, :], buffers[1][..., :width, :], buffers, 0, width
+    def lift(self, index: torch.Tensor, moving: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What `settle` needs to keep rows `index`: with buffers, the rows that move
+        (`moving`, read out; the others stay where they are), else the kept rows."""
+        if self.buffers is None:
+            return self.keys[index], self.values[index]
+        return tuple(buffer.index_select(0, moving) for buffer in self.buffers)
+
+    def settle(self, lifted: tuple[torch.Tensor, ...], to: torch.Tensor, rows: int) -> None:
+        """Keep `rows` rows: `lifted` (from `lift`) written at rows `to` of the buffers in
+        place, which allocates nothing; the buffers' rows past `rows` stay allocated,
+        unused, until they are next replaced (`allocated`)."""
+        if self.buffers is None:
+            self.keys, self.values = lifted
+            return
+        for buffer, moved in zip(self.buffers, lifted, strict=True):
+            buffer.index_copy_(0, to, moved)
+        self.buffers = (self.buffers[0][:rows], self.buffers[1][:rows])
+        self.keys = self.buffers[0][..., self.start:self.used, :]
+        self.values = self.buffers[1][..., self.start:self.used, :]
 
     def drop_left(self, columns: int) -> None:
         """Forget the first `columns` columns (padding no row uses any more)."""
@@ -120,10 +136,10 @@ class _BufferedLayer(DynamicLayer):
             self.start += columns
 
     def state(self) -> tuple[Any, ...]:
-        return self.keys, self.values, self.buffers, self.start, self.used
+        return self.keys, self.values, self.buffers, self.start, self.used, self.allocated
 
     def set_state(self, state: tuple[Any, ...]) -> None:
-        self.keys, self.values, self.buffers, self.start, self.used = state
+        self.keys, self.values, self.buffers, self.start, self.used, self.allocated = state
 
 
 class _StateLayer(LinearAttentionLayer or object):  # type: ignore[misc]
@@ -350,14 +366,21 @@ class KVBatch:
         return [layer for layer in self.layers() if _is_kv(layer)]
 
     def held(self) -> int:
-        """KV positions the batch holds now: rows x (columns of its buffers, and
-        `row_state` positions for a row's recurrent states), and the shared copy's
-        groups x columns."""
+        """KV positions the batch holds now: the buffers' rows (those a select left
+        unused among them) x their columns, `row_state` positions a row for its recurrent
+        states, and the shared copy's groups x columns."""
         layers = self.kv_layers()
         if not layers:
             return 0
         shared = self._shared.groups * self._shared.width if self._shared else 0
-        return self.rows * (layers[0].columns() + self.row_state) + shared
+        return (layers[0].rows_held() * layers[0].columns() + self.rows * self.row_state
+                + shared)
+
+    def unused(self) -> int:
+        """KV positions of buffer rows a select left unused (until a join or a reserve
+        replaces the buffers): held, though no row counts them."""
+        layers = self.kv_layers()
+        return (layers[0].rows_held() - self.rows) * layers[0].columns() if layers else 0
 
     @property
     def shared(self) -> SharedPrefix | None:
@@ -416,20 +439,29 @@ class KVBatch:
             _hold(layer, tensors)
         self._drop_left(unused)
 
+    @torch.inference_mode()
     def select(self, keep: Sequence[int]) -> None:
-        """Keep rows `keep`, in that order, and drop padding columns no kept row uses."""
+        """Keep rows `keep`, in that order, and drop padding columns no kept row uses.
+        Only a row whose place changes is copied, within the buffers: keeping `keep[i]`
+        at `i` costs nothing where they are equal (`rows.compaction` picks such orders).
+        Everything that allocates runs before anything changes. In inference mode, as the
+        pool's steps made the buffers: a cancel outside a step selects too."""
         if not keep:
             self.clear()
             return
-        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        device = self.device
+        index = torch.tensor(list(keep), dtype=torch.long, device=device)
+        moves = [(to, row) for to, row in enumerate(keep) if to != row]
+        moving = torch.tensor([row for _, row in moves], dtype=torch.long, device=device)
+        to = torch.tensor([at for at, _ in moves], dtype=torch.long, device=device)
         mask, positions, pending = self.mask[index], self.positions[index], self.pending[index]
-        states = [layer.picked(index) if _is_kv(layer)
+        lifted = [layer.lift(index, moving) if _is_kv(layer)
                   else tuple(t[index] for t in _row_tensors(layer)) for layer in self.layers()]
-        for layer, state in zip(self.layers(), states, strict=True):
+        for layer, tensors in zip(self.layers(), lifted, strict=True):
             if _is_kv(layer):
-                layer.set_state(state)
+                layer.settle(tensors, to, len(keep))
             else:
-                _hold(layer, state)
+                _hold(layer, tensors)
         self.mask, self.positions, self.pending = mask, positions, pending
         self.group = [self.group[i] for i in keep]
         self.start = [self.start[i] for i in keep]
@@ -517,6 +549,30 @@ class KVBatch:
         """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
         view would keep the whole batch's tensors alive)."""
         return row_kv(self.cache, row, self.mask[row] if mask_row is None else mask_row)
+
+
+def compaction(routes: Sequence[Any], keep: Sequence[int]) -> list[int]:
+    """An order for `KVBatch.select` of rows `keep` (ascending) of a batch whose rows'
+    routes are `routes` (each route's rows contiguous): routes stay contiguous and in
+    their order, and within each route's new run a kept row that is already inside it
+    stays where it is, the others filling the places left by rows that go, in order.
+    So a row that stops costs one row moved per route after it, where keeping the order
+    copied every row after it. A request's rows may end up apart and out of order; the
+    pool draws each in its sample order (`tokens.Segment`)."""
+    kept = set(keep)
+    order: list[int] = []
+    start = 0
+    while start < len(routes):
+        end = start
+        while end < len(routes) and routes[end] == routes[start]:
+            end += 1
+        rows = [row for row in range(start, end) if row in kept]
+        first, last = len(order), len(order) + len(rows)
+        staying = {row for row in rows if first <= row < last}
+        movers = iter(row for row in rows if row not in staying)
+        order += [at if at in staying else next(movers) for at in range(first, last)]
+        start = end
+    return order
 
 
 def _unused_left(mask: torch.Tensor) -> int:

@@ -9,7 +9,9 @@ batch between decode steps.
   `num_samples` (a GRPO group computes its prompt once), their first tokens drawn from
   that row's logits; its KV is then copied per sample and joins the batch (`kv_batch`).
 * Leaving. A row leaves the step it stops (a stop token, a stop string, `max_tokens`);
-  a request is answered when its last row has left.
+  a request is answered when its last row has left. Its place is taken by its route's
+  last row, moved within the cache's buffers; no other row moves (`kv_batch.compaction`),
+  so a request's samples may sit apart, and each step draws them in their own order.
 * Memory. The batch's footprint (`admission.footprint`) plus the prefix cache stays
   within `capacity`: admission keeps to it, and the prefix cache gives up entries
   whenever what it stored would pass it. Both leave room for the copies of their
@@ -217,7 +219,7 @@ class DecodePool(PoolBook):
         kv = getattr(out, self.cache_kw)
         index = torch.repeat_interleave(torch.arange(n, device=self.device), torch.tensor(
             [r.sample.num_samples for r in joiners], device=self.device))
-        rows = [PoolRow(r) for r in joiners for _ in range(r.sample.num_samples)]
+        rows = [PoolRow(r, s) for r in joiners for s in range(r.sample.num_samples)]
         drawn = self._draw(out.logits[:, -1].float()[index], rows)
         self._take(drawn, rows)
         prompts = {id(r): (r.namespace, row_kv(kv, i, mask[i])) for i, r in enumerate(joiners)
@@ -288,16 +290,15 @@ class DecodePool(PoolBook):
         return decoding(self.model, self.batch.shared_prefix(room))
 
     def _draw(self, logits: torch.Tensor, rows: list[PoolRow]) -> token_step.Drawn:
-        """Draw the next token of `rows` (a request's contiguous, one segment each, as the
-        static batch does) from their `logits`; changes no row (`_take` does)."""
-        segments, start = [], 0
-        while start < len(rows):
-            request, end = rows[start].request, start
-            while end < len(rows) and rows[end].request is request:
-                end += 1
-            segments.append(token_step.Segment(start, end, request.sample.params,
-                                               request.generator))
-            start = end
+        """Draw the next token of `rows` from their `logits`, each request's rows in its
+        samples' order wherever they sit (one segment a request, as the static batch
+        draws them); changes no row (`_take` does)."""
+        held: dict[PoolRequest, list[tuple[int, int]]] = {}
+        for i, row in enumerate(rows):
+            held.setdefault(row.request, []).append((row.sample, i))
+        segments = [token_step.Segment([i for _, i in sorted(places)], request.sample.params,
+                                       request.generator)
+                    for request, places in held.items()]
         return token_step.draw(logits, segments,
                                max(row.request.sample.topk_logprobs for row in rows))
 

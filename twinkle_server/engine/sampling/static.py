@@ -133,7 +133,7 @@ def generate(model: torch.nn.Module, route: Route, requests: Sequence[SampleRequ
             owner, end = owners[active[start]], start
             while end < len(active) and owners[active[end]] == owner:
                 end += 1
-            segments.append(token_step.Segment(start, end, requests[owner].params,
+            segments.append(token_step.Segment(range(start, end), requests[owner].params,
                                                generators[owner]))
             start = end
         drawn = token_step.draw(out.logits[:, -1].float(), segments,

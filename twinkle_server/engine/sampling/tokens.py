@@ -19,6 +19,7 @@ import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import PurePath
 
 import numpy as np
@@ -102,12 +103,19 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows `start:end` of a draw belong to one request, drawn by one `pick`."""
+    """Rows `rows` of a draw belong to one request, drawn by one `pick` in that order
+    (its samples' order: the decode pool may hold them anywhere in its batch)."""
 
-    start: int
-    end: int
+    rows: Sequence[int]
     params: SamplingParams
     generator: torch.Generator
+
+    def at(self, device: torch.device) -> slice | torch.Tensor:
+        """The rows as an index: a slice when they are consecutive and ascending."""
+        rows = self.rows
+        if all(b == a + 1 for a, b in pairwise(rows)):
+            return slice(rows[0], rows[-1] + 1)
+        return torch.tensor(list(rows), dtype=torch.long, device=device)
 
 
 @dataclass
@@ -142,8 +150,8 @@ def draw(logits: torch.Tensor, segments: Sequence[Segment], topk: int) -> Drawn:
         if plain(segment.params, logits.shape[-1]):
             together.append(segment)
         else:
-            chosen[segment.start:segment.end] = pick(safe[segment.start:segment.end],
-                                                     segment.params, segment.generator)
+            at = segment.at(logits.device)
+            chosen[at] = pick(safe[at], segment.params, segment.generator)
     if together:
         _draw_together(safe, together, chosen)
     logp = torch.log_softmax(safe, dim=-1)
@@ -158,16 +166,15 @@ def draw(logits: torch.Tensor, segments: Sequence[Segment], topk: int) -> Drawn:
 def _draw_together(logits: torch.Tensor, segments: Sequence[Segment],
                    chosen: torch.Tensor) -> None:
     """Draw the rows of `segments` (all `plain`) into `chosen`, as one batch."""
-    # Segments are disjoint and in order: covering as many rows as there are, they are
-    # all of them (the common case: every request plain), and no gather is needed.
-    whole = sum(s.end - s.start for s in segments) == logits.shape[0]
-    rows = None if whole else torch.cat([torch.arange(s.start, s.end, device=logits.device)
-                                         for s in segments])
-    temperature = torch.tensor([s.params.temperature for s in segments
-                                for _ in range(s.start, s.end)],
+    # Segments in row order covering every row (the common case: every request plain, its
+    # rows together) need no gather.
+    order = [row for s in segments for row in s.rows]
+    rows = None if order == list(range(logits.shape[0])) else torch.tensor(
+        order, dtype=torch.long, device=logits.device)
+    temperature = torch.tensor([s.params.temperature for s in segments for _ in s.rows],
                                dtype=logits.dtype, device=logits.device)[:, None]
     scores = tempered(logits if rows is None else logits[rows], temperature)
-    u = torch.cat([uniforms(s.end - s.start, s.generator, scores) for s in segments])
+    u = torch.cat([uniforms(len(s.rows), s.generator, scores) for s in segments])
     tokens = _inverse_cdf(torch.softmax(scores, dim=-1), u)
     if rows is None:
         chosen.copy_(tokens)
