@@ -69,6 +69,11 @@ class Datum:
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of its arrays (input ids and loss inputs)."""
+        return self.input_ids.nbytes + sum(a.nbytes for a in self.loss_inputs.values())
+
 
 def _datum_ids(value: Any, index: int) -> np.ndarray:
     """`sequence_array` of datum `index`'s input_ids, its errors naming them."""

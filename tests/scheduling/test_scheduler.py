@@ -845,3 +845,84 @@ def test_stop_ends_every_sample_at_once_and_drains_the_training_ops(make):
     stopper.join(WAIT_SECONDS)
     assert not stopper.is_alive()
     assert trained.result(0) == ("run", 0) and stepped.result(0) == ("run", 2)
+
+
+# ---------------------------------------------------------------- bounds on what waits
+
+
+def _of(op, tenant, size=0):
+    from dataclasses import replace
+    return replace(op, tenant=tenant, bytes=size)
+
+
+def test_past_a_tenants_bound_an_op_is_refused_naming_the_flag_and_takes_no_seq_id(make):
+    """The worker is held, so everything waits: alice's third op past her bound of 2
+    (not her queue's next seq_id, which is always taken) is refused and takes nothing:
+    sent again once room is free, it runs in order. Bob is not bounded by her ops."""
+    from twinkle_server.engine.errors import ResourceExhausted
+    from twinkle_server.scheduling.queues import QueueLimits
+
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues=["a", "b", "busy"],
+                 limits=QueueLimits(tenant_ops=2, model_ops=10))
+    sched.start()
+    running = sched.submit(_of(fwd("busy", 0), "carol"))
+    assert rec.entered.wait(WAIT_SECONDS)
+    queued = [sched.submit(_of(fwd("a", seq), "alice")) for seq in (1, 2)]
+    over = sched.submit(_of(fwd("a", 3), "alice"))
+    with pytest.raises(ResourceExhausted, match="--max-queued-ops-per-tenant: this tenant "
+                                                "has 2 ops waiting"):
+        over.result(WAIT_SECONDS)
+    gap = sched.submit(_of(fwd("a", 0), "alice"))       # fills the gap: always taken
+    bob = [sched.submit(_of(fwd("b", seq), "bob")) for seq in (0, 1)]
+    assert not gap.done() and not any(f.done() for f in bob)
+    rec.gate.set()
+    for fut in (running, gap, *queued, *bob):
+        fut.result(WAIT_SECONDS)
+    assert sched.submit(_of(fwd("a", 3), "alice")).result(WAIT_SECONDS) == ("a", 3)
+    assert rec.ran("a") == [0, 1, 2, 3]
+
+
+def test_the_models_bounds_count_every_tenant_and_bytes_count_like_ops(make):
+    from twinkle_server.engine.errors import ResourceExhausted
+    from twinkle_server.scheduling.queues import QueueLimits
+
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues=["a", "b", "c", "busy"],
+                 limits=QueueLimits(tenant_ops=10, model_ops=3, tenant_bytes=100,
+                                    model_bytes=10_000))
+    sched.start()
+    running = sched.submit(fwd("busy", 0))           # the server's own: never bounded
+    assert rec.entered.wait(WAIT_SECONDS)
+    waiting = [sched.submit(_of(fwd("a", 1), "alice", 60)),
+               sched.submit(_of(fwd("b", 1), "bob"))]
+    with pytest.raises(ResourceExhausted, match="--max-queued-bytes-per-tenant: this "
+                                                "tenant's ops .* hold 60 bytes, and this "
+                                                "forward_backward's 41 would pass 100"):
+        sched.submit(_of(fwd("a", 2), "alice", 41)).result(WAIT_SECONDS)
+    waiting.append(sched.submit(_of(fwd("b", 2), "bob")))
+    with pytest.raises(ResourceExhausted, match="--max-queued-ops: all tenants have 3 ops"):
+        sched.submit(_of(fwd("c", 1), "carol")).result(WAIT_SECONDS)
+    waiting += [sched.submit(_of(fwd(q, 0), t)) for q, t in (("a", "alice"), ("b", "bob"))]
+    rec.gate.set()
+    for fut in (running, *waiting):
+        fut.result(WAIT_SECONDS)
+
+
+def test_a_single_op_over_the_byte_bound_waits_when_nothing_else_of_its_tenant_does(make):
+    """A bound on bytes must not refuse an op forever: alone, any size may wait."""
+    from twinkle_server.scheduling.queues import QueueLimits
+
+    sched = make(queues=["a"], limits=QueueLimits(tenant_bytes=10, model_bytes=10))
+    sched.start()
+    assert sched.submit(_of(fwd("a", 5), "alice", 1000)).done() is False
+    assert sched.submit(_of(fwd("a", 0), "alice", 1000)).result(WAIT_SECONDS) == ("a", 0)
+
+
+def test_bounds_below_one_are_refused_by_flag():
+    from twinkle_server.scheduling.queues import QueueLimits
+
+    with pytest.raises(InvalidArgument, match="--max-queued-ops: 0 must be at least 1"):
+        QueueLimits(model_ops=0)

@@ -116,6 +116,11 @@ class ForwardRequest:
         """Tokens of every datum: the request's share of a merged pass's budget."""
         return sum(datum.num_tokens for datum in self.datums)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of every datum's arrays: what the request holds while it waits."""
+        return sum(datum.num_bytes for datum in self.datums)
+
 
 @dataclass(frozen=True)
 class ForwardOutput:

@@ -28,7 +28,7 @@ from twinkle_server.engine.errors import Cancelled, Unauthenticated
 from twinkle_server.http import convert
 from twinkle_server.http.errors import BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
-from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.runtime import SUBMITTED, OpRef, Runtime
 
 log = logging.getLogger("twinkle_server.http")
 API_PREFIX = "/api/v1"
@@ -129,9 +129,22 @@ class Front:
         return OpRef(self.model(tenant, model_id), None if seq_id is None else seq_id - 1,
                      request_id)
 
-    def promise(self, tenant: str, request_id: str, work: Awaitable[Any],
-                render: Callable[[Any], Any], **extra: Any) -> dict[str, Any]:
-        self.futures.submit(tenant, request_id, work, render)
+    async def promise(self, tenant: str, request_id: str, work: Awaitable[Any],
+                      render: Callable[[Any], Any], **extra: Any) -> dict[str, Any]:
+        """Start `work` as the tenant's future `request_id` and answer its id once its op
+        is submitted; an op refused past its bounds (`SUBMITTED`) is answered here, HTTP
+        429, and leaves no future (the SDK retries it)."""
+        submitted = asyncio.get_running_loop().create_future()
+        token = SUBMITTED.set(submitted)
+        try:
+            self.futures.submit(tenant, request_id, work, render)
+        finally:
+            SUBMITTED.reset(token)
+        task = self.futures.get(tenant, request_id).task
+        await asyncio.wait({submitted, task}, return_when=asyncio.FIRST_COMPLETED)
+        if submitted.done() and (refused := submitted.result()) is not None:
+            self.futures.forget(tenant, request_id)
+            raise refused
         return {"request_id": request_id, **extra}
 
     def refused(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> BaseException:

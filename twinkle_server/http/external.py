@@ -64,7 +64,7 @@ class ExternalRoutes:
         except (EngineError, paths.PathError) as exc:
             raise front.refused(tenant, ref, "save_external", exc) from None
         work = self.rt.external.save(tenant, ref, name, ttl_seconds=ttl, recipients=ages)
-        return front.promise(tenant, rid, work, lambda row: {
+        return await front.promise(tenant, rid, work, lambda row: {
             "type": "save_weights_external", "path": convert.tinker_path(row),
             "size_bytes": row.size_bytes})
 

@@ -71,6 +71,10 @@ class Futures:
         entry.task.add_done_callback(lambda task: _finished(entry, task))
         table[request_id] = entry
 
+    def forget(self, tenant: str, request_id: str) -> None:
+        """Drop the future `request_id` (an op refused at once: nobody will read it)."""
+        self._tables.get(tenant, {}).pop(request_id, None)
+
     def get(self, tenant: str, request_id: str) -> Entry:
         entry = self._tables.get(tenant, {}).get(request_id)
         if entry is None:

@@ -138,7 +138,7 @@ class OpenAIRoutes:
             if ";" in asked.model:
                 raise OaiError("model", f"{asked.model!r}: after ';' give a checkpoint path "
                                         "(tinker://<run>/sampler_weights/<name>)")
-            return Source(self._base(path))
+            return Source(self._base(path), tenant=tenant)
         try:
             ref = checkpoint_ref(path, "model")
         except Exception as exc:

@@ -78,7 +78,7 @@ class SamplingRoutes:
         ids = self.rt.stability.new_ids(num_samples)
         if body.get("record_stability_info"):
             work = self.rt.stability.recorded(tenant, queue, prompt, ids, work)
-        return self.front.promise(
+        return await self.front.promise(
             tenant, rid, work,
             lambda result: Response(sampling_options.sample_response(result, include, options),
                                     media_type=convert.PROTOBUF),

@@ -49,7 +49,7 @@ class TrainingRoutes:
         work = self.rt.training.create_model(
             tenant, spec=spec, session_id=session_id, base_model=base_model,
             user_metadata=convert.mapping(body, "user_metadata"))
-        return self.front.promise(tenant, self.front._id(), work, lambda info: {
+        return await self.front.promise(tenant, self.front._id(), work, lambda info: {
             "type": "create_model", "model_id": info.entry.model_id})
 
     @route
@@ -69,7 +69,7 @@ class TrainingRoutes:
         body = await json_body(request)
         sdk_id = convert.text(body, "model_id", required=True)
         work = self.rt.training.unload_model(tenant, self.front.model(tenant, sdk_id))
-        return self.front.promise(tenant, self.front._id(), work,
+        return await self.front.promise(tenant, self.front._id(), work,
                             lambda _: {"type": "unload_model", "model_id": sdk_id})
 
     # ------------------------------------------------------------------ training ops
@@ -93,8 +93,9 @@ class TrainingRoutes:
                                                        backward, convert.provenance(msg))
         except (EngineError, ValueError) as exc:
             raise self.front.refused(tenant, ref, kind, exc) from None
-        return self.front.promise(tenant, rid, self.rt.training.forward(tenant, ref, forward),
-                            convert.forward_output)
+        return await self.front.promise(tenant, rid,
+                                        self.rt.training.forward(tenant, ref, forward),
+                                        convert.forward_output)
 
     @route
     async def optim_step(self, request: Request) -> Any:
@@ -108,9 +109,10 @@ class TrainingRoutes:
         # The gradient norm only: the cookbook's loops merge these metrics into their own
         # log rows, where our `step` (a float counting from 1) and `learning_rate` would
         # overwrite theirs; no loop of theirs names `grad_norm`. gRPC's OptimStep keeps all.
-        return self.front.promise(tenant, rid, self.rt.training.optim_step(tenant, ref, adam),
-                                  lambda metrics: {"metrics": {
-                                      "grad_norm": metrics["grad_norm"]}})
+        return await self.front.promise(tenant, rid,
+                                        self.rt.training.optim_step(tenant, ref, adam),
+                                        lambda metrics: {"metrics": {
+                                            "grad_norm": metrics["grad_norm"]}})
 
     @route
     async def save_weights(self, request: Request) -> Any:
@@ -144,7 +146,7 @@ class TrainingRoutes:
         if ephemeral:
             # Tinker's ephemeral sampler weights: no checkpoint, a snapshot that lives as
             # long as its sampling session (`Sampling.snapshot`); no path, no TTL of its own.
-            return self.front.promise(tenant, rid, self.rt.sampling.snapshot(
+            return await self.front.promise(tenant, rid, self.rt.sampling.snapshot(
                 tenant, ref, inflight=client_kind == "inflight"),
                                 lambda sampler: {"type": "save_weights_for_sampler",
                                                  "path": None, "sampling_session_id": sampler})
@@ -154,7 +156,7 @@ class TrainingRoutes:
                                      user_metadata=convert.mapping(body, "user_metadata"))
         if ttl is not None:
             work = self._expiring(tenant, work, ttl)
-        return self.front.promise(tenant, rid, work, lambda row: {
+        return await self.front.promise(tenant, rid, work, lambda row: {
             "type": f"save_{'weights' if kind == 'training' else 'weights_for_sampler'}",
             "path": convert.tinker_path(row)})
 
@@ -179,7 +181,7 @@ class TrainingRoutes:
                 source = checkpoint_ref(text)
             except paths.PathError as exc:
                 raise self.front.refused(tenant, ref, "load_state", exc) from None
-            return self.front.promise(tenant, rid,
+            return await self.front.promise(tenant, rid,
                                 self.rt.training.load(tenant, ref, source, optimizer),
                                 lambda _: {"type": "load_weights", "path": text,
                                            "model_id": body["model_id"]})
@@ -197,7 +199,7 @@ class TrainingRoutes:
                 user_metadata=convert.mapping(body, "user_metadata"))
             self.front.aliases[(tenant, alias)] = info.entry.model_id
             return info.entry.model_id
-        return self.front.promise(tenant, rid, create(), lambda _: {
+        return await self.front.promise(tenant, rid, create(), lambda _: {
             "type": "load_weights", "path": text, "model_id": alias})
 
     def routes(self) -> list[Route]:

@@ -78,7 +78,8 @@ def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
     scheduler = Scheduler(
         EngineExecutor(engine, turns, decodes_here=not split), mode=config.scheduling,
         token_budget=budget, decode_group=SAMPLE if config.sampler == "continuous" else None,
-        decode_slice_s=config.decode_slice_ms / 1000, decode_apart=split)
+        decode_slice_s=config.decode_slice_ms / 1000, decode_apart=split,
+        limits=config.queue_limits())
     for queue in (ADMIN_QUEUE, ONCE_QUEUE):
         scheduler.register_model(queue)
     return Served(model, engine, scheduler)

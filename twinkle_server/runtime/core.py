@@ -16,6 +16,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from twinkle_server.engine.errors import (
     Cancelled,
     FailedPrecondition,
     NotFound,
+    ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
@@ -44,6 +46,12 @@ from twinkle_wire import paths
 log = logging.getLogger("twinkle_server")
 T = TypeVar("T")
 OpObserver = Callable[[str, Op, float, Any, "BaseException | None"], None]
+SUBMITTED: ContextVar[asyncio.Future | None] = ContextVar("twinkle_submitted", default=None)
+"""Set by a front that answers before its op runs (HTTP's futures): `run` resolves it as
+soon as the op is submitted, with the op's refusal past its bounds (`ResourceExhausted`,
+which took nothing) or None, so the front answers that refusal itself (HTTP 429, which
+the SDK retries) rather than in the op's future."""
+
 OPEN_TENANT = "local"
 SNAPSHOT_DIR = "sampler-snapshots"
 """Where, in the data dir, the weights of snapshot sampling sessions (Tinker's ephemeral
@@ -240,6 +248,10 @@ class Core:
             sampler.in_flight += 1
         served = base or self.base_of(op.queue_id)
         future = served.scheduler.submit(op)
+        told = SUBMITTED.get()
+        if told is not None and not told.done():
+            refused = future.done() and isinstance(future.exception(), ResourceExhausted)
+            told.set_result(future.exception() if refused else None)
         try:
             result = await asyncio.wrap_future(future)
             return result
@@ -264,7 +276,8 @@ class Core:
         """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""
         self.model_of(tenant, ref.model_id)
         self.write_later(self.store.touch_run, ref.model_id)
-        return await self.run(Op(ref.model_id, ref.seq_id, kind, None, 0, fn, ref.request_id))
+        return await self.run(Op(ref.model_id, ref.seq_id, kind, None, 0, fn, ref.request_id,
+                                 tenant=tenant))
 
     def refuse(self, queue_id: str, seq_id: int | None, kind: str, error: Exception,
                request_id: str = "") -> Refusal:

@@ -45,6 +45,7 @@ class Target:
     adapter_id: str | None
     weights_path: str | None
     cache_namespace: str = ""     # a sampling session's: its prompts share prefix KV
+    tenant: str | None = None       # whose request: its ops count against their bounds
 
 
 def context_left(served: Served, prompt_tokens: int) -> int:
@@ -60,6 +61,7 @@ class Source:
 
     served: Served
     weights_path: str | None = None
+    tenant: str | None = None       # whose request: its ops count against their bounds
 
 
 @dataclass(frozen=True)
@@ -189,11 +191,11 @@ class Sampling:
         if op is not None:
             self.core.model_of(tenant, op.model_id)
             return Target(op.model_id, op.seq_id, op.request_id or request_id, op.model_id,
-                          None)
+                          None, tenant=tenant)
         entry = self.core.sampler_of(tenant, sampling_session_id)
         entry.last_used = time.monotonic()
         return Target(sampling_session_id, None, request_id, entry.model_id,
-                      entry.weights_path, sampling_session_id)
+                      entry.weights_path, sampling_session_id, tenant)
 
     def refuse(self, target: Target, kind: str, error: Exception) -> Refusal:
         """Take the target op's seq_id with `error` as its result (`Core.refuse`); await
@@ -207,7 +209,7 @@ class Sampling:
         beside `model_path`, `base_model` must name the base it was trained on."""
         core = self.core
         if model_path is None:
-            return Source(core.base(base_model))
+            return Source(core.base(base_model), tenant=tenant)
         row, path = core.checkpoint(tenant, model_path)
         served = core.checkpoint_base(row, model_path.field)
         if base_model and core.base(base_model) is not served:
@@ -216,7 +218,7 @@ class Sampling:
                 f"{model_path.text!r} was trained on {served.name!r}; give that base, or none")
         audit.record(core, tenant, "checkpoint_read", purpose="sample",
                      **audit.checkpoint_details(row))
-        return Source(served, str(path))
+        return Source(served, str(path), tenant)
 
     def sample(self, target: Target, prompt: np.ndarray, num_samples: int,
                params: SamplingParams, include_prompt_logprobs: bool = False,
@@ -260,7 +262,8 @@ class Sampling:
         Raises:
             InvalidArgument: at once, naming the field and its limit.
         """
-        target = Target(ONCE_QUEUE, None, "", None, source.weights_path)
+        target = Target(ONCE_QUEUE, None, "", None, source.weights_path,
+                        tenant=source.tenant)
         payload, scoring = _checked(source.served, target, prompt, num_samples, params,
                                     include_prompt_logprobs, topk_prompt_logprobs,
                                     topk_sample_logprobs, prompt_options)
@@ -274,13 +277,14 @@ class Sampling:
         core, prompt = self.core, payload.prompt
         generation = await core.run(Op(target.queue, target.seq_id, "sample", SAMPLE,
                                        payload.num_tokens, payload, target.request_id,
-                                       on_progress), served)
+                                       on_progress, target.tenant, prompt.nbytes), served)
         scored = None
         if scoring.wanted:
             scored = await core.run(Op(
                 target.queue, None, "prompt_logprobs", None, prompt.size,
                 lambda: served.engine.score_prompt(target.adapter_id, target.weights_path,
-                                                 prompt, scoring)), served)
+                                                 prompt, scoring),
+                tenant=target.tenant, bytes=prompt.nbytes), served)
         return SampleResult(generation.sequences, scored, generation.prompt_cache_hit_tokens)
 
     async def compute_logprobs(self, target: Target, prompt: np.ndarray,
@@ -298,4 +302,4 @@ class Sampling:
             target.queue, target.seq_id, "compute_logprobs", None, prompt.size,
             lambda: engine.score_prompt(target.adapter_id, target.weights_path, prompt,
                                         scoring).logprobs,
-            target.request_id))
+            target.request_id, tenant=target.tenant, bytes=prompt.nbytes))

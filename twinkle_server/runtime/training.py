@@ -181,7 +181,8 @@ class Training:
         core.write_later(core.store.touch_run, ref.model_id)
         kind = "forward_backward" if request.backward else "forward"
         return await core.run(Op(ref.model_id, ref.seq_id, kind, FORWARD, request.num_tokens,
-                                 request, ref.request_id))
+                                 request, ref.request_id, tenant=tenant,
+                                 bytes=request.num_bytes))
 
     def refuse(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> Refusal:
         """Take op `ref.seq_id` of the tenant's model with `error` as its result, before

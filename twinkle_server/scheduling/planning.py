@@ -50,7 +50,9 @@ class Op:
     `merge_group` names which ops may share a pass ('forward', 'sample'); None runs alone.
     `tokens` is the op's share of a merged pass's `token_budget`. `on_partial` hears each
     `Partial` a decode slice reports for the op before its result (called from the
-    worker thread, outside the scheduler's lock).
+    worker thread, outside the scheduler's lock). `tenant` and `bytes` (its payload's
+    arrays) count against the scheduler's `QueueLimits` while it waits; an op with no
+    tenant (the server's own) is never bounded.
     """
 
     queue_id: str
@@ -61,6 +63,8 @@ class Op:
     payload: Any
     request_id: str = ""
     on_partial: Callable[[Any], None] | None = field(default=None, compare=False)
+    tenant: str | None = None
+    bytes: int = 0
 
     @classmethod
     def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -25,6 +25,7 @@ from twinkle_server.engine.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from twinkle_server.scheduling.planning import Op, Place
@@ -33,6 +34,64 @@ from twinkle_server.scheduling.planning import Op, Place
 # in server memory while an earlier seq_id is missing.
 MAX_SEQ_AHEAD = 1024
 DEFAULT_RESULT_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """How much may wait on one served model (queued, or sampling in its decode pool),
+    for one tenant and for all tenants together: ops, and their payloads' bytes
+    (`Op.bytes`: datums and prompts as arrays). Past a bound a new op is refused at once
+    (`ResourceExhausted`, naming the flag) and takes nothing, so the client may send it
+    again; an op that fills its queue's gap (the seq_id the queue runs next) is always
+    taken, since what waits behind it cannot run without it, and so is an op whose
+    bytes alone pass a bound when nothing else waits (a single large op still runs)."""
+
+    tenant_ops: int = 1024
+    tenant_bytes: int = 1 << 30
+    model_ops: int = 4096
+    model_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        for name in ("tenant_ops", "tenant_bytes", "model_ops", "model_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{FLAGS[name]}: {getattr(self, name)} must be at "
+                                      "least 1")
+
+    def refusal(self, op: Op, waiting: Iterable[Op]) -> ResourceExhausted | None:
+        """Why `op` may not wait beside `waiting` (every op now waiting on the model),
+        or None."""
+        if op.tenant is None:
+            return None
+        ops = size = tenant_ops = tenant_size = 0
+        for other in waiting:
+            if other.tenant is None:
+                continue
+            ops, size = ops + 1, size + other.bytes
+            if other.tenant == op.tenant:
+                tenant_ops, tenant_size = tenant_ops + 1, tenant_size + other.bytes
+        for name, whose, held, limit in (
+                ("tenant_ops", "this tenant has", tenant_ops, self.tenant_ops),
+                ("model_ops", "all tenants have", ops, self.model_ops)):
+            if held + 1 > limit:
+                return ResourceExhausted(
+                    f"{FLAGS[name]}: {whose} {held} ops waiting on this model (queued or "
+                    f"sampling), the most it allows; send this {op.kind} again as they "
+                    "finish")
+        for name, whose, held, limit in (
+                ("tenant_bytes", "this tenant's", tenant_size, self.tenant_bytes),
+                ("model_bytes", "all tenants'", size, self.model_bytes)):
+            if held and held + op.bytes > limit:    # alone, any op may wait
+                return ResourceExhausted(
+                    f"{FLAGS[name]}: {whose} ops waiting on this model (queued or "
+                    f"sampling) hold {held} bytes, and this {op.kind}'s {op.bytes} would "
+                    f"pass {limit}; send it again as they finish")
+        return None
+
+
+FLAGS = {"tenant_ops": "--max-queued-ops-per-tenant",
+         "tenant_bytes": "--max-queued-bytes-per-tenant",
+         "model_ops": "--max-queued-ops", "model_bytes": "--max-queued-bytes"}
+"""The server flag that sets each of `QueueLimits`' bounds, which its errors name."""
 
 
 class SchedulerClosed(Unavailable):
@@ -160,8 +219,12 @@ class Queues:
             raise UnknownQueue(_unknown(queue_id))
         return queue.next_seq
 
-    def admit(self, op: Op, fut: OpFuture) -> Exception | OpFuture | None:
-        """Queue `op` under `fut` (None), name why not, or return the future it shares."""
+    def admit(self, op: Op, fut: OpFuture,
+               room: Callable[[Op], Exception | None] = lambda op: None
+               ) -> Exception | OpFuture | None:
+        """Queue `op` under `fut` (None), name why not, or return the future it shares.
+        `room` says why a new op may not wait (its bounds), unless it fills its queue's
+        gap; a retry of a seq_id already taken is never refused by it."""
         queue = self._queues.get(op.queue_id)
         if queue is None:
             return UnknownQueue(_unknown(op.queue_id))
@@ -170,6 +233,8 @@ class Queues:
         self._tickets += 1
         entry = Entry(op, fut, self._tickets)
         if op.seq_id is None:
+            if (error := room(op)) is not None:
+                return error
             queue.unordered.append(entry)
             return None
         seq = op.seq_id
@@ -194,6 +259,8 @@ class Queues:
             return OutOfOrder(
                 f"seq_id: {seq} is more than {MAX_SEQ_AHEAD} ahead of the expected "
                 f"{queue.next_seq}")
+        if seq != queue.next_seq and (error := room(op)) is not None:
+            return error
         queue.pending[seq] = entry
         return None
 

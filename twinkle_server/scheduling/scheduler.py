@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -58,6 +58,7 @@ from twinkle_server.scheduling.queues import (
     Entry,
     OpFuture,
     Queue,
+    QueueLimits,
     Queues,
     SchedulerClosed,
 )
@@ -102,6 +103,8 @@ class Scheduler:
         decode_apart: decode slices run on a second worker thread, beside training
             batches instead of between them: for an executor whose decoding runs on
             other devices than its training (sampler ranks, `twinkle_server.ranks.split`).
+        limits: how many ops, and bytes of them, a tenant and all tenants may have
+            waiting (queued or in the decode pool); past them `submit` refuses.
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
@@ -113,7 +116,7 @@ class Scheduler:
                  result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE,
                  decode_group: str | None = None,
                  decode_slice_s: float = DEFAULT_DECODE_SLICE_S,
-                 decode_apart: bool = False) -> None:
+                 decode_apart: bool = False, limits: QueueLimits = QueueLimits()) -> None:
         if mode not in MODES:
             raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
         if token_budget < 1:
@@ -125,6 +128,7 @@ class Scheduler:
         if decode_apart and decode_group is None:
             raise InvalidArgument("decode_apart: needs a decode_group (continuous sampling)")
         self.executor = executor
+        self.limits = limits
         self.mode: Mode = mode
         self.token_budget = token_budget
         self._queues = Queues(result_cache_size)
@@ -229,14 +233,16 @@ class Scheduler:
 
         A seq_id that is queued, running or finished (and still cached) returns that op's
         future. Refusals come back as failed futures: `SchedulerClosed`, `UnknownQueue`,
-        `OutOfOrder`.
+        `OutOfOrder`, and `ResourceExhausted` past `limits` (the op took nothing: send
+        it again).
         """
         with self._cond:
             fut = OpFuture()
             if self._closed:
                 error = SchedulerClosed("the server is shutting down; not accepting ops")
             else:
-                error = self._queues.admit(op, fut)
+                error = self._queues.admit(op, fut, lambda new: self.limits.refusal(
+                    new, self._waiting_ops()))
             if isinstance(error, OpFuture):
                 return error
             if error is None:
@@ -244,6 +250,13 @@ class Scheduler:
                 return fut
         fut.set_exception(error)
         return fut
+
+    def _waiting_ops(self) -> Iterator[Op]:
+        """Every op queued or in the decode lane (not one running a batch)."""
+        for queue in self._queues:
+            yield from (entry.op for entry in queue.pending.values())
+            yield from (entry.op for entry in queue.unordered)
+        yield from (entry.op for _, _, entry in self._lane.entries())
 
     def cancel(self, future: Future) -> bool:
         """One caller of `submit` stops waiting for `future` (what `submit` gave it); call
