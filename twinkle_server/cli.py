@@ -132,23 +132,28 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_adapters(args: argparse.Namespace) -> int:
     """`adapters import DIR --tenant T`: a PEFT adapter on disk, checked against the base
-    it names, as an external_weights checkpoint of the tenant's; beside a running server
-    or without one, as `keys create` is."""
-    from twinkle_server.engine.adapter_import import base_linears, read_import
+    it was trained on, as an external_weights checkpoint of the tenant's; beside a running
+    server or without one, as `keys create` is. The served models and limits come from
+    the data dir (`config.served`: what its server loaded) unless `--model`, `--models`
+    or `--max-rank` name them; among several, `--base-model` or the adapter's own
+    `base_model_name_or_path` picks."""
+    from twinkle_server.config.served import pick, read_served
+    from twinkle_server.engine.adapter_import import base_linears, named_base, read_import
     from twinkle_server.engine.base_model import model_dir
     from twinkle_server.runtime.imports import MAX_UPLOAD_BYTES, register
 
+    directory = Path(args.directory)
     try:
-        models = flags.ServerConfig(
-            model=args.model, models=Path(args.models) if args.models else None,
-            max_rank=args.max_rank).model_configs()
-        wanted = args.base_model or models[0].name
-        model = next((m for m in models if wanted in m.names), None)
-        if model is None:
-            raise EngineError(f"--base-model: {wanted!r} is not one of the models "
-                              f"{[n for m in models for n in m.names]}")
-        base_dir = model_dir(model.path)
-        adapter = read_import(Path(args.directory), base_linears(base_dir), model.max_rank,
+        served = None
+        if not (args.model or args.models or args.max_rank):
+            served = read_served(Path(args.data_dir))
+        if served is None:
+            models = flags.ServerConfig(
+                model=args.model or "", models=Path(args.models) if args.models else None,
+                max_rank=args.max_rank or flags.ServerConfig.max_rank).model_configs()
+            served = [(m, model_dir(m.path)) for m in models]
+        model, base_dir = pick(served, args.base_model, named_base(directory))
+        adapter = read_import(directory, base_linears(base_dir), model.max_rank,
                               MAX_UPLOAD_BYTES)
         row = register(Store(args.data_dir), args.tenant, model.name,
                        model.tokenizer_id(base_dir), adapter, f"directory {args.directory}")
@@ -198,14 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     imported.add_argument("directory")
     imported.add_argument("--tenant", required=True)
     imported.add_argument("--base-model", default="",
-                          help="the served model it was trained on (default: the first)")
-    imported.add_argument("--model", default=os.environ.get("TWINKLE_MODEL", ""),
-                          help="the server's --model (env TWINKLE_MODEL; default tiny)")
+                          help="the served model it was trained on (default: the one its "
+                               "adapter_config.json names, or the only one served)")
+    imported.add_argument("--model", default=os.environ.get("TWINKLE_MODEL"),
+                          help="the server's --model (env TWINKLE_MODEL; default: what the "
+                               "data dir's server serves, else tiny)")
     imported.add_argument("--models", default=os.environ.get("TWINKLE_MODELS"),
-                          help="the server's --models file (env TWINKLE_MODELS)")
+                          help="the server's --models file (env TWINKLE_MODELS; default: "
+                               "what the data dir's server serves)")
     imported.add_argument("--max-rank", type=int,
-                          default=int(os.environ.get("TWINKLE_MAX_RANK", "128")),
-                          help="the server's --max-rank (env TWINKLE_MAX_RANK; default 128)")
+                          default=int(os.environ["TWINKLE_MAX_RANK"])
+                          if "TWINKLE_MAX_RANK" in os.environ else None,
+                          help="the server's --max-rank (env TWINKLE_MAX_RANK; default: the "
+                               "data dir's server's, else 128)")
     _data_dir(imported)
     adapters.set_defaults(func=cmd_adapters)
     return parser

@@ -10,6 +10,8 @@ logprobs of order 10); the seeded tokens are equal.
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import numpy as np
 import pytest
@@ -184,3 +186,34 @@ def test_grpc_clients_route_by_base_model_alike(pair):
     finally:
         grpc.close()
         connection.close()
+
+
+def test_adapters_import_beside_the_server_takes_its_models_and_the_adapters_base(
+        pair, tmp_path):
+    """`twinkle-server adapters import` with only the data dir: the served models and
+    limits come from what the server recorded there (`served.json`), and each PEFT
+    adapter goes to the base its `base_model_name_or_path` names: one trained on
+    tiny-large to the teacher, which then samples peft's logprobs. It was checked
+    against tiny (the CLI's default) and refused before."""
+    import subprocess
+    import sys
+
+    from twinkle_server.engine.tiny_model import TINY_LARGE_NAME
+
+    from ..numerics import LOGPROB_ATOL
+    from .test_adapter_import import TOKENS, _peft_adapter
+
+    proc, client = pair
+    paths = {}
+    for base, served in (("tiny", "student"), (TINY_LARGE_NAME, "teacher")):
+        directory, want = _peft_adapter(tmp_path / base, base=base)
+        cli = subprocess.run([sys.executable, "-m", "twinkle_server.cli", "adapters", "import",
+                              str(directory), "--tenant", "alice", "--data-dir",
+                              str(proc.data_dir)], capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items()
+                                  if not k.startswith("TWINKLE_")})
+        assert cli.returncode == 0, cli.stderr
+        paths[served] = cli.stdout.strip()
+        sampler = client.create_sampling_client(model_path=paths[served]).result()
+        got = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]
+        np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)

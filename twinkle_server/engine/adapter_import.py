@@ -140,6 +140,21 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
                            tuple(sorted(set(parameters.values()))))
 
 
+def named_base(directory: Path) -> str:
+    """The base the adapter in `directory` says it was trained on (its config's
+    `base_model_name_or_path`), or "" where it names none or its config cannot be read
+    (`read_import` then says why)."""
+    path = directory / CONFIG_FILE
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            return ""
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return ""
+    named = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return named if isinstance(named, str) else ""
+
+
 def _not_converted(targets: str | list[str] | None, base: BaseLinears) -> None:
     """Refuse `target_modules` that peft would read as this base's experts (and router)
     rather than as linears (`checkpoint.peft_renamed_leaves`): what it loads would not be

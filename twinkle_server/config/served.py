@@ -1,0 +1,77 @@
+"""What a data dir's server serves: `served.json` beside the store, written when the server
+has loaded its models, so that the tools run beside it (`twinkle-server adapters import`)
+check against the served models and limits without the server's flags repeated.
+
+It records each model's table (`ModelConfig`, as its flags and `--models` file made it) and
+the directory its files were loaded from. A server that never ran leaves none; the file is
+replaced whole (written beside, then renamed), so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from twinkle_server.config.model_table import ModelConfig
+from twinkle_server.engine.errors import InvalidArgument
+
+SERVED_FILE = "served.json"
+
+
+def write_served(data_dir: Path, models: Sequence[tuple[ModelConfig, Path]]) -> None:
+    """Record `models` (each with its files' directory) as what `data_dir`'s server
+    serves."""
+    rows = [{**asdict(model), "model_dir": str(directory)} for model, directory in models]
+    path = Path(data_dir) / SERVED_FILE
+    partial = path.with_name(f".{SERVED_FILE}.{os.getpid()}")
+    partial.write_text(json.dumps({"models": rows}, indent=2))
+    partial.replace(path)
+
+
+def read_served(data_dir: Path) -> list[tuple[ModelConfig, Path]] | None:
+    """What `data_dir`'s server last recorded serving, or None where none ran there.
+
+    Raises:
+        InvalidArgument: the file is not one `write_served` wrote.
+    """
+    path = Path(data_dir) / SERVED_FILE
+    if not path.is_file():
+        return None
+    known = {f.name for f in fields(ModelConfig)}
+    try:
+        rows = json.loads(path.read_text())["models"]
+        return [(ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in row.items() if k in known}),
+                 Path(row["model_dir"])) for row in rows]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(f"{path}: not a record of served models ({exc}); start the "
+                              "server again, or give --model or --models") from None
+
+
+def pick(models: Sequence[tuple[ModelConfig, Path]], wanted: str, named: str
+         ) -> tuple[ModelConfig, Path]:
+    """The served model an adapter belongs to: `wanted` (`--base-model`) by any of its
+    names; else the one the adapter names (`named`: its `base_model_name_or_path`) by a
+    name, its path or its directory; else the only one served.
+
+    Raises:
+        InvalidArgument: `wanted` is not served, or several are and the adapter names
+            none of them.
+    """
+    choices = [n for model, _ in models for n in model.names]
+    if wanted:
+        found = [(m, d) for m, d in models if wanted in m.names]
+        if not found:
+            raise InvalidArgument(f"--base-model: {wanted!r} is not one of the served "
+                                  f"models {choices}")
+        return found[0]
+    for model, directory in models:
+        if named and named in (*model.names, model.path, str(directory)):
+            return model, directory
+    if len(models) == 1:
+        return models[0]
+    raise InvalidArgument(f"--base-model: the adapter was trained on {named or 'no named base'}"
+                          f", which is none of the served models {choices}; name one")
