@@ -41,7 +41,11 @@ step's time goes (torch's profiler over a few slices of the RL group, top operat
 self CPU time). `--batch-invariant` instead measures what `--batch-invariant on` costs:
 the RL group and mixed rows on two engines of the same model, one with the mode off and
 one with it on, their rounds interleaved (off, on, off, on, ...) so that both see the
-same minutes of this machine. Figures measure and print; nothing passes or fails on time.
+same minutes of this machine. `--leaving` measures how the rows that stay move when
+others leave (`kv_batch.compaction` against keeping their order, rounds interleaved on
+one engine, with a row of 512-token prompts where moving rows costs most) and a decode
+step's attention read through a block table against the pool's contiguous rows. Figures
+measure and print; nothing passes or fails on time.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ GROUP_PROMPTS, GROUP_SAMPLES, GROUP_TOKENS = 24, 4, 128
 MIXED_REQUESTS, MIXED_LOW, MIXED_HIGH = 64, 8, 256
 TRAIN_ROWS, TRAIN_LENGTH = 8, 128
 STOPS = tuple(range(100, 140))
+LONG_PROMPT, LONG_REQUESTS = 512, 32
+BLOCK = 16
+"""Positions a page holds in `block_table_read` (vLLM's default block size)."""
 
 
 def gemm_rate(engine: Engine, rows: int, rounds: int = 20) -> float:
@@ -321,6 +328,91 @@ def invariant_cost(path: str, rounds: int, shorter: int = 1) -> None:
     training_in_company(engines[False])
 
 
+def leaving_cost(path: str, rounds: int) -> None:
+    """Tokens/s of the rows whose samples leave the batch at uneven steps, with the kept
+    rows moved as the pool moves them (`kv_batch.compaction`: a stopped row's place
+    taken by its route's last row) and with the rows kept in their order (every row
+    after the first that leaves moves), rounds interleaved on one engine; then what a
+    decode step's attention costs read through a block table (`block_table_read`)."""
+    from twinkle_server.engine.sampling import book
+
+    engine = _engine(path)
+    flops = ModelFlops.of(engine.base.config, SPEC.rank)
+    vocab = engine.base.vocab_size
+    arms = {"order kept": lambda routes, keep: list(keep), "compaction": book.compaction}
+    print(f"rows leaving the decode batch ({torch.get_num_threads()} threads, float32, "
+          f"hidden 512, 8 layers, LoRA rank 16 all-linear; medians of {rounds} interleaved "
+          "rounds)")
+    print(f"  {'row':<46}{'order kept':>11}{'compaction':>11}{'ratio':>7}")
+
+    def long_prompts(vocab: int, seed: int) -> list[SampleRequest]:
+        rng = np.random.default_rng(seed)
+        return [replace(r, prompt=rng.integers(3, vocab, LONG_PROMPT))
+                for r in _mixed(vocab, seed)][:LONG_REQUESTS]
+
+    for name, make in (("decode, RL group, stop tokens", _group_stopping),
+                       ("decode, mixed 64 x 8..256", _mixed),
+                       (f"decode, mixed {LONG_REQUESTS} x 8..256, {LONG_PROMPT}-token prompts",
+                        long_prompts)):
+        speeds: dict[str, list[float]] = {arm: [] for arm in arms}
+        _sample(engine, flops, make(vocab, 0)[:2])
+        for seed in range(1, rounds + 1):
+            for arm, order in arms.items():
+                book.compaction = order
+                try:
+                    seconds, tokens, _ = _sample(engine, flops, make(vocab, seed))
+                finally:
+                    book.compaction = arms["compaction"]
+                speeds[arm].append(tokens / seconds)
+        kept, moved = (statistics.median(speeds[arm]) for arm in arms)
+        print(f"  {name:<46}{kept:>11.0f}{moved:>11.0f}{moved / kept:>6.2f}x")
+    contiguous, paged = block_table_read(engine)
+    print(f"  a decode step's attention, {GROUP_PROMPTS * GROUP_SAMPLES} rows x "
+          f"{PROMPT + GROUP_TOKENS} positions, every layer: {contiguous * 1e3:.1f} ms on each "
+          f"row's contiguous cache, {paged * 1e3:.1f} ms read through a block table of "
+          f"{BLOCK}-position pages ({paged / contiguous:.1f}x)")
+
+
+def block_table_read(engine: Engine, rounds: int = 10) -> tuple[float, float]:
+    """Seconds of one decode step's attention over every layer of the RL group's cache
+    at its full length: on each row's keys and values as the pool holds them (contiguous
+    per row), and read through a block table of `BLOCK`-position pages scattered in one
+    pool, as a paged cache holds them; torch has no CPU kernel that reads through a table,
+    so the pages are gathered first (`index_select`), which is the cost measured."""
+    config = engine.base.config
+    rows, width = GROUP_PROMPTS * GROUP_SAMPLES, PROMPT + GROUP_TOKENS
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    pages = width // BLOCK
+    query = torch.randn(rows, kv_heads, heads // kv_heads, dim)
+    contiguous = [(torch.randn(rows, kv_heads, width, dim), torch.randn(rows, kv_heads, width,
+                                                                         dim))
+                  for _ in range(config.num_hidden_layers)]
+    pool = [(torch.randn(rows * pages, kv_heads, BLOCK, dim),
+             torch.randn(rows * pages, kv_heads, BLOCK, dim))
+            for _ in range(config.num_hidden_layers)]
+    table = torch.randperm(rows * pages).reshape(rows, pages)
+
+    def attend(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(torch.matmul(query, keys.transpose(-1, -2)), dim=-1)
+        return torch.matmul(weights, values)
+
+    def through_table(layer: torch.Tensor) -> torch.Tensor:
+        return (layer.index_select(0, table.flatten()).reshape(rows, pages, kv_heads, BLOCK,
+                                                              dim)
+                .transpose(1, 2).reshape(rows, kv_heads, pages * BLOCK, dim))
+
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, step in enumerate((lambda: [attend(k, v) for k, v in contiguous],
+                                  lambda: [attend(through_table(k), through_table(v))
+                                           for k, v in pool])):
+            start = time.perf_counter()
+            step()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
 def pass_cost(engine: Engine, rounds: int) -> None:
     """Seconds of a training-shaped forward (`TRAIN_ROWS` x `TRAIN_LENGTH` tokens, padded
     rows, no gradient) through the base and its adapter with the mode's construction
@@ -383,6 +475,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="measure what --batch-invariant on costs instead")
     parser.add_argument("--shorter", type=int, default=1,
                         help="with --batch-invariant: divide every max_tokens by this")
+    parser.add_argument("--leaving", action="store_true",
+                        help="measure how the rows that stay are moved when others leave "
+                             "instead")
     args = parser.parse_args(argv)
     from bench.engine import _wider_base
 
@@ -391,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
         path = _wider_base(f"{tmp}/wide")
         if args.batch_invariant:
             invariant_cost(path, args.rounds, args.shorter)
+            return
+        if args.leaving:
+            leaving_cost(path, args.rounds)
             return
         engine = _engine(path)
     rows = measure(engine, args.rounds)
