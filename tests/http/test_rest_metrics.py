@@ -65,6 +65,11 @@ def test_metrics_move_with_traffic(service, base_url):
     assert delta("twinkle_ops_total", kind="optim_step", outcome="ok") == 1
     assert delta("twinkle_tokens_trained_total") == 32
     assert delta("twinkle_op_seconds_count", kind="optim_step") == 1
+    # The forward_backward was one pass, counted by how many tenants it carried (here
+    # one); the optim_step is no pass of merged ops.
+    assert sum(after.get(_key("twinkle_passes_by_tenants_total", tenants=str(n)), 0.0)
+               - before.get(_key("twinkle_passes_by_tenants_total", tenants=str(n)), 0.0)
+               for n in range(1, 9)) == 1
     assert after[_key("twinkle_adapters_loaded")] >= 1
     assert _key("twinkle_queue_depth") in after
     assert not any("tenant" in dict(labels) or "model" in dict(labels)

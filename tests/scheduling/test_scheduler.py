@@ -926,3 +926,24 @@ def test_bounds_below_one_are_refused_by_flag():
 
     with pytest.raises(InvalidArgument, match="--max-queued-ops: 0 must be at least 1"):
         QueueLimits(model_ops=0)
+
+
+def test_passes_are_counted_by_how_many_tenants_ops_they_merged(make):
+    """While the worker is held, two of alice's models and one of bob's queue a forward:
+    the next pass merges all three, two tenants; an optimizer step (no merge group) is
+    not a pass of merged ops."""
+    rec = Recorder()
+    rec.gate.clear()
+    sched = make(rec, queues=["busy", "a1", "a2", "b1"])
+    sched.start()
+    first = sched.submit(_of(fwd("busy", 0), "carol"))
+    assert rec.entered.wait(WAIT_SECONDS)
+    merged = [sched.submit(_of(fwd(q, 0), t)) for q, t in (("a1", "alice"), ("a2", "alice"),
+                                                          ("b1", "bob"))]
+    rec.gate.set()
+    for fut in (first, *merged):
+        fut.result(WAIT_SECONDS)
+    sched.submit(_of(optim("a1", 1), "alice")).result(WAIT_SECONDS)
+    assert rec.batches[1] == [("a1", 0, "forward_backward"), ("a2", 0, "forward_backward"),
+                              ("b1", 0, "forward_backward")]
+    assert sched.stats()["passes_by_tenants"] == {1: 1, 2: 1}

@@ -88,8 +88,8 @@ class _PerModel:
             family.add_metric([base], value)
 
         def counter(name: str, help_text: str, base: str, value: float,
-                    kind: str | None = None) -> None:
-            labels = ["base_model"] if kind is None else ["base_model", "kind"]
+                    kind: str | None = None, label: str = "kind") -> None:
+            labels = ["base_model"] if kind is None else ["base_model", label]
             family = counters.get(name) or counters.setdefault(name, CounterMetricFamily(
                 f"twinkle_{name}", help_text, labels=labels))
             family.add_metric([base] if kind is None else [base, kind], value)
@@ -131,6 +131,10 @@ class _PerModel:
                     ("prefix_cache_hit_tokens", "Prompt tokens reused from a session's "
                      "cached prefix instead of computed", pool.prefix_hit_tokens)):
                 counter(name, help_text, base, value)
+            for tenants, passes in sorted(stats["passes_by_tenants"].items()):
+                counter("passes_by_tenants", "Passes of merged ops (forward and "
+                        "forward_backward; samples under the static sampler) by how many "
+                        "tenants' ops each carried", base, passes, str(tenants), "tenants")
             for kind, (count, seconds) in sorted(stats["waits"].items()):
                 counter("ops_started", "Ops taken off their queue to run (sample ops: "
                         "into the decode pool), by kind", base, count, kind)

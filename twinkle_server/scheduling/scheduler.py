@@ -139,6 +139,8 @@ class Scheduler:
         self._ops_run = 0
         self._batches_run = 0
         self._merged_ops = 0
+        # Passes of a merge group by how many tenants' ops they carried (never whose).
+        self._passes_by_tenants: dict[int, int] = {}
         self.decode_slice_s = decode_slice_s
         self.decode_apart = decode_apart
         self._trained_out = False   # the training worker has stopped (decode_apart)
@@ -332,8 +334,10 @@ class Scheduler:
         """Counters for logs and benchmarks.
 
         `depths` maps each queue to its ops not yet running; `merged_ops` counts ops that
-        ran in batches of two or more; `decoding` the sample ops in or joining the decode
-        pool; `waits` per op kind, how many started and their seconds queued, summed.
+        ran in batches of two or more; `passes_by_tenants` the passes of a merge group
+        (forwards; samples with the static sampler) by how many tenants' ops each carried;
+        `decoding` the sample ops in or joining the decode pool; `waits` per op kind, how
+        many started and their seconds queued, summed.
         """
         with self._cond:
             depths = self._queues.depths()
@@ -346,6 +350,7 @@ class Scheduler:
                 "ops_run": self._ops_run,
                 "batches_run": self._batches_run,
                 "merged_ops": self._merged_ops,
+                "passes_by_tenants": dict(self._passes_by_tenants),
                 "decoding": len(self._lane),
                 "decode_slices": self._lane.slices_run,
                 "waits": {kind: (int(n), total)
@@ -469,6 +474,10 @@ class Scheduler:
                 self._batches_run += 1
                 if len(chosen) > 1:
                     self._merged_ops += len(chosen)
+                if chosen[0][1].op.merge_group is not None:
+                    tenants = len({entry.op.tenant for _, entry in chosen})
+                    self._passes_by_tenants[tenants] = (
+                        self._passes_by_tenants.get(tenants, 0) + 1)
             for queue, entry in chosen:
                 self._queues.retire(queue, entry)
             self._cond.notify_all()
