@@ -35,6 +35,7 @@ def _when(ts: float | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from twinkle_server.engine import hub
     from twinkle_server.ranks import launch
     from twinkle_server.server import ConfigError, GroupLost, config_problem, serve
 
@@ -43,6 +44,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not launch.under_launcher():
         try:
+            # Hub ids are fetched here, once a node, before any rank loads from the cache.
+            for model in cfg.model_configs():
+                hub.fetch(model.path, cfg.offline == "on")
             if launch.wants_launch(cfg):
                 return launch.launch(cfg, args.argv)
             asyncio.run(serve(cfg))

@@ -25,13 +25,17 @@ def _opt(default, help: str, **extra):
 @dataclass(frozen=True)
 class ServerConfig:
     model: str = _opt("", "base model: 'tiny' or 'tiny-large' (built offline), a local HF "
-                          "directory, or an id already in the local Hugging Face cache; "
-                          "empty: tiny, or the models of --models")
+                          "directory, or a hub id (downloaded into the Hugging Face cache "
+                          "at start unless it is there or --offline is on); empty: tiny, "
+                          "or the models of --models")
     models: Path | None = _opt(None, "TOML file with one [[models]] table per served base "
                                      "model (name, path, aliases, role, device, memory_gib, "
                                      "ranks and the limit flags' names); instead of --model")
     model_alias: tuple[str, ...] = _opt((), "extra name this base model answers to "
                                             "(repeatable), e.g. Qwen/Qwen3-4B", repeat=True)
+    offline: str = _opt("off", "on: never download a model (as HF_HUB_OFFLINE=1): a hub id "
+                               "must already be in the Hugging Face cache",
+                        choices=("on", "off"))
     host: str = _opt("127.0.0.1", "address to bind; non-loopback needs API keys")
     port: int = _opt(0, "port; 0 picks a free one (printed as 'listening on HOST:PORT')")
     http_port: int = _opt(-1, "HTTP port for the Tinker REST API (the stock tinker SDK), "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from twinkle_server.engine import hub
 from twinkle_server.engine.errors import InvalidArgument, NotFound
 from twinkle_server.engine.tiny_model import RECIPES, build_tiny_model
 
@@ -170,26 +171,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
-def _cached_snapshot(model_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model_id, local_files_only=True))
-    except Exception as exc:
-        raise NotFound(
-            f"model: {model_id!r} is neither a built-in ('tiny', 'tiny-large'), a local "
-            "model directory, nor in the local "
-            f"Hugging Face cache (nothing is downloaded): {type(exc).__name__}") from None
-
-
 def model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
     """Where `model`'s files are: a built-in's cache directory (built first if need be), a
-    local directory, or its snapshot in the local Hugging Face cache (never downloaded)."""
+    local directory, or its snapshot in the local Hugging Face cache (the server downloads
+    a hub id there before it loads: `engine.hub`)."""
     if model in RECIPES:
         return build_tiny_model(cache_dir, model)
     if Path(model).expanduser().is_dir():
         return Path(model).expanduser()
-    return _cached_snapshot(model)
+    if (path := hub.cached(model)) is None:
+        raise NotFound(
+            f"model: {model!r} is neither a built-in ('tiny', 'tiny-large'), a local model "
+            "directory, nor in the local Hugging Face cache (`twinkle-server serve` "
+            "downloads a hub id at start unless --offline on or HF_HUB_OFFLINE)")
+    return path
 
 
 def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
@@ -197,7 +192,8 @@ def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
     """Load `model`: a built-in (`'tiny'`, `'tiny-large'`, built offline), a local HF
     directory, or an id in the HF cache.
 
-    Never downloads: hub ids resolve only from the local cache (`local_files_only`).
+    Never downloads: hub ids resolve only from the local cache (`local_files_only`), where
+    `engine.hub.fetch` put them.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,9 +207,7 @@ def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
             path, dtype=torch_dtype, local_files_only=True)
     except OSError as exc:
         raise NotFound(
-            f"model: {model!r} is neither a built-in ('tiny', 'tiny-large'), a local model "
-            "directory, nor in the local "
-            f"Hugging Face cache (nothing is downloaded): {exc}") from None
+            f"model: {model!r}'s files in {path} do not load: {exc}") from None
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
     check_output_head(hf_model)
