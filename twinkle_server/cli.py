@@ -168,6 +168,42 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sessions(args: argparse.Namespace) -> int:
+    """`sessions trace ID`: a session's trace from the data dir's running server, through
+    a URL signed with the data dir's own secret (reading the data dir is the operator's
+    grant, as for every command here): Chrome trace-event JSON, for ui.perfetto.dev."""
+    import httpx
+
+    from twinkle_server.config.served import served_front
+    from twinkle_server.runtime.signed_urls import Signer, load_secret
+    from twinkle_server.runtime.trace_exports import operator_path
+
+    data_dir = Path(args.data_dir)
+    try:
+        front = served_front(data_dir)
+    except EngineError as exc:
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 2
+    if front is None:
+        print(f"twinkle-server: no server with an HTTP front has run on {data_dir} (start it "
+              "with --http-port; 0 picks a free port)", file=sys.stderr)
+        return 2
+    signed = Signer(load_secret(data_dir)).sign(operator_path(args.session_id), 60)
+    try:
+        answer = httpx.get(front.url + signed.url, timeout=60, verify=args.ca or True)
+    except httpx.HTTPError as exc:
+        print(f"twinkle-server: the server at {front.url} did not answer ({exc}); is it "
+              "still running?", file=sys.stderr)
+        return 1
+    if answer.status_code != 200:
+        print(f"twinkle-server: {answer.json().get('detail', answer.text)}", file=sys.stderr)
+        return 1
+    out = Path(args.output or f"{args.session_id}.json")
+    out.write_bytes(answer.content)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinkle-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -222,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
                                "data dir's server's, else 128)")
     _data_dir(imported)
     adapters.set_defaults(func=cmd_adapters)
+
+    sessions = sub.add_parser("sessions", help="inspect the running server's sessions")
+    sessions_sub = sessions.add_subparsers(dest="action", required=True)
+    trace = sessions_sub.add_parser(
+        "trace", help="a session's trace (Chrome trace-event JSON: open it in "
+                      "ui.perfetto.dev) from the data dir's running server")
+    trace.add_argument("session_id")
+    trace.add_argument("-o", "--output", default=None, help="file (default: ID.json)")
+    trace.add_argument("--ca", default=None,
+                       help="PEM of the CA that signed the server's --tls-cert")
+    _data_dir(trace)
+    sessions.set_defaults(func=cmd_sessions)
     return parser
 
 

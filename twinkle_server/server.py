@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from twinkle_server.config.flags import ServerConfig
 from twinkle_server.config.model_table import ModelConfig
-from twinkle_server.config.served import write_served
+from twinkle_server.config.served import Front, write_served
 from twinkle_server.engine import Engine
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.parallel import Parallel
@@ -190,7 +190,6 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
     loop = asyncio.get_running_loop()
     rt = Runtime(config, engines, store)
     rt.start()
-    write_served(config.data_dir, [(s.model, s.engine.base.model_dir) for s in rt.bases])
     server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(rt), server)
@@ -220,6 +219,9 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
         http.start()
         rt.external.http = HttpEndpoint(http.port, https=bool(config.tls_cert))
         print(f"http listening on {config.host}:{http.port}", flush=True)
+    write_served(config.data_dir, [(s.model, s.engine.base.model_dir) for s in rt.bases],
+                 None if http is None else Front(config.host, http.port,
+                                                 bool(config.tls_cert)))
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
     ranks = f", {parallel.world} ranks" if parallel is not None else ""
     for served in rt.bases:

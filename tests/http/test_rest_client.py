@@ -158,7 +158,6 @@ def test_the_session_listing_includes_a_session_with_no_runs_even_once_closed(
 
 UNSERVED_CALLS = {
     "assign_session_project": lambda rest, run: rest.assign_session_project("sess-x", "proj"),
-    "export_session_trace": lambda rest, run: rest.export_session_trace("sess-x"),
     "search_sessions": lambda rest, run: rest.search_sessions(types.SessionSearchRequest()),
 }
 

@@ -865,7 +865,8 @@ def test_past_a_tenants_bound_an_op_is_refused_naming_the_flag_and_takes_no_seq_
     rec = Recorder()
     rec.gate.clear()
     sched = make(rec, queues=["a", "b", "busy"],
-                 limits=QueueLimits(tenant_ops=2, model_ops=10))
+                 limits=QueueLimits(tenant_ops=2, tenant_bytes=1 << 30, model_ops=10,
+                                     model_bytes=1 << 30))
     sched.start()
     running = sched.submit(_of(fwd("busy", 0), "carol"))
     assert rec.entered.wait(WAIT_SECONDS)
@@ -915,7 +916,8 @@ def test_a_single_op_over_the_byte_bound_waits_when_nothing_else_of_its_tenant_d
     """A bound on bytes must not refuse an op forever: alone, any size may wait."""
     from twinkle_server.scheduling.queues import QueueLimits
 
-    sched = make(queues=["a"], limits=QueueLimits(tenant_bytes=10, model_bytes=10))
+    sched = make(queues=["a"], limits=QueueLimits(tenant_ops=10, tenant_bytes=10, model_ops=10,
+                                                  model_bytes=10))
     sched.start()
     assert sched.submit(_of(fwd("a", 5), "alice", 1000)).done() is False
     assert sched.submit(_of(fwd("a", 0), "alice", 1000)).result(WAIT_SECONDS) == ("a", 0)
@@ -925,7 +927,7 @@ def test_bounds_below_one_are_refused_by_flag():
     from twinkle_server.scheduling.queues import QueueLimits
 
     with pytest.raises(InvalidArgument, match="--max-queued-ops: 0 must be at least 1"):
-        QueueLimits(model_ops=0)
+        QueueLimits(tenant_ops=1, tenant_bytes=1, model_ops=0, model_bytes=1)
 
 
 def test_passes_are_counted_by_how_many_tenants_ops_they_merged(make):

@@ -13,9 +13,6 @@ from pathlib import Path
 
 from twinkle_server.config.model_table import ModelConfig, read_models_file, shorthand
 from twinkle_server.engine.errors import InvalidArgument
-from twinkle_server.scheduling.queues import QueueLimits
-
-_QUEUED = QueueLimits()
 
 
 def _opt(default, help: str, **extra):
@@ -93,18 +90,17 @@ class ServerConfig:
                                        "the batch's kernels and may differ in the last bits",
                                 choices=("on", "off"))
     max_queued_ops_per_tenant: int = _opt(
-        _QUEUED.tenant_ops, "ops one tenant may have waiting on one served model (queued, "
+        1024, "ops one tenant may have waiting on one served model (queued, "
                             "or sampling in its decode pool): past it a new op is refused "
                             "at once (RESOURCE_EXHAUSTED; HTTP 429, which the SDK retries), "
                             "but never the op its model runs next")
     max_queued_bytes_per_tenant: int = _opt(
-        _QUEUED.tenant_bytes, "bytes of datums and prompts one tenant's waiting ops may "
+        1 << 30, "bytes of datums and prompts one tenant's waiting ops may "
                               "hold on one served model (an op alone always may wait)")
-    max_queued_ops: int = _opt(_QUEUED.model_ops, "ops all tenants together may have "
-                                                  "waiting on one served model")
-    max_queued_bytes: int = _opt(_QUEUED.model_bytes, "bytes of datums and prompts all "
-                                                      "tenants' waiting ops may hold on one "
-                                                      "served model")
+    max_queued_ops: int = _opt(4096, "ops all tenants together may have waiting on one "
+                                     "served model")
+    max_queued_bytes: int = _opt(4 << 30, "bytes of datums and prompts all tenants' "
+                                          "waiting ops may hold on one served model")
     decode_slice_ms: float = _opt(100.0, "milliseconds of decoding between training passes "
                                          "while both wait: about what a training op waits "
                                          "behind sampling")
@@ -141,11 +137,6 @@ class ServerConfig:
     collective_timeout: float = _opt(600.0, "seconds any collective between ranks may take "
                                             "before the server gives the group up as lost "
                                             "(answers UNAVAILABLE, exits non-zero)")
-
-    def queue_limits(self) -> QueueLimits:
-        """What may wait on each served model's scheduler (the --max-queued-* flags)."""
-        return QueueLimits(self.max_queued_ops_per_tenant, self.max_queued_bytes_per_tenant,
-                           self.max_queued_ops, self.max_queued_bytes)
 
     def model_configs(self) -> list[ModelConfig]:
         """The served models: `--models`'s tables, or `--model` alone; the limit flags

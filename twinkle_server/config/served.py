@@ -1,10 +1,12 @@
 """What a data dir's server serves: `served.json` beside the store, written when the server
-has loaded its models, so that the tools run beside it (`twinkle-server adapters import`)
-check against the served models and limits without the server's flags repeated.
+has loaded its models and its fronts listen, so that the tools run beside it check against
+the served models and limits without the server's flags repeated (`twinkle-server adapters
+import`) and reach its HTTP front (`twinkle-server sessions trace`).
 
-It records each model's table (`ModelConfig`, as its flags and `--models` file made it) and
-the directory its files were loaded from. A server that never ran leaves none; the file is
-replaced whole (written beside, then renamed), so a reader never sees half of one.
+It records each model's table (`ModelConfig`, as its flags and `--models` file made it),
+the directory its files were loaded from, and where the HTTP front listens. A server that
+never ran leaves none; the file is replaced whole (written beside, then renamed), so a
+reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from twinkle_server.config.model_table import ModelConfig
@@ -21,14 +23,50 @@ from twinkle_server.engine.errors import InvalidArgument
 SERVED_FILE = "served.json"
 
 
-def write_served(data_dir: Path, models: Sequence[tuple[ModelConfig, Path]]) -> None:
+@dataclass(frozen=True)
+class Front:
+    """Where the HTTP front listens."""
+
+    host: str
+    port: int
+    https: bool = False
+
+    @property
+    def url(self) -> str:
+        """Its base URL from this machine (a wildcard bind is reached on loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host,
+                                                                          self.host)
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self.https else 'http'}://{host}:{self.port}"
+
+
+def write_served(data_dir: Path, models: Sequence[tuple[ModelConfig, Path]],
+                 http: Front | None = None) -> None:
     """Record `models` (each with its files' directory) as what `data_dir`'s server
-    serves."""
+    serves, and its HTTP front (None: it has none)."""
     rows = [{**asdict(model), "model_dir": str(directory)} for model, directory in models]
     path = Path(data_dir) / SERVED_FILE
     partial = path.with_name(f".{SERVED_FILE}.{os.getpid()}")
-    partial.write_text(json.dumps({"models": rows}, indent=2))
+    partial.write_text(json.dumps({"models": rows,
+                                   "http": None if http is None else asdict(http)}, indent=2))
     partial.replace(path)
+
+
+def served_front(data_dir: Path) -> Front | None:
+    """The HTTP front `data_dir`'s server last recorded, or None (none ran, or it had no
+    HTTP front).
+
+    Raises:
+        InvalidArgument: the file is not one `write_served` wrote.
+    """
+    path = Path(data_dir) / SERVED_FILE
+    if not path.is_file():
+        return None
+    try:
+        http = json.loads(path.read_text()).get("http")
+        return None if http is None else Front(**http)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise InvalidArgument(f"{path}: not a record of served models ({exc})") from None
 
 
 def read_served(data_dir: Path) -> list[tuple[ModelConfig, Path]] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from twinkle_server.engine.errors import InvalidArgument
@@ -20,6 +20,7 @@ from twinkle_server.http.app import Front, json_body, route
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime import CheckpointRef, checkpoint_ref
 from twinkle_server.runtime.runs import MAX_PAGE
+from twinkle_server.runtime.trace_exports import OPERATOR_PREFIX, TRACE_PREFIX
 from twinkle_wire import paths
 
 
@@ -117,6 +118,29 @@ class Rest:
         return {"training_run_ids": view.run_ids, "sampler_ids": view.sampler_ids}
 
     @route
+    async def trace_export(self, request: Request) -> Any:
+        """Tinker's trace_export poll: built at once, so always `ready`."""
+        tenant = self.front.tenant(request)
+        signed = self.rt.trace_exports.export(tenant, request.path_params["session_id"])
+        return {"status": "ready", "url": str(request.base_url).rstrip("/") + signed.url}
+
+    @route
+    async def trace_download(self, request: Request) -> Any:
+        query = request.query_params
+        path = self.rt.trace_exports.open(request.path_params["session_id"],
+                                          query.get("expires"), query.get("signature"),
+                                          query.get("reader"))
+        return FileResponse(path, media_type="application/json")
+
+    @route
+    async def operator_trace(self, request: Request) -> Any:
+        query = request.query_params
+        data = self.rt.trace_exports.for_operator(request.path_params["session_id"],
+                                                  query.get("expires"),
+                                                  query.get("signature"))
+        return Response(data, media_type="application/json")
+
+    @route
     async def list_sessions(self, request: Request) -> Any:
         tenant = self.front.tenant(request)
         limit, offset = _page_args(request)
@@ -138,5 +162,10 @@ class Rest:
             ("POST", "/weights_info", self.weights_info),
             ("GET", "/sessions", self.list_sessions),
             ("GET", "/sessions/{session_id}", self.get_session),
+            ("GET", "/sessions/{session_id}/trace_export", self.trace_export),
         ]
-        return [Route(v1 + path, fn, methods=[method]) for method, path, fn in table]
+        return [*(Route(v1 + path, fn, methods=[method]) for method, path, fn in table),
+                Route(f"{TRACE_PREFIX}/{{session_id}}.json", self.trace_download,
+                      methods=["GET"]),
+                Route(f"{OPERATOR_PREFIX}/{{session_id}}", self.operator_trace,
+                      methods=["GET"])]

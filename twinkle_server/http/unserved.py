@@ -39,8 +39,6 @@ UNSERVED: tuple[tuple[str, str, str, str], ...] = (
      "create a sampling client with ServiceClient.create_sampling_client"),
     ("PUT", "/sessions/{session_id}/project", "assign_session_project (projects)",
      "this server has tenants, not projects"),
-    ("GET", "/sessions/{session_id}/trace_export", "export_session_trace (session traces)",
-     "the server's /metrics has per-op timings"),
     ("POST", "/sessions/search", "search_sessions", "list them with list_sessions"),
     ("GET", "/billing/usage/events", "get_billing_usage (billing)", "this server bills nothing"),
     ("GET", "/billing/usage/checkpoints/current",

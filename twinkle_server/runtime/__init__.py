@@ -27,6 +27,7 @@ from twinkle_server.runtime.imports import Imports
 from twinkle_server.runtime.runs import Runs
 from twinkle_server.runtime.sampling import Sampling
 from twinkle_server.runtime.stability import Stability
+from twinkle_server.runtime.trace_exports import TraceExports
 from twinkle_server.runtime.training import Training
 from twinkle_server.runtime.values import (
     CheckpointRef,
@@ -57,4 +58,5 @@ class Runtime(Core):
         self.audit = Audit(self)           # the audit log (entries written by the verbs)
         self.copies = Copies(self)         # copy_weights
         self.imports = Imports(self)       # adapters in: uploads
+        self.trace_exports = TraceExports(self)   # session traces out: signed downloads
         self.sweeps.append(self.imports.expire)

@@ -15,6 +15,7 @@ from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import AUTO_SEQ_LEN
 from twinkle_server.scheduling.executor import SAMPLE, EngineExecutor, Turns
 from twinkle_server.scheduling.planning import default_token_budget
+from twinkle_server.scheduling.queues import QueueLimits
 from twinkle_server.scheduling.scheduler import Scheduler
 
 ADMIN_QUEUE = "__admin__"
@@ -79,7 +80,9 @@ def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
         EngineExecutor(engine, turns, decodes_here=not split), mode=config.scheduling,
         token_budget=budget, decode_group=SAMPLE if config.sampler == "continuous" else None,
         decode_slice_s=config.decode_slice_ms / 1000, decode_apart=split,
-        limits=config.queue_limits())
+        limits=QueueLimits(config.max_queued_ops_per_tenant,
+                           config.max_queued_bytes_per_tenant, config.max_queued_ops,
+                           config.max_queued_bytes))
     for queue in (ADMIN_QUEUE, ONCE_QUEUE):
         scheduler.register_model(queue)
     return Served(model, engine, scheduler)

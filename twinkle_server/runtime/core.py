@@ -32,6 +32,7 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve_all
+from twinkle_server.runtime.traces import Traces
 from twinkle_server.runtime.values import (
     CheckpointRef,
     ModelEntry,
@@ -90,6 +91,8 @@ class Core:
             self.expire_sessions, self.expire_checkpoints, self.expire_snapshots]
         """What the periodic sweep runs (`expire`); verb groups add their own."""
         self.observe_op: OpObserver | None = None
+        self.traces = Traces()
+        """Each session's recent ops, for its trace (`runtime.traces`)."""
         """Called after every op with (base model name, op, seconds, result, error):
         the metrics hook."""
 
@@ -241,7 +244,7 @@ class Core:
         gone away), the scheduler is told nobody waits here any more: a sample op then
         leaves its queue or the decode pool; any other op runs on (`Scheduler.cancel`).
         """
-        start = time.perf_counter()
+        start, submitted = time.perf_counter(), time.monotonic()
         result = error = None
         sampler = self.samplers.get(op.queue_id)
         if sampler is not None:   # in use until it ends (`expire_snapshots`)
@@ -269,8 +272,27 @@ class Core:
             seconds = time.perf_counter() - start
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f base=%s", op.queue_id,
                      op.seq_id, op.kind, op.tokens, seconds * 1000, served.name)
+            self._trace(op, served, submitted, future, error)
             if self.observe_op is not None:
                 self.observe_op(served.name, op, seconds, result, error)
+
+    def _trace(self, op: Op, served: Served, submitted: float, future: Any,
+               error: BaseException | None) -> None:
+        """Leave the ended `op` in its session's trace, if it belongs to a session."""
+        model, sampler = self.models.get(op.queue_id), self.samplers.get(op.queue_id)
+        session = model.session_id if model else sampler.session_id if sampler else None
+        if not session:
+            return
+        outcome = "ok" if error is None else getattr(error, "category", "internal")
+        pool = served.engine.decode_stats()
+        self.traces.op(
+            session, f"{'model' if model else 'sampler'} {op.queue_id}", op.kind, submitted,
+            getattr(future, "started", None), time.monotonic(),
+            {"seq_id": op.seq_id, "tokens": op.tokens, "bytes_in": op.bytes,
+             "tenants_in_pass": getattr(future, "tenants", 0), "outcome": outcome,
+             "base_model": served.name},
+            {"queue depth": served.scheduler.stats()["queued"],
+             "KV positions used": pool.kv_in_use})
 
     async def ordered(self, tenant: str, ref: OpRef, kind: str, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""

@@ -44,12 +44,13 @@ class QueueLimits:
     (`ResourceExhausted`, naming the flag) and takes nothing, so the client may send it
     again; an op that fills its queue's gap (the seq_id the queue runs next) is always
     taken, since what waits behind it cannot run without it, and so is an op whose
-    bytes alone pass a bound when nothing else waits (a single large op still runs)."""
+    bytes alone pass a bound when nothing else waits (a single large op still runs).
+    The server's come from its flags (`FLAGS`, with their defaults)."""
 
-    tenant_ops: int = 1024
-    tenant_bytes: int = 1 << 30
-    model_ops: int = 4096
-    model_bytes: int = 4 << 30
+    tenant_ops: int
+    tenant_bytes: int
+    model_ops: int
+    model_bytes: int
 
     def __post_init__(self) -> None:
         for name in ("tenant_ops", "tenant_bytes", "model_ops", "model_bytes"):
@@ -113,7 +114,14 @@ class OpFuture(Future):
     by a disconnect cancels its `wrap_future`): later seq_ids of the queue wait on it, and
     a retry of the same seq_id shares this future and must get the real result. A caller
     that stops waiting says so with `Scheduler.cancel`, which decides what to stop.
+
+    What the scheduler did with the op, for its trace: `started` (`time.monotonic()`
+    when it left its queue to run or to join the decode pool; None: never) and `tenants`
+    (how many tenants' ops its pass carried; 0: it ran in no pass, as a decoded sample).
     """
+
+    started: float | None = None
+    tenants: int = 0
 
     def cancel(self) -> bool:
         return False
@@ -292,9 +300,10 @@ class Queues:
 
     def started(self, entry: Entry) -> None:
         """Count `entry`'s op started, and its seconds from arrival to now."""
+        now = entry.future.started = time.monotonic()
         wait = self.waits.setdefault(entry.op.kind, [0, 0.0])
         wait[0] += 1
-        wait[1] += time.monotonic() - entry.arrived
+        wait[1] += now - entry.arrived
 
     def retire(self, queue: Queue, entry: Entry) -> None:
         """The op is over: free its queue, and an ordered one takes its seq_id (kept for

@@ -104,7 +104,8 @@ class Scheduler:
             batches instead of between them: for an executor whose decoding runs on
             other devices than its training (sampler ranks, `twinkle_server.ranks.split`).
         limits: how many ops, and bytes of them, a tenant and all tenants may have
-            waiting (queued or in the decode pool); past them `submit` refuses.
+            waiting (queued or in the decode pool); past them `submit` refuses. None:
+            no bound.
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
@@ -116,7 +117,7 @@ class Scheduler:
                  result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE,
                  decode_group: str | None = None,
                  decode_slice_s: float = DEFAULT_DECODE_SLICE_S,
-                 decode_apart: bool = False, limits: QueueLimits = QueueLimits()) -> None:
+                 decode_apart: bool = False, limits: QueueLimits | None = None) -> None:
         if mode not in MODES:
             raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
         if token_budget < 1:
@@ -243,8 +244,9 @@ class Scheduler:
             if self._closed:
                 error = SchedulerClosed("the server is shutting down; not accepting ops")
             else:
-                error = self._queues.admit(op, fut, lambda new: self.limits.refusal(
-                    new, self._waiting_ops()))
+                limits = self.limits
+                error = self._queues.admit(op, fut, lambda new: None if limits is None
+                                           else limits.refusal(new, self._waiting_ops()))
             if isinstance(error, OpFuture):
                 return error
             if error is None:
@@ -474,8 +476,10 @@ class Scheduler:
                 self._batches_run += 1
                 if len(chosen) > 1:
                     self._merged_ops += len(chosen)
+                tenants = len({entry.op.tenant for _, entry in chosen})
+                for _, entry in chosen:
+                    entry.future.tenants = tenants
                 if chosen[0][1].op.merge_group is not None:
-                    tenants = len({entry.op.tenant for _, entry in chosen})
                     self._passes_by_tenants[tenants] = (
                         self._passes_by_tenants.get(tenants, 0) + 1)
             for queue, entry in chosen:
