@@ -165,12 +165,17 @@ def test_every_validation_case_returns_its_code_and_the_server_keeps_serving(ser
         assert outputs[0].shape == (10,) and last.metrics["loss:sum"] > 0
 
 
-def test_no_free_adapter_slot_is_resource_exhausted(tmp_path, tiny_cache):
+def test_past_the_resident_slots_a_model_pages_the_idle_one_out_and_both_train(
+        tmp_path, tiny_cache):
+    """`--max-adapters 1`: a second model is created, not refused; the two train in turn,
+    each paging the other out (engine/test_residency.py shows that is exact)."""
     proc = start_server(tmp_path / "small", "--max-adapters", "1")
     client = Client(proc.address)
-    client.create_model()
-    code, details = _code(lambda: client.create_model())
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-adapters" in details
+    models = [client.create_model(seed=1), client.create_model(seed=2)]
+    for _ in range(2):
+        for model in models:
+            client.forward_backward(model, toy_datums(2))
+            client.optim_step(model)
     proc.stop()
 
 

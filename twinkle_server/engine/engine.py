@@ -69,6 +69,7 @@ from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.engine.parallel import OneRank, Parallel
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import rank_zero_only, replicated
+from twinkle_server.engine.residency import Residency
 from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import Sampling, inflight_key
 from twinkle_server.engine.training import Training
@@ -96,7 +97,7 @@ __all__ = ["Engine", "ForwardRequest", "SampleRequest", "inflight_key"]
 _STATE_COPIES = 4
 
 
-class Engine(Training):
+class Engine(Training, Residency):
     """Trains and samples many LoRA adapters on one frozen base model.
 
     Owns the base, the memory sizing and the adapters; the training verbs (merged passes,
@@ -163,6 +164,7 @@ class Engine(Training):
         log.info("Tinker's LoRA switches select, by role: %s",
                  roles.describe(self.roles, self.peft_refused))
         self.adapters: dict[str, Adapter] = {}
+        self._init_residency()
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
                 base.config, base.dtype, base.vocab_size, base.device.type,
@@ -306,7 +308,9 @@ class Engine(Training):
     @replicated
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
                     gradient_accumulation_steps: int = 1) -> dict[str, Any]:
-        """Create an adapter; refuses with the numbers when slots or memory run out.
+        """Create an adapter, resident; past `--max-adapters` resident ones the least
+        recently used pages out (`engine.residency`). Refuses with the numbers when
+        memory runs out.
 
         Memory: the adapter's state (`estimate_adapter_bytes`) plus, on an accelerator
         (`reserve_pass_memory`), the pass headroom (`pass_headroom_bytes`: the largest
@@ -314,10 +318,6 @@ class Engine(Training):
         now, so a request within the limits cannot run the device out of memory."""
         if adapter_id in self.adapters:
             raise InvalidArgument(f"adapter_id: {adapter_id!r} already exists")
-        if len(self.adapters) >= self.limits.max_adapters:
-            raise ResourceExhausted(
-                f"adapters: all {self.limits.max_adapters} adapter slots are in use "
-                "(--max-adapters); unload an adapter or close an idle session")
         if gradient_accumulation_steps < 1:
             raise InvalidArgument("gradient_accumulation_steps: must be >= 1, "
                                   f"got {gradient_accumulation_steps}")
@@ -340,10 +340,12 @@ class Engine(Training):
                 "modules, or a lower --max-pass-tokens")
         if spec.seed is None:
             spec = LoraSpec(**{**asdict(spec), "seed": secrets.randbits(31)})
+        self._make_room({adapter_id})    # the least recently used pages out past the slots
         adapter = Adapter(adapter_id, spec, self._new_weights(spec, targets),
                           grad_accum=gradient_accumulation_steps)
         self._attach(adapter)
         self.adapters[adapter_id] = adapter
+        self.resident[adapter_id] = None
         return self.adapter_info(adapter_id)
 
     def _new_weights(self, spec: LoraSpec, targets: list[str]) -> dict[str, LoraWeights]:
@@ -383,10 +385,11 @@ class Engine(Training):
     def remove_adapter(self, adapter_id: str) -> None:
         """Detach the adapter (and its inflight target) from every layer and drop its
         state, freeing its slot; rows still sampling from either fail NOT_FOUND."""
-        adapter = self._adapter(adapter_id)
+        adapter = self._known(adapter_id)
         self.sampling.forget(adapter_id, NotFound(
             f"model_id: model {adapter_id!r} was unloaded while sampling"))
         self._detach(adapter_id, adapter.weights)
+        self._forget_residency(adapter_id)
         del self.adapters[adapter_id]
 
     # ------------------------------------------------------------------ sampling

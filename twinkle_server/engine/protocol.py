@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from twinkle_server.engine.adapter import Adapter
     from twinkle_server.engine.base_model import BaseModel
     from twinkle_server.engine.errors import EngineError
+    from twinkle_server.engine.residency import PagingStats
     from twinkle_server.engine.sampling.book import PoolStats
     from twinkle_server.engine.types import (
         AdamParams,
@@ -100,6 +101,8 @@ class EngineAPI(Protocol):
     def adapters(self) -> Mapping[str, Adapter]: ...
 
     # ------------------------------------------------------------------ adapters
+    def paging_stats(self) -> PagingStats: ...
+
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int: ...
 
     def add_adapter(self, adapter_id: str, spec: LoraSpec,

@@ -49,10 +49,18 @@ class Training:
     packing: bool
     parallel: Parallel
 
-    def _adapter(self, adapter_id: str) -> Adapter:
+    def _known(self, adapter_id: str) -> Adapter:
+        """The adapter, resident or paged out (`engine.residency`)."""
         if adapter_id not in self.adapters:
             raise NotFound(f"model_id: no model {adapter_id!r}")
         return self.adapters[adapter_id]
+
+    def _adapter(self, adapter_id: str) -> Adapter:
+        """The adapter, paged in first if it was out: what every verb that uses it
+        reads."""
+        adapter = self._known(adapter_id)
+        self._make_resident(adapter_id)   # type: ignore[attr-defined]
+        return adapter
 
     # ------------------------------------------------------------------ forward
 
@@ -94,23 +102,27 @@ class Training:
                 valid.append(i)
             except EngineError as exc:
                 results[i] = exc
-        if valid:
-            run = [requests[i] for i in valid]
+        for chunk in _resident_chunks(valid, requests, self.limits.max_adapters):
+            run = [requests[i] for i in chunk]
             try:
-                outputs: Sequence[ForwardOutput | EngineError] = forward.run_forward(
-                    self.base, self.router, self.adapters, run, self.packing, self.parallel,
-                    self.limits.max_pass_tokens)
+                with self._hold(r.adapter_id for r in run):   # type: ignore[attr-defined]
+                    outputs: Sequence[ForwardOutput | EngineError] = forward.run_forward(
+                        self.base, self.router, self.adapters, run, self.packing,
+                        self.parallel, self.limits.max_pass_tokens)
+            except ResourceExhausted as exc:
+                outputs = [exc] * len(run)
             except OUT_OF_MEMORY as exc:
                 tokens = sum(d.num_tokens for request in run for d in request.datums)
                 cap = self.limits.max_pass_tokens
                 outputs = [self._out_of_memory(
                     f"a pass of {len(run)} requests, {tokens} tokens",
                     f"--max-pass-tokens (now {cap or 'none'})", exc)] * len(run)
-            for i, output in zip(valid, outputs, strict=True):
+            for i, output in zip(chunk, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]
 
-    def _out_of_memory(self, what: str, remedy: str, exc: BaseException) -> ResourceExhausted:
+    def _out_of_memory(self, what: str, remedy: str, exc: BaseException
+                       ) -> ResourceExhausted:
         """The error a pass or decode batch that ran the device (or host) out of memory
         fails its requests with, in one process. Nothing was applied: a failed pass leaves
         every gradient and counter as it was (`forward`). On several ranks the error is
@@ -205,3 +217,20 @@ class Training:
         all or nothing (see `checkpoint.load_state`)."""
         checkpoint.load_state(self._adapter(adapter_id), path, include_optimizer,
                               adopt_accumulation)
+
+
+def _resident_chunks(valid: list[int], requests: Sequence[ForwardRequest],
+                     most: int) -> list[list[int]]:
+    """`valid` (indices of `requests`) in passes of at most `most` adapters each, in
+    order: a merged pass needs each of its adapters resident at once (`--max-adapters`).
+    One pass whenever they fit, as before residency."""
+    chunks: list[list[int]] = []
+    adapters: set[str] = set()
+    for i in valid:
+        adapter = requests[i].adapter_id
+        if not chunks or (adapter not in adapters and len(adapters) == most):
+            chunks.append([])
+            adapters = set()
+        chunks[-1].append(i)
+        adapters.add(adapter)
+    return chunks

@@ -102,10 +102,22 @@ class _PerModel:
                   stats["batches_run"])
             gauge("merged_ops", "Ops that ran in batches of two or more", base,
                   stats["merged_ops"])
-            gauge("adapters_loaded", "LoRA adapters loaded", base,
+            gauge("adapters_loaded", "LoRA adapters live (resident or paged out)", base,
                   len(served.engine.adapters))
-            gauge("adapters_limit", "Most adapters loaded at once (max_adapters)", base,
+            gauge("adapters_limit", "Most adapters resident at once (max_adapters)", base,
                   served.model.max_adapters)
+            paging = served.engine.paging_stats()
+            gauge("adapters_resident", "Adapters attached to the base now", base,
+                  paging.resident)
+            gauge("adapters_paged", "Adapters paged out to host memory now", base,
+                  paging.paged)
+            for name, help_text, value in (
+                    ("adapter_page_ins", "Adapters paged back in before an op", paging.page_ins),
+                    ("adapter_page_outs", "Adapters paged out (least recently used)",
+                     paging.page_outs),
+                    ("adapter_page_in_seconds", "Seconds spent paging adapters in, summed",
+                     paging.page_in_seconds)):
+                counter(name, help_text, base, value)
             gauge("device_memory_available_bytes", "Free memory on the model's device",
                   base, available_memory_bytes(device) or 0)
             if device.type == "cuda":

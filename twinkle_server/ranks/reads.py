@@ -15,6 +15,7 @@ from typing import Any
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.protocol import EngineAPI
+from twinkle_server.engine.residency import PagingStats
 from twinkle_server.engine.types import EngineLimits, ForwardRequest, LoraSpec, LossSpec
 
 
@@ -35,6 +36,9 @@ class RankZeroReads:
     @property
     def adapters(self) -> Mapping[str, Adapter]:
         return self.local.adapters
+
+    def paging_stats(self) -> PagingStats:
+        return self.local.paging_stats()
 
     def estimate_adapter_bytes(self, spec: LoraSpec) -> int:
         return self.local.estimate_adapter_bytes(spec)

@@ -241,14 +241,14 @@ def served_model(served: Served) -> dict[str, Any]:
     """What the server says of one served model: names, shape, role, limits, and its
     adapter slots in use."""
     base, model = served.engine.base, served.model
-    loaded = len(served.engine.adapters)
+    loaded, resident = len(served.engine.adapters), served.engine.paging_stats().resident
     return {
         "name": model.name, "aliases": list(model.aliases), "arch": base.arch,
         "role": model.role, "trainable": model.trains, "sampleable": True,
         "max_context_length": min(model.max_seq_len, base.max_seq_len),
         "vocab_size": base.vocab_size, "tokenizer_id": served.tokenizer_id,
         "adapters_loaded": loaded,
-        "adapters_free": max(0, model.max_adapters - loaded) if model.trains else 0,
+        "adapters_free": max(0, model.max_adapters - resident) if model.trains else 0,
         "limits": {"max_adapters": model.max_adapters, "max_rank": model.max_rank,
                    "max_seq_len": model.max_seq_len,
                    "max_batch_tokens": model.max_batch_tokens},

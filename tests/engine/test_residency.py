@@ -1,0 +1,103 @@
+"""Adapter residency (`engine.residency`): past `--max-adapters` resident adapters the
+least recently used pages out and comes back, exactly, at its next use; what a pass or
+the decode pool needs never pages out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from twinkle_server.engine.engine import Engine
+from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.types import (
+    AdamParams,
+    EngineLimits,
+    ForwardRequest,
+    LoraSpec,
+    LossSpec,
+    SampleRequest,
+    SamplingParams,
+)
+
+from ..numerics import LOGPROB_ATOL
+
+CE = LossSpec("cross_entropy")
+ADAPTERS = ("a", "b", "c")
+
+
+def _engine(tiny_cache, slots: int) -> Engine:
+    return Engine.load("tiny", cache_dir=str(tiny_cache),
+                       limits=EngineLimits(max_adapters=slots, max_rank=64, max_seq_len=256,
+                                           max_batch_tokens=4096))
+
+
+def _state(engine: Engine, name: str) -> list[torch.Tensor]:
+    """Every tensor the adapter's run has: weights and the optimizer's moments."""
+    adapter = engine.adapters[name]
+    out = [p.detach().clone() for p in adapter.parameters()]
+    for param in adapter.parameters():
+        out += [v.clone() for v in adapter.optimizer.state[param].values()]
+    return out
+
+
+def _round_robin(engine: Engine, datums, steps: int = 3) -> list[float]:
+    """Three adapters trained in turn, one forward_backward and one optim_step each a
+    step: with 2 slots every adapter pages in at each of its ops but the first."""
+    for i, name in enumerate(ADAPTERS):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=i + 1))
+    losses = []
+    for _ in range(steps):
+        for name in ADAPTERS:
+            [out] = engine.forward_batch([ForwardRequest(name, datums, CE, True)])
+            losses.append(out.loss)
+            engine.optim_step(name, AdamParams(learning_rate=1e-2))
+    return losses
+
+
+def test_a_run_paged_out_and_in_between_its_steps_is_the_run_that_stayed_resident(
+        tiny_cache, datums):
+    """The same ops on 2 slots and on 8: losses, weights and Adam moments equal bit for
+    bit (paging moves no number: the passes and steps are the same computations)."""
+    paged, resident = _engine(tiny_cache, 2), _engine(tiny_cache, 8)
+    assert _round_robin(paged, datums) == _round_robin(resident, datums)
+    for name in ADAPTERS:
+        for got, want in zip(_state(paged, name), _state(resident, name), strict=True):
+            assert torch.equal(got, want)
+    stats = paged.paging_stats()
+    assert (stats.resident, stats.paged) == (2, 1) and stats.page_outs >= 6
+    assert resident.paging_stats().page_outs == 0
+
+
+def test_a_merged_pass_of_more_adapters_than_slots_runs_in_passes_that_fit(
+        tiny_cache, datums):
+    """Three adapters' requests in one batch on 2 slots: two passes, each request's
+    loss what the one merged pass gives (another pass shape: LOGPROB_ATOL)."""
+    paged, resident = _engine(tiny_cache, 2), _engine(tiny_cache, 8)
+    for engine in (paged, resident):
+        for i, name in enumerate(ADAPTERS):
+            engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=i + 1))
+    batch = [ForwardRequest(name, datums, CE, False) for name in ADAPTERS]
+    got, want = paged.forward_batch(batch), resident.forward_batch(batch)
+    for g, w in zip(got, want, strict=True):
+        assert g.loss == pytest.approx(w.loss, rel=1e-5)
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            np.testing.assert_allclose(a, b, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_an_adapter_the_sampler_decodes_from_never_pages_out(tiny_cache):
+    """On one slot, while adapter a's sample decodes in the pool, adding b would page a
+    out: it is refused, naming --max-adapters, and a's sample finishes; then b goes in."""
+    engine = _engine(tiny_cache, 1)
+    engine.add_adapter("a", LoraSpec(rank=4, alpha=8, seed=1))
+    request = SampleRequest("a", None, np.asarray([5, 6, 7], np.int64), 1,
+                            SamplingParams(max_tokens=40, seed=1, ignore_eos=True))
+    done = dict(engine.decode([request], ["sample"], 0.0))
+    assert not done                                   # still decoding
+    with pytest.raises(ResourceExhausted, match="--max-adapters"):
+        engine.add_adapter("b", LoraSpec(rank=4, alpha=8, seed=2))
+    while "sample" not in done:
+        done.update(engine.decode([], [], 0.0))
+    assert len(done["sample"].sequences[0].tokens) == 40
+    engine.add_adapter("b", LoraSpec(rank=4, alpha=8, seed=2))
+    assert list(engine.resident) == ["b"] and engine.paging_stats().paged == 1
