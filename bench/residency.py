@@ -16,9 +16,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from bench.data import random_datums
 from twinkle_server.engine.engine import Engine, ForwardRequest
+from twinkle_server.engine.residency import Spill
 from twinkle_server.engine.types import AdamParams, EngineLimits, LoraSpec, LossSpec
 
 SPEC = LoraSpec.from_tinker(rank=32, seed=0)
@@ -30,13 +32,16 @@ QWEN3_8B_RANK32_PARAMS = 36 * 32 * (2 * 4096 + 4096 + 1024 * 2 + 4096 * 2 + 3 * 
 rank 32 on every linear of its layers: r x (in + out) for q, k, v, o, gate, up, down."""
 
 
-def _engine(path: str, slots: int) -> Engine:
-    return Engine.load(path, device="cpu", limits=EngineLimits(max_adapters=slots))
+def _engine(path: str, slots: int, spill: Spill | None = None) -> Engine:
+    return Engine.load(path, device="cpu", limits=EngineLimits(max_adapters=slots),
+                       spill=spill)
 
 
-def page_seconds(path: str, rounds: int = 20) -> tuple[float, float, int]:
-    """Median seconds of one page-out and one page-in, and the adapter's state bytes."""
-    engine = _engine(path, 1)
+def page_seconds(path: str, spill: Spill | None = None, rounds: int = 20
+                 ) -> tuple[float, float, int]:
+    """Median seconds of one page-out and one page-in (to disk and back with `spill`),
+    and the adapter's state bytes."""
+    engine = _engine(path, 1, spill)
     engine.add_adapter("one", SPEC)
     engine.forward_batch([ForwardRequest("one", random_datums(2, 32, engine.base.vocab_size),
                                          LossSpec("cross_entropy"), True)])
@@ -83,6 +88,9 @@ def main() -> None:
             print(f"  {name}: page-out {out * 1e6:.0f} us, page-in {back * 1e6:.0f} us "
                   f"({nbytes / 2**20:.1f} MiB of adapter state, which stays in place on "
                   "a CPU)")
+            out, back, _ = page_seconds(path, Spill(Path(tmp) / f"pages-{name}", 0))
+            print(f"  {name}: to disk and back (--adapter-host-memory-gib past): page-out "
+                  f"{out * 1e3:.1f} ms, page-in {back * 1e3:.1f} ms")
             paged, resident = rl_steps(path)
             print(f"  {name}: a round of {RUNS} runs' steps (forward_backward 4 x 128 + "
                   f"optim_step each) {paged:.3f} s on {SLOTS} slots against {resident:.3f} s "

@@ -101,3 +101,34 @@ def test_an_adapter_the_sampler_decodes_from_never_pages_out(tiny_cache):
     assert len(done["sample"].sequences[0].tokens) == 40
     engine.add_adapter("b", LoraSpec(rank=4, alpha=8, seed=2))
     assert list(engine.resident) == ["b"] and engine.paging_stats().paged == 1
+
+
+def test_past_the_host_budget_paged_adapters_go_to_disk_and_come_back_exactly(
+        tiny_cache, datums, tmp_path):
+    """One slot and no host budget: every adapter paged out is written to the page dir
+    and its tensors freed, and the run still equals the resident one bit for bit. A
+    stale page file of an earlier process is cleared when the engine starts."""
+    from twinkle_server.engine.residency import Spill
+
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    (pages / "0-stale.pt").write_bytes(b"from a crashed process")
+    spilled = Engine.load("tiny", cache_dir=str(tiny_cache),
+                          limits=EngineLimits(max_adapters=1, max_rank=64, max_seq_len=256,
+                                              max_batch_tokens=4096),
+                          spill=Spill(pages, host_bytes=0))
+    assert list(pages.iterdir()) == []
+    resident = _engine(tiny_cache, 8)
+    assert _round_robin(spilled, datums) == _round_robin(resident, datums)
+    stats = spilled.paging_stats()
+    assert (stats.resident, stats.paged, stats.on_disk) == (1, 0, 2)
+    assert len(list(pages.iterdir())) == 2
+    assert all(p.numel() == 0 for name in ("a", "b") for p in spilled.adapters[name]
+               .parameters())                                # freed while on disk
+    for name in ADAPTERS:
+        spilled._adapter(name)                               # paged back in to be read
+        for got, want in zip(_state(spilled, name), _state(resident, name), strict=True):
+            assert torch.equal(got, want)
+    spilled.remove_adapter("c")
+    spilled.remove_adapter("a")
+    assert len(list(pages.iterdir())) == 1                   # removed: no page kept

@@ -57,6 +57,10 @@ class ServerConfig:
     dtype: str = _opt("auto", "float32, bfloat16 or auto (float32 on CPU, bf16 on CUDA)")
     max_adapters: int = _opt(32, "adapters loaded at once (all tenants)")
     max_adapters_per_tenant: int = _opt(8, "adapters one tenant may have loaded at once")
+    adapter_host_memory_gib: float = _opt(
+        0.0, "GiB of host memory adapters paged out past --max-adapters may hold; past it "
+             "those paged out longest go to files in the data dir (freed from memory) until "
+             "their next op. 0: no bound, they stay in host memory")
     max_sessions_per_tenant: int = _opt(64, "open sessions one tenant may hold")
     max_rank: int = _opt(128, "largest LoRA rank")
     max_seq_len: int = _opt(0, "longest sequence in tokens; 0 picks the model's "

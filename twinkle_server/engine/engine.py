@@ -69,7 +69,7 @@ from twinkle_server.engine.memory import available_memory_bytes
 from twinkle_server.engine.parallel import OneRank, Parallel
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import rank_zero_only, replicated
-from twinkle_server.engine.residency import Residency
+from twinkle_server.engine.residency import Residency, Spill
 from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import Sampling, inflight_key
 from twinkle_server.engine.training import Training
@@ -108,7 +108,7 @@ class Engine(Training, Residency):
     def __init__(self, base: BaseModel, limits: EngineLimits = EngineLimits(),
                  packing: bool = True, activation_checkpointing: bool | None = False,
                  parallel: Parallel | None = None, samples: bool = True,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, spill: Spill | None = None) -> None:
         self.base = base
         # Sampling forwards whose every row computes as it would alone
         # (`engine.batch_invariant`, `--batch-invariant on`).
@@ -164,7 +164,7 @@ class Engine(Training, Residency):
         log.info("Tinker's LoRA switches select, by role: %s",
                  roles.describe(self.roles, self.peft_refused))
         self.adapters: dict[str, Adapter] = {}
-        self._init_residency()
+        self._init_residency(spill)
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
                 base.config, base.dtype, base.vocab_size, base.device.type,
@@ -198,18 +198,19 @@ class Engine(Training, Residency):
              cache_dir: str | None = None, limits: EngineLimits = EngineLimits(),
              packing: bool = True, activation_checkpointing: bool | None = False,
              parallel: Parallel | None = None, samples: bool = True,
-             batch_invariant: bool = False) -> Engine:
+             batch_invariant: bool = False, spill: Spill | None = None) -> Engine:
         """An engine on `model` (a local dir, a hub name in the cache, or `tiny`);
         `packing` False pads merged passes instead of packing them (`--packing off`);
         `activation_checkpointing` recomputes decoder layers in backward
         (`--activation-checkpointing on`; None: `auto`); `parallel` shards it over ranks (on the
         rank's own device, whatever `device` says; `Parallel.load_base`); `samples` False
         trains only (a split model's trainer ranks: no decode pool); `batch_invariant`
-        samples every row as it would alone (`engine.batch_invariant`)."""
+        samples every row as it would alone (`engine.batch_invariant`); `spill` sends
+        adapters paged out past a host budget to disk (`engine.residency`)."""
         parallel = parallel if parallel is not None else OneRank()
         base = parallel.load_base(model, device=device, dtype=dtype, cache_dir=cache_dir)
         return cls(base, limits, packing, activation_checkpointing, parallel, samples,
-                   batch_invariant)
+                   batch_invariant, spill)
 
     def _resolve_seq_len(self, limits: EngineLimits, checkpointing: bool | None,
                          gathered: int) -> EngineLimits:

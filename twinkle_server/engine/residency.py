@@ -2,25 +2,30 @@
 once (resident), not how many may live. Past it the least recently used resident adapter
 pages out: it is detached from every layer, and its weights, gradients and optimizer
 state move to host memory (`HOST`; on a CPU device they stay where they are and only the
-slot frees). Its next use (any verb that names it, through `Training._adapter`) pages it
-back in before it runs, paging out another. Nothing but where tensors live changes, so a
-run paged out and in between its steps computes exactly what it would have resident.
+slot frees). Past a host budget (`Spill`: `--adapter-host-memory-gib`) the adapters
+paged out longest go on to disk, one file each in the data dir, and their tensors are
+freed. Its next use (any verb that names it, through `Training._adapter`) pages it back
+in before it runs, paging out another. Nothing but where tensors live changes, so a run
+paged out and in between its steps computes exactly what it would have resident.
 
 Never paged out: an adapter the current pass needs (`_hold`), and one the decode
 pool is sampling from. When every resident adapter is so held, the op that needs another
 is refused (`ResourceExhausted`, naming `--max-adapters`) rather than waiting: the
 scheduler never runs two ops of one pass apart. Paging is memory management of this
 process: it is not a checkpoint, and a crash loses a paged adapter as it loses a
-resident one (the store keeps what was saved).
+resident one (the store keeps what was saved); the next start clears the page files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,18 +39,34 @@ HOST = torch.device("cpu")
 @dataclass(frozen=True)
 class PagingStats:
     resident: int
-    paged: int
+    paged: int                 # in host memory
+    on_disk: int
     page_ins: int
     page_outs: int
     page_in_seconds: float     # summed over the page-ins
+
+
+@dataclass(frozen=True)
+class Spill:
+    """Past `host_bytes` of paged-out adapters' state in host memory, those paged out
+    longest go to files in `directory` (`--adapter-host-memory-gib`)."""
+
+    directory: Path
+    host_bytes: int
 
 
 class Residency:
     """Which adapters are attached, least recently used first, and the paging between.
     Mixed into `Engine`, over its `adapters`, `limits`, layers and decode pool."""
 
-    def _init_residency(self) -> None:
+    def _init_residency(self, spill: Spill | None) -> None:
         self.resident: OrderedDict[str, None] = OrderedDict()
+        self._on_host: OrderedDict[str, None] = OrderedDict()   # paged out, oldest first
+        self._on_disk: dict[str, Path] = {}
+        self._spill_to = spill
+        if spill is not None:    # no page file outlives the process that wrote it
+            shutil.rmtree(spill.directory, ignore_errors=True)
+            spill.directory.mkdir(parents=True)
         self._held: set[str] = set()
         self._page_ins = self._page_outs = 0
         self._page_in_seconds = 0.0
@@ -54,7 +75,7 @@ class Residency:
     def paging_stats(self) -> PagingStats:
         """Adapters resident and paged out now, and pages in and out since the start."""
         resident = len(self.resident)
-        return PagingStats(resident, len(self.adapters) - resident,   # type: ignore[attr-defined]
+        return PagingStats(resident, len(self._on_host), len(self._on_disk),
                            self._page_ins, self._page_outs, self._page_in_seconds)
 
     @contextlib.contextmanager
@@ -87,8 +108,17 @@ class Residency:
             self.resident.move_to_end(adapter_id)
             return
         start = time.perf_counter()
-        self._make_room({adapter_id})
+        held = adapter_id in self._held
+        self._held.add(adapter_id)        # room is made by paging out (and spilling) others
+        try:
+            self._make_room({adapter_id})
+        finally:
+            if not held:
+                self._held.discard(adapter_id)
         adapter = self.adapters[adapter_id]   # type: ignore[attr-defined]
+        if adapter_id in self._on_disk:
+            _read(adapter, self._on_disk.pop(adapter_id))
+        self._on_host.pop(adapter_id, None)
         _move(adapter, self.base.device)   # type: ignore[attr-defined]
         self._attach(adapter)   # type: ignore[attr-defined]
         self.resident[adapter_id] = None
@@ -114,11 +144,32 @@ class Residency:
         self._detach(adapter_id, adapter.weights)   # type: ignore[attr-defined]
         _move(adapter, HOST)
         del self.resident[adapter_id]
+        self._on_host[adapter_id] = None
         self._page_outs += 1
+        self._spill()
+
+    def _spill(self) -> None:
+        """Write the adapters paged out longest to disk while the host holds more than
+        its budget of paged-out state."""
+        spill = self._spill_to
+        if spill is None:
+            return
+        held = {a: _state_bytes(self.adapters[a])   # type: ignore[attr-defined]
+                for a in self._on_host if a not in self._held}
+        while held and sum(held.values()) > spill.host_bytes:
+            oldest = next(iter(held))
+            path = spill.directory / f"{self._page_outs}-{oldest}.pt"
+            _write(self.adapters[oldest], path)   # type: ignore[attr-defined]
+            del self._on_host[oldest], held[oldest]
+            self._on_disk[oldest] = path
 
     def _forget_residency(self, adapter_id: str) -> None:
-        """`adapter_id` is gone (removed): it holds no slot."""
+        """`adapter_id` is gone (removed): it holds no slot, and no page of it is kept."""
         self.resident.pop(adapter_id, None)
+        self._on_host.pop(adapter_id, None)
+        path = self._on_disk.pop(adapter_id, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
 
 def _move(adapter: Adapter, device: torch.device) -> None:
@@ -137,3 +188,46 @@ def _move(adapter: Adapter, device: torch.device) -> None:
                 if isinstance(value, torch.Tensor) and value.device != device \
                         and value.dim() > 0:
                     state[key] = value.to(device)
+
+
+def _tensors(adapter: Adapter) -> list[tuple[torch.nn.Parameter, dict]]:
+    """Each parameter with its optimizer state (empty without an optimizer yet)."""
+    optimizer = adapter.optimizer
+    return [(p, optimizer.state[p] if optimizer is not None else {})
+            for p in adapter.parameters()]
+
+
+def _state_bytes(adapter: Adapter) -> int:
+    """Bytes of the adapter's tensors now: weights, gradients, optimizer state."""
+    total = 0
+    for param, state in _tensors(adapter):
+        total += param.data.nbytes + (param.grad.nbytes if param.grad is not None else 0)
+        total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def _write(adapter: Adapter, path: Path) -> None:
+    """Every tensor of `adapter` to `path` (on the host), then freed in memory: each
+    parameter keeps its object (the optimizer's key) with an empty tensor in place."""
+    saved = [{"data": param.data, "grad": param.grad,
+              "state": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}}
+             for param, state in _tensors(adapter)]
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(saved, partial)
+    partial.replace(path)
+    for param, state in _tensors(adapter):
+        param.data = param.data.new_empty(0)
+        param.grad = None
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                state[key] = value.new_empty(0)
+
+
+def _read(adapter: Adapter, path: Path) -> None:
+    """The tensors `_write` put in `path`, back in place (on the host); the file goes."""
+    saved = torch.load(path, weights_only=True)
+    for (param, state), own in zip(_tensors(adapter), saved, strict=True):
+        param.data = own["data"]
+        param.grad = own["grad"]
+        state.update(own["state"])
+    path.unlink()

@@ -111,6 +111,8 @@ class _PerModel:
                   paging.resident)
             gauge("adapters_paged", "Adapters paged out to host memory now", base,
                   paging.paged)
+            gauge("adapters_on_disk", "Adapters paged out to the data dir now", base,
+                  paging.on_disk)
             for name, help_text, value in (
                     ("adapter_page_ins", "Adapters paged back in before an op", paging.page_ins),
                     ("adapter_page_outs", "Adapters paged out (least recently used)",

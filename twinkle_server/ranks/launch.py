@@ -34,6 +34,7 @@ from twinkle_server.engine.memory import (
     kv_bytes_per_token,
 )
 from twinkle_server.engine.parallel import Parallel, placement_from_env
+from twinkle_server.engine.residency import Spill
 from twinkle_server.engine.sampling.pool import refusal as pool_refusal
 from twinkle_server.ranks.channel import Channel
 from twinkle_server.ranks.replication import follow
@@ -44,6 +45,9 @@ SHUTDOWN_TIMEOUT_S = 90
 """How long the launcher waits for the ranks after passing on SIGINT/SIGTERM before it
 kills them: rank 0's drain takes up to 60 s for in-flight ops (`server.serve`) and 5 s
 for the fronts, then stops the others."""
+
+PAGE_DIR = "adapter-pages"
+"""Where adapters paged out past `--adapter-host-memory-gib` go, per model and rank."""
 
 
 def under_launcher() -> bool:
@@ -123,13 +127,18 @@ def load_engine(config: ServerConfig, model: ModelConfig, parallel: Parallel | N
         if (refused := pool_refusal(hf_config)) is not None:
             raise refused
     samples = parallel is None or not model.sampler_ranks
+    spill = None
+    if config.adapter_host_memory_gib > 0:
+        rank = 0 if parallel is None else parallel.rank
+        spill = Spill(config.data_dir / PAGE_DIR / model.name / f"rank{rank}",
+                      int(config.adapter_host_memory_gib * 2**30))
     engine = Engine.load(model.path, device=device or model.device, dtype=model.dtype,
                          cache_dir=None, limits=model.limits(),
                          packing=config.packing == "on",
                          activation_checkpointing={"on": True, "off": False, "auto": None}[
                              config.activation_checkpointing],
                          parallel=parallel, samples=samples,
-                         batch_invariant=config.batch_invariant == "on")
+                         batch_invariant=config.batch_invariant == "on", spill=spill)
     if parallel is not None:
         log.info("loaded: %s", parallel.describe_share())
     return engine
