@@ -96,10 +96,18 @@ def config_problem(config: ServerConfig, world: int = 1) -> str | None:
     None; checked before anything loads, and on several ranks by rank 0 for all of them."""
     if bool(config.tls_cert) != bool(config.tls_key):
         return "--tls-cert and --tls-key: give both or neither"
+    if config.adapter_host_memory_gib < 0:
+        return (f"--adapter-host-memory-gib: {config.adapter_host_memory_gib} must be at "
+                "least 0 (0: no bound)")
     try:
         problem = several_ranks_problem(config, world)
+        split = [m.name for m in config.model_configs() if m.sampler_ranks]
     except EngineError as exc:   # the models file
         return str(exc)
+    if config.adapter_host_memory_gib > 0 and split:
+        return (f"--adapter-host-memory-gib: adapters paged out to disk cannot be published "
+                f"to sampler ranks, which {split} have (sampler_ranks); serve them without "
+                "it (paged-out adapters then stay in host memory)")
     if problem is not None:
         return problem
     if is_loopback(config.host):

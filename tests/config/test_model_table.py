@@ -214,6 +214,8 @@ def test_sampler_ranks_come_from_the_flag_or_the_table(tmp_path):
     ("ranks = [1, 2, 3]\nsampler_ranks = 1\n", {}, 4, "rank 0 serves and trains"),
     ("", {"sampler": "static"}, 4, "--sampler static samples on the trainer ranks"),
     ("", {"shard_group_size": 2}, 4, "--shard-group-size 2 (hybrid sharding) serves colocated"),
+    ("", {"adapter_host_memory_gib": 1.0}, 4,
+     "--adapter-host-memory-gib: adapters paged out to disk cannot be published to sampler"),
 ])
 def test_a_split_that_cannot_work_is_refused_before_anything_loads(
         tmp_path, monkeypatch, table, flags, world, named):
@@ -234,6 +236,13 @@ def test_a_negative_sampler_ranks_flag_is_refused_not_ignored(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     problem = config_problem(ServerConfig(sampler_ranks=-1, device="cpu"), 4)
     assert "sampler_ranks: 'tiny' asks for -1; give 0" in problem
+
+
+def test_a_negative_host_budget_for_paged_adapters_is_refused_by_flag():
+    from twinkle_server.server import config_problem
+
+    problem = config_problem(ServerConfig(adapter_host_memory_gib=-1.0))
+    assert problem.startswith("--adapter-host-memory-gib: -1.0 must be at least 0")
 
 
 def test_sampler_ranks_on_one_process_are_refused_at_start(tmp_path):
