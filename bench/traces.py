@@ -43,7 +43,7 @@ def main() -> None:
         for _ in range(5):
             start = time.perf_counter()
             for _ in range(CALLS // 5):
-                rt._trace(op, served, time.monotonic(), future, None)
+                rt._trace(op, served, time.monotonic(), future, None, None)
             per_call.append((time.perf_counter() - start) / (CALLS // 5))
         exported = rt.traces.export("sess-bench")
         tracemalloc.start()
@@ -51,7 +51,7 @@ def main() -> None:
         rt.models["run-fill"] = ModelEntry("run-fill", "alice", "sess-fill", "tiny")
         fill = Op("run-fill", 0, "forward_backward", FORWARD, 256, None, tenant="alice")
         for _ in range(rt.traces.per_session // 4):
-            rt._trace(fill, served, time.monotonic(), future, None)
+            rt._trace(fill, served, time.monotonic(), future, None, None)
         held = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         print(f"session traces: {statistics.median(per_call) * 1e6:.1f} us to trace one "

@@ -43,8 +43,12 @@ def test_a_sessions_trace_holds_its_ops_in_order_and_only_its_tenant_exports_it(
     forward = next(e for e in ran if e["name"] == "forward_backward")
     assert forward["args"]["tokens"] == 32 and forward["args"]["outcome"] == "ok"
     assert forward["args"]["tenants_in_pass"] >= 1 and "tenant" not in forward["args"]
+    assert forward["args"]["bytes_out"] == 32 * 4          # its float32 logprobs
+    sample = next(e for e in ran if e["name"] == "sample")
+    assert sample["args"]["decode_slices"] >= 1
+    assert sample["args"]["bytes_out"] == 2 * 4 * (4 + 4)  # 2 x 4 int32 tokens, logprobs
     counters = {e["name"] for e in events if e["ph"] == "C"}
-    assert counters == {"queue depth", "KV positions used"}
+    assert counters == {"queue depth", "KV positions used", "adapter page-ins"}
     with pytest.raises(tinker.NotFoundError):
         bob.create_rest_client().export_session_trace(session_id).result()
     assert httpx.get(url.replace("signature=", "signature=0"), timeout=30).status_code == 403

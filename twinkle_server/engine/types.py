@@ -153,11 +153,13 @@ class SampledSequence:
 
 @dataclass(frozen=True)
 class Generation:
-    """A sample request's completions, and how many of its prompt tokens came from the
-    prefix cache instead of being computed (Tinker's `prompt_cache_hit_tokens`)."""
+    """A sample request's completions, how many of its prompt tokens came from the prefix
+    cache instead of being computed (Tinker's `prompt_cache_hit_tokens`), and in how many
+    decode slices of the pool it decoded (0: the static batch's)."""
 
     sequences: list[SampledSequence]
     prompt_cache_hit_tokens: int = 0
+    decode_slices: int = 0
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from twinkle_server.engine.errors import (
     Unavailable,
 )
 from twinkle_server.engine.protocol import EngineAPI
+from twinkle_server.engine.types import ForwardOutput, Generation
 from twinkle_server.runtime.bases import ADMIN_QUEUE, Bases, Served, serve_all
 from twinkle_server.runtime.traces import Traces
 from twinkle_server.runtime.values import (
@@ -272,11 +273,11 @@ class Core:
             seconds = time.perf_counter() - start
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f base=%s", op.queue_id,
                      op.seq_id, op.kind, op.tokens, seconds * 1000, served.name)
-            self._trace(op, served, submitted, future, error)
+            self._trace(op, served, submitted, future, result, error)
             if self.observe_op is not None:
                 self.observe_op(served.name, op, seconds, result, error)
 
-    def _trace(self, op: Op, served: Served, submitted: float, future: Any,
+    def _trace(self, op: Op, served: Served, submitted: float, future: Any, result: Any,
                error: BaseException | None) -> None:
         """Leave the ended `op` in its session's trace, if it belongs to a session."""
         model, sampler = self.models.get(op.queue_id), self.samplers.get(op.queue_id)
@@ -285,14 +286,17 @@ class Core:
             return
         outcome = "ok" if error is None else getattr(error, "category", "internal")
         pool = served.engine.decode_stats()
+        args = {"seq_id": op.seq_id, "tokens": op.tokens, "bytes_in": op.bytes,
+                "bytes_out": _bytes_out(result), "tenants_in_pass": getattr(future, "tenants", 0),
+                "outcome": outcome, "base_model": served.name}
+        if isinstance(result, Generation):
+            args["decode_slices"] = result.decode_slices
         self.traces.op(
             session, f"{'model' if model else 'sampler'} {op.queue_id}", op.kind, submitted,
-            getattr(future, "started", None), time.monotonic(),
-            {"seq_id": op.seq_id, "tokens": op.tokens, "bytes_in": op.bytes,
-             "tenants_in_pass": getattr(future, "tenants", 0), "outcome": outcome,
-             "base_model": served.name},
+            getattr(future, "started", None), time.monotonic(), args,
             {"queue depth": served.scheduler.stats()["queued"],
-             "KV positions used": pool.kv_in_use})
+             "KV positions used": pool.kv_in_use,
+             "adapter page-ins": served.engine.paging_stats().page_ins})
 
     async def ordered(self, tenant: str, ref: OpRef, kind: str, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""
@@ -456,3 +460,13 @@ def _log_refusal(outcome: asyncio.Future) -> None:
 def _log_write_failure(future) -> None:
     if future.exception() is not None:
         log.error("store write failed", exc_info=future.exception())
+
+
+def _bytes_out(result: Any) -> int:
+    """Bytes of an op's arrays coming back: a forward's logprobs, a sample's tokens and
+    logprobs (0 for anything else)."""
+    if isinstance(result, ForwardOutput):
+        return sum(lp.nbytes for lp in result.logprobs)
+    if isinstance(result, Generation):
+        return sum(s.tokens.nbytes + s.logprobs.nbytes for s in result.sequences)
+    return 0

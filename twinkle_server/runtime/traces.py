@@ -2,9 +2,10 @@
 
 Every op of a session's models and samplers (`Core.run`) leaves, when it ends, a span for
 the time it waited in its queue and one for the time it ran, on a track per model or
-sampling session, with its tokens, payload bytes, outcome and how many tenants' ops its
-pass carried (never whose); beside them, counter tracks of the served model's queue depth
-and decode-pool KV positions in use, read at the same moment. Events are Chrome's
+sampling session, with its tokens, bytes in and out, outcome, how many tenants' ops its
+pass carried (never whose) and, for a sample, how many decode slices it rode in; beside
+them, counter tracks of the served model's queue depth, decode-pool KV positions in use
+and adapter page-ins, read at the same moment. Events are Chrome's
 trace-event JSON, which ui.perfetto.dev opens (`export`).
 
 Memory is bounded: each session keeps its last `MAX_EVENTS_PER_SESSION` events (a ring),
@@ -20,10 +21,10 @@ from collections import OrderedDict, deque
 from typing import Any
 
 MAX_EVENTS_PER_SESSION = 4096
-"""About 1,000 ops of a session: four events each (two spans, two counter samples);
-about 1.5 MiB in memory (`python -m bench.traces` measures a full ring)."""
+"""About 800 ops of a session: five events each (two spans, three counter samples);
+about 2 MiB in memory (`python -m bench.traces` measures a full ring)."""
 MAX_SESSIONS = 64
-"""Sessions traced at once: about 100 MiB of events with every ring full."""
+"""Sessions traced at once: about 130 MiB of events with every ring full."""
 _PROCESS = 1
 
 

@@ -43,6 +43,7 @@ class PoolRequest:
     cached: int = 0
     rows: list[PoolRow] = field(default_factory=list)
     left: int = 0                   # rows still decoding
+    slices: int = 0                 # decode slices it has decoded in
     error: EngineError | None = None
     answered: bool = False
 
@@ -261,7 +262,8 @@ class PoolBook:
                 self._answer(request, Generation(
                     [token_step.sequence(r.tokens, r.logprobs, r.topk,
                                          request.sample.topk_logprobs, r.stop)
-                     for r in request.rows], prompt_cache_hit_tokens=request.cached))
+                     for r in request.rows], prompt_cache_hit_tokens=request.cached,
+                    decode_slices=request.slices))
         if len(keep) < len(self.rows):
             order = compaction([row.request.route for row in self.rows], keep)
             self.batch.select(order)

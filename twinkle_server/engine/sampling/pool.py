@@ -163,6 +163,8 @@ class DecodePool(PoolBook):
             else:
                 idle_step(self.model, self.route, self.pad, self.device)
         deadline = self.clock() + slice_s
+        for request in self._decoding():
+            request.slices += 1
         while parallel.any_rank(bool(self.rows)):
             if self.rows:
                 self._step()
