@@ -48,7 +48,8 @@ def test_a_sessions_trace_holds_its_ops_in_order_and_only_its_tenant_exports_it(
     assert sample["args"]["decode_slices"] >= 1
     assert sample["args"]["bytes_out"] == 2 * 4 * (4 + 4)  # 2 x 4 int32 tokens, logprobs
     counters = {e["name"] for e in events if e["ph"] == "C"}
-    assert counters == {"queue depth", "KV positions used", "adapter page-ins"}
+    assert counters == {"queue depth", "KV positions used", "adapter page-ins",
+                        "decode tokens/s"}
     with pytest.raises(tinker.NotFoundError):
         bob.create_rest_client().export_session_trace(session_id).result()
     assert httpx.get(url.replace("signature=", "signature=0"), timeout=30).status_code == 403

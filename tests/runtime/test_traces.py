@@ -38,3 +38,12 @@ def test_a_session_keeps_its_last_events_and_the_server_its_last_sessions():
     _op(traces, "s3", 0.0)
     assert "s1" in traces and "s3" in traces and "s2" not in traces
     assert json.loads(traces.export("s2"))["traceEvents"][1:] == []
+
+
+def test_a_running_total_becomes_its_rate_since_the_sessions_previous_op():
+    traces = Traces()
+    traces.op("s1", "t", "sample", 0.0, 0.0, 1.0, {}, {}, {"decode tokens": 100})
+    traces.op("s1", "t", "sample", 1.0, 1.0, 3.0, {}, {}, {"decode tokens": 500})
+    rates = [e["args"] for e in json.loads(traces.export("s1"))["traceEvents"]
+             if e["ph"] == "C"]
+    assert rates == [{"decode tokens/s": 200.0}]     # (500 - 100) / (3 - 1); none at first

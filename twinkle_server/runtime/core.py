@@ -296,7 +296,8 @@ class Core:
             getattr(future, "started", None), time.monotonic(), args,
             {"queue depth": served.scheduler.stats()["queued"],
              "KV positions used": pool.kv_in_use,
-             "adapter page-ins": served.engine.paging_stats().page_ins})
+             "adapter page-ins": served.engine.paging_stats().page_ins},
+            {"decode tokens": pool.tokens_decoded})
 
     async def ordered(self, tenant: str, ref: OpRef, kind: str, fn: Callable[[], T]) -> T:
         """Run `fn` on the worker as op `ref.seq_id` of the tenant's model `ref.model_id`."""

@@ -5,7 +5,8 @@ the time it waited in its queue and one for the time it ran, on a track per mode
 sampling session, with its tokens, bytes in and out, outcome, how many tenants' ops its
 pass carried (never whose) and, for a sample, how many decode slices it rode in; beside
 them, counter tracks of the served model's queue depth, decode-pool KV positions in use
-and adapter page-ins, read at the same moment. Events are Chrome's
+and adapter page-ins, read at the same moment, and its decode tokens/s since the
+session's previous op. Events are Chrome's
 trace-event JSON, which ui.perfetto.dev opens (`export`).
 
 Memory is bounded: each session keeps its last `MAX_EVENTS_PER_SESSION` events (a ring),
@@ -36,15 +37,25 @@ class Traces:
         self.per_session, self.sessions = per_session, sessions
         self._events: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
         self._tracks: dict[str, dict[str, int]] = {}
+        self._totals: dict[str, tuple[float, dict[str, float]]] = {}
         # Ops are timed on the monotonic clock; traces show wall-clock microseconds.
         self._wall = time.time() - time.monotonic()
 
     def op(self, session: str, track: str, kind: str, submitted: float,
            started: float | None, finished: float, args: dict[str, Any],
-           counters: dict[str, float]) -> None:
+           counters: dict[str, float], totals: dict[str, float] | None = None) -> None:
         """Record one ended op of `session` on `track` (its model or sampler): queued
         from `submitted` to `started` (None: it never left its queue), running from then
-        to `finished` (monotonic seconds), with `args`; and `counters` as they stood."""
+        to `finished` (monotonic seconds), with `args`; `counters` as they stood; and for
+        each of `totals` (a running total, such as tokens decoded) its rate per second
+        since this session's previous op, as a counter named `<name>/s`."""
+        counters = dict(counters)
+        last = self._totals.get(session)
+        for name, total in (totals or {}).items():
+            if last is not None and finished > last[0] and name in last[1]:
+                counters[f"{name}/s"] = (total - last[1][name]) / (finished - last[0])
+        if totals:
+            self._totals[session] = (finished, dict(totals))
         events = self._ring(session)
         tid = self._track(session, track)
         begin = submitted if started is None else started
@@ -75,6 +86,7 @@ class Traces:
             while len(self._events) > self.sessions:
                 forgotten, _ = self._events.popitem(last=False)
                 self._tracks.pop(forgotten, None)
+                self._totals.pop(forgotten, None)
         else:
             self._events.move_to_end(session)
         return events
