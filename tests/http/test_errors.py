@@ -114,8 +114,11 @@ OPENAI_OTHERS = {(method, "/oai/api/v1/{rest:path}")
 """Any other route or method under the OpenAI prefix: 404 or 405 in OpenAI's shape,
 naming no tenant object (`test_openai`)."""
 SIGNED = {("GET", "/api/v1/external_weights/{run_id}/{name}/{file}"),
-          ("PUT", "/api/v1/external_weights_upload/{upload_id}/{file}")}
-"""Routes opened by a signed URL instead of a key (`test_external_weights`)."""
+          ("PUT", "/api/v1/external_weights_upload/{upload_id}/{file}"),
+          ("GET", "/api/v1/session_traces/{session_id}.json"),
+          ("GET", "/api/v1/operator/session_traces/{session_id}")}
+"""Routes opened by a signed URL instead of a key (`test_external_weights`,
+`test_session_traces`)."""
 CHECKPOINT = "/api/v1/training_runs/{run_id}/checkpoints/{segment}/{name}"
 
 
@@ -167,6 +170,8 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
              "json": {"ttl_seconds": 3600}},
         ("POST", "/api/v1/weights_info"): {"json": {"tinker_path": o["saved"]}},
         ("GET", "/api/v1/sessions/{session_id}"): {"url": f"/api/v1/sessions/{o['session']}"},
+        ("GET", "/api/v1/sessions/{session_id}/trace_export"):
+            {"url": f"/api/v1/sessions/{o['session']}/trace_export"},
         ("GET", "/api/v1/training_runs"): {"listing": "training_runs"},
         ("GET", "/api/v1/checkpoints"): {"listing": "checkpoints"},
         ("GET", "/api/v1/sessions"): {"listing": "sessions"},

@@ -68,6 +68,9 @@ def _the_operator_reads_it_without_a_key(server, session_id, tmp_path) -> None:
     assert {"forward_backward", "optim_step", "sample"} <= set(names)
     missing = _cli("sessions", "trace", "sess-none", "--data-dir", str(server.data_dir))
     assert missing.returncode == 1 and "'sess-none': no op of it" in missing.stderr
+    unsigned = httpx.get(f"http://{server.http_address}/api/v1/operator/session_traces/"
+                         f"{session_id}?expires=9999999999&signature=00", timeout=30)
+    assert unsigned.status_code == 403
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
