@@ -34,10 +34,15 @@ proto: $(STAMP)
 # cores busier. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q -m "not bench_smoke" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+# The benchmark scripts' smoke runs (bench.gpu on the CPU, bench.sampling --quick): they
+# keep the scripts working, take about two minutes, and measure nothing make test needs.
+bench-check: $(STAMP)
+	$(PY) -m pytest -q -m bench_smoke
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration and not bench_smoke"
 
 $(OLDEST_STAMP): pyproject.toml Makefile
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)

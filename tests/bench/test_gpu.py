@@ -54,6 +54,7 @@ def _run(*command: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 @pytest.mark.integration
+@pytest.mark.bench_smoke
 def test_the_smoke_run_prints_every_row_and_passes_the_gpu_tests(tiny_cache):
     done = _run("-m", "bench.gpu", "--device", "cpu", "--small")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -25,6 +25,7 @@ ROWS = ("groups 8 x 8 x 32: tinker_compat over gRPC vs generate",
 
 
 @pytest.mark.integration
+@pytest.mark.bench_smoke
 def test_the_quick_run_prints_every_row_and_one_prefill_per_group(tiny_cache):
     # A bound against a hang, not a timing: on 2 cores shared with other jobs the run took
     # 166 s alone, and longer beside other tests (35 s on a quiet machine).
