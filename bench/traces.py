@@ -10,6 +10,7 @@ runtime (no server); figures measure and print, nothing passes or fails on time.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -50,15 +51,21 @@ def main() -> None:
         before = tracemalloc.get_traced_memory()[0]
         rt.models["run-fill"] = ModelEntry("run-fill", "alice", "sess-fill", "tiny")
         fill = Op("run-fill", 0, "forward_backward", FORWARD, 256, None, tenant="alice")
-        for _ in range(rt.traces.per_session // 4):
+        for _ in range(rt.traces.per_session):      # more than the ring holds
             rt._trace(fill, served, time.monotonic(), future, None, None)
         held = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
+        rt.models["run-count"] = ModelEntry("run-count", "alice", "sess-count", "tiny")
+        count = Op("run-count", 0, "forward_backward", FORWARD, 256, None, tenant="alice")
+        for _ in range(10):
+            rt._trace(count, served, time.monotonic(), future, None, None)
+        events = json.loads(rt.traces.export("sess-count"))["traceEvents"]
+        per_op = sum(e["ph"] != "M" for e in events) / 10
         print(f"session traces: {statistics.median(per_call) * 1e6:.1f} us to trace one "
               f"ended op (median of 5 runs of {CALLS // 5} calls; runs "
               f"{', '.join(f'{p * 1e6:.1f}' for p in per_call)} us)")
         print(f"  a full ring ({rt.traces.per_session} events, about "
-              f"{rt.traces.per_session // 4} ops) holds {held / 2**20:.2f} MiB in memory "
+              f"{rt.traces.per_session / max(per_op, 1):.0f} ops) holds {held / 2**20:.2f} MiB in memory "
               f"(measured by tracemalloc while a new session fills it) and exports as "
               f"{len(exported) / 2**20:.2f} MiB of JSON; at most {rt.traces.sessions} sessions "
               f"are kept: {held * rt.traces.sessions / 2**20:.0f} MiB at most")

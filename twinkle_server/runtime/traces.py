@@ -22,8 +22,8 @@ from collections import OrderedDict, deque
 from typing import Any
 
 MAX_EVENTS_PER_SESSION = 4096
-"""About 800 ops of a session: five events each (two spans, three counter samples);
-about 2 MiB in memory (`python -m bench.traces` measures a full ring)."""
+"""About 700 ops of a session: up to six events each (two spans, three counter samples
+and a rate); about 2 MiB in memory (`python -m bench.traces` measures a full ring)."""
 MAX_SESSIONS = 64
 """Sessions traced at once: about 130 MiB of events with every ring full."""
 _PROCESS = 1
