@@ -1,6 +1,7 @@
 """What session traces cost (`runtime.traces`): the time `Core.run` spends leaving one
-ended op in its session's trace (two spans and two counter samples, the served model's
-queue depth and decode pool read at that moment), against the fastest ordered op a
+ended op in its session's trace (its spans, and counter samples of the served model's
+queue depth, decode pool, page-ins and decode tokens/s read at that moment), against the
+fastest ordered op a
 client can send (`bench.server`'s GetTrainConfigs, about 1 ms p50 over loopback on 2 CPU
 cores), and what a full ring of one session holds once exported.
 
