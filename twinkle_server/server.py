@@ -35,7 +35,6 @@ from twinkle_server.ranks.launch import (
 from twinkle_server.ranks.replication import ReplicatedEngine
 from twinkle_server.ranks.split import SplitEngine
 from twinkle_server.runtime import Runtime
-from twinkle_server.runtime.external import HttpEndpoint
 from twinkle_server.service.external import ExternalWeightsServicer
 from twinkle_server.service.runs import RunsServicer
 from twinkle_server.service.sampling import SamplingServicer
@@ -225,11 +224,10 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
         http = HttpServer(rt, config)
         rt.observe_op = http.metrics.observe
         http.start()
-        rt.external.http = HttpEndpoint(http.port, https=bool(config.tls_cert))
+        rt.external.http = Front(config.host, http.port, https=bool(config.tls_cert))
         print(f"http listening on {config.host}:{http.port}", flush=True)
     write_served(config.data_dir, [(s.model, s.engine.base.model_dir) for s in rt.bases],
-                 None if http is None else Front(config.host, http.port,
-                                                 bool(config.tls_cert)))
+                 rt.external.http)
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
     ranks = f", {parallel.world} ranks" if parallel is not None else ""
     for served in rt.bases:

@@ -12,20 +12,23 @@ reader never sees half of one.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from twinkle_server.config.model_table import ModelConfig
+from twinkle_server.engine import replace_file
 from twinkle_server.engine.errors import InvalidArgument
 
 SERVED_FILE = "served.json"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Front:
-    """Where the HTTP front listens."""
+    """Where the HTTP front listens and whether it speaks TLS: what signed URLs point at
+    (`runtime.external`), and what the tools beside the server reach."""
 
     host: str
     port: int
@@ -45,11 +48,8 @@ def write_served(data_dir: Path, models: Sequence[tuple[ModelConfig, Path]],
     """Record `models` (each with its files' directory) as what `data_dir`'s server
     serves, and its HTTP front (None: it has none)."""
     rows = [{**asdict(model), "model_dir": str(directory)} for model, directory in models]
-    path = Path(data_dir) / SERVED_FILE
-    partial = path.with_name(f".{SERVED_FILE}.{os.getpid()}")
-    partial.write_text(json.dumps({"models": rows,
-                                   "http": None if http is None else asdict(http)}, indent=2))
-    partial.replace(path)
+    replace_file(Path(data_dir) / SERVED_FILE, json.dumps(
+        {"models": rows, "http": None if http is None else asdict(http)}, indent=2).encode())
 
 
 def served_front(data_dir: Path) -> Front | None:
@@ -59,14 +59,8 @@ def served_front(data_dir: Path) -> Front | None:
     Raises:
         InvalidArgument: the file is not one `write_served` wrote.
     """
-    path = Path(data_dir) / SERVED_FILE
-    if not path.is_file():
-        return None
-    try:
-        http = json.loads(path.read_text()).get("http")
-        return None if http is None else Front(**http)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise InvalidArgument(f"{path}: not a record of served models ({exc})") from None
+    return _read(data_dir, lambda record: None if record.get("http") is None
+                 else Front(**record["http"]))
 
 
 def read_served(data_dir: Path) -> list[tuple[ModelConfig, Path]] | None:
@@ -75,16 +69,21 @@ def read_served(data_dir: Path) -> list[tuple[ModelConfig, Path]] | None:
     Raises:
         InvalidArgument: the file is not one `write_served` wrote.
     """
+    known = {f.name for f in fields(ModelConfig)}
+    return _read(data_dir, lambda record: [
+        (ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                        for k, v in row.items() if k in known}), Path(row["model_dir"]))
+        for row in record["models"]])
+
+
+def _read(data_dir: Path, build: Callable[[dict[str, Any]], T]) -> T | None:
+    """`build` of `data_dir`'s record (None where there is none)."""
     path = Path(data_dir) / SERVED_FILE
     if not path.is_file():
         return None
-    known = {f.name for f in fields(ModelConfig)}
     try:
-        rows = json.loads(path.read_text())["models"]
-        return [(ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                for k, v in row.items() if k in known}),
-                 Path(row["model_dir"])) for row in rows]
-    except (ValueError, KeyError, TypeError) as exc:
+        return build(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidArgument(f"{path}: not a record of served models ({exc}); start the "
                               "server again, or give --model or --models") from None
 

@@ -32,7 +32,12 @@ if TYPE_CHECKING:
         read_import,
     )
     from twinkle_server.engine.base_model import BaseModel, load_base_model
-    from twinkle_server.engine.checkpoint import CONFIG_FILE, WEIGHTS_FILE, write_atomically
+    from twinkle_server.engine.checkpoint import (
+        CONFIG_FILE,
+        WEIGHTS_FILE,
+        replace_file,
+        write_atomically,
+    )
     from twinkle_server.engine.engine import Engine
     from twinkle_server.engine.losses import LOSS_NAMES
     from twinkle_server.engine.memory import available_memory_bytes
@@ -43,7 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["ADAPTER_FILES", "CONFIG_FILE", "LOSS_NAMES", "OPTIMIZERS", "PUBLIC_MODULES",
            "SCHEDULERS", "WEIGHTS_FILE", "BaseModel", "Engine", "ForwardRequest",
            "ImportedAdapter", "PromptScoring", "SampleRequest", "available_memory_bytes",
-           "base_linears", "load_base_model", "read_import", "write_atomically"]
+           "base_linears", "load_base_model", "read_import", "replace_file",
+           "write_atomically"]
 
 PUBLIC_MODULES: tuple[str, ...] = (
     "twinkle_server.engine",
@@ -65,7 +71,8 @@ _HOMES = {
     "available_memory_bytes": "memory",
     # checkpoints on disk (PEFT's files, written atomically) and adapters trained elsewhere
     "CONFIG_FILE": "checkpoint", "WEIGHTS_FILE": "checkpoint",
-    "write_atomically": "checkpoint", "ADAPTER_FILES": "adapter_import",
+    "write_atomically": "checkpoint", "replace_file": "checkpoint",
+    "ADAPTER_FILES": "adapter_import",
     "ImportedAdapter": "adapter_import", "base_linears": "adapter_import",
     "read_import": "adapter_import",
 }

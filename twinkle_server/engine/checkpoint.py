@@ -88,6 +88,14 @@ def write_atomically(path: str | Path, fill: Callable[[Path], None],
     return size
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write file `path` whole: `data` into a hidden file beside it, then renamed over it,
+    so a reader finds the old file or the new one, never part of one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
 def write_state(out: Path, state: dict) -> None:
     """`torch.save` of the training state into `out`, through memory so that a failed
     write is an `OSError` like every other checkpoint file's."""

@@ -19,7 +19,7 @@ resident one (the store keeps what was saved); the next start clears the page fi
 from __future__ import annotations
 
 import contextlib
-import os
+import io
 import shutil
 import time
 from collections import OrderedDict
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from twinkle_server.engine.adapter import Adapter
+from twinkle_server.engine.checkpoint import replace_file
 from twinkle_server.engine.errors import ResourceExhausted
 from twinkle_server.engine.protocol import rank_zero_only
 
@@ -212,9 +213,9 @@ def _write(adapter: Adapter, path: Path) -> None:
     saved = [{"data": param.data, "grad": param.grad,
               "state": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}}
              for param, state in _tensors(adapter)]
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    torch.save(saved, partial)
-    partial.replace(path)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    replace_file(path, buffer.getvalue())
     for param, state in _tensors(adapter):
         param.data = param.data.new_empty(0)
         param.grad = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinkle_server.config.served import Front
 from twinkle_server.engine import CONFIG_FILE, write_atomically
 from twinkle_server.engine.errors import EngineError, FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.runtime.audit import checkpoint_details
@@ -46,14 +47,6 @@ MAX_RECIPIENTS = 10
 """The SDK's documented limit on `age_encryption_recipients`."""
 DOWNLOAD_PREFIX = "/api/v1/external_weights"
 """Where the HTTP front serves the files of external checkpoints (`download_path`)."""
-
-
-@dataclass(frozen=True)
-class HttpEndpoint:
-    """The HTTP front as a client reaches it: its port and whether it speaks TLS."""
-
-    port: int
-    https: bool
 
 
 @dataclass(frozen=True)
@@ -94,7 +87,7 @@ class External:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.signer = Signer(load_secret(core.store.data_dir))
-        self.http: HttpEndpoint | None = None
+        self.http: Front | None = None
         """Set by the server when the HTTP front listens; the gRPC front needs it to say
         where signed URLs point."""
 
@@ -181,7 +174,7 @@ class External:
                          file=file, via="signed_url", **checkpoint_details(row))
         return directory / file
 
-    def endpoint(self) -> HttpEndpoint:
+    def endpoint(self) -> Front:
         """Where signed URLs point, for a front that is not the HTTP one."""
         if self.http is None:
             raise FailedPrecondition("external weights URLs: this server has no HTTP front, "

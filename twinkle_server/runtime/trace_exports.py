@@ -9,10 +9,10 @@ own way in, without a tenant's key, is `twinkle-server sessions trace` (`cli`), 
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
+from twinkle_server.engine import replace_file
 from twinkle_server.engine.errors import NotFound
 from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.signed_urls import SignedPath, Signer, load_secret
@@ -51,10 +51,7 @@ class TraceExports:
         """Write the session's trace now and sign its download for `tenant`."""
         data = self.trace(tenant, session_id)
         self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"{session_id}.json"
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_bytes(data)
-        partial.replace(path)
+        replace_file(self.root / f"{session_id}.json", data)
         return self.signer.sign(trace_path(session_id), reader=tenant)
 
     def for_operator(self, session_id: str, expires: str | None,
