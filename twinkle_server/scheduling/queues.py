@@ -170,9 +170,13 @@ class Queue:
         else:
             del self.pending[head.op.seq_id]
 
+    def waiting(self) -> list[Entry]:
+        """Every op not yet running: ordered by seq_id, then unordered by arrival."""
+        return [*self.pending.values(), *self.unordered]
+
     def take_waiting(self) -> list[Entry]:
         """Remove and return every op not yet running."""
-        waiting = list(self.pending.values()) + list(self.unordered)
+        waiting = self.waiting()
         self.pending.clear()
         self.unordered.clear()
         return waiting

@@ -258,8 +258,7 @@ class Scheduler:
     def _waiting_ops(self) -> Iterator[Op]:
         """Every op queued or in the decode lane (not one running a batch)."""
         for queue in self._queues:
-            yield from (entry.op for entry in queue.pending.values())
-            yield from (entry.op for entry in queue.unordered)
+            yield from (entry.op for entry in queue.waiting())
         yield from (entry.op for _, _, entry in self._lane.entries())
 
     def cancel(self, future: Future) -> bool:
