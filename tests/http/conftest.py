@@ -109,3 +109,51 @@ def peft_logprobs(model_dir: str, adapter: Path, data: list[types.Datum]
         with model.disable_adapter():
             plain = run()
     return adapted, plain
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+"""The one tool `tool_caller` learns to call, in OpenAI's shape."""
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANSWER = "It is sunny in Paris, 21 C."
+RESULT = "sunny, 21 C"
+
+
+def tool_caller(proc, tenant: str = "alice") -> str:
+    """A sampler checkpoint of `tenant`'s on `proc`, trained by the stock SDK until it
+    answers `ASK` (with `WEATHER` offered) with `CALL`, and the call's `RESULT` with
+    `ANSWER`: the tiny model as an agent. The conversations are rendered by the tiny
+    model's own chat template, as the routes render them. About 120 steps at lr 2e-3
+    take the loss from ~440 to below 1 nat a conversation (measured)."""
+    from transformers import AutoTokenizer
+
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    called = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    answered = {"role": "tool", "tool_call_id": "call_1", "content": RESULT}
+    data = []
+    for messages, reply in ((ASK, CALL), ([*ASK, called, answered], ANSWER)):
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(
+            messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False)
+        completion = tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
+        ids = prompt + completion
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": np.array(ids[1:], np.int64),
+                            "weights": np.array([0.0] * (len(prompt) - 1)
+                                                + [1.0] * len(completion), np.float32)}))
+    service = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
+                                   api_key=proc.keys[tenant])
+    training = service.create_lora_training_client(base_model="tiny", rank=32,
+                                                   seed=1).result()
+    for _ in range(120):
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+    return training.save_weights_for_sampler("agent").result().path

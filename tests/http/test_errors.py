@@ -19,6 +19,7 @@ from tinker.proto import tinker_public_pb2 as tpb
 
 from twinkle_server.http import unserved
 from twinkle_server.http.admin import AdminRoutes
+from twinkle_server.http.anthropic import AnthropicRoutes
 from twinkle_server.http.app import Front
 from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.oai import OpenAIRoutes
@@ -109,10 +110,11 @@ PUBLIC = {("GET", "/api/v1/healthz"), ("GET", "/health"), ("POST", "/api/v1/clie
 or create the caller's own session)."""
 UNSERVED = {(method, "/api/v1" + path) for method, path, *_ in unserved.UNSERVED}
 """Routes that answer everyone that the server does not provide them (`test_rest_client`)."""
-OPENAI_OTHERS = {(method, "/oai/api/v1/{rest:path}")
-                 for method in ("GET", "POST", "PUT", "PATCH", "DELETE")}
-"""Any other route or method under the OpenAI prefix: 404 or 405 in OpenAI's shape,
-naming no tenant object (`test_openai`)."""
+OPENAI_OTHERS = {(method, f"{prefix}/{{rest:path}}")
+                 for method in ("GET", "POST", "PUT", "PATCH", "DELETE")
+                 for prefix in ("/oai/api/v1", "/anthropic/api/v1")}
+"""Any other route or method under the OpenAI or Anthropic prefix: 404 or 405 in their
+shapes, naming no tenant object (`test_openai`, `test_anthropic`)."""
 SIGNED = {("GET", "/api/v1/external_weights/{run_id}/{name}/{file}"),
           ("PUT", "/api/v1/external_weights_upload/{upload_id}/{file}"),
           ("GET", "/api/v1/session_traces/{session_id}.json"),
@@ -182,6 +184,11 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
                                                        "prompt": [5], "max_tokens": 1}},
         ("POST", "/oai/api/v1/chat/completions"): {"json": {
             "model": o["sampler_path"], "messages": [{"role": "user", "content": "x"}]}},
+        ("POST", "/anthropic/api/v1/messages"): {"json": {
+            "model": o["sampler_path"], "max_tokens": 1,
+            "messages": [{"role": "user", "content": "x"}]}},
+        ("POST", "/anthropic/api/v1/messages/count_tokens"): {"json": {
+            "model": o["sampler_path"], "messages": [{"role": "user", "content": "x"}]}},
         ("POST", "/api/v1/copy_weights"): {"json": {"source_path": o["saved"],
                                                     "destination_project_id": "proj"}},
     }
@@ -193,7 +200,8 @@ def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
                                     *SamplingRoutes(front).routes(), *Rest(front).routes(),
                                     *AdminRoutes(front).routes(),
                                     *ExternalRoutes(front).routes(),
-                                    *OpenAIRoutes(front).routes(), *unserved.routes())
+                                    *OpenAIRoutes(front).routes(),
+                                    *AnthropicRoutes(front).routes(), *unserved.routes())
               for m in r.methods if m != "HEAD"}
     cases = _cases(alice_objects)
     assert routes == set(cases) | PUBLIC | UNSERVED | SIGNED | OPENAI_OTHERS, \

@@ -209,7 +209,7 @@ def test_chat_refusals_and_unknown_models(server, base_url):
     headers = {"authorization": f"Bearer {server.keys['alice']}"}
     cases = [
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-          "tools": [{"type": "function"}]}, 400, "tools"),
+          "tools": [{"type": "function"}]}, 400, "tools[0]"),
         ({"model": "tiny", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
          "messages[0].content[0]"),

@@ -3,7 +3,7 @@
 download URLs of external weights (`external`).
 
 A thin adapter, like the gRPC front: routes (`app`, `training`, `sampling`, `rest`,
-`admin`; the OpenAI-compatible ones in `oai`) read the SDK's bodies
+`admin`; the OpenAI-compatible ones in `oai`, Anthropic's Messages in `anthropic`) read the SDK's bodies
 (`convert`), call the same runtime verbs with the tenant from the same
 `Runtime.authenticate`, and answer in the SDK's shapes; ops become futures (`futures`)
 that `retrieve_future` resolves; failures map to statuses in one place (`errors`); the
@@ -34,6 +34,7 @@ from starlette.routing import Route
 from twinkle_server.config.flags import ServerConfig
 from twinkle_server.http import unserved
 from twinkle_server.http.admin import AdminRoutes
+from twinkle_server.http.anthropic import AnthropicRoutes
 from twinkle_server.http.app import Front
 from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.metrics import Metrics
@@ -54,6 +55,7 @@ def build_app(rt: Runtime) -> tuple[Starlette, Front, Metrics]:
     routes = [*front.routes(), *TrainingRoutes(front).routes(),
               *SamplingRoutes(front).routes(), *Rest(front).routes(), *ExternalRoutes(front).routes(),
               *AdminRoutes(front).routes(), *OpenAIRoutes(front).routes(),
+              *AnthropicRoutes(front).routes(),
               *unserved.routes(front), Route("/metrics", metrics.endpoint, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: unserved.not_found(front)})
     return app, front, metrics

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from twinkle_server.http import oai_request
 from twinkle_server.http.app import Front, json_body
 from twinkle_server.http.oai_reply import Reply, error_response
 from twinkle_server.http.oai_request import OaiError, OaiRequest
+from twinkle_server.http.tool_calls import ToolFormat, ToolUse, format_of
 from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.sampling import Source, context_left
@@ -49,22 +51,45 @@ MODELS_LISTED = 100
 """Of the caller's own checkpoints, the newest this many are looked at by `/models`,
 which lists those that serve (sampler weights, exports, imports); any of them, and any
 published one, can be named."""
-def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], model: str
-                ) -> np.ndarray:
-    """`messages` through `tokenizer`'s chat template, as token ids. A template that
-    refuses the messages (`raise_exception` in it: a system role it does not take, say)
-    is the request's error, naming `messages` and the template's words."""
+def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], model: str,
+                tools: ToolUse | None = None, forced: str = "") -> np.ndarray:
+    """`messages` (and `tools`) through `tokenizer`'s chat template, then `forced` (the
+    start of the reply a tool choice requires), as token ids. A template that refuses
+    the messages (`raise_exception` in it: a system role it does not take, say) is the
+    request's error, naming `messages` and the template's words."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):
         raise OaiError("messages", f"model {model!r} has no chat template; use /completions")
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            list(messages), tools=[t.for_template() for t in tools.tools] if tools else None,
+            tokenize=False, add_generation_prompt=True)
     except TemplateError as exc:
         raise OaiError("messages", f"model {model!r}'s chat template refuses them: "
                                    f"{exc}") from None
-    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+    return np.asarray(tokenizer.encode(text + forced, add_special_tokens=False), np.int64)
+
+
+def tool_format(served: Served, tools: ToolUse | None, field: str) -> ToolFormat | None:
+    """How `served`'s model writes calls, where a request offers `tools` (named by
+    `field`); a model whose template writes none this server reads is refused."""
+    if tools is None:
+        return None
+    found = format_of(getattr(served.engine.base.tokenizer, "chat_template", None))
+    if isinstance(found, str):
+        raise OaiError(field, f"model {served.name!r} takes no tools here: {found}")
+    return found
+
+
+@dataclass(frozen=True)
+class Prompted:
+    """A request's prompts as token ids, the tool format its replies are read in (None:
+    text), and the start of each reply its prompts already hold (`ToolFormat.forced`)."""
+
+    prompts: list[np.ndarray]
+    tool_format: ToolFormat | None
+    forced: str
 
 
 class OpenAIRoutes:
@@ -112,24 +137,23 @@ class OpenAIRoutes:
         try:
             tenant = self.front.tenant(request)
             asked = oai_request.read(route, await json_body(request))
-            source = self._source(tenant, asked)
+            source = self.source(tenant, asked)
             served = source.served
-            prompts = self._prompts(served, asked)
-            # What the engine would refuse, refused here: a stream's 200 goes out first.
-            _check_sizes(served, asked, prompts)
-            reply = Reply(route, asked, served, prompts)
-            work = self._start(tenant, source, asked, prompts, reply.hear)
+            prompted = self.prompted(served, asked)
+            reply = Reply(route, asked, served, prompted.prompts, prompted.tool_format,
+                          prompted.forced)
+            work = self.start(tenant, source, asked, prompted.prompts, reply.hear)
         except Exception as exc:
             return error_response(exc)
         if asked.stream:
             return StreamingResponse(reply.stream(work), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         try:
-            return JSONResponse(reply.whole(await _unless_gone(request, work)))
+            return JSONResponse(reply.whole(await unless_gone(request, work)))
         except Exception as exc:
             return error_response(exc)
 
-    def _source(self, tenant: str, asked: OaiRequest) -> Source:
+    def source(self, tenant: str, asked: OaiRequest) -> Source:
         """What `asked.model` names: a served base, a sampler checkpoint, or
         `<base>;<checkpoint>`."""
         base, _, path = asked.model.partition(";") if ";" in asked.model \
@@ -170,12 +194,25 @@ class OpenAIRoutes:
             missing.param = "model"      # type: ignore[attr-defined]
             raise missing from None
 
-    def _prompts(self, served: Served, asked: OaiRequest) -> list[np.ndarray]:
+    def prompted(self, served: Served, asked: OaiRequest, checked: bool = True
+                 ) -> Prompted:
+        """`asked`'s prompts for `served`, and how its replies write tool calls; with
+        `checked`, within the model's limits (what the engine would refuse, refused here:
+        a stream's 200 goes out first)."""
+        writes_calls = tool_format(served, asked.tools, "tools")
+        forced = writes_calls.forced(asked.tools) if writes_calls and asked.tools else ""
+        prompts = self._prompts(served, asked, forced)
+        if checked:
+            check_sizes(served, asked, prompts)
+        return Prompted(prompts, writes_calls, forced)
+
+    def _prompts(self, served: Served, asked: OaiRequest, forced: str) -> list[np.ndarray]:
         """Each prompt as token ids: text through the model's tokenizer, chat messages
-        through its chat template."""
+        (and tools) through its chat template, followed by `forced`."""
         tokenizer = served.engine.base.tokenizer
         if asked.messages is not None:
-            return [chat_prompt(tokenizer, asked.messages, served.name)]
+            return [chat_prompt(tokenizer, asked.messages, served.name, asked.tools,
+                                forced)]
         vocab = served.engine.base.vocab_size
         out = []
         for i, prompt in enumerate(asked.prompts or ()):
@@ -188,7 +225,7 @@ class OpenAIRoutes:
             out.append(ids)
         return out
 
-    def _start(self, tenant: str, source: Source, asked: OaiRequest,
+    def start(self, tenant: str, source: Source, asked: OaiRequest,
                prompts: Sequence[np.ndarray],
                hear: Callable[[int], Callable[[Progress], None] | None]) -> asyncio.Future:
         """Every prompt's `n` choices, checked now and started, sampled without a session
@@ -198,7 +235,8 @@ class OpenAIRoutes:
         client gone away) cancels them."""
         params = SamplingParams(max_tokens=asked.max_tokens or 0,
                                 temperature=asked.temperature, top_p=asked.top_p,
-                                stop_strings=asked.stop, seed=asked.seed)
+                                top_k=asked.top_k, stop_strings=asked.stop,
+                                seed=asked.seed)
         if asked.user:
             log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
                      asked.model)
@@ -243,7 +281,7 @@ def _unserved(served: Sequence[Route]) -> Callable[[Request], Awaitable[Response
     return answer
 
 
-def _check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray]) -> None:
+def check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray]) -> None:
     """Each prompt's sample within the model's limits (`checks.sample_size`, as the
     engine will check it), named by the request's own fields."""
     limit = served.model.max_seq_len
@@ -264,7 +302,7 @@ def _check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray
                            ) from None
 
 
-async def _unless_gone(request: Request, work: asyncio.Future, poll_s: float = 0.1) -> Any:
+async def unless_gone(request: Request, work: asyncio.Future, poll_s: float = 0.1) -> Any:
     """`work`'s result, or its cancellation (and with it its samples') once the client
     has gone away: a dropped connection frees the rows it held."""
     while True:

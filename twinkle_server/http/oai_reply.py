@@ -7,15 +7,17 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import numpy as np
 from starlette.responses import JSONResponse
 
 from twinkle_server.engine.types import Progress, SampledSequence
+from twinkle_server.http.decoded import Decoded
 from twinkle_server.http.errors import category_of, message_of
 from twinkle_server.http.oai_request import OaiRequest
+from twinkle_server.http.tool_calls import ToolFormat
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.sampling import SampleResult
 
@@ -46,15 +48,14 @@ class Reply:
     """One request's answer, whole or streamed, in OpenAI's shapes."""
 
     def __init__(self, route: str, asked: OaiRequest, served: Served,
-                 prompts: Sequence[np.ndarray]) -> None:
+                 prompts: Sequence[np.ndarray], tool_format: ToolFormat | None = None,
+                 forced: str = "") -> None:
         self.route, self.asked, self.prompts = route, asked, prompts
         # Token by token: a stream whose chunks carry text only (logprobs and echo come
         # whole, in one chunk a choice, once it is decoded).
-        self.incremental = asked.stream and asked.top_logprobs is None and not asked.echo
-        self._progress: asyncio.Queue[tuple[int, Progress]] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-        # What each choice's stream has carried so far.
-        self._sent: dict[int, str] = {}
+        incremental = asked.stream and asked.top_logprobs is None and not asked.echo
+        self.decoded = Decoded(served, asked.stop, asked.n, incremental, asked.tools,
+                               tool_format, forced)
         self.base = served.engine.base
         self.tokenizer = served.engine.base.tokenizer
         self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -70,17 +71,23 @@ class Reply:
 
     def _choice(self, index: int, prompt: int, seq: SampledSequence,
                 result: SampleResult) -> dict[str, Any]:
-        # The engine searched for the stop strings in this same text and says where the
-        # one it stopped on begins: OpenAI's text leaves it out.
-        text = self.base.decode(seq.tokens.tolist())[:seq.stop_text_at]
-        finish = "stop" if seq.stop_reason == "stop" else "length"
+        done = self.decoded.finished(seq)
         if self.route == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._chat_logprobs(seq), "finish_reason": finish}
+            message: dict[str, Any] = {"role": "assistant", "content": done.text}
+            if done.calls:
+                message["tool_calls"] = [
+                    {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                     "function": {"name": call.name,
+                                  "arguments": json.dumps(call.arguments)}}
+                    for call in done.calls]
+            return {"index": index, "message": message,
+                    "logprobs": self._chat_logprobs(seq), "finish_reason": done.reason}
         logprobs = self._completion_logprobs(seq, prompt, result)
+        text = done.text or ""
         if self.asked.echo:
             text = self._prompt_text(prompt) + text
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": done.reason}
 
     def _prompt_text(self, prompt: int) -> str:
         return self.base.decode(self.prompts[prompt].tolist())
@@ -154,36 +161,24 @@ class Reply:
                 "usage": self._usage(results)}
 
     def hear(self, prompt: int) -> Callable[[Progress], None] | None:
-        """The listener for prompt `prompt`'s progress (from the scheduler's thread onto
-        this loop), or None where the reply is not streamed token by token."""
-        if not self.incremental:
-            return None
-        loop, queue = self._loop, self._progress
-        return lambda progress: loop.call_soon_threadsafe(queue.put_nowait,
-                                                          (prompt, progress))
+        return self.decoded.hear(prompt)
 
     async def stream(self, work: asyncio.Future) -> AsyncIterator[str]:
         """Server-sent events: for chat, each choice's role first; each choice's text as
         it is decoded (a chunk a decode slice; whole, once decoded, when logprobs or echo
-        are asked), then its finish reason; the usage when asked; `[DONE]`. A client gone
-        away cancels this, and with it the request's samples."""
+        are asked), then its tool calls and finish reason; the usage when asked;
+        `[DONE]`. A client gone away cancels this, and with it the request's samples."""
         chunk = {"id": self.id, "object": f"{self.object}.chunk" if self.route == "chat"
                  else self.object, "created": self.created, "model": self.asked.model}
         count = len(self.prompts) * self.asked.n
-        heard: asyncio.Future | None = None
         try:
             if self.route == "chat":
                 for index in range(count):
                     yield _event({**chunk, "choices": [{
                         "index": index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]})
-            while not work.done():
-                heard = asyncio.ensure_future(self._progress.get())
-                await asyncio.wait({work, heard}, return_when=asyncio.FIRST_COMPLETED)
-                if not heard.done():
-                    break
-                for index, text in self._partial_texts(*heard.result()):
-                    yield _event({**chunk, "choices": [self._text_delta(index, text)]})
+            async for index, text in self.decoded.deltas(work):
+                yield _event({**chunk, "choices": [self._text_delta(index, text)]})
             try:
                 results = work.result()
             except Exception as exc:
@@ -198,26 +193,6 @@ class Reply:
             yield "data: [DONE]\n\n"
         finally:
             work.cancel()
-            if heard is not None:
-                heard.cancel()
-
-    def _partial_texts(self, prompt: int, progress: Progress) -> Iterator[tuple[int, str]]:
-        """The new text of each of prompt `prompt`'s choices that may go out now: held
-        back are the last characters a stop string could still begin in, and a character
-        whose bytes have not all been drawn."""
-        hold = max((len(s) for s in self.asked.stop), default=1) - 1
-        for row, (tokens, stop_at) in enumerate(zip(progress.tokens, progress.stop_text_at,
-                                                    strict=True)):
-            index = prompt * self.asked.n + row
-            text = self.base.decode(tokens.tolist())
-            # A row stopped on a stop string ends where the engine says it begins.
-            safe = len(text) - hold if stop_at is None else stop_at
-            while safe > 0 and text[safe - 1] == "\ufffd":
-                safe -= 1
-            sent = self._sent.get(index, "")
-            if safe > len(sent) and text.startswith(sent):
-                self._sent[index] = text[:safe]
-                yield index, text[len(sent):safe]
 
     def _text_delta(self, index: int, text: str, finish: str | None = None
                     ) -> dict[str, Any]:
@@ -228,15 +203,20 @@ class Reply:
 
     def _last_of(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
         """A finished choice's last events: what its stream has not carried yet, with its
-        logprobs, then its finish reason."""
+        logprobs, then its tool calls, then its finish reason."""
         index, finish = choice["index"], choice.pop("finish_reason")
-        text = choice["message"]["content"] if self.route == "chat" else choice["text"]
-        rest = text[len(self._sent.get(index, "")):]
-        if self.route == "chat":
-            return [{"index": index, "delta": {"content": rest},
-                     "logprobs": choice["logprobs"], "finish_reason": None},
-                    self._text_delta(index, "", finish)]
-        return [{**choice, "text": rest, "finish_reason": finish}]
+        if self.route != "chat":
+            return [{**choice, "text": self.decoded.rest(index, choice["text"]),
+                     "finish_reason": finish}]
+        message = choice["message"]
+        events = [{"index": index,
+                   "delta": {"content": self.decoded.rest(index, message["content"])},
+                   "logprobs": choice["logprobs"], "finish_reason": None}]
+        if calls := message.get("tool_calls"):
+            events.append({"index": index, "delta": {"tool_calls": [
+                {"index": j, **call} for j, call in enumerate(calls)]},
+                "logprobs": None, "finish_reason": None})
+        return [*events, self._text_delta(index, "", finish)]
 
 
 def _event(data: dict[str, Any]) -> str:

@@ -1,0 +1,226 @@
+"""Tool calls on the chat routes: the tools a request offers, the tool format of a model's
+chat template, and the model's reply parsed back into calls.
+
+A model learns one way to see tools and to write a call, and its chat template says which.
+Tools are rendered by the template itself (`apply_chat_template(..., tools=...)`); the
+call is read back from the reply's text in that template's format:
+
+- `hermes` (Qwen3, Qwen2.5, the built-in `tiny`): a JSON object a call,
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+- `qwen_xml` (Qwen3.5 / Qwen3.6, Qwen3-Coder): `<tool_call>\\n<function=NAME>\\n`
+  `<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, each value JSON
+  where its schema is not a string;
+- `llama3_json` (Llama 3.1 and later): the whole reply one JSON object,
+  `{"name": ..., "parameters": {...}}`.
+
+A template that writes calls another way (gpt-oss's Harmony keeps them in special
+tokens, which the routes' text leaves out) or defines no tools is refused by name when a
+request offers tools. A reply that does not parse as calls to offered tools stays text.
+
+`tool_choice` "required" or a named function is served by starting the reply with the
+format's opening of a call (that function's, when named): the model writes the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, and its arguments' JSON
+    schema (an object)."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+    def for_template(self) -> dict[str, Any]:
+        """The tool as chat templates take it (OpenAI's function shape)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": dict(self.parameters)}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a request offers and how the reply must use them: `choice` "auto" (the
+    model decides), "required" (some call) or "named" (a call to `name`)."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A reply read in a tool format: its text outside the calls (stripped; None when
+    empty) and its calls, in order."""
+
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+
+class ToolFormat:
+    """How one family's template writes a call: the text that forces one, where a call
+    may begin in a reply being streamed, and the reply read back."""
+
+    name = ""
+    opener = ""
+
+    def forced(self, use: ToolUse) -> str:
+        """The start of the reply that `use.choice` requires ("" for auto)."""
+        raise NotImplementedError
+
+    def call_start(self, text: str) -> int | None:
+        """Where in `text` (a reply so far) a call may begin: a stream holds back the
+        text from there until the reply is whole. None: no call can begin in it."""
+        at = text.find(self.opener)
+        if at >= 0:
+            return at
+        for k in range(len(self.opener) - 1, 0, -1):
+            if text.endswith(self.opener[:k]):
+                return len(text) - k
+        return None
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
+        """`text`'s calls, or None where it holds none or any that is not a well-formed
+        call to one of `tools`."""
+        raise NotImplementedError
+
+
+def _outside(text: str, spans: Sequence[tuple[int, int]]) -> str | None:
+    parts, at = [], 0
+    for start, end in spans:
+        parts.append(text[at:start])
+        at = end
+    parts.append(text[at:])
+    return "".join(parts).strip() or None
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    opener = "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+    def forced(self, use: ToolUse) -> str:
+        if use.choice == "named":
+            return f'<tool_call>\n{{"name": {json.dumps(use.name)}, "arguments": '
+        return "<tool_call>\n" if use.choice == "required" else ""
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
+        names = {tool.name for tool in tools}
+        calls, spans = [], []
+        for match in self._BLOCK.finditer(text):
+            try:
+                call = json.loads(match.group(1))
+            except ValueError:
+                return None
+            if not isinstance(call, dict) or call.get("name") not in names:
+                return None
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):   # some models write the arguments as a string
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    return None
+            if not isinstance(arguments, dict):
+                return None
+            calls.append(ToolCall(call["name"], arguments))
+            spans.append(match.span())
+        return Parsed(_outside(text, spans), tuple(calls)) if calls else None
+
+
+class QwenXml(ToolFormat):
+    name = "qwen_xml"
+    opener = "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*"
+                        r"(?:</tool_call>|\Z)", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def forced(self, use: ToolUse) -> str:
+        if use.choice == "named":
+            return f"<tool_call>\n<function={use.name}>\n"
+        return "<tool_call>\n<function=" if use.choice == "required" else ""
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
+        by_name = {tool.name: tool for tool in tools}
+        calls, spans, at = [], [], 0
+        for match in self._BLOCK.finditer(text):
+            tool = by_name.get(match.group(1).strip())
+            if tool is None or text[at:match.start()].count(self.opener):
+                return None          # an unknown function, or a block that did not parse
+            properties = tool.parameters.get("properties") or {}
+            arguments = {}
+            for name, value in self._PARAM.findall(match.group(2)):
+                kind = (properties.get(name) or {}).get("type")
+                arguments[name] = value if kind == "string" else _json_or_text(value)
+            calls.append(ToolCall(tool.name, arguments))
+            spans.append(match.span())
+            at = match.end()
+        if not calls or text[at:].count(self.opener):
+            return None
+        return Parsed(_outside(text, spans), tuple(calls))
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+class Llama3Json(ToolFormat):
+    name = "llama3_json"
+    opener = "{"
+
+    def forced(self, use: ToolUse) -> str:
+        if use.choice == "named":
+            return f'{{"name": {json.dumps(use.name)}, "parameters": '
+        return '{"name": "' if use.choice == "required" else ""
+
+    def call_start(self, text: str) -> int | None:
+        # A call is the whole reply: held from its first character while it may be one.
+        body = text.lstrip()
+        return len(text) - len(body) if not body or body.startswith("{") else None
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
+        try:
+            call = json.loads(text)
+        except ValueError:
+            return None
+        names = {tool.name for tool in tools}
+        if not isinstance(call, dict) or call.get("name") not in names:
+            return None
+        arguments = call.get("parameters", call.get("arguments", {}))
+        if not isinstance(arguments, dict):
+            return None
+        return Parsed(None, (ToolCall(call["name"], arguments),))
+
+
+def format_of(template: str | None) -> ToolFormat | str:
+    """The tool format a chat template writes calls in, or why none is served (the
+    reason, as text)."""
+    if not template or "tools" not in template:
+        return "its chat template defines no tools"
+    if "<function=" in template and "<parameter=" in template:
+        return QwenXml()
+    if "<tool_call>" in template:
+        return Hermes()
+    if "<|channel|>" in template:
+        return ("its chat template writes calls in Harmony's special tokens, which this "
+                "server does not parse")
+    if "<|start_header_id|>" in template and "parameters" in template:
+        return Llama3Json()
+    return "its chat template writes calls in a format this server does not parse"
