@@ -3,7 +3,9 @@ a `tml-` key made by the CLI; the stock `tinker` SDK, unpatched, talks to it."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -122,23 +124,66 @@ ANSWER = "It is sunny in Paris, 21 C."
 RESULT = "sunny, 21 C"
 
 
-def tool_caller(proc, tenant: str = "alice") -> str:
-    """A sampler checkpoint of `tenant`'s on `proc`, trained by the stock SDK until it
-    answers `ASK` (with `WEATHER` offered) with `CALL`, and the call's `RESULT` with
-    `ANSWER`: the tiny model as an agent. The conversations are rendered by the tiny
-    model's own chat template, as the routes render them. About 120 steps at lr 2e-3
-    take the loss from ~440 to below 1 nat a conversation (measured)."""
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\nnamespace functions {\n"
+    "{%- for tool in tools %}\n// {{ tool.function.description }}\n"
+    "type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;"
+    "{%- endfor %}\n} // namespace functions<|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined %}"
+    "{%- for call in message.tool_calls %}<|start|>assistant<|channel|>commentary "
+    "to=functions.{{ call.function.name }} <|constrain|>json<|message|>"
+    "{{ call.function.arguments | tojson }}<|call|>{%- endfor %}"
+    "{%- elif message.role == 'assistant' %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- elif message.role == 'tool' %}<|start|>functions."
+    "{{ messages[loop.index0 - 1].tool_calls[0].function.name }} to=assistant"
+    "<|channel|>commentary<|message|>{{ message.content }}<|end|>"
+    "{%- else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+"""gpt-oss's Harmony format in a short template of our own: tools as a TypeScript
+namespace, a call as a message to `functions.NAME`, the answer on the `final` channel."""
+HARMONY_CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                '<|message|>{"city": "Paris"}<|call|>')
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>The tool says sunny.<|end|><|start|>"
+                  f"assistant<|channel|>final<|message|>{ANSWER}<|return|>")
+
+
+def harmony_model(root: Path, tiny_cache: Path) -> Path:
+    """The tiny model under Harmony's chat template (its tokenizer has gpt-oss's special
+    tokens): a directory to serve as a Harmony model."""
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    out = root / "harmony"
+    shutil.copytree(build_tiny_model(tiny_cache), out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = HARMONY_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def tool_caller(proc, tenant: str = "alice", base: str = "tiny",
+                tokenizer_dir: Path | None = None,
+                replies: tuple[str, str] = (CALL, ANSWER)) -> str:
+    """A sampler checkpoint of `tenant`'s on `proc`, trained on `base` by the stock SDK
+    until it answers `ASK` (with `WEATHER` offered) with `replies[0]` (a call), and the
+    call's `RESULT` with `replies[1]`: a model as an agent. The conversations are rendered
+    by the base's own chat template (`tokenizer_dir`'s; the tiny model's by default), as
+    the routes render them. About 120 steps at lr 2e-3 take the loss from ~440 to below
+    1 nat a conversation (measured on tiny)."""
     from transformers import AutoTokenizer
 
     from twinkle_server.engine.tiny_model import build_tiny_model
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or build_tiny_model())
     called = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     answered = {"role": "tool", "tool_call_id": "call_1", "content": RESULT}
     data = []
-    for messages, reply in ((ASK, CALL), ([*ASK, called, answered], ANSWER)):
+    for messages, reply in zip((ASK, [*ASK, called, answered]), replies, strict=True):
         prompt = tokenizer.encode(tokenizer.apply_chat_template(
             messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True),
             add_special_tokens=False)
@@ -151,7 +196,7 @@ def tool_caller(proc, tenant: str = "alice") -> str:
                                                 + [1.0] * len(completion), np.float32)}))
     service = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
                                    api_key=proc.keys[tenant])
-    training = service.create_lora_training_client(base_model="tiny", rank=32,
+    training = service.create_lora_training_client(base_model=base, rank=32,
                                                    seed=1).result()
     for _ in range(120):
         training.forward_backward(data, "cross_entropy").result()

@@ -175,3 +175,6 @@ def test_errors_come_in_anthropics_shape_and_name_the_field(server, client, agen
     other = httpx.get(f"http://{server.http_address}/anthropic/api/v1/models",
                       headers=headers, timeout=30)
     assert other.status_code == 404 and other.json()["error"]["type"] == "not_found_error"
+    # Nothing was held: the next good request is served.
+    assert client.messages.create(model="tiny", messages=HELLO,
+                                  max_tokens=2).usage.output_tokens >= 1

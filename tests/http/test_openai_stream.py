@@ -68,3 +68,36 @@ def test_a_stop_string_is_held_back_until_it_cannot_match_and_never_streamed(cli
     assert whole.finish_reason == "stop" and stop not in whole.text
     assert "".join(texts.get(0, [])) == whole.text and finish == {0: "stop"}
     assert all(stop not in text for text in texts.get(0, []))
+
+
+def test_a_stream_with_logprobs_carries_each_chunks_tokens_and_their_logprobs(client):
+    asked = dict(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0.0, logprobs=2)
+    whole = client.completions.create(**asked).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**asked, stream=True)
+              if c.choices]
+    carried = [c for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert len(carried) > 1                  # token by token, not one chunk at the end
+    for chunk in chunks:                     # each chunk's text is its tokens' text
+        pieces = "".join(chunk.logprobs.tokens if chunk.logprobs else [])
+        # (a token alone that is part of a character's bytes reads as U+FFFD)
+        assert pieces == chunk.text or "\ufffd" in pieces
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    tops = [d for c in chunks if c.logprobs for d in c.logprobs.top_logprobs]
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    # The same request alone twice: same shapes, same kernels, the same numbers.
+    assert values == whole.logprobs.token_logprobs and tops == whole.logprobs.top_logprobs
+
+
+def test_a_chat_stream_with_logprobs_joins_to_the_whole_replys_logprobs(client):
+    asked = dict(model="tiny", messages=[{"role": "user", "content": "Say hi."}],
+                 max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**asked).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**asked, stream=True)
+              if c.choices]
+    content = [t for c in chunks if c.logprobs for t in c.logprobs.content or ()]
+    assert sum(1 for c in chunks if c.logprobs and c.logprobs.content) > 1
+    assert [t.token for t in content] == [t.token for t in whole.logprobs.content]
+    assert [t.logprob for t in content] == [t.logprob for t in whole.logprobs.content]
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content

@@ -6,6 +6,7 @@ into `tool_calls`, whole and streamed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -13,14 +14,33 @@ import pytest
 
 from twinkle_server.http.oai_request import MAX_TOOLS
 
-from .conftest import ANSWER, ASK, RESULT, WEATHER, keyed_server, tool_caller
+from .conftest import (
+    ANSWER,
+    ASK,
+    HARMONY_ANSWER,
+    HARMONY_CALL,
+    RESULT,
+    WEATHER,
+    harmony_model,
+    keyed_server,
+    tool_caller,
+)
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_cache):
-    proc = keyed_server(tmp_path_factory.mktemp("oai-tools"), "--decode-slice-ms", "1")
+def harmony_dir(tmp_path_factory, tiny_cache) -> Path:
+    return harmony_model(tmp_path_factory.mktemp("models"), tiny_cache)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, harmony_dir):
+    models = harmony_dir.parent / "models.toml"
+    models.write_text(f'[[models]]\nname = "tiny"\npath = "tiny"\n\n'
+                      f'[[models]]\nname = "harmony"\npath = "{harmony_dir}"\n')
+    proc = keyed_server(tmp_path_factory.mktemp("oai-tools"), "--decode-slice-ms", "1",
+                        "--models", str(models))
     yield proc
     proc.stop()
 
@@ -66,6 +86,25 @@ def test_a_streamed_tool_call_arrives_as_tool_call_deltas_equal_to_the_whole(cli
     assert (call.index, call.function.name) == (0, whole.function.name)
     assert json.loads(call.function.arguments) == json.loads(whole.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_harmony_model_calls_on_its_commentary_channel_and_answers_on_final(
+        server, client, harmony_dir):
+    agent = tool_caller(server, base="harmony", tokenizer_dir=harmony_dir,
+                        replies=(HARMONY_CALL, HARMONY_ANSWER))
+    first = client.chat.completions.create(model=agent, messages=ASK, tools=[WEATHER],
+                                           temperature=0.0, max_tokens=48).choices[0]
+    assert first.finish_reason == "tool_calls"
+    call, = first.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == \
+        ("get_weather", {"city": "Paris"})
+    final = client.chat.completions.create(
+        model=agent, tools=[WEATHER], temperature=0.0, max_tokens=48,
+        messages=[*ASK, first.message,
+                  {"role": "tool", "tool_call_id": call.id, "content": RESULT}])
+    # The analysis channel (its reasoning) is not shown; the final channel is.
+    assert final.choices[0].message.content == ANSWER
+    assert final.choices[0].finish_reason == "stop"
 
 
 def test_tool_choice_none_answers_text_and_a_named_choice_starts_that_call(client, agent):
@@ -131,3 +170,7 @@ def test_tools_a_request_cannot_offer_are_refused_by_name(server):
     reply = httpx.post(url, json={"model": "tiny", "messages": ASK, "tools": huge},
                        headers=headers, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+    # Nothing was held: the next good request is served.
+    reply = httpx.post(url, json={"model": "tiny", "messages": ASK, "tools": [WEATHER],
+                                  "max_tokens": 2}, headers=headers, timeout=30)
+    assert reply.status_code == 200, reply.text

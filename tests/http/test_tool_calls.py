@@ -7,6 +7,7 @@ import pytest
 
 from twinkle_server.engine.tiny_model import CHAT_TEMPLATE
 from twinkle_server.http.tool_calls import (
+    Harmony,
     Hermes,
     Llama3Json,
     QwenXml,
@@ -28,7 +29,7 @@ def test_each_familys_template_is_read_as_its_format_and_others_are_refused_by_r
     assert isinstance(format_of(qwen35), QwenXml)
     llama = "<|start_header_id|>{% if tools %}\"parameters\": dictionary{% endif %}"
     assert isinstance(format_of(llama), Llama3Json)
-    assert "Harmony" in format_of("{% if tools %}<|channel|>commentary{% endif %}")
+    assert isinstance(format_of("{% if tools %}<|channel|>x<|message|>{% endif %}"), Harmony)
     assert "defines no tools" in format_of("{{ messages }}")
     assert "defines no tools" in format_of(None)
 
@@ -95,3 +96,24 @@ def test_a_required_or_named_choice_forces_the_opening_of_a_call():
     forced = Hermes().forced(named) + '{"city": "Paris"}}\n</tool_call>'
     assert Hermes().parse(forced, TOOLS).calls == (ToolCall("get_weather",
                                                             {"city": "Paris"}),)
+
+
+def test_a_harmony_reply_shows_its_final_channel_and_calls_from_messages_to_functions():
+    reply = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+             "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+             '{"city": "Oslo"}<|call|>')
+    parsed = Harmony().parse(reply, TOOLS)
+    assert parsed.calls == (ToolCall("get_weather", {"city": "Oslo"}),)
+    assert parsed.content is None              # the analysis channel is not shown
+    # The recipient may come before the channel too, as gpt-oss writes it.
+    before = ' to=functions.get_weather<|channel|>commentary <|constrain|>json' \
+             '<|message|>{"days": 2}<|call|>'
+    assert Harmony().parse(before, TOOLS).calls == (ToolCall("get_weather", {"days": 2}),)
+    answer = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final" \
+             "<|message|>Sunny.<|return|>"
+    assert Harmony().parse(answer, TOOLS) is None and Harmony().text(answer) == "Sunny."
+    assert Harmony().text("no channels at all") is None
+    bad = "<|channel|>commentary to=functions.get_weather<|message|>{oops<|call|>"
+    assert Harmony().parse(bad, TOOLS) is None
+    assert Harmony().forced(ToolUse(TOOLS, "named", "get_weather")) == \
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"

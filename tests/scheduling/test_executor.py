@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from twinkle_server.engine.errors import Cancelled
-from twinkle_server.engine.types import Progress
+from twinkle_server.engine.types import Progress, SampledSequence
 from twinkle_server.scheduling.executor import SAMPLE, EngineExecutor
 from twinkle_server.scheduling.scheduler import Op, Scheduler
 
@@ -215,7 +215,7 @@ def test_a_samples_progress_reaches_its_listener_before_its_answer_and_a_bad_one
         """Two slices of progress for every op in the pool, then their answers."""
         joined.extend(keys)
         if len(engine.calls) <= 2:
-            return [(key, Progress([np.array([len(engine.calls)])], [None])) for key in joined]
+            return [(key, Progress([SampledSequence(np.array([len(engine.calls)]), np.zeros(1), None)])) for key in joined]
         return [(key, "answer") for key in joined]
 
     heard: list = []
@@ -231,6 +231,6 @@ def test_a_samples_progress_reaches_its_listener_before_its_answer_and_a_bad_one
         sched.start()
         assert listened.result(WAIT_SECONDS) == "answer"
         assert ignored.result(WAIT_SECONDS) == "answer"
-        assert [p.tokens[0].tolist() for p in heard] == [[1], [2]]
+        assert [p.rows[0].tokens.tolist() for p in heard] == [[1], [2]]
     finally:
         sched.stop(drain=False, timeout=WAIT_SECONDS)

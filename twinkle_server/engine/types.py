@@ -165,13 +165,12 @@ class Generation:
 @dataclass(frozen=True)
 class Progress:
     """A streamed sample request's rows so far (`SampleRequest.stream`), reported by a
-    decode slice that ends with the request still decoding: one int32 array of tokens a
-    row in its samples' order, and for a row that already stopped on a stop string where
-    that string begins in its text (`SampledSequence.stop_text_at`). Its answer, a
-    `Generation`, still comes when every row stops."""
+    decode slice that ends with the request still decoding: each row's sequence drawn so
+    far, in its samples' order (its logprobs and top-k as the answer will hold them; a
+    row still decoding has `stop_reason` None). Its answer, a `Generation`, still comes
+    when every row stops."""
 
-    tokens: list[np.ndarray]
-    stop_text_at: list[int | None]
+    rows: list[SampledSequence]
 
 
 @dataclass(frozen=True)

@@ -155,11 +155,11 @@ class Message:
                 **self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": self._usage(0)}})
             blocks = 0
-            async for _, text in self.decoded.deltas(work):
+            async for delta in self.decoded.deltas(work):
                 if blocks == 0:
                     yield _event(*_block_start(0, {"type": "text", "text": ""}))
                     blocks = 1
-                yield _event(*_text_delta(0, text))
+                yield _event(*_text_delta(0, delta.text))
             try:
                 seq = work.result()[0].sequences[0]
             except Exception as exc:

@@ -14,8 +14,10 @@ a dropped connection) ends its request, freeing its rows.
 Logprobs are those of the sampled tokens under the model's own distribution (Tinker's
 sampler logprobs, untempered). A stream carries each choice's text as it is decoded, a
 chunk a decode slice, then its finish reason, the usage when asked, and `data: [DONE]`.
-Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`. The answers'
-shapes and the error body live in `oai_reply`.
+A chat request's `tools` are rendered by the model's own chat template and its calls read
+back into `tool_calls` in that template's format (`tool_calls`). Errors have OpenAI's
+shape, `{"error": {"message", "type", "param", "code"}}`. The answers' shapes and the
+error body live in `oai_reply`; the text as it decodes, in `decoded`.
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], model: str,
 
 
 def tool_format(served: Served, tools: ToolUse | None, field: str) -> ToolFormat | None:
-    """How `served`'s model writes calls, where a request offers `tools` (named by
-    `field`); a model whose template writes none this server reads is refused."""
-    if tools is None:
-        return None
+    """How `served`'s model writes its replies: where a request offers `tools` (named by
+    `field`), its calls (a model whose template writes none this server reads is
+    refused); with or without tools, a Harmony model's channels (`tool_calls.Harmony`).
+    None: plain text."""
     found = format_of(getattr(served.engine.base.tokenizer, "chat_template", None))
+    if tools is None:
+        return found if isinstance(found, ToolFormat) and found.special_tokens else None
     if isinstance(found, str):
         raise OaiError(field, f"model {served.name!r} takes no tools here: {found}")
     return found

@@ -51,11 +51,13 @@ class Reply:
                  prompts: Sequence[np.ndarray], tool_format: ToolFormat | None = None,
                  forced: str = "") -> None:
         self.route, self.asked, self.prompts = route, asked, prompts
-        # Token by token: a stream whose chunks carry text only (logprobs and echo come
-        # whole, in one chunk a choice, once it is decoded).
-        incremental = asked.stream and asked.top_logprobs is None and not asked.echo
+        # Token by token, each chunk with its tokens' logprobs when asked; an echo, and
+        # logprobs beside tools, come whole (one chunk a choice, once it is decoded).
+        incremental = asked.stream and not asked.echo and not (
+            asked.tools and asked.top_logprobs is not None)
         self.decoded = Decoded(served, asked.stop, asked.n, incremental, asked.tools,
-                               tool_format, forced)
+                               tool_format, forced,
+                               token_aligned=incremental and asked.top_logprobs is not None)
         self.base = served.engine.base
         self.tokenizer = served.engine.base.tokenizer
         self.id = ("chatcmpl-" if route == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -112,13 +114,15 @@ class Reply:
         return {"content": content}
 
     def _completion_logprobs(self, seq: SampledSequence, prompt: int,
-                             result: SampleResult) -> dict[str, Any] | None:
+                             result: SampleResult | None) -> dict[str, Any] | None:
+        """Completions' logprobs of `seq` (after `result`'s prompt's, with echo)."""
         if self.asked.top_logprobs is None:
             return None
         tokens: list[int] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
-        if self.asked.echo and (scored := result.prompt_logprobs) is not None:
+        if self.asked.echo and result is not None \
+                and (scored := result.prompt_logprobs) is not None:
             ids = self.prompts[prompt].tolist()
             tokens += ids
             values += [None] + [float(v) for v in scored.logprobs[1:]]
@@ -165,8 +169,9 @@ class Reply:
 
     async def stream(self, work: asyncio.Future) -> AsyncIterator[str]:
         """Server-sent events: for chat, each choice's role first; each choice's text as
-        it is decoded (a chunk a decode slice; whole, once decoded, when logprobs or echo
-        are asked), then its tool calls and finish reason; the usage when asked;
+        it is decoded (a chunk a decode slice, with its tokens' logprobs when asked; whole,
+        once decoded, with echo or with logprobs beside tools), then its tool calls and
+        finish reason; the usage when asked;
         `[DONE]`. A client gone away cancels this, and with it the request's samples."""
         chunk = {"id": self.id, "object": f"{self.object}.chunk" if self.route == "chat"
                  else self.object, "created": self.created, "model": self.asked.model}
@@ -177,16 +182,21 @@ class Reply:
                     yield _event({**chunk, "choices": [{
                         "index": index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]})
-            async for index, text in self.decoded.deltas(work):
-                yield _event({**chunk, "choices": [self._text_delta(index, text)]})
+            async for delta in self.decoded.deltas(work):
+                event = self._text_delta(delta.index, delta.text)
+                if self.asked.top_logprobs is not None:
+                    event["logprobs"] = self._logprobs_of(delta.row, delta.first,
+                                                          delta.last)
+                yield _event({**chunk, "choices": [event]})
             try:
                 results = work.result()
             except Exception as exc:
                 yield _event(json.loads(error_response(exc).body))
                 yield "data: [DONE]\n\n"
                 return
-            for choice in self._choices(results):
-                for event in self._last_of(choice):
+            seqs = [seq for result in results for seq in result.sequences]
+            for choice, seq in zip(self._choices(results), seqs, strict=True):
+                for event in self._last_of(choice, seq):
                     yield _event({**chunk, "choices": [event]})
             if self.asked.include_usage:
                 yield _event({**chunk, "choices": [], "usage": self._usage(results)})
@@ -201,17 +211,32 @@ class Reply:
                     "logprobs": None, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
-    def _last_of(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
+    def _logprobs_of(self, seq: SampledSequence, first: int, last: int
+                     ) -> dict[str, Any] | None:
+        """The logprobs of `seq.tokens[first:last]` as a chunk carries them (completions'
+        offsets counted from the choice's start)."""
+        if self.route == "chat":
+            whole = self._chat_logprobs(seq)
+            return whole and {"content": whole["content"][first:last]}
+        whole = self._completion_logprobs(seq, 0, None)
+        return whole and {key: values[first:last] for key, values in whole.items()}
+
+    def _last_of(self, choice: dict[str, Any], seq: SampledSequence
+                 ) -> list[dict[str, Any]]:
         """A finished choice's last events: what its stream has not carried yet, with its
         logprobs, then its tool calls, then its finish reason."""
         index, finish = choice["index"], choice.pop("finish_reason")
+        logprobs = choice["logprobs"]
+        if self.decoded.token_aligned:
+            logprobs = self._logprobs_of(seq, self.decoded.sent_tokens(index),
+                                         seq.tokens.size)
         if self.route != "chat":
             return [{**choice, "text": self.decoded.rest(index, choice["text"]),
-                     "finish_reason": finish}]
+                     "logprobs": logprobs, "finish_reason": finish}]
         message = choice["message"]
         events = [{"index": index,
                    "delta": {"content": self.decoded.rest(index, message["content"])},
-                   "logprobs": choice["logprobs"], "finish_reason": None}]
+                   "logprobs": logprobs, "finish_reason": None}]
         if calls := message.get("tool_calls"):
             events.append({"index": index, "delta": {"tool_calls": [
                 {"index": j, **call} for j, call in enumerate(calls)]},

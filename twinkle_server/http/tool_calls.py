@@ -11,10 +11,14 @@ call is read back from the reply's text in that template's format:
   `<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`, each value JSON
   where its schema is not a string;
 - `llama3_json` (Llama 3.1 and later): the whole reply one JSON object,
-  `{"name": ..., "parameters": {...}}`.
+  `{"name": ..., "parameters": {...}}`;
+- `harmony` (gpt-oss): the reply is messages on channels, read with their special
+  tokens: a call is a message to `functions.NAME` (`<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`), the text shown is the
+  `final` channel's (the `analysis` channel is the model's reasoning, not shown). A
+  Harmony model's replies are read so with or without tools.
 
-A template that writes calls another way (gpt-oss's Harmony keeps them in special
-tokens, which the routes' text leaves out) or defines no tools is refused by name when a
+A template that writes calls another way or defines no tools is refused by name when a
 request offers tools. A reply that does not parse as calls to offered tools stays text.
 
 `tool_choice` "required" or a named function is served by starting the reply with the
@@ -78,6 +82,13 @@ class ToolFormat:
 
     name = ""
     opener = ""
+    special_tokens = False
+    """True: replies are read with their special tokens, and shown as `text` says."""
+
+    def text(self, raw: str) -> str | None:
+        """What a reply read with its special tokens shows as text (None: the reply as
+        decoded without them)."""
+        return None
 
     def forced(self, use: ToolUse) -> str:
         """The start of the reply that `use.choice` requires ("" for auto)."""
@@ -209,18 +220,63 @@ class Llama3Json(ToolFormat):
         return Parsed(None, (ToolCall(call["name"], arguments),))
 
 
+class Harmony(ToolFormat):
+    name = "harmony"
+    special_tokens = True
+    _MESSAGE = re.compile(r"(.*?)<\|message\|>(.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|\Z)",
+                          re.DOTALL)
+    _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+    def forced(self, use: ToolUse) -> str:
+        if use.choice == "named":
+            return (f"<|channel|>commentary to=functions.{use.name} <|constrain|>json"
+                    "<|message|>")
+        return "<|channel|>commentary to=functions." if use.choice == "required" else ""
+
+    def call_start(self, text: str) -> int | None:
+        return 0      # a reply's channels are known once it is whole
+
+    def _messages(self, raw: str) -> list[tuple[str, str]]:
+        """(header, body) of each message of a reply (the generation prompt opened the
+        first: `<|start|>assistant`)."""
+        return [self._MESSAGE.match(part).groups()    # type: ignore[union-attr]
+                for part in raw.split("<|start|>") if "<|message|>" in part]
+
+    def text(self, raw: str) -> str | None:
+        finals = [body for header, body in self._messages(raw)
+                  if "<|channel|>final" in header]
+        return "".join(finals) if finals else None
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
+        names = {tool.name for tool in tools}
+        calls, finals = [], []
+        for header, body in self._messages(text):
+            recipient = self._RECIPIENT.search(header)
+            if recipient is None:
+                if "<|channel|>final" in header:
+                    finals.append(body)
+                continue
+            try:
+                arguments = json.loads(body)
+            except ValueError:
+                return None
+            if recipient.group(1) not in names or not isinstance(arguments, dict):
+                return None
+            calls.append(ToolCall(recipient.group(1), arguments))
+        return Parsed("".join(finals).strip() or None, tuple(calls)) if calls else None
+
+
 def format_of(template: str | None) -> ToolFormat | str:
     """The tool format a chat template writes calls in, or why none is served (the
     reason, as text)."""
+    if template and "<|channel|>" in template and "<|message|>" in template:
+        return Harmony()
     if not template or "tools" not in template:
         return "its chat template defines no tools"
     if "<function=" in template and "<parameter=" in template:
         return QwenXml()
     if "<tool_call>" in template:
         return Hermes()
-    if "<|channel|>" in template:
-        return ("its chat template writes calls in Harmony's special tokens, which this "
-                "server does not parse")
     if "<|start_header_id|>" in template and "parameters" in template:
         return Llama3Json()
     return "its chat template writes calls in a format this server does not parse"

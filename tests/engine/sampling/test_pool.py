@@ -378,7 +378,7 @@ def test_a_streamed_request_reports_its_rows_so_far_after_every_slice_until_answ
         for key, result in pool.run(0.0):   # one step a slice
             assert key == 0 or isinstance(result, Generation), "only key 0 is streamed"
             if isinstance(result, Progress):
-                heard.append(result.tokens)
+                heard.append([row.tokens for row in result.rows])
             elif key == 0:
                 final = [seq.tokens for seq in result.sequences]
         if not pool.rows and not pool.waiting:

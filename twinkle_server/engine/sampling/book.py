@@ -157,10 +157,11 @@ class PoolBook:
         return done
 
     def progress(self) -> list[tuple[Any, Progress]]:
-        """Each streamed request still decoding, with its rows' tokens so far."""
+        """Each streamed request still decoding, with its rows drawn so far."""
         return [(request.key, Progress(
-                    [np.asarray(row.tokens, np.int32) for row in request.rows],
-                    [row.stop.text_at if row.stop else None for row in request.rows]))
+                    [token_step.sequence(r.tokens, r.logprobs, r.topk,
+                                         request.sample.topk_logprobs, r.stop)
+                     for r in request.rows]))
                 for request in self._decoding() if request.sample.stream]
 
     def stats(self) -> PoolStats:
