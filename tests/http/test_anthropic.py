@@ -175,6 +175,10 @@ def test_errors_come_in_anthropics_shape_and_name_the_field(server, client, agen
     other = httpx.get(f"http://{server.http_address}/anthropic/api/v1/models",
                       headers=headers, timeout=30)
     assert other.status_code == 404 and other.json()["error"]["type"] == "not_found_error"
+    bearer = httpx.post(url, json={"model": "tiny", "messages": HELLO, "max_tokens": 2},
+                        headers={"authorization": f"Bearer {server.keys['alice']}"},
+                        timeout=30)
+    assert bearer.status_code == 200 and bearer.json()["type"] == "message"
     # Nothing was held: the next good request is served.
     assert client.messages.create(model="tiny", messages=HELLO,
                                   max_tokens=2).usage.output_tokens >= 1
