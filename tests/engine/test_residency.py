@@ -132,3 +132,36 @@ def test_past_the_host_budget_paged_adapters_go_to_disk_and_come_back_exactly(
     spilled.remove_adapter("c")
     spilled.remove_adapter("a")
     assert len(list(pages.iterdir())) == 1                   # removed: no page kept
+
+
+def test_a_tenant_cycling_through_many_runs_pages_out_its_own_not_the_others(
+        tiny_cache, datums):
+    """Four slots; alice's two runs sit idle while bob trains six runs in turn: bob's
+    page-ins take bob's slots (he would hold the most), so alice's runs stay resident
+    throughout. Alice's third run would give her three of four: it pages out her own
+    least recently used, not one of bob's two."""
+    engine = _engine(tiny_cache, 4)
+    for name in ("a1", "a2"):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=1), owner="alice")
+    bobs = [f"b{i}" for i in range(6)]
+    for i, name in enumerate(bobs):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=i + 2), owner="bob")
+        assert {"a1", "a2"} <= set(engine.resident)
+    for _ in range(2):
+        for name in bobs:
+            engine.forward_batch([ForwardRequest(name, datums, CE, True)])
+            engine.optim_step(name, AdamParams(learning_rate=1e-2))
+            assert {"a1", "a2"} <= set(engine.resident)
+    engine.add_adapter("a3", LoraSpec(rank=4, alpha=8, seed=9), owner="alice")
+    assert sorted(name[0] for name in engine.resident) == ["a", "a", "b", "b"]
+    assert "a1" not in engine.resident and "a3" in engine.resident
+
+
+def test_with_one_tenant_the_least_recently_used_pages_out(tiny_cache):
+    engine = _engine(tiny_cache, 2)
+    for i, name in enumerate(("x", "y", "z")):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=i + 1), owner="carol")
+    assert list(engine.resident) == ["y", "z"]
+    engine._adapter("y")
+    engine._adapter("x")
+    assert list(engine.resident) == ["y", "x"]

@@ -107,6 +107,28 @@ def test_two_tenants_merged_train_on_two_ranks_as_on_one(servers, tmp_path):
         assert_trained_alike(got, want, LR, STEPS)
 
 
+def test_two_tenants_on_two_ranks_with_one_resident_slot_train_as_with_all_resident(
+        servers, tmp_path, tiny_cache):
+    """`--max-adapters 1` on two ranks: each merged pass of the two models runs in two
+    pieces, each paging its adapter in on every rank at the same op (adapters are
+    replicated), and the runs train as on the two-rank server that keeps both resident.
+    Another pass shape, so the bounds of the one-rank comparison, not bit equality."""
+    flags = ("--max-adapters-per-tenant", "16", "--max-pass-tokens", "32",
+             "--max-seq-len", "32", "--nproc-per-node", "2", "--collective-timeout", "60")
+    paged = start_server(tmp_path / "one-slot", *flags, "--max-adapters", "1")
+    try:
+        got = _train_two_tenants(paged.address, tmp_path)
+    finally:
+        assert paged.stop() == 0, paged.log()[-3000:]
+    want = _train_two_tenants(servers[1].address, tmp_path / "resident")
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=LOSS_RTOL)
+    for a_run, b_run in zip(got["logprobs"], want["logprobs"], strict=True):
+        for a, b in zip(a_run, b_run, strict=True):
+            np.testing.assert_allclose(a, b, atol=LOGPROB_ATOL, rtol=0)
+    for a, b in zip(got["weights"], want["weights"], strict=True):
+        assert_trained_alike(a, b, LR, STEPS)
+
+
 def _native_loop(address: str, tmp_path) -> tuple[list[float], dict]:
     """The native client's loop: CrossEntropyLoss, accumulation 2, 4 micro-batches."""
     with init_twinkle_client(base_url=f"http://{address}", api_key="EMPTY_TOKEN") as client:

@@ -308,10 +308,10 @@ class Engine(Training, Residency):
 
     @replicated
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
-                    gradient_accumulation_steps: int = 1) -> dict[str, Any]:
-        """Create an adapter, resident; past `--max-adapters` resident ones the least
-        recently used pages out (`engine.residency`). Refuses with the numbers when
-        memory runs out.
+                    gradient_accumulation_steps: int = 1, owner: str = "") -> dict[str, Any]:
+        """Create an adapter of tenant `owner`, resident; past `--max-adapters` resident
+        ones another pages out, fairly between tenants (`engine.residency`). Refuses with
+        the numbers when memory runs out.
 
         Memory: the adapter's state (`estimate_adapter_bytes`) plus, on an accelerator
         (`reserve_pass_memory`), the pass headroom (`pass_headroom_bytes`: the largest
@@ -341,12 +341,13 @@ class Engine(Training, Residency):
                 "modules, or a lower --max-pass-tokens")
         if spec.seed is None:
             spec = LoraSpec(**{**asdict(spec), "seed": secrets.randbits(31)})
-        self._make_room({adapter_id})    # the least recently used pages out past the slots
+        self._make_room({adapter_id}, owner)    # another pages out past the slots
         adapter = Adapter(adapter_id, spec, self._new_weights(spec, targets),
                           grad_accum=gradient_accumulation_steps)
         self._attach(adapter)
         self.adapters[adapter_id] = adapter
         self.resident[adapter_id] = None
+        self._owners[adapter_id] = owner
         return self.adapter_info(adapter_id)
 
     def _new_weights(self, spec: LoraSpec, targets: list[str]) -> dict[str, LoraWeights]:

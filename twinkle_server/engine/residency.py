@@ -8,6 +8,12 @@ freed. Its next use (any verb that names it, through `Training._adapter`) pages 
 in before it runs, paging out another. Nothing but where tensors live changes, so a run
 paged out and in between its steps computes exactly what it would have resident.
 
+Which pages out is fair between tenants: the least recently used adapter of the tenant
+that would hold the most slots (counting the adapter coming in), so one tenant cycling
+through many runs pages out its own, not everyone else's; with one tenant (or none
+named) that is plain LRU. A tenant keeps its share (the slots over the tenants resident)
+while it is idle: residency is not taken from a run for being quiet.
+
 Never paged out: an adapter the current pass needs (`_hold`), and one the decode
 pool is sampling from. When every resident adapter is so held, the op that needs another
 is refused (`ResourceExhausted`, naming `--max-adapters`) rather than waiting: the
@@ -22,7 +28,7 @@ import contextlib
 import io
 import shutil
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +70,7 @@ class Residency:
         self.resident: OrderedDict[str, None] = OrderedDict()
         self._on_host: OrderedDict[str, None] = OrderedDict()   # paged out, oldest first
         self._on_disk: dict[str, Path] = {}
+        self._owners: dict[str, str] = {}    # adapter id -> its tenant (fair share)
         self._spill_to = spill
         if spill is not None:    # no page file outlives the process that wrote it
             shutil.rmtree(spill.directory, ignore_errors=True)
@@ -112,7 +119,7 @@ class Residency:
         held = adapter_id in self._held
         self._held.add(adapter_id)        # room is made by paging out (and spilling) others
         try:
-            self._make_room({adapter_id})
+            self._make_room({adapter_id}, self._owners.get(adapter_id, ""))
         finally:
             if not held:
                 self._held.discard(adapter_id)
@@ -126,19 +133,29 @@ class Residency:
         self._page_ins += 1
         self._page_in_seconds += time.perf_counter() - start
 
-    def _make_room(self, keep: set[str]) -> None:
-        """Page out least recently used adapters until one more fits, never one in
+    def _make_room(self, keep: set[str], owner: str) -> None:
+        """Page out adapters until one more of `owner`'s fits (`_victim`), never one in
         `keep`, held, or sampling in the decode pool."""
         limit = self.limits.max_adapters   # type: ignore[attr-defined]
         while len(self.resident) >= limit:
             pinned = keep | self._held | self.sampling._pinned()   # type: ignore[attr-defined]
-            victim = next((a for a in self.resident if a not in pinned), None)
+            victim = self._victim([a for a in self.resident if a not in pinned], owner)
             if victim is None:
                 raise ResourceExhausted(
                     f"adapters: all {limit} resident adapter slots (--max-adapters) hold "
                     "adapters this pass needs or the sampler is decoding from; retry once "
                     "they finish, or serve with a higher --max-adapters")
             self._page_out(victim)
+
+    def _victim(self, candidates: list[str], owner: str) -> str | None:
+        """Of `candidates` (least recently used first), the first whose tenant would hold
+        the most slots once `owner`'s adapter is in."""
+        if not candidates:
+            return None
+        slots = Counter(self._owners.get(a, "") for a in self.resident)
+        slots[owner] += 1
+        most = max(slots[self._owners.get(a, "")] for a in candidates)
+        return next(a for a in candidates if slots[self._owners.get(a, "")] == most)
 
     def _page_out(self, adapter_id: str) -> None:
         adapter = self.adapters[adapter_id]   # type: ignore[attr-defined]
@@ -167,6 +184,7 @@ class Residency:
     def _forget_residency(self, adapter_id: str) -> None:
         """`adapter_id` is gone (removed): it holds no slot, and no page of it is kept."""
         self.resident.pop(adapter_id, None)
+        self._owners.pop(adapter_id, None)
         self._on_host.pop(adapter_id, None)
         path = self._on_disk.pop(adapter_id, None)
         if path is not None:

@@ -198,10 +198,11 @@ class ReplicatedEngine(RankZeroReads):
         raise Unavailable(self.lost)
 
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
-                    gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+                    gradient_accumulation_steps: int = 1, owner: str = "") -> dict[str, Any]:
         if spec.seed is None:
             spec = replace(spec, seed=secrets.randbits(31))
-        return self._all("add_adapter", adapter_id, spec, gradient_accumulation_steps)
+        return self._all("add_adapter", adapter_id, spec, gradient_accumulation_steps,
+                         owner)
 
     def load_state(self, adapter_id: str, path: str | os.PathLike, include_optimizer: bool,
                    adopt_accumulation: bool = False) -> None:

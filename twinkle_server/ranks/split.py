@@ -115,8 +115,8 @@ class SplitEngine(RankZeroReads):
     # ------------------------------------------------------------------ the trainer's
 
     def add_adapter(self, adapter_id: str, spec: LoraSpec,
-                    gradient_accumulation_steps: int = 1) -> dict[str, Any]:
-        return self.trainer.add_adapter(adapter_id, spec, gradient_accumulation_steps)
+                    gradient_accumulation_steps: int = 1, owner: str = "") -> dict[str, Any]:
+        return self.trainer.add_adapter(adapter_id, spec, gradient_accumulation_steps, owner)
 
     def remove_adapter(self, adapter_id: str) -> None:
         """Remove it from the trainer ranks, and its live and inflight weights from the

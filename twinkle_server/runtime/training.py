@@ -121,7 +121,8 @@ class Training:
         engine = served.engine
 
         def create() -> None:
-            engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum)
+            engine.add_adapter(model_id, spec, gradient_accumulation_steps=accum,
+                               owner=tenant)
             if source is not None:
                 try:
                     engine.load_state(model_id, source, include_optimizer=load_optimizer,
