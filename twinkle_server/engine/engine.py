@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import transformers
 
-from twinkle_server.engine import activations, checks, experts, memory, recurrent, roles
+from twinkle_server.engine import activations, checks, experts, heap, memory, recurrent, roles
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
@@ -165,6 +165,7 @@ class Engine(Training, Residency):
                  roles.describe(self.roles, self.peft_refused))
         self.adapters: dict[str, Adapter] = {}
         self._init_residency(spill)
+        self.heap = heap.Trimmer()     # freed pass memory back to the OS (engine.heap)
         if limits.max_pass_tokens == AUTO_PASS_TOKENS:
             limits = replace(limits, max_pass_tokens=memory.auto_pass_tokens(
                 base.config, base.dtype, base.vocab_size, base.device.type,
@@ -423,7 +424,9 @@ class Engine(Training, Residency):
         or the error it alone failed with, and a streamed request still decoding with its
         `Progress`. On several ranks each rank takes a token-balanced share of the new
         requests."""
-        return self.sampling.decode(requests, keys, slice_s, cancelled)
+        done = self.sampling.decode(requests, keys, slice_s, cancelled)
+        self.heap.after_pass()
+        return done
 
     @rank_zero_only
     def decode_stats(self) -> PoolStats:
@@ -434,7 +437,9 @@ class Engine(Training, Residency):
     def sample_batch(self, requests: Sequence[SampleRequest]
                      ) -> list[list[SampledSequence] | EngineError]:
         """Sample every request in one static batch; failures are per-request values."""
-        return self.sampling.sample_batch(requests)
+        sampled = self.sampling.sample_batch(requests)
+        self.heap.after_pass()
+        return sampled
 
     @replicated
     def compute_logprobs(self, adapter_id: str | None, weights_path: str | None,

@@ -119,6 +119,7 @@ class Training:
                     f"--max-pass-tokens (now {cap or 'none'})", exc)] * len(run)
             for i, output in zip(chunk, outputs, strict=True):
                 results[i] = output
+        self.heap.after_pass()   # type: ignore[attr-defined]
         return results  # type: ignore[return-value]
 
     def _out_of_memory(self, what: str, remedy: str, exc: BaseException
