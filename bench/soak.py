@@ -9,6 +9,10 @@ model's weights are compared with a sequential reference: the same seed and data
 alone on the same server afterwards. The run fails (exit 1) on any error or any mismatch;
 it prints op latency p50/p99 and aggregate training tokens/s. Bounded: a fixed number of
 steps, and a deadline after which it stops waiting and reports the failure.
+
+`--max-adapters 4` with `--clients 64` is more live runs than resident slots (issue 46):
+every run pages out and in between its ops, and must still equal its reference; add
+`--adapter-host-memory-gib 0.001` to page them to disk.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sample-every", type=int, default=5)
+    parser.add_argument("--max-adapters", type=int, default=None,
+                        help="resident adapter slots (default: one for every model the run "
+                             "makes); fewer pages the idle ones out (engine.residency)")
+    parser.add_argument("--adapter-host-memory-gib", type=float, default=None,
+                        help="host memory for paged-out adapters; past it they go to disk")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="twinkle-soak-") as tmp:
@@ -88,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, text=True, check=True)
             keys.append(out.stdout.strip().splitlines()[-1])
         per_tenant = -(-args.clients // args.tenants)
-        server = start_server(data_dir, "--max-adapters", str(2 * args.clients + 8),
-                              "--max-adapters-per-tenant", str(2 * per_tenant + 2))
+        slots = args.max_adapters or 2 * args.clients + 8
+        spill = () if args.adapter_host_memory_gib is None else (
+            "--adapter-host-memory-gib", str(args.adapter_host_memory_gib))
+        server = start_server(data_dir, "--max-adapters", str(slots),
+                              "--max-adapters-per-tenant", str(2 * per_tenant + 2), *spill)
         base_url = f"http://{server.address}"
         latencies: list[float] = []
         results: dict[int, tuple] = {}
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     lat = np.sort(np.asarray(latencies)) * 1000 if latencies else np.zeros(1)
     print(f"{args.clients} clients on {args.tenants} tenants, {args.steps} pipelined steps "
           f"each (forward_backward + optim_step, {DATUMS_PER_STEP} x {SEQ_TOKENS} tokens), "
-          f"sampling every {args.sample_every} steps")
+          f"sampling every {args.sample_every} steps, {slots} resident adapter slots")
     print("| errors | weights != sequential reference | ops | op latency p50 | p99 | "
           "training tokens/s | wall |")
     print("|---|---|---|---|---|---|---|")
