@@ -80,7 +80,6 @@ class ToolFormat:
     """How one family's template writes a call: the text that forces one, where a call
     may begin in a reply being streamed, and the reply read back."""
 
-    name = ""
     opener = ""
     special_tokens = False
     """True: replies are read with their special tokens, and shown as `text` says."""
@@ -121,7 +120,6 @@ def _outside(text: str, spans: Sequence[tuple[int, int]]) -> str | None:
 
 
 class Hermes(ToolFormat):
-    name = "hermes"
     opener = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -154,7 +152,6 @@ class Hermes(ToolFormat):
 
 
 class QwenXml(ToolFormat):
-    name = "qwen_xml"
     opener = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*"
                         r"(?:</tool_call>|\Z)", re.DOTALL)
@@ -193,7 +190,6 @@ def _json_or_text(value: str) -> Any:
 
 
 class Llama3Json(ToolFormat):
-    name = "llama3_json"
     opener = "{"
 
     def forced(self, use: ToolUse) -> str:
@@ -221,7 +217,6 @@ class Llama3Json(ToolFormat):
 
 
 class Harmony(ToolFormat):
-    name = "harmony"
     special_tokens = True
     _MESSAGE = re.compile(r"(.*?)<\|message\|>(.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|\Z)",
                           re.DOTALL)
