@@ -198,7 +198,12 @@ def tool_caller(proc, tenant: str = "alice", base: str = "tiny",
                                    api_key=proc.keys[tenant])
     training = service.create_lora_training_client(base_model=base, rank=32,
                                                    seed=1).result()
-    for _ in range(120):
-        training.forward_backward(data, "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+    # Pipelined: the server runs a model's ops in submission order, and no round trip
+    # waits between them.
+    steps = [(training.forward_backward(data, "cross_entropy"),
+              training.optim_step(types.AdamParams(learning_rate=2e-3)))
+             for _ in range(120)]
+    for step in steps:
+        for future in step:
+            future.result()
     return training.save_weights_for_sampler("agent").result().path
