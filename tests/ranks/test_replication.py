@@ -39,6 +39,8 @@ pytestmark = pytest.mark.integration
 
 LR = 1e-3
 STEPS = 3
+FLAGS = ("--max-adapters-per-tenant", "16", "--max-pass-tokens", "32", "--max-seq-len", "32")
+TWO_RANKS = ("--nproc-per-node", "2", "--collective-timeout", "60")
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +48,8 @@ def servers(tmp_path_factory, tiny_cache):
     """One server on one rank and one on two, same flags otherwise. Passes run in pieces
     of at most 32 tokens, so a merged pass runs in several pieces on each rank (and the
     native loop's in one piece a rank on two ranks, several on one)."""
-    flags = ("--max-adapters-per-tenant", "16", "--max-pass-tokens", "32",
-             "--max-seq-len", "32")
-    one = start_server(tmp_path_factory.mktemp("one-rank"), *flags)
-    two = start_server(tmp_path_factory.mktemp("two-ranks"), *flags,
-                       "--nproc-per-node", "2", "--collective-timeout", "60")
+    one = start_server(tmp_path_factory.mktemp("one-rank"), *FLAGS)
+    two = start_server(tmp_path_factory.mktemp("two-ranks"), *FLAGS, *TWO_RANKS)
     yield one, two
     assert two.stop() == 0, two.log()[-3000:]
     one.stop()
@@ -97,14 +96,20 @@ def _train_two_tenants(address: str, tmp_path) -> dict:
         service.close()
 
 
+def _assert_trained_alike(got: dict, want: dict) -> None:
+    """Two `_train_two_tenants` runs through passes of other shapes: losses, logprobs and
+    trained weights within `tests/numerics.py`'s bounds."""
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=LOSS_RTOL)
+    for got_run, want_run in zip(got["logprobs"], want["logprobs"], strict=True):
+        for a, b in zip(got_run, want_run, strict=True):
+            np.testing.assert_allclose(a, b, atol=LOGPROB_ATOL, rtol=0)
+    for a, b in zip(got["weights"], want["weights"], strict=True):
+        assert_trained_alike(a, b, LR, STEPS)
+
+
 def test_two_tenants_merged_train_on_two_ranks_as_on_one(servers, tmp_path):
     one, two = (_train_two_tenants(s.address, tmp_path) for s in servers)
-    np.testing.assert_allclose(two["losses"], one["losses"], rtol=LOSS_RTOL)
-    for got, want in zip(two["logprobs"], one["logprobs"], strict=True):
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_allclose(a, b, atol=LOGPROB_ATOL, rtol=0)
-    for got, want in zip(two["weights"], one["weights"], strict=True):
-        assert_trained_alike(got, want, LR, STEPS)
+    _assert_trained_alike(two, one)
 
 
 def test_two_tenants_on_two_ranks_with_one_resident_slot_train_as_with_all_resident(
@@ -113,20 +118,13 @@ def test_two_tenants_on_two_ranks_with_one_resident_slot_train_as_with_all_resid
     pieces, each paging its adapter in on every rank at the same op (adapters are
     replicated), and the runs train as on the two-rank server that keeps both resident.
     Another pass shape, so the bounds of the one-rank comparison, not bit equality."""
-    flags = ("--max-adapters-per-tenant", "16", "--max-pass-tokens", "32",
-             "--max-seq-len", "32", "--nproc-per-node", "2", "--collective-timeout", "60")
-    paged = start_server(tmp_path / "one-slot", *flags, "--max-adapters", "1")
+    paged = start_server(tmp_path / "one-slot", *FLAGS, *TWO_RANKS, "--max-adapters", "1")
     try:
         got = _train_two_tenants(paged.address, tmp_path)
     finally:
         assert paged.stop() == 0, paged.log()[-3000:]
-    want = _train_two_tenants(servers[1].address, tmp_path / "resident")
-    np.testing.assert_allclose(got["losses"], want["losses"], rtol=LOSS_RTOL)
-    for a_run, b_run in zip(got["logprobs"], want["logprobs"], strict=True):
-        for a, b in zip(a_run, b_run, strict=True):
-            np.testing.assert_allclose(a, b, atol=LOGPROB_ATOL, rtol=0)
-    for a, b in zip(got["weights"], want["weights"], strict=True):
-        assert_trained_alike(a, b, LR, STEPS)
+    _assert_trained_alike(got, _train_two_tenants(servers[1].address,
+                                                  tmp_path / "resident"))
 
 
 def _native_loop(address: str, tmp_path) -> tuple[list[float], dict]:

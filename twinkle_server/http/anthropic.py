@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from twinkle_server.http import anthropic_request
 from twinkle_server.http.app import Front, json_body
 from twinkle_server.http.decoded import Decoded, Finished
 from twinkle_server.http.errors import category_of, message_of
-from twinkle_server.http.oai import OpenAIRoutes, unless_gone
+from twinkle_server.http.oai import OpenAIRoutes, answer
 from twinkle_server.http.oai_request import OaiRequest
 from twinkle_server.runtime.sampling import SampleResult
 
@@ -81,13 +81,7 @@ class AnthropicRoutes:
                                    reply.decoded.hear)
         except Exception as exc:
             return error_response(exc)
-        if asked.stream:
-            return StreamingResponse(reply.stream(work), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
-        try:
-            return JSONResponse(reply.whole(await unless_gone(request, work)))
-        except Exception as exc:
-            return error_response(exc)
+        return await answer(request, reply, work, asked.stream, error_response)
 
     async def count_tokens(self, request: Request) -> Response:
         try:

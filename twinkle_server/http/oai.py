@@ -146,16 +146,10 @@ class OpenAIRoutes:
             prompted = self.prompted(served, asked)
             reply = Reply(route, asked, served, prompted.prompts, prompted.tool_format,
                           prompted.forced)
-            work = self.start(tenant, source, asked, prompted.prompts, reply.hear)
+            work = self.start(tenant, source, asked, prompted.prompts, reply.decoded.hear)
         except Exception as exc:
             return error_response(exc)
-        if asked.stream:
-            return StreamingResponse(reply.stream(work), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
-        try:
-            return JSONResponse(reply.whole(await unless_gone(request, work)))
-        except Exception as exc:
-            return error_response(exc)
+        return await answer(request, reply, work, asked.stream, error_response)
 
     def source(self, tenant: str, asked: OaiRequest) -> Source:
         """What `asked.model` names: a served base, a sampler checkpoint, or
@@ -304,6 +298,19 @@ def check_sizes(served: Served, asked: OaiRequest, prompts: Sequence[np.ndarray]
                                   f"({limit} tokens a sequence, "
                                   f"{served.engine.limits.max_batch_tokens} a request)"
                            ) from None
+
+
+async def answer(request: Request, reply: Any, work: asyncio.Future, stream: bool,
+                 error: Callable[[BaseException], Response]) -> Response:
+    """`reply` to `work` (a route's `Reply` or `Message`): its events as they come, or
+    its whole body once done; a failure in the route's own error shape (`error`)."""
+    if stream:
+        return StreamingResponse(reply.stream(work), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+    try:
+        return JSONResponse(reply.whole(await unless_gone(request, work)))
+    except Exception as exc:
+        return error(exc)
 
 
 async def unless_gone(request: Request, work: asyncio.Future, poll_s: float = 0.1) -> Any:

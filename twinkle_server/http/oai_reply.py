@@ -7,13 +7,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
 from starlette.responses import JSONResponse
 
-from twinkle_server.engine.types import Progress, SampledSequence
+from twinkle_server.engine.types import SampledSequence
 from twinkle_server.http.decoded import Decoded
 from twinkle_server.http.errors import category_of, message_of
 from twinkle_server.http.oai_request import OaiRequest
@@ -163,9 +163,6 @@ class Reply:
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.asked.model, "choices": self._choices(results),
                 "usage": self._usage(results)}
-
-    def hear(self, prompt: int) -> Callable[[Progress], None] | None:
-        return self.decoded.hear(prompt)
 
     async def stream(self, work: asyncio.Future) -> AsyncIterator[str]:
         """Server-sent events: for chat, each choice's role first; each choice's text as

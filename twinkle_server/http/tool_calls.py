@@ -89,9 +89,18 @@ class ToolFormat:
         decoded without them)."""
         return None
 
+    required_opening = ""
+    """The start of any call: what `tool_choice` "required" begins the reply with."""
+
+    def named_opening(self, name: str) -> str:
+        """The start of a call to `name`: what a named `tool_choice` begins it with."""
+        raise NotImplementedError
+
     def forced(self, use: ToolUse) -> str:
         """The start of the reply that `use.choice` requires ("" for auto)."""
-        raise NotImplementedError
+        if use.choice == "named":
+            return self.named_opening(use.name or "")
+        return self.required_opening if use.choice == "required" else ""
 
     def call_start(self, text: str) -> int | None:
         """Where in `text` (a reply so far) a call may begin: a stream holds back the
@@ -123,10 +132,10 @@ class Hermes(ToolFormat):
     opener = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
-    def forced(self, use: ToolUse) -> str:
-        if use.choice == "named":
-            return f'<tool_call>\n{{"name": {json.dumps(use.name)}, "arguments": '
-        return "<tool_call>\n" if use.choice == "required" else ""
+    required_opening = "<tool_call>\n"
+
+    def named_opening(self, name: str) -> str:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
     def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
         names = {tool.name for tool in tools}
@@ -157,10 +166,10 @@ class QwenXml(ToolFormat):
                         r"(?:</tool_call>|\Z)", re.DOTALL)
     _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
-    def forced(self, use: ToolUse) -> str:
-        if use.choice == "named":
-            return f"<tool_call>\n<function={use.name}>\n"
-        return "<tool_call>\n<function=" if use.choice == "required" else ""
+    required_opening = "<tool_call>\n<function="
+
+    def named_opening(self, name: str) -> str:
+        return f"<tool_call>\n<function={name}>\n"
 
     def parse(self, text: str, tools: Sequence[Tool]) -> Parsed | None:
         by_name = {tool.name: tool for tool in tools}
@@ -192,10 +201,10 @@ def _json_or_text(value: str) -> Any:
 class Llama3Json(ToolFormat):
     opener = "{"
 
-    def forced(self, use: ToolUse) -> str:
-        if use.choice == "named":
-            return f'{{"name": {json.dumps(use.name)}, "parameters": '
-        return '{"name": "' if use.choice == "required" else ""
+    required_opening = '{"name": "'
+
+    def named_opening(self, name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "parameters": '
 
     def call_start(self, text: str) -> int | None:
         # A call is the whole reply: held from its first character while it may be one.
@@ -222,11 +231,10 @@ class Harmony(ToolFormat):
                           re.DOTALL)
     _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
-    def forced(self, use: ToolUse) -> str:
-        if use.choice == "named":
-            return (f"<|channel|>commentary to=functions.{use.name} <|constrain|>json"
-                    "<|message|>")
-        return "<|channel|>commentary to=functions." if use.choice == "required" else ""
+    required_opening = "<|channel|>commentary to=functions."
+
+    def named_opening(self, name: str) -> str:
+        return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
 
     def call_start(self, text: str) -> int | None:
         return 0      # a reply's channels are known once it is whole
