@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from twinkle_server.engine.engine import Engine
-from twinkle_server.engine.errors import ResourceExhausted
+from twinkle_server.engine.errors import InvalidArgument, ResourceExhausted
 from twinkle_server.engine.types import (
     AdamParams,
     EngineLimits,
@@ -165,3 +165,16 @@ def test_with_one_tenant_the_least_recently_used_pages_out(tiny_cache):
     engine._adapter("y")
     engine._adapter("x")
     assert list(engine.resident) == ["y", "x"]
+
+
+def test_a_request_refused_by_its_checks_pages_nothing_in(tiny_cache, datums):
+    """On one slot with b resident, a's request whose loss the datums cannot serve is
+    refused by name, and a stays paged out: checking a request reads no adapter tensor."""
+    engine = _engine(tiny_cache, 1)
+    for i, name in enumerate("ab"):
+        engine.add_adapter(name, LoraSpec(rank=4, alpha=8, seed=i + 1))
+    before = engine.paging_stats().page_ins
+    [out] = engine.forward_batch([ForwardRequest("a", datums, LossSpec("importance_sampling"),
+                                                 True)])
+    assert isinstance(out, InvalidArgument) and "logprobs" in str(out)
+    assert engine.paging_stats().page_ins == before and list(engine.resident) == ["b"]

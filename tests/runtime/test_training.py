@@ -10,9 +10,14 @@ import threading
 import numpy as np
 import pytest
 
+from twinkle_server.config.flags import ServerConfig
+from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
-from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
+from twinkle_server.engine.types import Datum, EngineLimits, LoraSpec, LossSpec
 from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.store import Store
+
+from .conftest import running
 
 
 def _datums(n: int = 2, length: int = 8) -> list[Datum]:
@@ -96,3 +101,45 @@ def test_another_tenants_model_looks_like_no_model(runtime):
             runtime.training.info("bob", mid)
 
     asyncio.run(scenario())
+
+
+@pytest.fixture
+def two_slots(tiny_cache, tmp_path):
+    engine = Engine.load("tiny", cache_dir=str(tiny_cache), limits=EngineLimits(max_adapters=2))
+    yield from running(Runtime(ServerConfig(data_dir=tmp_path), engine, Store(tmp_path)))
+
+
+def test_a_merged_pass_takes_resident_runs_first_and_pages_in_only_what_it_runs(two_slots):
+    """Four runs' forward_backwards queued at once on two slots, where c and d are
+    resident: the first pass is a (its turn) with the resident c, paging in a alone; the
+    second b and d. Three page-ins, where one batch of all four ran as two passes that
+    paged out c and d and then back in (four)."""
+    rt = two_slots
+
+    async def scenario() -> tuple[int, list[float]]:
+        runs = [await _model(rt) for _ in range(4)]
+        for mid in runs:
+            await rt.training.set_loss("alice", OpRef(mid, 0), LossSpec("cross_entropy"))
+        engine = rt.base_of(runs[0]).engine
+        assert engine.paging_stats().resident_ids == set(runs[2:])
+        before = engine.paging_stats().page_ins
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            release.wait()
+
+        busy = asyncio.ensure_future(rt.admin("hold the worker", hold))
+        assert await asyncio.to_thread(holding.wait, 60), "the worker never took the op"
+        forwards = [asyncio.ensure_future(rt.training.forward(
+            "alice", OpRef(mid, 1), rt.training.forward_request("alice", mid, _datums(), None,
+                                                                True))) for mid in runs]
+        await asyncio.sleep(0.2)
+        release.set()
+        await busy
+        losses = [out.loss for out in await asyncio.gather(*forwards)]
+        return engine.paging_stats().page_ins - before, losses
+
+    page_ins, losses = asyncio.run(scenario())
+    assert page_ins == 3
+    assert all(np.isfinite(loss) for loss in losses)

@@ -6,6 +6,7 @@ import pytest
 
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.scheduling.planning import (
+    Slots,
     default_token_budget,
     plan_batch,
     plan_cancel,
@@ -51,6 +52,39 @@ def test_plan_batch_starts_at_start_index_and_wraps_around():
     for bad in (-1, 4):
         with pytest.raises(InvalidArgument, match=f"start_index: {bad} is outside the 4 heads"):
             plan_batch(heads, "merged", 10, start_index=bad)
+
+
+def run_of(queue, seq=0, tokens=10):
+    """A forward op of the run `queue`, whose adapter is the run's own."""
+    return Op(queue, seq, "forward_backward", "forward", tokens, None, adapter=queue)
+
+
+def test_a_merged_batch_takes_resident_adapters_before_ones_that_would_page_in():
+    heads = [run_of(q) for q in "abcdef"]
+    slots = Slots(3, frozenset({"d", "f"}))
+    # a leads (its turn), then the resident d and f; b, c, e would need slots it lacks.
+    assert plan_batch(heads, "merged", 1000, slots=slots) == [heads[0], heads[3], heads[5]]
+    # With room for four, one adapter pages in: the first in rotation of those out.
+    assert plan_batch(heads, "merged", 1000, slots=Slots(4, slots.resident)) == [
+        heads[0], heads[3], heads[5], heads[1]]
+    # The leading head runs whether or not its adapter is resident: every queue leads in
+    # turn, so an adapter paged out waits at most one rotation.
+    assert plan_batch(heads, "merged", 1000, start_index=4,
+                      slots=slots) == [heads[4], heads[5], heads[3]]
+
+
+def test_a_merged_batch_holds_at_most_the_slots_adapters_and_ops_sharing_one_join():
+    heads = [run_of("a"), run_of("b"), run_of("c"),
+             Op("d", 0, "forward_backward", "forward", 10, None, adapter="a"),
+             Op("e", 0, "forward_backward", "forward", 10, None)]   # needs no adapter
+    slots = Slots(2, frozenset())
+    # e needs no adapter and d shares a's: both page nothing in, so they join first.
+    assert plan_batch(heads, "merged", 1000, slots=slots) == [heads[0], heads[3], heads[4],
+                                                               heads[1]]
+    # No slots given: residency is not the planner's concern, every head joins.
+    assert plan_batch(heads, "merged", 1000) == heads
+    # The token budget still bounds a batch that the slots allow.
+    assert plan_batch(heads[:3], "merged", 20, slots=Slots(8, frozenset())) == heads[:2]
 
 
 def test_an_accelerator_merges_more_tokens_per_pass_than_a_cpu():

@@ -808,8 +808,10 @@ def test_unregister_ends_that_queues_samples_in_the_pool_at_once_and_no_others(m
     decoder.slice_gate.set()
     sched = make(decoder, queues=("gone", "kept"), decode_group="sample")
     sched.start()
-    long = sched.submit(sample("gone", None, tokens=1000))
-    queued = sched.submit(sample("gone", None, tokens=1000))
+    # 'gone''s samples never end on their own: the free-running slices reached 1000 tokens
+    # before a busy test thread closed the session (seen once in a dozen runs).
+    long = sched.submit(sample("gone", None, tokens=10**9))
+    queued = sched.submit(sample("gone", None, tokens=10**9))
     other = sched.submit(sample("kept", None, tokens=20))
     deadline = time.monotonic() + WAIT_SECONDS
     while len(decoder.joined) < 3 and time.monotonic() < deadline:

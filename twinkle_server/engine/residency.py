@@ -14,6 +14,11 @@ through many runs pages out its own, not everyone else's; with one tenant (or no
 named) that is plain LRU. A tenant keeps its share (the slots over the tenants resident)
 while it is idle: residency is not taken from a run for being quiet.
 
+The scheduler plans merged passes around the slots (`scheduling.planning.Slots`, read
+from `paging_stats`): a pass holds at most `--max-adapters` adapters, and ops of resident
+adapters join it before those that would page in. Checking a request reads no adapter
+tensor, so it pages nothing in.
+
 Never paged out: an adapter the current pass needs (`_hold`), and one the decode
 pool is sampling from. When every resident adapter is so held, the op that needs another
 is refused (`ResourceExhausted`, naming `--max-adapters`) rather than waiting: the
@@ -45,12 +50,16 @@ HOST = torch.device("cpu")
 
 @dataclass(frozen=True)
 class PagingStats:
-    resident: int
+    resident_ids: frozenset[str]
     paged: int                 # in host memory
     on_disk: int
     page_ins: int
     page_outs: int
     page_in_seconds: float     # summed over the page-ins
+
+    @property
+    def resident(self) -> int:
+        return len(self.resident_ids)
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,7 @@ class Residency:
     @rank_zero_only
     def paging_stats(self) -> PagingStats:
         """Adapters resident and paged out now, and pages in and out since the start."""
-        resident = len(self.resident)
-        return PagingStats(resident, len(self._on_host), len(self._on_disk),
+        return PagingStats(frozenset(self.resident), len(self._on_host), len(self._on_disk),
                            self._page_ins, self._page_outs, self._page_in_seconds)
 
     @contextlib.contextmanager

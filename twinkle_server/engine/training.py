@@ -81,7 +81,7 @@ class Training:
         Reads the adapter, so it belongs on the worker, in the adapter's op order: a
         `set_loss` queued just before this request has run by then.
         """
-        adapter = self._adapter(request.adapter_id)
+        adapter = self._known(request.adapter_id)   # its loss: no page-in for that
         self.check_forward(request)
         if request.loss is not None:
             return request.loss

@@ -14,7 +14,7 @@ from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import AUTO_SEQ_LEN
 from twinkle_server.scheduling.executor import SAMPLE, EngineExecutor, Turns
-from twinkle_server.scheduling.planning import default_token_budget
+from twinkle_server.scheduling.planning import Slots, default_token_budget
 from twinkle_server.scheduling.queues import QueueLimits
 from twinkle_server.scheduling.scheduler import Scheduler
 
@@ -82,7 +82,8 @@ def serve(config: ServerConfig, model: ModelConfig, engine: EngineAPI,
         decode_slice_s=config.decode_slice_ms / 1000, decode_apart=split,
         limits=QueueLimits(config.max_queued_ops_per_tenant,
                            config.max_queued_bytes_per_tenant, config.max_queued_ops,
-                           config.max_queued_bytes))
+                           config.max_queued_bytes),
+        slots=lambda: Slots(engine.limits.max_adapters, engine.paging_stats().resident_ids))
     for queue in (ADMIN_QUEUE, ONCE_QUEUE):
         scheduler.register_model(queue)
     return Served(model, engine, scheduler)

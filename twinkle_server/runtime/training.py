@@ -183,7 +183,7 @@ class Training:
         kind = "forward_backward" if request.backward else "forward"
         return await core.run(Op(ref.model_id, ref.seq_id, kind, FORWARD, request.num_tokens,
                                  request, ref.request_id, tenant=tenant,
-                                 bytes=request.num_bytes))
+                                 bytes=request.num_bytes, adapter=request.adapter_id))
 
     def refuse(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> Refusal:
         """Take op `ref.seq_id` of the tenant's model with `error` as its result, before

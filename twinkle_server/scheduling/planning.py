@@ -52,7 +52,8 @@ class Op:
     `Partial` a decode slice reports for the op before its result (called from the
     worker thread, outside the scheduler's lock). `tenant` and `bytes` (its payload's
     arrays) count against the scheduler's `QueueLimits` while it waits; an op with no
-    tenant (the server's own) is never bounded.
+    tenant (the server's own) is never bounded. `adapter`: the adapter a merged op's pass
+    needs resident (`Slots`), None for none.
     """
 
     queue_id: str
@@ -65,6 +66,7 @@ class Op:
     on_partial: Callable[[Any], None] | None = field(default=None, compare=False)
     tenant: str | None = None
     bytes: int = 0
+    adapter: str | None = None
 
     @classmethod
     def failed(cls, queue_id: str, seq_id: int | None, kind: str, error: BaseException,
@@ -89,8 +91,17 @@ def default_token_budget(device_type: str) -> int:
     return CPU_TOKEN_BUDGET if device_type == "cpu" else ACCELERATOR_TOKEN_BUDGET
 
 
+@dataclass(frozen=True)
+class Slots:
+    """The engine's adapter slots as a batch is planned: at most `limit` adapters are
+    resident at once (`--max-adapters`), and `resident` are now."""
+
+    limit: int
+    resident: frozenset[str]
+
+
 def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
-               start_index: int = 0) -> list[Op]:
+               start_index: int = 0, slots: Slots | None = None) -> list[Op]:
     """Which of the ready heads (at most one per queue, in rotation order) run together now.
 
     The pass starts at `heads[start_index]` and wraps around, so moving `start_index`
@@ -99,6 +110,12 @@ def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
     later heads of other queues join it when they share its (non-None) merge group and
     the batch stays within `token_budget`; a head that does not fit is skipped, and a
     smaller one after it may still join. In `timeshare` mode every batch is one op.
+
+    With `slots`, a merged batch holds at most `slots.limit` adapters, so it runs as one
+    pass (the engine runs a batch of more in passes one after another, each paging in its
+    own), and the heads whose adapters are resident join before those that would page
+    in: a batch pages in only what it cannot do without. The leading head joins whatever
+    its adapter, so rotation still gives every queue its turn.
 
     Raises:
         InvalidArgument: `mode` is not 'merged' or 'timeshare', or `start_index` is
@@ -118,14 +135,24 @@ def plan_batch(heads: Sequence[Op], mode: str, token_budget: int,
         return batch
     tokens = first.tokens
     seen = {first.queue_id}
-    for op in rotated[1:]:
+    adapters = {first.adapter} - {None}
+    others = rotated[1:]
+    if slots is not None:   # those that page nothing in first, each side in rotation order
+        present = slots.resident | adapters
+        others.sort(key=lambda op: op.adapter is not None and op.adapter not in present)
+    for op in others:
         if op.merge_group != first.merge_group or op.queue_id in seen:
             continue
         if tokens + op.tokens > token_budget:
             continue
+        new_adapter = op.adapter is not None and op.adapter not in adapters
+        if slots is not None and new_adapter and len(adapters) >= slots.limit:
+            continue
         batch.append(op)
         tokens += op.tokens
         seen.add(op.queue_id)
+        if op.adapter is not None:
+            adapters.add(op.adapter)
     return batch
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -48,6 +48,7 @@ from twinkle_server.scheduling.planning import (
     Op,
     Partial,
     Place,
+    Slots,
     Work,
     plan_batch,
     plan_cancel,
@@ -106,6 +107,9 @@ class Scheduler:
         limits: how many ops, and bytes of them, a tenant and all tenants may have
             waiting (queued or in the decode pool); past them `submit` refuses. None:
             no bound.
+        slots: the executor's adapter slots now, asked as each batch is planned, so that
+            a merged batch prefers resident adapters and fits the slots (`plan_batch`).
+            None: batches ignore residency.
 
     Example:
         >>> sched = Scheduler(executor); sched.register_model("run-1"); sched.start()
@@ -117,7 +121,8 @@ class Scheduler:
                  result_cache_size: int = DEFAULT_RESULT_CACHE_SIZE,
                  decode_group: str | None = None,
                  decode_slice_s: float = DEFAULT_DECODE_SLICE_S,
-                 decode_apart: bool = False, limits: QueueLimits | None = None) -> None:
+                 decode_apart: bool = False, limits: QueueLimits | None = None,
+                 slots: Callable[[], Slots] | None = None) -> None:
         if mode not in MODES:
             raise InvalidArgument(f"scheduling: {mode!r} is not one of {', '.join(MODES)}")
         if token_budget < 1:
@@ -130,6 +135,7 @@ class Scheduler:
             raise InvalidArgument("decode_apart: needs a decode_group (continuous sampling)")
         self.executor = executor
         self.limits = limits
+        self._slots = slots
         self.mode: Mode = mode
         self.token_budget = token_budget
         self._queues = Queues(result_cache_size)
@@ -409,7 +415,8 @@ class Scheduler:
 
     def _claim(self, heads: list[Entry], start: int) -> list[tuple[Queue, Entry]]:
         """Mark the planned ops running (call with the lock)."""
-        ops = plan_batch([e.op for e in heads], self.mode, self.token_budget, start)
+        slots = self._slots() if self._slots is not None else None
+        ops = plan_batch([e.op for e in heads], self.mode, self.token_budget, start, slots)
         by_op = {id(e.op): e for e in heads}
         return self._queues.run([by_op[id(op)] for op in ops])
 
