@@ -21,7 +21,7 @@ from twinkle_server.engine.layer_kinds import (
     layer_kinds,
     state_elements_per_row,
 )
-from twinkle_server.engine.sampling.kv_batch import state_layers
+from twinkle_server.engine.sampling.cache_layers import state_layers
 
 from .families import FAMILIES, family_config
 

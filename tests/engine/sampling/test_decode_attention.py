@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from twinkle_server.engine.sampling.cache_layers import new_cache
 from twinkle_server.engine.sampling.decode_attention import decode_attention, decoding
-from twinkle_server.engine.sampling.kv_batch import KVBatch, new_cache
+from twinkle_server.engine.sampling.kv_batch import KVBatch
 
 from .. import small
 

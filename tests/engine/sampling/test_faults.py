@@ -152,12 +152,12 @@ def test_out_of_memory_giving_the_cache_new_columns_fails_the_newest_request_alo
         engine, monkeypatch):
     """Before a step the pool may give every row's cache new spare columns (a copy of the
     whole cache): running out of memory there is the step's fault, as in its forward."""
-    from twinkle_server.engine.sampling import kv_batch
+    from twinkle_server.engine.sampling.cache_layers import BufferedLayer
 
     older = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
     newer = _request(None, [30, 31, 32], max_tokens=12, seed=2)
     results = dict(engine.decode([older], [0], 0.0))
-    real, hits = kv_batch._BufferedLayer.hold, []
+    real, hits = BufferedLayer.hold, []
 
     def hold(self, keys, values, extra=0):
         if extra and not hits:
@@ -165,7 +165,7 @@ def test_out_of_memory_giving_the_cache_new_columns_fails_the_newest_request_alo
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, keys, values, extra)
 
-    monkeypatch.setattr(kv_batch._BufferedLayer, "hold", hold)
+    monkeypatch.setattr(BufferedLayer, "hold", hold)
     # The newer request joins bare (no spare columns): the next step reserves.
     results.update(engine.decode([newer], [1], 0.0))
     assert hits

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from twinkle_server.engine.sampling.kv_batch import (
-    KVBatch,
-    compaction,
+from twinkle_server.engine.sampling.cache_layers import (
     new_cache,
     sliding_layers,
     unsupported_layers,
 )
+from twinkle_server.engine.sampling.kv_batch import KVBatch, compaction
 
 from .. import small
 

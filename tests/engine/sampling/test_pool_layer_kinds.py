@@ -1,7 +1,7 @@
 """The decode pool on every layer kind (issue 45). Hybrids: Gated DeltaNet linear
 attention (Qwen3.5, Qwen3-Next), Mamba2 (Nemotron-H) and a short convolution (LFM2) hold a
 state of fixed size per row beside the attention layers' keys and values
-(`kv_batch._StateLayer`). Sliding windows (Mistral, Gemma 3, gpt-oss with its attention
+(`cache_layers.StateLayer`). Sliding windows (Mistral, Gemma 3, gpt-oss with its attention
 sinks) hold every position and a decode step's mask keeps each row's window
 (`decode_attention`); the window here is 4 positions, so that every request outgrows it.
 
@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from twinkle_server.engine.errors import Cancelled, EngineError, ResourceExhausted
 from twinkle_server.engine.parallel import OneRank
-from twinkle_server.engine.sampling.kv_batch import (
+from twinkle_server.engine.sampling.cache_layers import (
     sliding_layers,
     state_layers,
     unsupported_layers,

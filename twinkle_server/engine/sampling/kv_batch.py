@@ -6,7 +6,7 @@ its attention mask, next positions and pending tokens.
   multi-LoRA router slices by row). Each row carries its last sampled token, not yet fed
   (`pending`): a step feeds that column for every row.
 * Steps in place. Keys and values are columns `start:used` of buffers with spare columns
-  (`_BufferedLayer`, which records both): a step writes its column into the buffer, where
+  (`cache_layers.BufferedLayer`, which records both): a step writes its column into the buffer, where
   transformers' `DynamicLayer` would copy the whole cache. `reserve` gives the batch new
   buffers when a step would find no spare column.
 * Rows that leave move no other row where they can. `select` copies only the rows whose
@@ -24,18 +24,7 @@ its attention mask, next positions and pending tokens.
   the pool has room for it (the copy counts in `held`), so that a decode step's
   attention reads them once for all of a request's samples (`decode_attention`), not
   once per sample: the reads a step's attention is bound by.
-* Recurrent layers. A hybrid's linear-attention and Mamba layers (Qwen3.5, Qwen3-Next,
-  Nemotron-H) hold a state of fixed size per row instead of keys and values: the causal
-  conv's last inputs and the scan's state (`_StateLayer`). They join, leave, are undone
-  with a failed step and are held per row like the keys and values, rows first, with no
-  width (left padding never reaches them: padding positions enter a prefill zeroed by
-  its mask, which keeps a state at zero). A step replaces a layer's states rather than
-  writing into them (`_StateLayer.checkpoint`), so `snapshot` keeps the states before it.
-* Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) holds every
-  position, as full attention does, and a decode step's mask keeps each row's last
-  `sliding_window` positions for it (`decode_attention.decode_mask`): it costs what a
-  full-attention layer costs. Other local attention (chunked) is not held:
-  `unsupported_layers` names it, and the pool refuses such a model when it is made.
+* Cache layers. What each layer kind holds, and how, is `cache_layers`'s.
 """
 
 from __future__ import annotations
@@ -47,255 +36,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-try:
-    from transformers.cache_utils import DummyLayer, LinearAttentionLayer
-except ImportError:  # before transformers 5.25 a hybrid's states live in its own cache class
-    DummyLayer = LinearAttentionLayer = None
-
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class _BufferedLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are columns `start:used` of `buffers`
-    (keys, values `[B, H, C, D]`) when it has them: `update` writes new columns into the
-    buffers in place while they have room, and otherwise concatenates (and drops them)."""
-
-    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-    start = used = 0
-    allocated = 0
-    """Rows the buffers were made with: a select keeps its rows in their first ones."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        n = key_states.shape[-2]
-        if self.buffers is not None and self.used + n <= self.buffers[0].shape[-2]:
-            keys, values = self.buffers
-            keys[..., self.used:self.used + n, :] = key_states
-            values[..., self.used:self.used + n, :] = value_states
-            self.used += n
-            self.keys = keys[..., self.start:self.used, :]
-            self.values = values[..., self.start:self.used, :]
-            return self.keys, self.values
-        self.buffers = None
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    def spare(self) -> int:
-        """Columns a step may still write in place."""
-        return 0 if self.buffers is None else self.buffers[0].shape[-2] - self.used
-
-    def columns(self) -> int:
-        """Columns held per row: the buffer's, or the keys' own."""
-        return self.buffers[0].shape[-2] if self.buffers is not None else self.keys.shape[-2]
-
-    def rows_held(self) -> int:
-        """Rows whose memory it holds: the buffers' allocated rows, or the keys' own."""
-        return self.allocated if self.buffers is not None else self.keys.shape[0]
-
-    def hold(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
-        """Hold copies of `keys` and `values` as the leading columns of new buffers with
-        `extra` spare columns (no buffers when `extra` is 0: plain tensors)."""
-        if not extra:
-            self.keys, self.values, self.buffers = keys, values, None
-            self.is_initialized = True
-            return
-        batch, heads, width, dim = keys.shape
-        buffers = (keys.new_empty((batch, heads, width + extra, dim)),
-                   values.new_empty((batch, heads, width + extra, values.shape[-1])))
-        buffers[0][..., :width, :] = keys
-        buffers[1][..., :width, :] = values
-        self.buffers, self.start, self.used, self.allocated = buffers, 0, width, batch
-        self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
-        self.is_initialized = True
-
-    def lift(self, index: torch.Tensor, moving: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What `settle` needs to keep rows `index`: with buffers, the rows that move
-        (`moving`, read out; the others stay where they are), else the kept rows."""
-        if self.buffers is None:
-            return self.keys[index], self.values[index]
-        return tuple(buffer.index_select(0, moving) for buffer in self.buffers)
-
-    def settle(self, lifted: tuple[torch.Tensor, ...], to: torch.Tensor, rows: int) -> None:
-        """Keep `rows` rows: `lifted` (from `lift`) written at rows `to` of the buffers in
-        place, which allocates nothing; the buffers' rows past `rows` stay allocated,
-        unused, until they are next replaced (`allocated`)."""
-        if self.buffers is None:
-            self.keys, self.values = lifted
-            return
-        for buffer, moved in zip(self.buffers, lifted, strict=True):
-            buffer.index_copy_(0, to, moved)
-        self.buffers = (self.buffers[0][:rows], self.buffers[1][:rows])
-        self.keys = self.buffers[0][..., self.start:self.used, :]
-        self.values = self.buffers[1][..., self.start:self.used, :]
-
-    def drop_left(self, columns: int) -> None:
-        """Forget the first `columns` columns (padding no row uses any more)."""
-        self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
-        if self.buffers is not None:
-            self.start += columns
-
-    def state(self) -> tuple[Any, ...]:
-        return self.keys, self.values, self.buffers, self.start, self.used, self.allocated
-
-    def set_state(self, state: tuple[Any, ...]) -> None:
-        self.keys, self.values, self.buffers, self.start, self.used, self.allocated = state
-
-
-class _StateLayer(LinearAttentionLayer or object):  # type: ignore[misc]
-    """A linear-attention or Mamba layer's states for every row (rows first): conv and
-    recurrent, one of each per state index. Each update replaces a state (transformers'
-    layer writes into it), so a step's `snapshot` holds the states before it."""
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor | list[torch.Tensor],
-                               state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
-        if not self.is_recurrent_states_initialized[state_idx]:
-            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
-        last = (recurrent_states if isinstance(recurrent_states, torch.Tensor)
-                else recurrent_states[-1])
-        self.recurrent_states[state_idx] = last
-        return last
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every state it holds, conv then recurrent per state index."""
-        return tuple(t for i in range(self.number_of_states)
-                     for t in (self.conv_states[i], self.recurrent_states[i])
-                     if t is not None)
-
-    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Hold `tensors` (as `tensors()` gives them, rows selected or joined)."""
-        given = iter(tensors)
-        for i in range(self.number_of_states):
-            for states in (self.conv_states, self.recurrent_states):
-                if states[i] is not None:
-                    states[i] = next(given)
-
-    def checkpoint(self) -> tuple[torch.Tensor, ...]:
-        """The states now, for `hold` to put back; the conv states, which a decode step
-        writes in place (transformers' `causal_conv1d_update`), are given copies to
-        write into."""
-        saved = self.tensors()
-        for i in range(self.number_of_states):
-            if self.conv_states[i] is not None:
-                self.conv_states[i] = self.conv_states[i].clone()
-        return saved
-
-
-def _as_state(layer: Any) -> _StateLayer:
-    """`layer` (a fresh `LinearAttentionLayer`, as the cache made it for its layer) as a
-    `_StateLayer` with the same settings."""
-    state = _StateLayer.__new__(_StateLayer)
-    state.__dict__.update(layer.__dict__)
-    return state
-
-
-def _is_kv(layer: Any) -> bool:
-    return isinstance(layer, _BufferedLayer)
-
-
-def _is_state(layer: Any) -> bool:
-    return LinearAttentionLayer is not None and isinstance(layer, _StateLayer)
-
-
-def _row_tensors(layer: Any) -> tuple[torch.Tensor, ...]:
-    """A cache layer's per-row tensors: keys and values, states, or none (a layer of an
-    MoE or MLP block, which caches nothing)."""
-    if _is_kv(layer):
-        return layer.keys, layer.values
-    if _is_state(layer):
-        return layer.tensors()
-    return ()
-
-
-def _hold(layer: Any, tensors: Sequence[torch.Tensor]) -> None:
-    if _is_kv(layer):
-        layer.hold(*tensors)
-    elif _is_state(layer):
-        layer.hold(tensors)
-
-
-KV, SLIDING, STATE, NONE = "kv", "sliding", "state", "none"
-"""How the pool holds a cache layer: keys and values of every position (full attention;
-a sliding window too, its window applied by the decode step's mask), a state per row,
-or nothing (an MLP or MoE block's layer)."""
-
-
-def _how_held(layer: Any, layer_type: str | None) -> str | None:
-    """How the pool holds `layer` (a fresh cache's, of `layer_type` in the config's
-    `layer_types`), or None where it cannot: a chunked or other local attention, or an
-    older transformers' stand-in for a hybrid's state (a `DynamicLayer` of a
-    non-attention layer type)."""
-    kind = type(layer)
-    if kind is DynamicLayer:
-        return KV if layer_type in (None, "full_attention") else None
-    if kind is DynamicSlidingWindowLayer:
-        return SLIDING if layer_type in (None, "sliding_attention") else None
-    if LinearAttentionLayer is not None and kind is LinearAttentionLayer:
-        return STATE
-    if DummyLayer is not None and kind is DummyLayer:
-        return NONE
-    return None
-
-
-def _layers(config: Any) -> list[tuple[Any, str | None]]:
-    """A fresh cache's layers for `config`, each with how the pool holds it."""
-    cache = DynamicCache(config=config)
-    types = list(getattr(config, "layer_types", None) or [None] * len(cache.layers))
-    return [(layer, _how_held(layer, kind)) for layer, kind in zip(cache.layers, types,
-                                                                   strict=False)]
-
-
-def _named(config: Any, how: str | None) -> list[str]:
-    types = getattr(config, "layer_types", None)
-    return [f"{i}: {types[i] if types and how is None else type(layer).__name__}"
-            for i, (layer, held) in enumerate(_layers(config)) if held == how]
-
-
-def state_layers(config: Any) -> list[str]:
-    """The layers of `config`'s model the pool holds as a state per row (linear attention,
-    Mamba, short convolution), by index."""
-    return _named(config, STATE)
-
-
-def sliding_layers(config: Any) -> list[str]:
-    """The sliding-window attention layers of `config`'s model, by index."""
-    return _named(config, SLIDING)
-
-
-def unsupported_layers(config: Any) -> list[str]:
-    """The cache layers of `config`'s model the pool cannot hold, by index: chunked or
-    other local attention, and (an older transformers') hybrid states kept in a cache of
-    the model's own, which looks like full attention there."""
-    return _named(config, None)
-
-
-def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
-    """A cache for `config`'s layers, holding `layers`' keys and values if any (a
-    prefill's cached prefixes, of a model whose layers are all attention): a
-    `_BufferedLayer` for each attention layer (marked `is_sliding` for a sliding window,
-    so transformers sizes that mask against one), a `_StateLayer` for each recurrent one.
-
-    Raises:
-        ValueError: a layer the pool cannot hold (`unsupported_layers`).
-    """
-    held = []
-    for layer, how in _layers(config):
-        if how is None:
-            raise ValueError(f"decode pool: cannot hold a {type(layer).__name__} layer")
-        if how == STATE:
-            held.append(_as_state(layer))
-        elif how == NONE:
-            held.append(layer)
-        else:
-            buffered = _BufferedLayer()
-            buffered.is_sliding = how == SLIDING
-            held.append(buffered)
-    cache = DynamicCache(config=config)
-    cache.layers = held
-    kv = [layer for layer in cache.layers if _is_kv(layer)]
-    for layer, (keys, values) in zip(kv, layers, strict=False):
-        layer.hold(keys, values)
-    return cache
+from twinkle_server.engine.sampling.cache_layers import (
+    BufferedLayer,
+    LayerKV,
+    hold_rows,
+    is_kv,
+    is_state,
+    row_tensors,
+)
 
 
 def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
@@ -326,8 +75,8 @@ class SharedPrefix:
 
 
 class KVBatch:
-    """The decoding rows' cache (`cache`, a `DynamicCache` of `_BufferedLayer`s and
-    `_StateLayer`s), mask
+    """The decoding rows' cache (`cache`, a `DynamicCache` of `BufferedLayer`s and
+    `StateLayer`s), mask
     `[rows, width]`, next positions `[rows]` and pending tokens `[rows]`; per row its
     group (`group`: a label its request's rows share) and the first column a step wrote
     to it (`start`)."""
@@ -359,11 +108,11 @@ class KVBatch:
         return self.mask.shape[1]
 
     def layers(self) -> list[Any]:
-        """Every cache layer: keys and values, states, or none (`_row_tensors`)."""
+        """Every cache layer: keys and values, states, or none (`row_tensors`)."""
         return [] if self.cache is None else list(self.cache.layers)
 
-    def kv_layers(self) -> list[_BufferedLayer]:
-        return [layer for layer in self.layers() if _is_kv(layer)]
+    def kv_layers(self) -> list[BufferedLayer]:
+        return [layer for layer in self.layers() if is_kv(layer)]
 
     def held(self) -> int:
         """KV positions the batch holds now: the buffers' rows (those a select left
@@ -408,14 +157,14 @@ class KVBatch:
         fresh = {label: self._groups + i for i, label in enumerate(dict.fromkeys(labels))}
         new_groups = [fresh[label] for label in labels]
         if self.cache is None:
-            layers = [_row_tensors(layer) for layer in cache.layers]
+            layers = [row_tensors(layer) for layer in cache.layers]
             rest = (mask, positions, pending)
             group, start = new_groups, [mask.shape[1]] * len(new_groups)
         else:
             width = max(self.width, mask.shape[1])
-            layers = [tuple(torch.cat([left_pad(o, width), left_pad(n, width)]) if _is_kv(old)
+            layers = [tuple(torch.cat([left_pad(o, width), left_pad(n, width)]) if is_kv(old)
                             else torch.cat([o, n])
-                            for o, n in zip(_row_tensors(old), _row_tensors(new), strict=True))
+                            for o, n in zip(row_tensors(old), row_tensors(new), strict=True))
                       for old, new in zip(self.layers(), cache.layers, strict=True)]
             rest = (torch.cat([left_pad(self.mask, width), left_pad(mask, width)]),
                     torch.cat([self.positions, positions]), torch.cat([self.pending, pending]))
@@ -436,7 +185,7 @@ class KVBatch:
         self.mask, self.positions, self.pending = rest
         self.group, self.start = group, start
         for layer, tensors in zip(self.layers(), layers, strict=True):
-            _hold(layer, tensors)
+            hold_rows(layer, tensors)
         self._drop_left(unused)
 
     @torch.inference_mode()
@@ -455,13 +204,13 @@ class KVBatch:
         moving = torch.tensor([row for _, row in moves], dtype=torch.long, device=device)
         to = torch.tensor([at for at, _ in moves], dtype=torch.long, device=device)
         mask, positions, pending = self.mask[index], self.positions[index], self.pending[index]
-        lifted = [layer.lift(index, moving) if _is_kv(layer)
-                  else tuple(t[index] for t in _row_tensors(layer)) for layer in self.layers()]
+        lifted = [layer.lift(index, moving) if is_kv(layer)
+                  else tuple(t[index] for t in row_tensors(layer)) for layer in self.layers()]
         for layer, tensors in zip(self.layers(), lifted, strict=True):
-            if _is_kv(layer):
+            if is_kv(layer):
                 layer.settle(tensors, to, len(keep))
             else:
-                _hold(layer, tensors)
+                hold_rows(layer, tensors)
         self.mask, self.positions, self.pending = mask, positions, pending
         self.group = [self.group[i] for i in keep]
         self.start = [self.start[i] for i in keep]
@@ -505,9 +254,9 @@ class KVBatch:
             return None
         lead = torch.arange(0, self.rows, size, device=self.device)
         layers = self.layers()
-        return SharedPrefix(width, [layer.keys[lead, :, :width] if _is_kv(layer) else None
+        return SharedPrefix(width, [layer.keys[lead, :, :width] if is_kv(layer) else None
                                     for layer in layers],
-                            [layer.values[lead, :, :width] if _is_kv(layer) else None
+                            [layer.values[lead, :, :width] if is_kv(layer) else None
                              for layer in layers], size)
 
     def reserve(self, extra: int) -> None:
@@ -523,16 +272,16 @@ class KVBatch:
         """What `restore` needs to undo a step (a state layer's own `checkpoint`: from
         here on its step writes into copies)."""
         return (self.mask, self.positions, self.pending,
-                [layer.state() if _is_kv(layer) else layer.checkpoint() if _is_state(layer)
+                [layer.state() if is_kv(layer) else layer.checkpoint() if is_state(layer)
                  else () for layer in self.layers()])
 
     def restore(self, snapshot: tuple[Any, ...]) -> None:
         self.mask, self.positions, self.pending, layers = snapshot
         for layer, state in zip(self.layers(), layers, strict=True):
-            if _is_kv(layer):
+            if is_kv(layer):
                 layer.set_state(state)
             else:
-                _hold(layer, state)
+                hold_rows(layer, state)
 
     def step_inputs(self) -> dict[str, torch.Tensor]:
         """The next step's forward inputs; the mask takes the new column."""
@@ -585,13 +334,13 @@ def row_kv(cache: DynamicCache, row: int, mask_row: torch.Tensor) -> LayerKV:
     """Row `row` of `cache` at the positions `mask_row` keeps, as `[1, H, n, D]` copies."""
     columns = torch.nonzero(mask_row).squeeze(-1)
     return [(layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns])
-            for layer in cache.layers if _is_kv(layer)]
+            for layer in cache.layers if is_kv(layer)]
 
 
 def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep rows `index` of `cache` (a prefill's), in that order."""
     for layer in cache.layers:
-        _hold(layer, tuple(t[index] for t in _row_tensors(layer)))
+        hold_rows(layer, tuple(t[index] for t in row_tensors(layer)))
 
 
 def prefix_batch(prefixes: Sequence[LayerKV | None], cached: Sequence[int],

@@ -2,7 +2,7 @@
 batch between decode steps.
 
 * Layer kinds. Full and sliding-window attention's keys and values, and a hybrid's
-  linear-attention and Mamba states per row (`kv_batch`); other local attention is
+  linear-attention and Mamba states per row (`cache_layers`); other local attention is
   refused.
 * Joining. Requests wait in arrival order; at the start of each slice those that fit
   (`admission`) are prefilled in one forward, ONE row per request whatever its
@@ -64,16 +64,14 @@ from twinkle_server.engine.sampling.admission import (
     footprint,
 )
 from twinkle_server.engine.sampling.book import PoolBook, PoolRequest, PoolRow
-from twinkle_server.engine.sampling.decode_attention import decoding
-from twinkle_server.engine.sampling.kv_batch import (
+from twinkle_server.engine.sampling.cache_layers import (
     new_cache,
-    prefix_batch,
-    row_kv,
-    select_rows,
     sliding_layers,
     state_layers,
     unsupported_layers,
 )
+from twinkle_server.engine.sampling.decode_attention import decoding
+from twinkle_server.engine.sampling.kv_batch import prefix_batch, row_kv, select_rows
 from twinkle_server.engine.sampling.static import Route, cache_keyword, forwarding, idle_step
 from twinkle_server.engine.types import Generation, Progress
 

@@ -25,7 +25,7 @@ from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampler_cache import SamplerCache
 from twinkle_server.engine.sampling.book import PoolStats
-from twinkle_server.engine.sampling.kv_batch import (
+from twinkle_server.engine.sampling.cache_layers import (
     sliding_layers,
     state_layers,
     unsupported_layers,
