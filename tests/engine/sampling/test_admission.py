@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from twinkle_server.engine.sampling.admission import Waiting, admit, copies, footprint
+from twinkle_server.engine.sampling.admission import (
+    RowCost,
+    Waiting,
+    admit,
+    copies,
+    footprint,
+)
 
 
 def test_admission_keeps_the_worst_case_footprint_within_capacity():
@@ -16,6 +22,26 @@ def test_admission_keeps_the_worst_case_footprint_within_capacity():
     # The second widens the batch to 20 for every row: 25 + 21 + 2 x 26 + 21 = 119.
     assert admit(10, [5, 1], waiting, capacity=119, prefill_tokens=100) == 2
     assert admit(10, [5, 1], waiting, capacity=118, prefill_tokens=100) == 1
+
+
+def test_a_windows_layers_count_the_columns_they_keep_and_a_state_its_size():
+    # Of 4 attention layers 3 keep at most 10 columns: a row of 50 columns holds
+    # (1 x 50 + 3 x 10) / 4 = 20 positions, and its recurrent states 7 more.
+    cost = RowCost(state=7, windowed=3, layers=4, window=10)
+    assert cost.positions(50) == 27
+    assert cost.positions(6) == 6 + 7          # shorter than the window: every column
+    assert cost.positions(51) == 28            # (51 + 30) / 4, rounded up
+    assert footprint(40, [10, 2], cost) == 27 + cost.positions(42)
+    # A shared copy holds the full layers' columns only; none for a model all windows.
+    assert cost.copied(40) == 10
+    assert RowCost(windowed=2, layers=2, window=10).copied(40) == 0
+    assert RowCost().positions(50) == 50 and RowCost().copied(40) == 40
+    # Admission counts a joiner by its cost: two rows of 10 + 90 columns.
+    waiting = [Waiting(rows=2, cached=0, suffix=10, max_tokens=90)]
+    windows = RowCost(windowed=2, layers=2, window=20)
+    assert admit(0, [], waiting, capacity=40, prefill_tokens=100, cost=windows) == 1
+    assert admit(0, [], waiting, capacity=39, prefill_tokens=100, cost=windows) == 0
+    assert admit(0, [], waiting, capacity=199, prefill_tokens=100) == 0
 
 
 def test_admission_stops_at_the_prefill_budget_but_always_takes_the_first():

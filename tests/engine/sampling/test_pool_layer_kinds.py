@@ -97,14 +97,16 @@ def test_rows_joining_mid_generation_and_leaving_get_what_the_static_batch_gives
 
 def test_groups_of_samples_read_their_prompt_once_and_keep_their_own_states(layered):
     """Two RL groups of four: the pool holds each group's prompt columns once
-    (`KVBatch.shared_prefix`) while every row keeps its own recurrent state."""
+    (`KVBatch.shared_prefix`) while every row keeps its own recurrent state; a window's
+    layers read their own columns, so a model all of windows (Mistral) holds no copy."""
     groups = [_req([5, 6, 7, 8, 9], 4, max_tokens=8, seed=3),
               _req([40, 41, 42], 4, max_tokens=8, seed=4)]
     pool = _pool(layered)
     for i, request in enumerate(groups):
         pool.submit(i, request, None)
     results = dict(pool.run(0.0))
-    assert pool.batch.shared is not None
+    windows_only = len(sliding_layers(layered.config)) == layered.config.num_hidden_layers
+    assert (pool.batch.shared is None) == windows_only
     _drain(pool, results)
     for i, request in enumerate(groups):
         assert_sampled_alike(_alone(layered, request), results[i].sequences)
@@ -144,7 +146,7 @@ def test_admission_counts_each_rows_recurrent_states(family):
     layered = _build(family)
     request = _req([5, 6, 7, 8], 2, max_tokens=6, seed=5)
     per_row = request.prompt.size + request.params.max_tokens
-    row_state = _pool(layered).row_state
+    row_state = _pool(layered).cost.state
     assert row_state > 0
     need = request.num_samples * (per_row + row_state)
     pool = _pool(layered, capacity=need - 1)
@@ -226,3 +228,63 @@ def test_a_cancelled_request_leaves_and_the_others_states_stay_their_own(layered
     _drain(pool, results)
     assert isinstance(results["gone"], Cancelled)
     assert_sampled_alike(_alone(layered, kept), results["kept"].sequences)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_a_windows_layers_hold_only_its_window_however_long_the_rows_grow(family):
+    """40 tokens past a 4-position window: each window layer holds the batch's last 3
+    columns (the step's new one completes the window) in buffers of at most those and the
+    spare columns, while a full layer holds every column; the draws are the static
+    batch's, and the pool counts what it holds."""
+    from twinkle_server.engine.sampling.pool import SPARE_COLUMNS
+
+    layered = _build(family)
+    request = _req([5, 6, 7, 8, 9], 1, max_tokens=40, seed=11, ignore_eos=True)
+    pool = _pool(layered)
+    pool.submit(0, request, None)
+    results = dict(pool.run(0.0))
+    while pool.batch.width < 30:
+        results.update(pool.run(0.0))
+    layers = pool.batch.kv_layers()
+    windows = [layer for layer in layers if layer.window is not None]
+    assert windows and {layer.window for layer in windows} == {WINDOW}
+    for layer in windows:
+        assert layer.keys.shape[-2] == WINDOW - 1
+        assert layer.offset + WINDOW - 1 == pool.batch.width
+        assert layer.columns() <= WINDOW - 1 + SPARE_COLUMNS
+    full = [layer for layer in layers if layer.window is None]
+    assert all(layer.keys.shape[-2] == pool.batch.width for layer in full)
+    rows = pool.batch.rows
+    # Held, in positions of every layer: a full layer's columns count whole, a window's
+    # its own; without windows every layer would hold a full layer's columns.
+    assert pool.batch.held() <= rows * (WINDOW - 1 + SPARE_COLUMNS if not full
+                                        else full[0].columns())
+    if full:
+        assert pool.batch.held() < rows * full[0].columns()
+    _drain(pool, results)
+    assert_sampled_alike(_alone(layered, request), results[0].sequences)
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_admission_counts_a_windows_layers_at_the_columns_they_keep(family):
+    """A request whose rows outgrow the window many times: the pool needs the full
+    layers' every column and the windows' kept ones (`RowCost`), fewer than every
+    column of every layer, and takes it at exactly that capacity, not one below."""
+    layered = _build(family)
+    request = _req([5, 6, 7, 8], 2, max_tokens=120, seed=9, ignore_eos=True)
+    cost = _pool(layered).cost
+    assert cost.windowed and cost.window < request.prompt.size + 120
+    need = request.num_samples * cost.positions(request.prompt.size + 120)
+    assert need < request.num_samples * (request.prompt.size + 120)
+    pool = _pool(layered, capacity=need - 1)
+    pool.submit(0, request, None)
+    refused = dict(pool.run(0.0))[0]
+    assert isinstance(refused, ResourceExhausted) and f"= {need} KV positions" in str(refused)
+    assert f"{cost.windowed} of {cost.layers} attention layers" in str(refused)
+    pool = _pool(layered, capacity=need)
+    pool.submit(0, request, None)
+    served = {}
+    while 0 not in served:
+        served.update(pool.run(0.0))
+        assert pool.batch.held() <= need + pool.batch.rows     # one column a row, at most
+    assert_sampled_alike(_alone(layered, request), served[0].sequences)

@@ -3,7 +3,9 @@ the pool's KV bound. Pure functions of sizes; no torch.
 
 A row of a batch of width W with r tokens left to draw occupies at most W + r positions
 until it leaves (the width grows one column per step while r shrinks by one), so the sum
-over rows of W + r (`footprint`) bounds what the batch can come to hold. While every
+over rows of W + r (`footprint`) bounds what the batch can come to hold. A position is
+one column of every attention layer; a row's `RowCost` counts the layers of a sliding
+window at the columns they keep, and a hybrid's recurrent states at their size. While every
 request has the same number of samples, two or more, the batch may also hold one copy
 per request of the columns its rows share (`copies`: `KVBatch.shared_prefix`, which
 saves reading a prompt once per sample); that stays the same from step to step. A request
@@ -23,6 +25,33 @@ from twinkle_server.engine.types import SampleRequest
 
 
 @dataclass(frozen=True)
+class RowCost:
+    """KV positions a row of a given length takes: of `layers` attention layers,
+    `windowed` hold at most `window` columns a row (a sliding window's W - 1 and the
+    spare columns a step writes into), the others every column; its recurrent states
+    count as `state` positions. The default: every column of every layer, no state."""
+
+    state: int = 0
+    windowed: int = 0
+    layers: int = 1
+    window: int = 0
+
+    def positions(self, length: int) -> int:
+        """A row of `length` columns (its width and the tokens it has left to draw)."""
+        columns = ((self.layers - self.windowed) * length
+                   + self.windowed * min(length, self.window))
+        return -(-columns // self.layers) + self.state
+
+    def copied(self, columns: int) -> int:
+        """A shared copy of `columns` columns (`KVBatch.shared_prefix`), which holds the
+        full layers' only: a window's rows read their own."""
+        return -(-(self.layers - self.windowed) * columns // self.layers)
+
+
+PLAIN = RowCost()
+
+
+@dataclass(frozen=True)
 class Waiting:
     """What admission needs to know of a waiting request."""
 
@@ -32,11 +61,10 @@ class Waiting:
     max_tokens: int
 
 
-def footprint(width: int, remaining: Sequence[int], row_state: int = 0) -> int:
+def footprint(width: int, remaining: Sequence[int], cost: RowCost = PLAIN) -> int:
     """Most KV positions rows of a batch of `width`, with `remaining[i]` tokens still to
-    draw, can occupy before they leave; each row's recurrent states count as `row_state`
-    positions (a hybrid model's: `KVBatch.row_state`)."""
-    return sum(width + r + row_state for r in remaining)
+    draw, can occupy before they leave, each by `cost`."""
+    return sum(cost.positions(width + r) for r in remaining)
 
 
 def copies(samples: Sequence[int], shared: int) -> int:
@@ -50,11 +78,11 @@ def copies(samples: Sequence[int], shared: int) -> int:
 
 def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capacity: int,
           prefill_tokens: int, samples: Sequence[int] = (), shared: int = 0,
-          row_state: int = 0) -> int:
+          cost: RowCost = PLAIN) -> int:
     """How many of `waiting`, in order, join a batch of `width` whose rows have
     `remaining` tokens to draw, within `capacity` KV positions, with room for the shared
     copies (`copies`) of its requests of `samples[i]` samples and `shared` columns alike;
-    each row's recurrent states count as `row_state` positions.
+    each row costs `cost`.
 
     Joiners are prefilled together, padded to their widest cached prefix plus their
     widest suffix, and the batch takes the wider width: the rows there already hold that
@@ -70,9 +98,10 @@ def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capa
         new_rows = rows + [request.max_tokens] * request.rows
         new_groups = groups + [request.rows]
         alike = min(shared + new_width - width, new_width) if remaining else new_width
-        need = footprint(new_width, new_rows, row_state)
+        need = footprint(new_width, new_rows, cost)
         alone = not remaining and not count     # an empty pool takes one without its copy
-        if need > capacity or (need + copies(new_groups, alike) > capacity and not alone):
+        if need > capacity or (need + copies(new_groups, cost.copied(alike)) > capacity
+                               and not alone):
             break
         if count and computed + request.suffix > prefill_tokens:
             break
@@ -83,15 +112,20 @@ def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capa
 
 
 def never_fits(request: SampleRequest, capacity: int,
-               row_state: int = 0) -> ResourceExhausted | None:
-    """The refusal of a request too large for an empty pool, else None; each of its rows'
-    recurrent states counts as `row_state` positions."""
-    need = request.num_tokens + request.num_samples * row_state
+               cost: RowCost = PLAIN) -> ResourceExhausted | None:
+    """The refusal of a request too large for an empty pool, else None; each of its rows
+    costs `cost`."""
+    length = request.prompt.size + request.params.max_tokens
+    need = request.num_samples * cost.positions(length)
     if need <= capacity:
         return None
     what, row = "prompt + max_tokens", f"{request.prompt.size} + {request.params.max_tokens}"
-    if row_state:
-        what, row = f"{what} + the recurrent layers' state", f"{row} + {row_state}"
+    if cost.windowed:
+        what = (f"the KV positions of prompt + max_tokens, {cost.windowed} of {cost.layers} "
+                f"attention layers holding at most {cost.window} columns")
+        row = str(cost.positions(length) - cost.state)
+    if cost.state:
+        what, row = f"{what} + the recurrent layers' state", f"{row} + {cost.state}"
     return ResourceExhausted(
         f"num_samples x ({what}): {request.num_samples} x ({row}) = {need} KV positions, "
         f"over the sampler's pool of {capacity} (--kv-pool-tokens); ask fewer samples or "

@@ -19,6 +19,8 @@ import torch
 from twinkle_server.engine.errors import Cancelled, EngineError
 from twinkle_server.engine.sampling import tokens as token_step
 from twinkle_server.engine.sampling.admission import (
+    PLAIN,
+    RowCost,
     Waiting,
     admit,
     copies,
@@ -82,7 +84,7 @@ class PoolBook:
         device: where the KV batch lives and the requests' generators draw.
         eos: stop tokens of requests without `ignore_eos`.
         batch_invariant: no shared prompt copies to keep room for (`engine.batch_invariant`).
-        row_state: KV positions a row's recurrent states count as.
+        cost: KV positions a row takes, by its length (`admission.RowCost`).
         reuses_prefixes: whether a session's prompts reuse cached prefixes: not for a
             model with recurrent layers (the prefix cache keeps keys and values, not the
             states at a prefix's end) or sliding windows (a joiner with a cached prefix
@@ -90,14 +92,14 @@ class PoolBook:
     """
 
     def __init__(self, capacity: int, prefill_tokens: int, device: torch.device,
-                 eos: Sequence[int], batch_invariant: bool, row_state: int = 0,
+                 eos: Sequence[int], batch_invariant: bool, cost: RowCost = PLAIN,
                  reuses_prefixes: bool = True) -> None:
         self.capacity, self.prefill_tokens = capacity, prefill_tokens
         self.device, self.eos, self.batch_invariant = device, tuple(eos), batch_invariant
-        self.row_state, self.reuses_prefixes = row_state, reuses_prefixes
+        self.cost, self.reuses_prefixes = cost, reuses_prefixes
         self.waiting: deque[PoolRequest] = deque()
         self.rows: list[PoolRow] = []
-        self.batch = KVBatch(self.device, row_state)
+        self.batch = KVBatch(self.device, cost.state)
         self.prefixes = PrefixCache()
         self.finished: list[tuple[Any, Generation | EngineError]] = []
         self.counters = PoolStats(kv_capacity=capacity)
@@ -109,7 +111,7 @@ class PoolBook:
         """Queue a checked request routed to `route`; its result comes out of a later
         `run` under `key`. `namespace` (session, weights version) enables prefix reuse,
         where the model allows it (`reuses_prefixes`)."""
-        refusal = never_fits(request, self.capacity, self.row_state)
+        refusal = never_fits(request, self.capacity, self.cost)
         if refusal is not None:
             self.answer(key, refusal)
             return
@@ -213,8 +215,7 @@ class PoolBook:
             return admit(self.batch.width, remaining, [
                 Waiting(r.sample.num_samples, r.cached, r.sample.prompt.size - r.cached,
                         r.sample.params.max_tokens) for r in self.waiting],
-                room, self.prefill_tokens, self._samples(), self._copied_width(),
-                self.row_state)
+                room, self.prefill_tokens, self._samples(), self._copied_width(), self.cost)
         count = plan(self.capacity - self.prefixes.tokens)
         # Cached prefixes make way for the next request only where that lets it join.
         if not count and self.waiting and plan(self.capacity):
@@ -239,8 +240,9 @@ class PoolBook:
         """Give up cached prefixes the rows' footprint, shared copies and the buffer rows
         left unused by rows that stopped leave no room for."""
         self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining(),
-                                                    self.row_state)
-                          - copies(self._samples(), self._copied_width()) - self.batch.unused())
+                                                    self.cost)
+                          - copies(self._samples(), self.cost.copied(self._copied_width()))
+                          - self.batch.unused())
 
     def _leave(self) -> None:
         """Answer requests whose last row stopped or that failed; keep the other rows."""

@@ -9,11 +9,14 @@ each kind keeps per row, and the functions that treat every kind alike.
   width (left padding never reaches them: padding positions enter a prefill zeroed by
   its mask, which keeps a state at zero). A step replaces a layer's states rather than
   writing into them (`StateLayer.checkpoint`), so `snapshot` keeps the states before it.
-* Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) holds every
-  position, as full attention does, and a decode step's mask keeps each row's last
-  `sliding_window` positions for it (`decode_attention.decode_mask`): it costs what a
-  full-attention layer costs. Other local attention (chunked) is not held:
-  `unsupported_layers` names it, and the pool refuses such a model when it is made.
+* Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) of window W holds
+  the batch's last W - 1 columns once a step has run past them (`BufferedLayer.trim`),
+  and a decode step's mask keeps each row's last W positions of those and the new one
+  (`decode_attention.decode_mask`): a row's real positions are the last of its columns,
+  so its window lies within them. Its buffers hold W - 1 columns and the spare ones, so
+  its memory stops growing with the batch's width. Other local attention (chunked) is
+  not held: `unsupported_layers` names it, and the pool refuses such a model when it is
+  made.
 """
 
 from __future__ import annotations
@@ -33,15 +36,50 @@ except ImportError:  # before transformers 5.25 a hybrid's states live in its ow
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def window_columns(window: int) -> int:
+    """Columns a layer of sliding window `window` keeps between steps: the window but
+    the step's own new column."""
+    return max(1, window - 1)
+
+
 class BufferedLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are columns `start:used` of `buffers`
     (keys, values `[B, H, C, D]`) when it has them: `update` writes new columns into the
-    buffers in place while they have room, and otherwise concatenates (and drops them)."""
+    buffers in place while they have room, and otherwise concatenates (and drops them).
+
+    A sliding-window layer (`window` W) may hold only the batch's last columns, from
+    column `offset` on (`trim` keeps W - 1, which a step's new column completes to the
+    window): it reports that offset to transformers' masks as its own sliding layer
+    does, and the batch's whole width as its length."""
 
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     start = used = 0
     allocated = 0
     """Rows the buffers were made with: a select keeps its rows in their first ones."""
+    window: int | None = None
+    offset = 0
+    """The batch's columns before this layer's first (0 but for a trimmed window)."""
+
+    def get_seq_length(self) -> int:
+        return self.offset + super().get_seq_length()
+
+    def get_mask_sizes(self, query: Any, *args: Any) -> tuple[int, int]:
+        """Length and offset of the keys a step attends to (`query`: the query's length,
+        or before transformers 5.25 its cache positions)."""
+        length, _ = super().get_mask_sizes(query, *args)
+        return length - self.offset, self.offset
+
+    def trim(self) -> None:
+        """A window's layer forgets its columns before its last W - 1 (views: the memory
+        goes when `hold` next copies); other layers keep every column."""
+        if self.window is None or self.keys is None:
+            return
+        excess = self.keys.shape[-2] - window_columns(self.window)
+        if excess > 0:
+            self.keys, self.values = self.keys[..., excess:, :], self.values[..., excess:, :]
+            self.offset += excess
+            if self.buffers is not None:
+                self.start += excess
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,16 +144,21 @@ class BufferedLayer(DynamicLayer):
         self.values = self.buffers[1][..., self.start:self.used, :]
 
     def drop_left(self, columns: int) -> None:
-        """Forget the first `columns` columns (padding no row uses any more)."""
+        """Forget the batch's first `columns` columns (padding no row uses any more)."""
+        skipped = min(columns, self.offset)
+        self.offset -= skipped
+        columns -= skipped
         self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
         if self.buffers is not None:
             self.start += columns
 
     def state(self) -> tuple[Any, ...]:
-        return self.keys, self.values, self.buffers, self.start, self.used, self.allocated
+        return (self.keys, self.values, self.buffers, self.start, self.used, self.allocated,
+                self.offset)
 
     def set_state(self, state: tuple[Any, ...]) -> None:
-        self.keys, self.values, self.buffers, self.start, self.used, self.allocated = state
+        (self.keys, self.values, self.buffers, self.start, self.used, self.allocated,
+         self.offset) = state
 
 
 class StateLayer(LinearAttentionLayer or object):  # type: ignore[misc]
@@ -227,6 +270,12 @@ def _named(config: Any, how: str | None) -> list[str]:
             for i, (layer, held) in enumerate(_layers(config)) if held == how]
 
 
+def attention_windows(config: Any) -> list[int | None]:
+    """Each attention layer's sliding window, in order: None for full attention."""
+    return [layer.sliding_window if how == SLIDING else None
+            for layer, how in _layers(config) if how in (KV, SLIDING)]
+
+
 def state_layers(config: Any) -> list[str]:
     """The layers of `config`'s model the pool holds as a state per row (linear attention,
     Mamba, short convolution), by index."""
@@ -249,7 +298,8 @@ def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
     """A cache for `config`'s layers, holding `layers`' keys and values if any (a
     prefill's cached prefixes, of a model whose layers are all attention): a
     `BufferedLayer` for each attention layer (marked `is_sliding` for a sliding window,
-    so transformers sizes that mask against one), a `StateLayer` for each recurrent one.
+    so transformers sizes that mask against one, with its `window`), a `StateLayer` for
+    each recurrent one.
 
     Raises:
         ValueError: a layer the pool cannot hold (`unsupported_layers`).
@@ -265,6 +315,8 @@ def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
         else:
             buffered = BufferedLayer()
             buffered.is_sliding = how == SLIDING
+            if buffered.is_sliding:
+                buffered.window = layer.sliding_window
             held.append(buffered)
     cache = DynamicCache(config=config)
     cache.layers = held

@@ -47,15 +47,17 @@ def decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     query a row, which may see all of its row), or None when it hides nothing (no row is
     padded). For a sliding-window layer (`local_size` W) each row sees its last W real
     positions, the new one among them, as transformers' window `q - W < k <= q` does;
-    the row's real columns are its positions in order, padding left out. Any other call:
+    the row's real columns are its positions in order, padding left out. A layer that
+    holds only the batch's columns from `kv_offset` on gets those of the mask. Any other call:
     sdpa's own mask, with the arguments as given (their names changed across
     transformers 5.x)."""
     mask = kwargs.get("attention_mask")
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.numel())
-    if (not args and q_length == 1 and not kwargs.get("kv_offset")
-            and mask is not None and mask.dim() == 2
-            and mask.shape[-1] == kwargs.get("kv_length")):
+    offset = kwargs.get("kv_offset") or 0
+    if (not args and q_length == 1 and mask is not None and mask.dim() == 2
+            and mask.shape[-1] == offset + kwargs.get("kv_length", -1)):
+        mask = mask[:, offset:]
         window = kwargs.get("local_size")
         if window is not None:
             keep = mask.bool() & (mask.flip(-1).cumsum(-1).flip(-1) <= window)
@@ -81,7 +83,8 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     shared = _SHARED.get()
     layer = getattr(module, "layer_idx", None)
-    if layer is None or (shared is not None and key.shape[-2] < shared.width):
+    if layer is None or (shared is not None and (shared.keys[layer] is None
+                                                  or key.shape[-2] < shared.width)):
         shared = None
     if shared is None:
         scores = torch.matmul(grouped, key.transpose(-1, -2))

@@ -44,6 +44,7 @@ from twinkle_server.engine.sampling.cache_layers import (
     is_kv,
     is_state,
     row_tensors,
+    window_columns,
 )
 
 
@@ -61,7 +62,7 @@ def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 class SharedPrefix:
     """Columns `:width` of every row, held once per group of rows (a request's samples),
     which have them alike: per cache layer `keys`/`values` `[groups, H, width, D]` (None
-    for a layer that holds no keys). Every group has `samples` rows, and rows
+    for a layer that holds no keys, or a window's: its rows read their own). Every group has `samples` rows, and rows
     `g * samples ...` are group g's."""
 
     width: int
@@ -115,21 +116,25 @@ class KVBatch:
         return [layer for layer in self.layers() if is_kv(layer)]
 
     def held(self) -> int:
-        """KV positions the batch holds now: the buffers' rows (those a select left
-        unused among them) x their columns, `row_state` positions a row for its recurrent
-        states, and the shared copy's groups x columns."""
+        """KV positions the batch holds now (a position: one column of every attention
+        layer, so a window's layer holding fewer columns counts its share): the buffers'
+        rows (those a select left unused among them) x their columns, the shared copy's
+        groups x columns, and `row_state` positions a row for its recurrent states."""
         layers = self.kv_layers()
         if not layers:
             return 0
-        shared = self._shared.groups * self._shared.width if self._shared else 0
-        return (layers[0].rows_held() * layers[0].columns() + self.rows * self.row_state
-                + shared)
+        shared = self._shared
+        copied = sum(shared.groups * shared.width for k in shared.keys
+                     if k is not None) if shared else 0
+        return (_positions(sum(layer.rows_held() * layer.columns() for layer in layers)
+                           + copied, len(layers)) + self.rows * self.row_state)
 
     def unused(self) -> int:
         """KV positions of buffer rows a select left unused (until a join or a reserve
         replaces the buffers): held, though no row counts them."""
         layers = self.kv_layers()
-        return (layers[0].rows_held() - self.rows) * layers[0].columns() if layers else 0
+        return _positions(sum((layer.rows_held() - self.rows) * layer.columns()
+                              for layer in layers), len(layers)) if layers else 0
 
     @property
     def shared(self) -> SharedPrefix | None:
@@ -162,9 +167,8 @@ class KVBatch:
             group, start = new_groups, [mask.shape[1]] * len(new_groups)
         else:
             width = max(self.width, mask.shape[1])
-            layers = [tuple(torch.cat([left_pad(o, width), left_pad(n, width)]) if is_kv(old)
-                            else torch.cat([o, n])
-                            for o, n in zip(row_tensors(old), row_tensors(new), strict=True))
+            layers = [tuple(_joined(old, o, n) for o, n in zip(row_tensors(old),
+                                                               row_tensors(new), strict=True))
                       for old, new in zip(self.layers(), cache.layers, strict=True)]
             rest = (torch.cat([left_pad(self.mask, width), left_pad(mask, width)]),
                     torch.cat([self.positions, positions]), torch.cat([self.pending, pending]))
@@ -186,7 +190,10 @@ class KVBatch:
         self.group, self.start = group, start
         for layer, tensors in zip(self.layers(), layers, strict=True):
             hold_rows(layer, tensors)
+        for layer in self.kv_layers():
+            layer.offset = self.width - layer.keys.shape[-2]
         self._drop_left(unused)
+        self._trim()
 
     @torch.inference_mode()
     def select(self, keep: Sequence[int]) -> None:
@@ -254,10 +261,13 @@ class KVBatch:
             return None
         lead = torch.arange(0, self.rows, size, device=self.device)
         layers = self.layers()
-        return SharedPrefix(width, [layer.keys[lead, :, :width] if is_kv(layer) else None
-                                    for layer in layers],
-                            [layer.values[lead, :, :width] if is_kv(layer) else None
-                             for layer in layers], size)
+        full = [is_kv(layer) and layer.window is None for layer in layers]
+        if not any(full):
+            return None
+        return SharedPrefix(width, [layer.keys[lead, :, :width] if kv else None
+                                    for layer, kv in zip(layers, full, strict=True)],
+                            [layer.values[lead, :, :width] if kv else None
+                             for layer, kv in zip(layers, full, strict=True)], size)
 
     def reserve(self, extra: int) -> None:
         """Give every layer `extra` spare columns when some layer has none left, so that
@@ -290,9 +300,15 @@ class KVBatch:
                 "position_ids": self.positions[:, None]}
 
     def advance(self, chosen: torch.Tensor) -> None:
-        """After a step: every row moves one position on, `chosen` its pending tokens."""
+        """After a step: every row moves one position on, `chosen` its pending tokens,
+        and a window's layers forget the column the window has passed."""
         self.positions = self.positions + 1
         self.pending = chosen
+        self._trim()
+
+    def _trim(self) -> None:
+        for layer in self.kv_layers():
+            layer.trim()
 
     def row_kv(self, row: int, mask_row: torch.Tensor | None = None) -> LayerKV:
         """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
@@ -322,6 +338,23 @@ def compaction(routes: Sequence[Any], keep: Sequence[int]) -> list[int]:
         order += [at if at in staying else next(movers) for at in range(first, last)]
         start = end
     return order
+
+
+def _joined(layer: Any, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`layer`'s rows `old` and the joiners' `new` as one tensor: states stacked; keys
+    and values right-aligned at the batch's last column, as many columns as the wider
+    side holds, and a window's layer no more than it keeps (`window_columns`)."""
+    if not is_kv(layer):
+        return torch.cat([old, new])
+    columns = max(old.shape[-2], new.shape[-2])
+    if layer.window is not None:
+        columns = min(columns, window_columns(layer.window))
+    return torch.cat([left_pad(t[..., -columns:, :], columns) for t in (old, new)])
+
+
+def _positions(columns: int, layers: int) -> int:
+    """`columns` summed over `layers` attention layers, in KV positions (rounded up)."""
+    return -(-columns // layers)
 
 
 def _unused_left(mask: torch.Tensor) -> int:

@@ -1,9 +1,9 @@
 """Continuous batching: the decode pool, where sample requests join and leave a running
 batch between decode steps.
 
-* Layer kinds. Full and sliding-window attention's keys and values, and a hybrid's
-  linear-attention and Mamba states per row (`cache_layers`); other local attention is
-  refused.
+* Layer kinds. Full attention's keys and values, a sliding window's last columns, and a
+  hybrid's linear-attention and Mamba states per row (`cache_layers`), each counted by
+  admission at what it holds (`row_cost`); other local attention is refused.
 * Joining. Requests wait in arrival order; at the start of each slice those that fit
   (`admission`) are prefilled in one forward, ONE row per request whatever its
   `num_samples` (a GRPO group computes its prompt once), their first tokens drawn from
@@ -60,15 +60,15 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampling import tokens as token_step
-from twinkle_server.engine.sampling.admission import (
-    footprint,
-)
+from twinkle_server.engine.sampling.admission import RowCost, footprint
 from twinkle_server.engine.sampling.book import PoolBook, PoolRequest, PoolRow
 from twinkle_server.engine.sampling.cache_layers import (
+    attention_windows,
     new_cache,
     sliding_layers,
     state_layers,
     unsupported_layers,
+    window_columns,
 )
 from twinkle_server.engine.sampling.decode_attention import decoding
 from twinkle_server.engine.sampling.kv_batch import prefix_batch, row_kv, select_rows
@@ -88,14 +88,19 @@ def _strict(exc: BaseException, what: str) -> EngineError:
     raise exc
 
 
-def row_state_positions(config: Any, dtype: torch.dtype) -> int:
-    """KV positions of `dtype` that a decoding row's recurrent states (a hybrid model's
-    linear-attention or Mamba layers) take the room of, rounded up; 0 without such
-    layers."""
-    if not state_layers(config):
-        return 0
-    return -(-memory.state_bytes_per_row(config) // max(1, memory.kv_bytes_per_token(config,
-                                                                                     dtype)))
+def row_cost(config: Any, dtype: torch.dtype) -> RowCost:
+    """What a decoding row of a model of `config` in `dtype` takes, by its length: its
+    sliding windows' layers hold their window's columns and the spare ones at most, and
+    its recurrent states (a hybrid's linear-attention or Mamba layers) take the room of
+    as many KV positions as their bytes, rounded up."""
+    windows = attention_windows(config)
+    sliding = [w for w in windows if w is not None]
+    state = 0
+    if state_layers(config):
+        state = -(-memory.state_bytes_per_row(config)
+                  // max(1, memory.kv_bytes_per_token(config, dtype)))
+    return RowCost(state, len(sliding), max(1, len(windows)),
+                   max(map(window_columns, sliding), default=0) + SPARE_COLUMNS)
 
 
 def refusal(config: Any) -> InvalidArgument | None:
@@ -139,7 +144,7 @@ class DecodePool(PoolBook):
         weights = next(model.parameters())
         config = model.config
         super().__init__(capacity, prefill_tokens, weights.device, eos_token_ids,
-                         batch_invariant, row_state_positions(config, weights.dtype),
+                         batch_invariant, row_cost(config, weights.dtype),
                          not (state_layers(config) or sliding_layers(config)))
         self.model, self.route, self.decode = model, route, decode
         self.pad = pad_token_id
@@ -256,7 +261,7 @@ class DecodePool(PoolBook):
         batch = self.batch
         remaining = self._remaining()
         room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining,
-                                                                self.row_state)
+                                                                self.cost)
         saved = batch.snapshot()
         requests = self._decoding()
         drawn_from = _generator_states(requests)
