@@ -234,8 +234,8 @@ def hold_rows(layer: Any, tensors: Sequence[torch.Tensor]) -> None:
 
 
 KV, SLIDING, STATE, NONE = "kv", "sliding", "state", "none"
-"""How the pool holds a cache layer: keys and values of every position (full attention;
-a sliding window too, its window applied by the decode step's mask), a state per row,
+"""How the pool holds a cache layer: keys and values of every position (full attention),
+of a window's last positions (a sliding window: `BufferedLayer.trim`), a state per row,
 or nothing (an MLP or MoE block's layer)."""
 
 
