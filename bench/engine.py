@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -346,19 +347,33 @@ def pass_pieces(n: int = 16, length: int = 1024, cap: int = 4096) -> None:
                       f"{got['seconds']:>8.2f}{got['loss']:>12.4f}")
 
 
-def _wider_base(out: str) -> str:
-    """The tiny model's tokenizer on a wider random Qwen3 (hidden 512, 8 layers, ~40M
-    parameters): closer to where base compute, not Python, dominates a pass."""
-
+def _wider_config() -> Any:
+    """The tiny model's config made wider: hidden 512, 8 layers, ~40M parameters."""
     from transformers import AutoConfig
 
     from twinkle_server.engine.tiny_model import build_tiny_model
 
-    tiny = build_tiny_model()
-    config = AutoConfig.from_pretrained(tiny)
+    config = AutoConfig.from_pretrained(build_tiny_model())
     config.update({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
                    "layer_types": ["full_attention"] * 8})
+    return config
+
+
+def _wider_base(out: str) -> str:
+    """The tiny model's tokenizer on a wider random Qwen3 (`_wider_config`): closer to
+    where base compute, not Python, dominates a pass."""
+    return _save_random(_wider_config(), out)
+
+
+def _windowed_base(out: str, window: int | None) -> str:
+    """The wider base with a sliding window of `window` positions on every other layer,
+    as gpt-oss alternates them (None: the same weights with every layer full attention,
+    what the decode pool held for a window before it kept only the window)."""
+    config = _wider_config()
+    if window is not None:
+        config.update({"use_sliding_window": True, "sliding_window": window,
+                       "layer_types": ["sliding_attention", "full_attention"] * 4})
     return _save_random(config, out)
 
 

@@ -44,7 +44,10 @@ one with it on, their rounds interleaved (off, on, off, on, ...) so that both se
 same minutes of this machine. `--leaving` measures how the rows that stay move when
 others leave (`kv_batch.compaction` against keeping their order, rounds interleaved on
 one engine, with a row of 512-token prompts where moving rows costs most) and a decode
-step's attention read through a block table against the pool's contiguous rows. Figures
+step's attention read through a block table against the pool's contiguous rows.
+`--windows` measures a model with a sliding window of 128 on every other layer (as
+gpt-oss) against the same weights with full attention, rounds interleaved: the RL group
+and 16 rows of 64 + 896 tokens, tokens/s and the most KV positions the pool held. Figures
 measure and print; nothing passes or fails on time.
 """
 
@@ -84,6 +87,9 @@ STOPS = tuple(range(100, 140))
 LONG_PROMPT, LONG_REQUESTS = 512, 32
 BLOCK = 16
 """Positions a page holds in `block_table_read` (vLLM's default block size)."""
+WINDOW = 128
+"""`--windows`: the sliding window of every other layer (gpt-oss's)."""
+LONG_ROWS, LONG_TOKENS = 16, 896
 
 
 def gemm_rate(engine: Engine, rows: int, rounds: int = 20) -> float:
@@ -108,13 +114,17 @@ Run = tuple[float, int, int]
 """One round of a row: seconds, tokens (sampled, or trained), model FLOPs."""
 
 
-def _sample(engine: Engine, flops: ModelFlops, requests: list[SampleRequest]) -> Run:
+def _sample(engine: Engine, flops: ModelFlops, requests: list[SampleRequest],
+            held: list[int] | None = None) -> Run:
     """Decode `requests` to the end through the pool: seconds, sampled tokens, and the
-    FLOPs of the forwards that drew them (from the lengths the samples reached)."""
+    FLOPs of the forwards that drew them (from the lengths the samples reached); `held`
+    gets the pool's KV positions in use after each slice."""
     keys = list(range(len(requests)))
     start = time.perf_counter()
     done = dict(engine.decode(requests, keys, 0.5))
     while len(done) < len(requests):
+        if held is not None:
+            held.append(engine.decode_stats().kv_in_use)
         done.update(engine.decode([], [], 0.5))
     seconds = time.perf_counter() - start
     failed = [out for out in done.values() if isinstance(out, Exception)]
@@ -467,6 +477,48 @@ def training_in_company(engine: Engine) -> None:
     engine.remove_adapter(other)
 
 
+def windows_cost(directory: str, rounds: int) -> None:
+    """A model with a sliding window on every other layer (`WINDOW`, as gpt-oss) decoding
+    rows that outgrow the window, against the same weights with every layer full
+    attention (what the pool held and read for a window before it kept only the window):
+    tokens/s, medians of interleaved rounds, and the most KV positions the pool held."""
+    from bench.engine import _windowed_base
+
+    engines = {name: _engine(_windowed_base(f"{directory}/{name}", window))
+               for name, window in (("every column", None), ("window kept", WINDOW))}
+    flops = ModelFlops.of(engines["every column"].base.config, SPEC.rank)
+    vocab = engines["every column"].base.vocab_size
+    print(f"sliding windows of {WINDOW} on 4 of 8 layers ({torch.get_num_threads()} threads, "
+          f"float32, hidden 512, LoRA rank 16 all-linear; medians of {rounds} interleaved "
+          "rounds; KV: the most positions the pool held)")
+    print(f"  {'row':<40}" + "".join(f"{name + ' tok/s':>20}{'KV':>8}" for name in engines)
+          + f"{'ratio':>7}")
+
+    def long_rows(vocab: int, seed: int) -> list[SampleRequest]:
+        rng = np.random.default_rng(seed)
+        return [SampleRequest(ADAPTER, None, rng.integers(3, vocab, PROMPT), 1,
+                              SamplingParams(max_tokens=LONG_TOKENS, seed=seed * 100 + i,
+                                             ignore_eos=True))
+                for i in range(LONG_ROWS)]
+
+    for name, make in (("decode, RL group 24 x 4 x 128", _group),
+                       (f"decode, {LONG_ROWS} x {PROMPT} + {LONG_TOKENS} tokens", long_rows)):
+        speeds: dict[str, list[float]] = {arm: [] for arm in engines}
+        peaks = dict.fromkeys(engines, 0)
+        for engine in engines.values():
+            _sample(engine, flops, make(vocab, 0)[:2])
+        for seed in range(1, rounds + 1):
+            for arm, engine in engines.items():
+                held: list[int] = []
+                seconds, tokens, _ = _sample(engine, flops, make(vocab, seed), held)
+                speeds[arm].append(tokens / seconds)
+                peaks[arm] = max(peaks[arm], *held, 0)
+        medians = {arm: statistics.median(speeds[arm]) for arm in engines}
+        print(f"  {name:<40}" + "".join(f"{medians[arm]:>20.0f}{peaks[arm]:>8}"
+                                       for arm in engines)
+              + f"{medians['window kept'] / medians['every column']:>6.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="achieved over possible FLOP/s")
     parser.add_argument("--rounds", type=int, default=3)
@@ -478,11 +530,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--leaving", action="store_true",
                         help="measure how the rows that stay are moved when others leave "
                              "instead")
+    parser.add_argument("--windows", action="store_true",
+                        help="measure a model with sliding windows against the same weights "
+                             "with full attention instead")
     args = parser.parse_args(argv)
     from bench.engine import _wider_base
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.windows:
+            windows_cost(tmp, args.rounds)
+            return
         path = _wider_base(f"{tmp}/wide")
         if args.batch_invariant:
             invariant_cost(path, args.rounds, args.shorter)
