@@ -25,20 +25,27 @@ waits then (on an earlier seq_id that never came, or past the timeout) fails wit
 
 The decisions are the pure functions of `planning`; this class adds one lock, one
 condition variable and one thread. Futures are resolved outside the lock, because
-resolving runs the callers' callbacks (asyncio's `wrap_future` among them). This module
-imports neither torch nor grpc.
+resolving runs the callers' callbacks (asyncio's `wrap_future` among them); how each is
+answered is `answers`'. This module imports neither torch nor grpc.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from twinkle_server.engine.errors import Cancelled, InvalidArgument
+from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.scheduling.answers import (
+    answer,
+    batch_results,
+    cancelled,
+    fail_all,
+    tell,
+    wrapped,
+)
 from twinkle_server.scheduling.decode_lane import DecodeLane
 from twinkle_server.scheduling.planning import (
     DEFAULT_DECODE_SLICE_S,
@@ -46,7 +53,6 @@ from twinkle_server.scheduling.planning import (
     MODES,
     Mode,
     Op,
-    Partial,
     Place,
     Slots,
     Work,
@@ -63,8 +69,6 @@ from twinkle_server.scheduling.queues import (
     Queues,
     SchedulerClosed,
 )
-
-log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -193,7 +197,7 @@ class Scheduler:
             threads = list(self._threads)
             failed = [] if drain and threads else self._take_all_waiting()
             self._cond.notify_all()
-        _fail_all(failed, SchedulerClosed("the server is shutting down; the op was not run"))
+        fail_all(failed, SchedulerClosed("the server is shutting down; the op was not run"))
         if not threads:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -202,7 +206,7 @@ class Scheduler:
         if any(thread.is_alive() for thread in threads):
             with self._cond:
                 failed = self._take_all_waiting()
-            _fail_all(failed, SchedulerClosed(
+            fail_all(failed, SchedulerClosed(
                 f"the server stopped draining after {timeout} s; the op was not run"))
 
     def _take_all_waiting(self) -> list[Entry]:
@@ -226,7 +230,7 @@ class Scheduler:
         self.end_samples(reason, queue_id)
         with self._cond:
             failed = self._queues.unregister(queue_id)
-        _fail_all(failed, reason)
+        fail_all(failed, reason)
 
     def next_seq(self, queue_id: str) -> int:
         """The seq_id the queue runs next (what a reconnecting client should send).
@@ -290,7 +294,7 @@ class Scheduler:
                 return False
             in_pool = self._end(place, queue, entry) == "stop"
         if not in_pool:
-            entry.future.set_exception(_cancelled(entry.op))
+            entry.future.set_exception(cancelled(entry.op))
         return True
 
     def end_samples(self, error: Exception, queue_id: str | None = None) -> int:
@@ -306,7 +310,7 @@ class Scheduler:
                      and self._cancel_plan(place, entry) != "keep"]
             for place, queue, entry in found:
                 self._end(place, queue, entry)
-        _fail_all([entry for _, _, entry in found], error)
+        fail_all([entry for _, _, entry in found], error)
         return len(found)
 
     def _cancel_plan(self, place: Place, entry: Entry) -> str:
@@ -409,7 +413,7 @@ class Scheduler:
             stranded = self._queues.take_waiting()
             self._trained_out = True
             self._cond.notify_all()
-        _fail_all(stranded, SchedulerClosed("the server shut down before this op's earlier "
+        fail_all(stranded, SchedulerClosed("the server shut down before this op's earlier "
                                             "seq_ids arrived; it was not run"))
         return None
 
@@ -427,7 +431,7 @@ class Scheduler:
                 return
             work, chosen, stopping = taken
             if work == "train":
-                self._finish(chosen, self._run([entry.op for _, entry in chosen]))
+                self._finish(chosen, batch_results(self.executor, [entry.op for _, entry in chosen]))
             else:
                 self._finish(*self._run_decode(chosen, stopping), batch=False)
             self._last = work
@@ -441,37 +445,15 @@ class Scheduler:
             done = list(self.executor.decode([(e.ticket, e.op) for _, e in joining],
                                              self.decode_slice_s, stopping))
         except BaseException as exc:
-            error = exc if isinstance(exc, Exception) else _wrapped(exc)
+            error = exc if isinstance(exc, Exception) else wrapped(exc)
             with self._cond:
                 finished = self._lane.failed(error)
         else:
             with self._cond:
                 finished, partial = self._lane.finished(done)
             for entry, word in partial:
-                _tell(entry, word)
+                tell(entry, word)
         return [pair for pair, _ in finished], [result for _, result in finished]
-
-    def _run(self, ops: list[Op]) -> list[Any]:
-        """The executor's results, one per op; whatever it does becomes per-op values."""
-        n = len(ops)
-        try:
-            raw = self.executor.run_batch(ops)
-        except Exception as exc:
-            return [exc] * n
-        except BaseException as exc:  # the worker outlives even SystemExit from an op
-            return [_wrapped(exc)] * n
-        try:
-            results = list(raw)
-        except TypeError:
-            error = RuntimeError(f"executor: run_batch returned {type(raw).__name__}, not "
-                                 f"a sequence of {n} results")
-            return [error] * n
-        if len(results) != n:
-            kinds = ", ".join(op.kind for op in ops)
-            error = RuntimeError(f"executor: run_batch returned {len(results)} results for "
-                                 f"{n} ops ({kinds}); none of them is trusted")
-            return [error] * n
-        return results
 
     def _finish(self, chosen: list[tuple[Queue, Entry]], results: list[Any],
                 batch: bool = True) -> None:
@@ -491,47 +473,4 @@ class Scheduler:
             for queue, entry in chosen:
                 self._queues.retire(queue, entry)
             self._cond.notify_all()
-        for (_, entry), result in zip(chosen, results, strict=True):
-            if entry.future.done():
-                continue
-            if entry.cancelled and isinstance(result, Cancelled):
-                result = _cancelled(entry.op, result)   # why, and what a retry gets
-            if isinstance(result, Exception):
-                entry.future.set_exception(result)
-            elif isinstance(result, BaseException):
-                entry.future.set_exception(_wrapped(result))
-            else:
-                entry.future.set_result(result)
-
-
-def _tell(entry: Entry, partial: Partial) -> None:
-    """Give `partial` to its op's listener; one that raises harms no other op."""
-    if entry.op.on_partial is None or entry.future.done():
-        return
-    try:
-        entry.op.on_partial(partial.value)
-    except Exception:
-        log.exception("%s: its partial-result listener raised; the op decodes on",
-                      entry.op.kind)
-
-
-def _cancelled(op: Op, cause: BaseException | None = None) -> Cancelled:
-    seq = "" if op.seq_id is None else (f" (seq_id {op.seq_id} is taken: a retry of it gets "
-                                        "this answer)")
-    error = Cancelled(f"{op.kind}: cancelled before it finished: its caller stopped waiting "
-                      f"(cancel_future, or the client went away){seq}")
-    error.__cause__ = cause
-    return error
-
-
-def _wrapped(exc: BaseException) -> RuntimeError:
-    """A non-`Exception` (SystemExit, KeyboardInterrupt) must not escape into callers."""
-    error = RuntimeError(f"executor: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-def _fail_all(entries: list[Entry], exc: BaseException) -> None:
-    for entry in entries:
-        if not entry.future.done():
-            entry.future.set_exception(exc)
+        answer([entry for _, entry in chosen], results)
