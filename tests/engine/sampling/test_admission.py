@@ -32,10 +32,7 @@ def test_a_windows_layers_count_the_columns_they_keep_and_a_state_its_size():
     assert cost.positions(6) == 6 + 7          # shorter than the window: every column
     assert cost.positions(51) == 28            # (51 + 30) / 4, rounded up
     assert footprint(40, [10, 2], cost) == 27 + cost.positions(42)
-    # A shared copy holds the full layers' columns only; none for a model all windows.
-    assert cost.copied(40) == 10
-    assert RowCost(windowed=2, layers=2, window=10).copied(40) == 0
-    assert RowCost().positions(50) == 50 and RowCost().copied(40) == 40
+    assert RowCost().positions(50) == 50
     # Admission counts a joiner by its cost: two rows of 10 + 90 columns.
     waiting = [Waiting(rows=2, cached=0, suffix=10, max_tokens=90)]
     windows = RowCost(windowed=2, layers=2, window=20)

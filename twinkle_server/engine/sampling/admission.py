@@ -42,11 +42,6 @@ class RowCost:
                    + self.windowed * min(length, self.window))
         return -(-columns // self.layers) + self.state
 
-    def copied(self, columns: int) -> int:
-        """A shared copy of `columns` columns (`KVBatch.shared_prefix`), which holds the
-        full layers' only: a window's rows read their own."""
-        return -(-(self.layers - self.windowed) * columns // self.layers)
-
 
 PLAIN = RowCost()
 
@@ -100,8 +95,7 @@ def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capa
         alike = min(shared + new_width - width, new_width) if remaining else new_width
         need = footprint(new_width, new_rows, cost)
         alone = not remaining and not count     # an empty pool takes one without its copy
-        if need > capacity or (need + copies(new_groups, cost.copied(alike)) > capacity
-                               and not alone):
+        if need > capacity or (need + copies(new_groups, alike) > capacity and not alone):
             break
         if count and computed + request.suffix > prefill_tokens:
             break

@@ -241,7 +241,7 @@ class PoolBook:
         left unused by rows that stopped leave no room for."""
         self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining(),
                                                     self.cost)
-                          - copies(self._samples(), self.cost.copied(self._copied_width()))
+                          - copies(self._samples(), self._copied_width())
                           - self.batch.unused())
 
     def _leave(self) -> None:

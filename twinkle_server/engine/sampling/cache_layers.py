@@ -9,12 +9,14 @@ each kind keeps per row, and the functions that treat every kind alike.
   width (left padding never reaches them: padding positions enter a prefill zeroed by
   its mask, which keeps a state at zero). A step replaces a layer's states rather than
   writing into them (`StateLayer.checkpoint`), so `snapshot` keeps the states before it.
-* Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) of window W holds
-  the batch's last W - 1 columns once a step has run past them (`BufferedLayer.trim`),
-  and a decode step's mask keeps each row's last W positions of those and the new one
+* Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) of window W keeps
+  the batch's last W - 1 columns whenever it gets new buffers (a join, a `reserve`:
+  `BufferedLayer.trim`), so its buffers hold those and the spare columns the next steps
+  write, and its memory stops growing with the batch's width. A decode step's mask
+  keeps each row's last W positions of what it holds and the new one
   (`decode_attention.decode_mask`): a row's real positions are the last of its columns,
-  so its window lies within them. Its buffers hold W - 1 columns and the spare ones, so
-  its memory stops growing with the batch's width. Other local attention (chunked) is
+  so its window lies within them. Until its first trim it still holds the batch's first
+  columns, and a request's samples read their shared prompt there once. Other local attention (chunked) is
   not held: `unsupported_layers` names it, and the pool refuses such a model when it is
   made.
 """
@@ -49,8 +51,9 @@ class BufferedLayer(DynamicLayer):
 
     A sliding-window layer (`window` W) may hold only the batch's last columns, from
     column `offset` on (`trim` keeps W - 1, which a step's new column completes to the
-    window): it reports that offset to transformers' masks as its own sliding layer
-    does, and the batch's whole width as its length."""
+    window; the batch trims as it makes new buffers, so a window's buffers hold W - 1
+    columns and the spare ones): it reports that offset to transformers' masks as its
+    own sliding layer does, and the batch's whole width as its length."""
 
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     start = used = 0
@@ -71,7 +74,7 @@ class BufferedLayer(DynamicLayer):
 
     def trim(self) -> None:
         """A window's layer forgets its columns before its last W - 1 (views: the memory
-        goes when `hold` next copies); other layers keep every column."""
+        goes when `hold` copies them); other layers keep every column."""
         if self.window is None or self.keys is None:
             return
         excess = self.keys.shape[-2] - window_columns(self.window)

@@ -62,7 +62,8 @@ def left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 class SharedPrefix:
     """Columns `:width` of every row, held once per group of rows (a request's samples),
     which have them alike: per cache layer `keys`/`values` `[groups, H, width, D]` (None
-    for a layer that holds no keys, or a window's: its rows read their own). Every group has `samples` rows, and rows
+    for a layer that holds no keys, or a window's that no longer holds the batch's
+    first columns: its rows read their own). Every group has `samples` rows, and rows
     `g * samples ...` are group g's."""
 
     width: int
@@ -193,7 +194,6 @@ class KVBatch:
         for layer in self.kv_layers():
             layer.offset = self.width - layer.keys.shape[-2]
         self._drop_left(unused)
-        self._trim()
 
     @torch.inference_mode()
     def select(self, keep: Sequence[int]) -> None:
@@ -261,22 +261,27 @@ class KVBatch:
             return None
         lead = torch.arange(0, self.rows, size, device=self.device)
         layers = self.layers()
-        full = [is_kv(layer) and layer.window is None for layer in layers]
-        if not any(full):
+        whole = [is_kv(layer) and not layer.offset for layer in layers]
+        if not any(whole):
             return None
         return SharedPrefix(width, [layer.keys[lead, :, :width] if kv else None
-                                    for layer, kv in zip(layers, full, strict=True)],
+                                    for layer, kv in zip(layers, whole, strict=True)],
                             [layer.values[lead, :, :width] if kv else None
-                             for layer, kv in zip(layers, full, strict=True)], size)
+                             for layer, kv in zip(layers, whole, strict=True)], size)
 
     def reserve(self, extra: int) -> None:
         """Give every layer `extra` spare columns when some layer has none left, so that
-        the next steps write in place."""
+        the next steps write in place; a window's layers keep only their window in the
+        new buffers (`BufferedLayer.trim`)."""
         layers = self.kv_layers()
         if all(layer.spare() for layer in layers):
             return
+        offsets = [layer.offset for layer in layers]
         for layer in layers:
+            layer.trim()
             layer.hold(layer.keys, layer.values, extra)
+        if [layer.offset for layer in layers] != offsets:
+            self._forget_shared()   # a window's columns moved: its copy is no longer theirs
 
     def snapshot(self) -> tuple[Any, ...]:
         """What `restore` needs to undo a step (a state layer's own `checkpoint`: from
@@ -300,15 +305,9 @@ class KVBatch:
                 "position_ids": self.positions[:, None]}
 
     def advance(self, chosen: torch.Tensor) -> None:
-        """After a step: every row moves one position on, `chosen` its pending tokens,
-        and a window's layers forget the column the window has passed."""
+        """After a step: every row moves one position on, `chosen` its pending tokens."""
         self.positions = self.positions + 1
         self.pending = chosen
-        self._trim()
-
-    def _trim(self) -> None:
-        for layer in self.kv_layers():
-            layer.trim()
 
     def row_kv(self, row: int, mask_row: torch.Tensor | None = None) -> LayerKV:
         """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
