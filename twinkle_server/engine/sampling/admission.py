@@ -29,7 +29,10 @@ class RowCost:
     """KV positions a row of a given length takes: of `layers` attention layers,
     `windowed` hold at most `window` columns a row (a sliding window's W - 1 and the
     spare columns a step writes into), the others every column; its recurrent states
-    count as `state` positions. The default: every column of every layer, no state."""
+    count as `state` positions. The default: every column of every layer, no state.
+    A prefill's forward computes a window's layers over the whole prompt, as every layer,
+    before the join keeps only the window: that is the forward's working memory, not
+    what the pool holds."""
 
     state: int = 0
     windowed: int = 0

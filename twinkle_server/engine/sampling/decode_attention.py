@@ -54,9 +54,9 @@ def decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     mask = kwargs.get("attention_mask")
     positions = kwargs.get("cache_position")
     q_length = kwargs.get("q_length", None if positions is None else positions.numel())
-    offset = kwargs.get("kv_offset") or 0
+    offset, length = kwargs.get("kv_offset") or 0, kwargs.get("kv_length")
     if (not args and q_length == 1 and mask is not None and mask.dim() == 2
-            and mask.shape[-1] == offset + kwargs.get("kv_length", -1)):
+            and length is not None and mask.shape[-1] == offset + length):
         mask = mask[:, offset:]
         window = kwargs.get("local_size")
         if window is not None:
