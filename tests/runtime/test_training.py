@@ -35,19 +35,25 @@ async def _model(rt: Runtime, tenant: str = "alice") -> str:
     return info.entry.model_id
 
 
+async def _hold_worker(rt: Runtime) -> tuple[asyncio.Future, threading.Event]:
+    """Occupy the worker with an admin op until the returned event is set; returns once
+    the worker holds it (nothing queued after it can have run yet) with the op's future."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait()
+
+    busy = asyncio.ensure_future(rt.admin("hold the worker", hold))
+    assert await asyncio.to_thread(holding.wait, 60), "the worker never took the op"
+    return busy, release
+
+
 def test_set_loss_queued_behind_a_busy_worker_is_the_loss_the_next_forward_runs_with(
         runtime):
     async def scenario():
         mid = await _model(runtime)
-        holding, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            holding.set()
-            release.wait()
-
-        busy = asyncio.ensure_future(runtime.admin("hold the worker", hold))
-        # Only once the worker holds it can nothing queued after it have run yet.
-        assert await asyncio.to_thread(holding.wait, 60), "the worker never took the op"
+        busy, release = await _hold_worker(runtime)
         set_loss = asyncio.ensure_future(runtime.training.set_loss(
             "alice", OpRef(mid, 0), LossSpec("CrossEntropyLoss")))
         # Built (and checked) while set_loss still waits behind the held worker.
@@ -123,14 +129,7 @@ def test_a_merged_pass_takes_resident_runs_first_and_pages_in_only_what_it_runs(
         engine = rt.base_of(runs[0]).engine
         assert engine.paging_stats().resident_ids == set(runs[2:])
         before = engine.paging_stats().page_ins
-        holding, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            holding.set()
-            release.wait()
-
-        busy = asyncio.ensure_future(rt.admin("hold the worker", hold))
-        assert await asyncio.to_thread(holding.wait, 60), "the worker never took the op"
+        busy, release = await _hold_worker(rt)
         forwards = [asyncio.ensure_future(rt.training.forward(
             "alice", OpRef(mid, 1), rt.training.forward_request("alice", mid, _datums(), None,
                                                                 True))) for mid in runs]
