@@ -16,9 +16,9 @@ each kind keeps per row, and the functions that treat every kind alike.
   keeps each row's last W positions of what it holds and the new one
   (`decode_attention.decode_mask`): a row's real positions are the last of its columns,
   so its window lies within them. Until its first trim it still holds the batch's first
-  columns, and a request's samples read their shared prompt there once. Other local attention (chunked) is
-  not held: `unsupported_layers` names it, and the pool refuses such a model when it is
-  made.
+  columns, and a request's samples read their shared prompt there once. Other local
+  attention (chunked) is not held: `unsupported_layers` names it, and the pool refuses
+  such a model when it is made.
 """
 
 from __future__ import annotations

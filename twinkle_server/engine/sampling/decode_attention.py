@@ -48,8 +48,8 @@ def decode_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     padded). For a sliding-window layer (`local_size` W) each row sees its last W real
     positions, the new one among them, as transformers' window `q - W < k <= q` does;
     the row's real columns are its positions in order, padding left out. A layer that
-    holds only the batch's columns from `kv_offset` on gets those of the mask. Any other call:
-    sdpa's own mask, with the arguments as given (their names changed across
+    holds only the batch's columns from `kv_offset` on gets those of the mask. Any other
+    call: sdpa's own mask, with the arguments as given (their names changed across
     transformers 5.x)."""
     mask = kwargs.get("attention_mask")
     positions = kwargs.get("cache_position")

@@ -6,9 +6,9 @@ its attention mask, next positions and pending tokens.
   multi-LoRA router slices by row). Each row carries its last sampled token, not yet fed
   (`pending`): a step feeds that column for every row.
 * Steps in place. Keys and values are columns `start:used` of buffers with spare columns
-  (`cache_layers.BufferedLayer`, which records both): a step writes its column into the buffer, where
-  transformers' `DynamicLayer` would copy the whole cache. `reserve` gives the batch new
-  buffers when a step would find no spare column.
+  (`cache_layers.BufferedLayer`, which records both): a step writes its column into the
+  buffer, where transformers' `DynamicLayer` would copy the whole cache. `reserve` gives
+  the batch new buffers when a step would find no spare column.
 * Rows that leave move no other row where they can. `select` copies only the rows whose
   place changes, within the buffers, and `compaction` orders the kept rows so that few
   do: a row that stops is replaced by its route's last row (a request's samples may then
