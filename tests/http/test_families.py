@@ -8,10 +8,11 @@ Per family, Tinker's default `LoraConfig` (attention, MLP, unembed; experts per 
 trains 4 steps and the loss falls; the trained weights sample, and the sampler's logprobs
 of its own tokens, and its `compute_logprobs` of the whole sequence, are the trainer's;
 `save_weights_external` downloads through its signed URLs and loads in `peft` with the
-server's logprobs. The engine and peft, and the sampler's and the trainer's passes, add
-in different orders: they agree within the isolation contract's bounds
-(`tests/numerics.py`; recurrent mixers carry a state whose rounding grows along the
-sequence: STATE_LOGPROB_ATOL).
+server's logprobs; a hybrid's next turn, which extends the sample, reuses the cached
+prefix with its recurrent states and samples what the trainer scores. The engine and
+peft, and the sampler's and the trainer's passes, add in different orders: they agree
+within the isolation contract's bounds (`tests/numerics.py`; recurrent mixers carry a
+state whose rounding grows along the sequence: STATE_LOGPROB_ATOL).
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ def _training_client(client: tinker.ServiceClient, family: str, **switches: bool
         raise
 
 
+def _scored(training: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    """The trainer's logprob of each of `tokens` but the first."""
+    return training.forward(
+        [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                     loss_fn_inputs={"target_tokens": np.asarray(tokens[1:]),
+                                     "weights": np.ones(len(tokens) - 1, np.float32)})],
+        "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family, tmp_path):
     if family not in served:
@@ -108,17 +118,26 @@ def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family
                             ).result().sequences[0]
     assert len(sample.tokens) == 6
     full = prompt + sample.tokens
-    scored = training.forward(
-        [types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                     loss_fn_inputs={"target_tokens": np.asarray(full[1:]),
-                                     "weights": np.ones(len(full) - 1, np.float32)})],
-        "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    scored = _scored(training, full)
     np.testing.assert_allclose(sample.logprobs, scored[-len(sample.tokens):], atol=atol,
                                rtol=0)
     # The sampler scores the whole sequence as the trainer does (its first token: None).
     computed = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
     np.testing.assert_allclose(np.asarray(computed[1:], np.float32), scored, atol=atol,
                                rtol=0)
+    if family in MIXER_FAMILIES:
+        # The next turn extends the sample: it starts from the states the pool kept at
+        # the end of `full` (which `compute_logprobs` prefilled in this session), and
+        # samples what the trainer scores.
+        turn = full + [prompt[0]]
+        reply = sampler.sample(types.ModelInput.from_ints(turn), num_samples=1,
+                               sampling_params=types.SamplingParams(max_tokens=4, seed=6)
+                               ).result()
+        assert reply.prompt_cache_hit_tokens == len(full)
+        tokens = reply.sequences[0].tokens
+        np.testing.assert_allclose(reply.sequences[0].logprobs,
+                                   _scored(training, turn + tokens)[-len(tokens):],
+                                   atol=atol, rtol=0)
 
     # The export loads in peft with the server's logprobs, and the adapter matters.
     path = training.save_weights_external("final").result().path

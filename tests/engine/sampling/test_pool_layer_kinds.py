@@ -2,13 +2,15 @@
 attention (Qwen3.5, Qwen3-Next), Mamba2 (Nemotron-H) and a short convolution (LFM2) hold a
 state of fixed size per row beside the attention layers' keys and values
 (`cache_layers.StateLayer`). Sliding windows (Mistral, Gemma 3, gpt-oss with its attention
-sinks) hold every position and a decode step's mask keeps each row's window
-(`decode_attention`); the window here is 4 positions, so that every request outgrows it.
+sinks) keep the batch's last W - 1 columns and a decode step's mask keeps each row's
+window (`decode_attention`); the window here is 4 positions, so that every request
+outgrows it.
 
 Rows join mid-generation, leave when they stop, and are undone with a failed step with
 their states; seeded requests get what the static batch gives each alone, up to the
 first near tie (`draws.assert_sampled_alike`: another batch rounds the logits
-differently); admission counts each row's states; such models reuse no prefixes.
+differently); admission counts each row's states; a hybrid reuses a session's cached
+prefix whole, from the states kept at its end, and a windowed model reuses none.
 Random tiny models from the families' transformers config classes.
 """
 
@@ -162,15 +164,79 @@ def test_admission_counts_each_rows_recurrent_states(family):
     assert pool.stats().kv_in_use == 0
 
 
-def test_such_models_reuse_no_prefixes_and_say_so_in_their_counters(layered):
-    """The prefix cache keeps keys and values, not a recurrent state at a prefix's end,
-    and a joiner with a cached prefix has padding a window would count: a session's
-    repeat computes its whole prompt again, with the same draws."""
-    pool = _pool(layered)
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request) -> torch.nn.Module:
+    return _build(request.param)
+
+
+SESSION = ("session", "v1")
+
+
+def _turn(pool, hybrid) -> tuple[list[int], int]:
+    """A conversation's first turn in `pool`; its second turn's prompt (the first's prompt
+    and completion, and two new tokens) and how many of its tokens the first cached."""
+    first = list(range(10, 30))
+    pool.submit("first", _req(first, 1, max_tokens=5, seed=3), None, SESSION)
+    reply = [int(t) for t in _drain(pool, {})["first"].sequences[0].tokens]
+    return first + reply + [7, 8], len(first) + len(reply) - 1
+
+
+def test_a_hybrids_next_turn_goes_on_from_the_states_cached_at_its_prefixs_end(hybrid):
+    """The second turn computes only its new tokens, from the recurrent states kept with
+    the first turn's prompt and completion, and samples what computing its whole prompt
+    alone gives; twice, since a step writes a conv state in place and must not write
+    the cached one."""
+    pool = _pool(hybrid)
+    turn, cached = _turn(pool, hybrid)
+    for key in range(2):
+        request = _req(turn, 1, max_tokens=6, seed=4 + key)
+        pool.submit(key, request, None, SESSION)
+        reused = _drain(pool, {})[key]
+        assert reused.prompt_cache_hit_tokens == cached
+        assert_sampled_alike(_alone(hybrid, request), reused.sequences, str(key))
+
+
+def test_a_hybrid_reuses_no_prefix_that_ends_before_a_cached_entrys_end(hybrid):
+    """A state holds at its entry's end alone: a repeated prompt, or one that departs
+    from a cached entry within it, computes every token, and draws as a fresh one."""
+    pool = _pool(hybrid)
+    turn, _ = _turn(pool, hybrid)
+    for key, prompt in enumerate((list(range(10, 30)), list(range(10, 20)) + [1, 2, 3])):
+        request = _req(prompt, 2, max_tokens=6, seed=9)
+        pool.submit(key, request, None, SESSION)
+        result = _drain(pool, {})[key]
+        assert result.prompt_cache_hit_tokens == 0
+        assert_sampled_alike(_alone(hybrid, request), result.sequences, str(key))
+    assert pool.stats().prefix_hit_tokens == 0
+
+
+def test_a_joiner_with_a_cached_prefix_prefills_with_no_padding_after_it(hybrid):
+    """Joining in one slice beside a longer prompt, which would pad the short second
+    turn between its prefix and its new tokens, it is prefilled apart and both sample
+    what each gives alone."""
+    pool = _pool(hybrid)
+    turn, cached = _turn(pool, hybrid)
+    requests = {"turn": _req(turn, 1, max_tokens=6, seed=5),
+                "long": _req(list(range(40, 64)), 3, max_tokens=6, seed=6)}
+    for key, request in requests.items():
+        pool.submit(key, request, None, SESSION)
+    results = _drain(pool, {})
+    assert results["turn"].prompt_cache_hit_tokens == cached
+    for key, request in requests.items():
+        assert_sampled_alike(_alone(hybrid, request), results[key].sequences, key)
+    stats = pool.stats()
+    assert stats.prompt_tokens_computed == 20 + len(turn) - cached + 24
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_windowed_models_reuse_no_prefixes_and_say_so_in_their_counters(family):
+    """A joiner with a cached prefix has padding between it and its new tokens, which a
+    window would count: a session's repeat computes its whole prompt again, with the
+    same draws."""
+    pool = _pool(_build(family))
     outs = []
     for key in range(2):
-        pool.submit(key, _req([5, 6, 7, 8, 9], 1, max_tokens=6, seed=7), None,
-                    ("session", "v1"))
+        pool.submit(key, _req([5, 6, 7, 8, 9], 1, max_tokens=6, seed=7), None, SESSION)
         outs.append(_drain(pool, {})[key])
     stats = pool.stats()
     assert (stats.prefix_cache_tokens, stats.prefix_hit_tokens) == (0, 0)

@@ -36,3 +36,21 @@ def test_the_token_count_follows_every_entry_in_and_out():
     assert cache.tokens == 9 and cache.lookup(("t", "v"), np.arange(3))[1] == 2
     cache.fit(0)
     assert cache.tokens == 0 and not cache.evict_one()
+
+
+def test_a_hybrids_entries_are_reused_only_whole_and_count_their_states():
+    """A recurrent state holds at its entry's end: an entry gives all of its tokens or
+    none, and takes its tokens and `state` positions."""
+    cache = PrefixCache(state=6)
+    states = [(torch.zeros(1, 3, 4), torch.zeros(1, 2, 4, 4))]
+    cache.remember(("s", "v"), np.arange(10), _kv(10), states)
+    assert cache.tokens == 16
+    entry, reused = cache.lookup(("s", "v"), np.arange(12))
+    assert reused == 10 and entry is not None and entry.states is states
+    assert cache.lookup(("s", "v"), np.arange(10)) == (None, 0)       # 9 would be all
+    assert cache.lookup(("s", "v"), np.r_[np.arange(8), 0, 0, 0]) == (None, 0)
+    cache.remember(("s", "v"), np.arange(4), _kv(4), states)
+    assert cache.lookup(("s", "v"), np.arange(10))[1] == 4
+    assert cache.tokens == 26
+    cache.fit(10)
+    assert cache.tokens == 10

@@ -86,9 +86,9 @@ class PoolBook:
         batch_invariant: no shared prompt copies to keep room for (`engine.batch_invariant`).
         cost: KV positions a row takes, by its length (`admission.RowCost`).
         reuses_prefixes: whether a session's prompts reuse cached prefixes: not for a
-            model with recurrent layers (the prefix cache keeps keys and values, not the
-            states at a prefix's end) or sliding windows (a joiner with a cached prefix
-            has padding between it and its new tokens, which a window would count).
+            model with sliding windows (a joiner with a cached prefix has padding between
+            it and its new tokens, which a window would count). A model with recurrent
+            layers (`cost.state`) reuses a cached prefix only whole, with its states.
     """
 
     def __init__(self, capacity: int, prefill_tokens: int, device: torch.device,
@@ -100,7 +100,7 @@ class PoolBook:
         self.waiting: deque[PoolRequest] = deque()
         self.rows: list[PoolRow] = []
         self.batch = KVBatch(self.device, cost.state)
-        self.prefixes = PrefixCache()
+        self.prefixes = PrefixCache(state=cost.state)
         self.finished: list[tuple[Any, Generation | EngineError]] = []
         self.counters = PoolStats(kv_capacity=capacity)
         self._arrivals = 0
@@ -260,7 +260,7 @@ class PoolBook:
                 # Prompt + completion but its last token, which was never fed.
                 tokens = np.concatenate([np.asarray(request.sample.prompt, np.int64),
                                          np.asarray(row.tokens[:-1], np.int64)])
-                self.prefixes.remember(request.namespace, tokens, self.batch.row_kv(i))
+                self.prefixes.remember(request.namespace, tokens, *self.batch.row_prefix(i))
             if request.left == 0:
                 self._answer(request, Generation(
                     [token_step.sequence(r.tokens, r.logprobs, r.topk,

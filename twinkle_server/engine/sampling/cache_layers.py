@@ -36,6 +36,11 @@ except ImportError:  # before transformers 5.25 a hybrid's states live in its ow
     DummyLayer = LinearAttentionLayer = None
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per attention layer, keys and values."""
+StateRow = tuple[torch.Tensor | None, ...]
+"""One row's states in one recurrent layer, as `StateLayer.row` gives them."""
+RowStates = list[StateRow]
+"""A row's states, per recurrent layer."""
 
 
 def window_columns(window: int) -> int:
@@ -192,6 +197,27 @@ class StateLayer(LinearAttentionLayer or object):  # type: ignore[misc]
                 if states[i] is not None:
                     states[i] = next(given)
 
+    def row(self, row: int) -> StateRow:
+        """Row `row`'s states, copies (a decode step writes a conv state in place): conv
+        and recurrent per state index, None where the layer has no such state."""
+        return tuple(None if states[i] is None else states[i][row:row + 1].clone()
+                     for i in range(self.number_of_states)
+                     for states in (self.conv_states, self.recurrent_states))
+
+    def start_from(self, rows: Sequence[StateRow]) -> None:
+        """Make a fresh layer hold `rows`' states (each as `row` gives it), stacked, so
+        that a prefill goes on from them as from a previous forward of its own."""
+        for i in range(self.number_of_states):
+            conv = torch.cat([r[2 * i] for r in rows]) if rows[0][2 * i] is not None else None
+            if conv is not None:
+                self.conv_states[i], self.conv_kernel_size[i] = conv, conv.shape[-1]
+                self.is_conv_states_initialized[i] = True
+                self.device, self.dtype = conv.device, conv.dtype
+            if rows[0][2 * i + 1] is not None:
+                self.recurrent_states[i] = torch.cat([r[2 * i + 1] for r in rows])
+                self.is_recurrent_states_initialized[i] = True
+            self.has_previous_state[i] = True
+
     def checkpoint(self) -> tuple[torch.Tensor, ...]:
         """The states now, for `hold` to put back; the conv states, which a decode step
         writes in place (transformers' `causal_conv1d_update`), are given copies to
@@ -297,12 +323,13 @@ def unsupported_layers(config: Any) -> list[str]:
     return _named(config, None)
 
 
-def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
-    """A cache for `config`'s layers, holding `layers`' keys and values if any (a
-    prefill's cached prefixes, of a model whose layers are all attention): a
-    `BufferedLayer` for each attention layer (marked `is_sliding` for a sliding window,
-    so transformers sizes that mask against one, with its `window`), a `StateLayer` for
-    each recurrent one.
+def new_cache(config: Any, layers: LayerKV,
+              states: Sequence[Sequence[StateRow]] = ()) -> DynamicCache:
+    """A cache for `config`'s layers, holding `layers`' keys and values and `states`'
+    rows (per recurrent layer, each row's as `StateLayer.row` gives it) if any: a
+    prefill's cached prefixes. A `BufferedLayer` for each attention layer (marked
+    `is_sliding` for a sliding window, so transformers sizes that mask against one, with
+    its `window`), a `StateLayer` for each recurrent one.
 
     Raises:
         ValueError: a layer the pool cannot hold (`unsupported_layers`).
@@ -326,4 +353,7 @@ def new_cache(config: Any, layers: LayerKV) -> DynamicCache:
     kv = [layer for layer in cache.layers if is_kv(layer)]
     for layer, (keys, values) in zip(kv, layers, strict=False):
         layer.hold(keys, values)
+    for layer, rows in zip([layer for layer in cache.layers if is_state(layer)], states,
+                           strict=False):
+        layer.start_from(rows)
     return cache

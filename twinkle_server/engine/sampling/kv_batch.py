@@ -40,6 +40,8 @@ from transformers import DynamicCache
 from twinkle_server.engine.sampling.cache_layers import (
     BufferedLayer,
     LayerKV,
+    RowStates,
+    StateRow,
     hold_rows,
     is_kv,
     is_state,
@@ -309,10 +311,10 @@ class KVBatch:
         self.positions = self.positions + 1
         self.pending = chosen
 
-    def row_kv(self, row: int, mask_row: torch.Tensor | None = None) -> LayerKV:
+    def row_prefix(self, row: int) -> tuple[LayerKV, RowStates]:
         """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
-        view would keep the whole batch's tensors alive)."""
-        return row_kv(self.cache, row, self.mask[row] if mask_row is None else mask_row)
+        view would keep the whole batch's tensors alive), and its recurrent states."""
+        return row_kv(self.cache, row, self.mask[row]), row_states(self.cache, row)
 
 
 def compaction(routes: Sequence[Any], keep: Sequence[int]) -> list[int]:
@@ -369,10 +371,30 @@ def row_kv(cache: DynamicCache, row: int, mask_row: torch.Tensor) -> LayerKV:
             for layer in cache.layers if is_kv(layer)]
 
 
+def row_states(cache: DynamicCache, row: int) -> RowStates:
+    """Row `row`'s states in each recurrent layer of `cache`, as copies (none for a model
+    of attention alone)."""
+    return [layer.row(row) for layer in cache.layers if is_state(layer)]
+
+
 def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep rows `index` of `cache` (a prefill's), in that order."""
     for layer in cache.layers:
         hold_rows(layer, tuple(t[index] for t in row_tensors(layer)))
+
+
+def prefix_states(prefixes: Sequence[RowStates | None],
+                  cached: Sequence[int]) -> list[list[StateRow]]:
+    """Per recurrent layer, each joiner's states at its cached prefix's end (a joiner with
+    none starts from zero states, as a fresh layer would); none for a model of attention
+    alone."""
+    shape = next((p for p, n in zip(prefixes, cached, strict=True) if n and p), None)
+    if shape is None:
+        return []
+    return [[own[layer] if own is not None and n else
+             tuple(None if t is None else torch.zeros_like(t) for t in like)
+             for own, n in zip(prefixes, cached, strict=True)]
+            for layer, like in enumerate(shape)]
 
 
 def prefix_batch(prefixes: Sequence[LayerKV | None], cached: Sequence[int],

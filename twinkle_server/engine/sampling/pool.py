@@ -21,8 +21,11 @@ batch between decode steps.
 * Prefix reuse. A request may name a namespace (its sampling session and the version of
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
-  extends one computes only its new tokens. Not on a model with recurrent layers or
-  sliding windows (`PoolBook`'s `reuses_prefixes`).
+  extends one computes only its new tokens. A hybrid's entry keeps its recurrent layers'
+  states after its last token and is reused whole, by a prompt that extends every one
+  of its tokens (the next turn of a conversation), its prefill going on from those
+  states with no padding between (`_prefill_groups`). Not on a model with sliding
+  windows (`PoolBook`'s `reuses_prefixes`).
 * Faults stay with their request. Logits that are not finite fail that request alone
   (`tokens.not_finite`). A prefill that fails (out of memory, a device error) has changed
   nothing: with several joiners each is prefilled again alone, so only the one that
@@ -71,7 +74,13 @@ from twinkle_server.engine.sampling.cache_layers import (
     window_columns,
 )
 from twinkle_server.engine.sampling.decode_attention import decoding
-from twinkle_server.engine.sampling.kv_batch import prefix_batch, row_kv, select_rows
+from twinkle_server.engine.sampling.kv_batch import (
+    prefix_batch,
+    prefix_states,
+    row_kv,
+    row_states,
+    select_rows,
+)
 from twinkle_server.engine.sampling.static import Route, cache_keyword, forwarding, idle_step
 from twinkle_server.engine.types import Generation, Progress
 
@@ -145,7 +154,7 @@ class DecodePool(PoolBook):
         config = model.config
         super().__init__(capacity, prefill_tokens, weights.device, eos_token_ids,
                          batch_invariant, row_cost(config, weights.dtype),
-                         not (state_layers(config) or sliding_layers(config)))
+                         not sliding_layers(config))
         self.model, self.route, self.decode = model, route, decode
         self.pad = pad_token_id
         self.parallel, self.fault, self.clock = parallel, fault, clock
@@ -159,10 +168,10 @@ class DecodePool(PoolBook):
         `slice_s` seconds are up (one step at least); returns the requests finished, and
         the progress of streamed ones still decoding."""
         parallel = self.parallel
-        joiners = self._admit()
-        if parallel.any_rank(bool(joiners)):
-            if joiners:
-                self._prefill_apart(joiners)
+        groups = self._prefill_groups(self._admit())
+        while parallel.any_rank(bool(groups)):
+            if groups:
+                self._prefill_apart(groups.pop(0))
             else:
                 idle_step(self.model, self.route, self.pad, self.device)
         deadline = self.clock() + slice_s
@@ -179,6 +188,23 @@ class DecodePool(PoolBook):
         return self.take_finished() + self.progress()
 
     # ------------------------------------------------------------------ compute
+
+    def _prefill_groups(self, joiners: list[PoolRequest]) -> list[list[PoolRequest]]:
+        """The joiners by the prefill each joins in: one for all, but on a hybrid model a
+        joiner with a cached prefix must have no padding between that prefix's states and
+        its new tokens (padding would run through the states), so it joins with those
+        whose new tokens are as many as its own, and those without a prefix join the
+        longest."""
+        if not joiners:
+            return []
+        if not self.prefixes.state:
+            return [joiners]
+        longest = max(r.sample.prompt.size - r.cached for r in joiners)
+        groups: dict[int, list[PoolRequest]] = {}
+        for request in joiners:
+            new = request.sample.prompt.size - request.cached
+            groups.setdefault(new if request.cached else longest, []).append(request)
+        return list(groups.values())
 
     def _prefill_apart(self, joiners: list[PoolRequest]) -> None:
         """Prefill `joiners` together; if that fails, each alone, so that only a joiner
@@ -213,9 +239,11 @@ class DecodePool(PoolBook):
             positions[i, suffix - own.numel():] = torch.arange(request.cached, prompt.numel())
             mask[i, cached - request.cached:cached] = 1
             mask[i, cached + suffix - own.numel():] = 1
+        prefixes, lengths = [r.prefix for r in joiners], [r.cached for r in joiners]
         kv = new_cache(self.model.config, prefix_batch(
-            [r.prefix.layers if r.prefix is not None else None for r in joiners],
-            [r.cached for r in joiners], cached) if cached else [])
+            [p.layers if p is not None else None for p in prefixes], lengths, cached)
+            if cached else [], prefix_states(
+            [p.states if p is not None else None for p in prefixes], lengths))
         ids, positions, mask = (t.to(self.device) for t in (ids, positions, mask))
         with self.route([r.route for r in joiners]), forwarding(self.model,
                                                                 self.batch_invariant):
@@ -227,8 +255,8 @@ class DecodePool(PoolBook):
         rows = [PoolRow(r, s) for r in joiners for s in range(r.sample.num_samples)]
         drawn = self._draw(out.logits[:, -1].float()[index], rows)
         self._take(drawn, rows)
-        prompts = {id(r): (r.namespace, row_kv(kv, i, mask[i])) for i, r in enumerate(joiners)
-                   if r.namespace is not None and r.error is None}
+        prompts = {id(r): (r.namespace, row_kv(kv, i, mask[i]), row_states(kv, i))
+                   for i, r in enumerate(joiners) if r.namespace is not None and r.error is None}
         for request in joiners:
             request.rows = [row for row in rows if row.request is request]
             request.left = len(request.rows)
@@ -251,8 +279,9 @@ class DecodePool(PoolBook):
                     prefix_hit_tokens=sum(r.cached for r in joiners))
         for request in joiners:
             if id(request) in prompts:
-                namespace, layers = prompts[id(request)]
-                self.prefixes.remember(namespace, np.asarray(request.sample.prompt), layers)
+                namespace, layers, states = prompts[id(request)]
+                self.prefixes.remember(namespace, np.asarray(request.sample.prompt), layers,
+                                       states)
         self._leave()
 
     def _step(self) -> None:

@@ -6,36 +6,48 @@ crosses tenants or weight versions; each namespace keeps its `per_namespace` mos
 used entries. The cache counts the KV positions it holds (`tokens`), which live inside the
 pool's capacity: the pool evicts entries (least recently used namespace first) whenever
 its rows need the room (`fit`), so the two together never pass the pool's bound.
+
+A hybrid model's entry also keeps its recurrent layers' states after its last token
+(`Prefix.states`), which count as `state` positions. A state holds at that position
+only, so such an entry is reused whole or not at all: a later prompt must extend every
+one of its tokens (the next turn of a conversation extends the last prompt and its
+completion), where an attention model's entry gives any prefix it shares.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
+
+from twinkle_server.engine.sampling.cache_layers import LayerKV, RowStates
 
 PREFIX_ENTRIES_PER_NAMESPACE = 8
 """Prompts kept per sampling session for prefix reuse (least recently used evicted)."""
 
 Namespace = tuple[str, str]
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(eq=False)
 class Prefix:
-    """A cached sequence's KV: `tokens` and per layer keys and values `[1, H, len, D]`."""
+    """A cached sequence: `tokens`, per attention layer keys and values `[1, H, len, D]`,
+    and per recurrent layer the states after its last token (none for a model of
+    attention alone)."""
 
     tokens: np.ndarray
     layers: LayerKV
+    states: RowStates = field(default_factory=list)
 
 
 class PrefixCache:
     """Cached prefixes by namespace, least recently used first."""
 
-    def __init__(self, per_namespace: int = PREFIX_ENTRIES_PER_NAMESPACE) -> None:
-        self.per_namespace = per_namespace
+    def __init__(self, per_namespace: int = PREFIX_ENTRIES_PER_NAMESPACE,
+                 state: int = 0) -> None:
+        """`state`: KV positions an entry's recurrent states take, for a hybrid model
+        (whose entries are then reused only whole); 0 for a model of attention alone."""
+        self.per_namespace, self.state = per_namespace, state
         self._entries: OrderedDict[Namespace, OrderedDict[bytes, Prefix]] = OrderedDict()
         self.tokens = 0
         """KV positions held by every entry."""
@@ -43,13 +55,16 @@ class PrefixCache:
     def lookup(self, namespace: Namespace, prompt: np.ndarray) -> tuple[Prefix | None, int]:
         """The namespace's entry sharing the longest prefix with `prompt`, and how many of
         its tokens are reused: at most all but the prompt's last (whose logits the
-        prefill must compute). (None, 0) when nothing is shared."""
+        prefill must compute), and for a hybrid's entry all of them or none. (None, 0)
+        when nothing is shared."""
         entries = self._entries.get(namespace)
         best, best_len = None, 0
         for key, entry in (entries or {}).items():
             n = min(entry.tokens.size, prompt.size - 1)
             differ = np.flatnonzero(entry.tokens[:n] != prompt[:n])
             common = int(differ[0]) if differ.size else n
+            if self.state and common < entry.tokens.size:
+                continue
             if common > best_len:
                 best, best_len = key, common
         if best is None or entries is None:
@@ -58,24 +73,29 @@ class PrefixCache:
         self._entries.move_to_end(namespace)
         return entries[best], best_len
 
-    def remember(self, namespace: Namespace, tokens: np.ndarray, layers: LayerKV) -> None:
-        """Keep `tokens`' KV (copies, one row) under `namespace` as its newest entry."""
+    def remember(self, namespace: Namespace, tokens: np.ndarray, layers: LayerKV,
+                 states: RowStates | None = None) -> None:
+        """Keep `tokens`' KV and a hybrid's `states` after them (copies, one row) under
+        `namespace` as its newest entry."""
         entries = self._entries.setdefault(namespace, OrderedDict())
         self._entries.move_to_end(namespace)
         key = tokens.tobytes()
         if key in entries:
-            self.tokens -= entries.pop(key).tokens.size
-        entries[key] = Prefix(tokens, layers)
-        self.tokens += tokens.size
+            self.tokens -= self._positions(entries.pop(key))
+        entries[key] = Prefix(tokens, layers, states or [])
+        self.tokens += self._positions(entries[key])
         while len(entries) > self.per_namespace:
-            self.tokens -= entries.popitem(last=False)[1].tokens.size
+            self.tokens -= self._positions(entries.popitem(last=False)[1])
+
+    def _positions(self, entry: Prefix) -> int:
+        return entry.tokens.size + self.state
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
         while self._entries:
             namespace, entries = next(iter(self._entries.items()))
             if entries:
-                self.tokens -= entries.popitem(last=False)[1].tokens.size
+                self.tokens -= self._positions(entries.popitem(last=False)[1])
                 return True
             del self._entries[namespace]
         return False
