@@ -7,12 +7,13 @@ pool (a hybrid's recurrent states, a sliding window and gpt-oss's sinks too).
 Per family, Tinker's default `LoraConfig` (attention, MLP, unembed; experts per expert)
 trains 4 steps and the loss falls; the trained weights sample, and the sampler's logprobs
 of its own tokens, and its `compute_logprobs` of the whole sequence, are the trainer's;
+the next turn, which extends the sample, reuses the cached prefix (with a hybrid's
+recurrent states, a window's last positions) and samples what the trainer scores;
 `save_weights_external` downloads through its signed URLs and loads in `peft` with the
-server's logprobs; a hybrid's next turn, which extends the sample, reuses the cached
-prefix with its recurrent states and samples what the trainer scores. The engine and
-peft, and the sampler's and the trainer's passes, add in different orders: they agree
-within the isolation contract's bounds (`tests/numerics.py`; recurrent mixers carry a
-state whose rounding grows along the sequence: STATE_LOGPROB_ATOL).
+server's logprobs. The engine and peft, and the sampler's and the trainer's passes, add
+in different orders: they agree within the isolation contract's bounds
+(`tests/numerics.py`; recurrent mixers carry a state whose rounding grows along the
+sequence: STATE_LOGPROB_ATOL).
 """
 
 from __future__ import annotations
@@ -125,19 +126,18 @@ def test_the_sdks_default_lora_trains_samples_and_exports_to_peft(served, family
     computed = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
     np.testing.assert_allclose(np.asarray(computed[1:], np.float32), scored, atol=atol,
                                rtol=0)
-    if family in MIXER_FAMILIES:
-        # The next turn extends the sample: it starts from the states the pool kept at
-        # the end of `full` (which `compute_logprobs` prefilled in this session), and
-        # samples what the trainer scores.
-        turn = full + [prompt[0]]
-        reply = sampler.sample(types.ModelInput.from_ints(turn), num_samples=1,
-                               sampling_params=types.SamplingParams(max_tokens=4, seed=6)
-                               ).result()
-        assert reply.prompt_cache_hit_tokens == len(full)
-        tokens = reply.sequences[0].tokens
-        np.testing.assert_allclose(reply.sequences[0].logprobs,
-                                   _scored(training, turn + tokens)[-len(tokens):],
-                                   atol=atol, rtol=0)
+    # The next turn extends the sample: it goes on from what the pool kept at the end
+    # of `full` (which `compute_logprobs` prefilled in this session: keys and values, a
+    # window's last ones, a hybrid's states), and samples what the trainer scores.
+    turn = full + [prompt[0]]
+    reply = sampler.sample(types.ModelInput.from_ints(turn), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=4, seed=6)
+                           ).result()
+    assert reply.prompt_cache_hit_tokens == len(full)
+    tokens = reply.sequences[0].tokens
+    np.testing.assert_allclose(reply.sequences[0].logprobs,
+                               _scored(training, turn + tokens)[-len(tokens):],
+                               atol=atol, rtol=0)
 
     # The export loads in peft with the server's logprobs, and the adapter matters.
     path = training.save_weights_external("final").result().path

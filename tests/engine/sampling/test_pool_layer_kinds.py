@@ -9,8 +9,8 @@ outgrows it.
 Rows join mid-generation, leave when they stop, and are undone with a failed step with
 their states; seeded requests get what the static batch gives each alone, up to the
 first near tie (`draws.assert_sampled_alike`: another batch rounds the logits
-differently); admission counts each row's states; a hybrid reuses a session's cached
-prefix whole, from the states kept at its end, and a windowed model reuses none.
+differently); admission counts each row's states; a session's cached prefix is reused
+whole, from the states or the window's positions kept at its end.
 Random tiny models from the families' transformers config classes.
 """
 
@@ -164,15 +164,10 @@ def test_admission_counts_each_rows_recurrent_states(family):
     assert pool.stats().kv_in_use == 0
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
-def hybrid(request) -> torch.nn.Module:
-    return _build(request.param)
-
-
 SESSION = ("session", "v1")
 
 
-def _turn(pool, hybrid) -> tuple[list[int], int]:
+def _turn(pool, model) -> tuple[list[int], int]:
     """A conversation's first turn in `pool`; its second turn's prompt (the first's prompt
     and completion, and two new tokens) and how many of its tokens the first cached."""
     first = list(range(10, 30))
@@ -181,41 +176,42 @@ def _turn(pool, hybrid) -> tuple[list[int], int]:
     return first + reply + [7, 8], len(first) + len(reply) - 1
 
 
-def test_a_hybrids_next_turn_goes_on_from_the_states_cached_at_its_prefixs_end(hybrid):
+def test_the_next_turn_goes_on_from_what_the_cache_kept_at_its_prefixs_end(layered):
     """The second turn computes only its new tokens, from the recurrent states kept with
-    the first turn's prompt and completion, and samples what computing its whole prompt
-    alone gives; twice, since a step writes a conv state in place and must not write
-    the cached one."""
-    pool = _pool(hybrid)
-    turn, cached = _turn(pool, hybrid)
+    the first turn's prompt and completion or a window's last positions, and samples
+    what computing its whole prompt alone gives; twice, since a step writes a conv state
+    in place and must not write the cached one."""
+    pool = _pool(layered)
+    turn, cached = _turn(pool, layered)
     for key in range(2):
         request = _req(turn, 1, max_tokens=6, seed=4 + key)
         pool.submit(key, request, None, SESSION)
         reused = _drain(pool, {})[key]
         assert reused.prompt_cache_hit_tokens == cached
-        assert_sampled_alike(_alone(hybrid, request), reused.sequences, str(key))
+        assert_sampled_alike(_alone(layered, request), reused.sequences, str(key))
 
 
-def test_a_hybrid_reuses_no_prefix_that_ends_before_a_cached_entrys_end(hybrid):
-    """A state holds at its entry's end alone: a repeated prompt, or one that departs
-    from a cached entry within it, computes every token, and draws as a fresh one."""
-    pool = _pool(hybrid)
-    turn, _ = _turn(pool, hybrid)
+def test_no_prefix_is_reused_that_ends_before_a_cached_entrys_end(layered):
+    """A state, or a window's last positions, hold at its entry's end alone: a repeated
+    prompt, or one that departs from a cached entry within it, computes every token and
+    draws as a fresh one."""
+    pool = _pool(layered)
+    _turn(pool, layered)
     for key, prompt in enumerate((list(range(10, 30)), list(range(10, 20)) + [1, 2, 3])):
         request = _req(prompt, 2, max_tokens=6, seed=9)
         pool.submit(key, request, None, SESSION)
         result = _drain(pool, {})[key]
         assert result.prompt_cache_hit_tokens == 0
-        assert_sampled_alike(_alone(hybrid, request), result.sequences, str(key))
+        assert_sampled_alike(_alone(layered, request), result.sequences, str(key))
     assert pool.stats().prefix_hit_tokens == 0
 
 
-def test_a_joiner_with_a_cached_prefix_prefills_with_no_padding_after_it(hybrid):
+def test_a_joiner_with_a_cached_prefix_prefills_with_no_padding_after_it(layered):
     """Joining in one slice beside a longer prompt, which would pad the short second
     turn between its prefix and its new tokens, it is prefilled apart and both sample
     what each gives alone."""
-    pool = _pool(hybrid)
-    turn, cached = _turn(pool, hybrid)
+    pool = _pool(layered)
+    turn, cached = _turn(pool, layered)
     requests = {"turn": _req(turn, 1, max_tokens=6, seed=5),
                 "long": _req(list(range(40, 64)), 3, max_tokens=6, seed=6)}
     for key, request in requests.items():
@@ -223,26 +219,9 @@ def test_a_joiner_with_a_cached_prefix_prefills_with_no_padding_after_it(hybrid)
     results = _drain(pool, {})
     assert results["turn"].prompt_cache_hit_tokens == cached
     for key, request in requests.items():
-        assert_sampled_alike(_alone(hybrid, request), results[key].sequences, key)
+        assert_sampled_alike(_alone(layered, request), results[key].sequences, key)
     stats = pool.stats()
     assert stats.prompt_tokens_computed == 20 + len(turn) - cached + 24
-
-
-@pytest.mark.parametrize("family", WINDOWED)
-def test_windowed_models_reuse_no_prefixes_and_say_so_in_their_counters(family):
-    """A joiner with a cached prefix has padding between it and its new tokens, which a
-    window would count: a session's repeat computes its whole prompt again, with the
-    same draws."""
-    pool = _pool(_build(family))
-    outs = []
-    for key in range(2):
-        pool.submit(key, _req([5, 6, 7, 8, 9], 1, max_tokens=6, seed=7), None, SESSION)
-        outs.append(_drain(pool, {})[key])
-    stats = pool.stats()
-    assert (stats.prefix_cache_tokens, stats.prefix_hit_tokens) == (0, 0)
-    assert stats.prompt_tokens_computed == 10
-    assert [list(s.tokens) for s in outs[0].sequences] == [list(s.tokens)
-                                                           for s in outs[1].sequences]
 
 
 def _fault(exc: BaseException, what: str):

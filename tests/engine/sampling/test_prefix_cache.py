@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from twinkle_server.engine.sampling.admission import RowCost
 from twinkle_server.engine.sampling.prefix_cache import PrefixCache
 
 
@@ -40,8 +41,8 @@ def test_the_token_count_follows_every_entry_in_and_out():
 
 def test_a_hybrids_entries_are_reused_only_whole_and_count_their_states():
     """A recurrent state holds at its entry's end: an entry gives all of its tokens or
-    none, and takes its tokens and `state` positions."""
-    cache = PrefixCache(state=6)
+    none, and takes its tokens and the state's positions."""
+    cache = PrefixCache(cost=RowCost(state=6))
     states = [(torch.zeros(1, 3, 4), torch.zeros(1, 2, 4, 4))]
     cache.remember(("s", "v"), np.arange(10), _kv(10), states)
     assert cache.tokens == 16
@@ -54,3 +55,14 @@ def test_a_hybrids_entries_are_reused_only_whole_and_count_their_states():
     assert cache.tokens == 26
     cache.fit(10)
     assert cache.tokens == 10
+
+
+def test_a_windowed_models_entries_are_reused_only_whole_and_count_as_its_rows():
+    """One of two layers keeps a window of 4: an entry of 10 tokens takes (10 + 4) / 2
+    positions, as a row of 10 does, and gives all of its tokens or none."""
+    cost = RowCost(windowed=1, layers=2, window=4)
+    cache = PrefixCache(cost=cost)
+    cache.remember(("s", "v"), np.arange(10), _kv(10))
+    assert cache.tokens == cost.positions(10) == 7
+    assert cache.lookup(("s", "v"), np.arange(11))[1] == 10
+    assert cache.lookup(("s", "v"), np.arange(10)) == (None, 0)

@@ -85,22 +85,17 @@ class PoolBook:
         eos: stop tokens of requests without `ignore_eos`.
         batch_invariant: no shared prompt copies to keep room for (`engine.batch_invariant`).
         cost: KV positions a row takes, by its length (`admission.RowCost`).
-        reuses_prefixes: whether a session's prompts reuse cached prefixes: not for a
-            model with sliding windows (a joiner with a cached prefix has padding between
-            it and its new tokens, which a window would count). A model with recurrent
-            layers (`cost.state`) reuses a cached prefix only whole, with its states.
     """
 
     def __init__(self, capacity: int, prefill_tokens: int, device: torch.device,
-                 eos: Sequence[int], batch_invariant: bool, cost: RowCost = PLAIN,
-                 reuses_prefixes: bool = True) -> None:
+                 eos: Sequence[int], batch_invariant: bool, cost: RowCost = PLAIN) -> None:
         self.capacity, self.prefill_tokens = capacity, prefill_tokens
         self.device, self.eos, self.batch_invariant = device, tuple(eos), batch_invariant
-        self.cost, self.reuses_prefixes = cost, reuses_prefixes
+        self.cost = cost
         self.waiting: deque[PoolRequest] = deque()
         self.rows: list[PoolRow] = []
         self.batch = KVBatch(self.device, cost.state)
-        self.prefixes = PrefixCache(state=cost.state)
+        self.prefixes = PrefixCache(cost=cost)
         self.finished: list[tuple[Any, Generation | EngineError]] = []
         self.counters = PoolStats(kv_capacity=capacity)
         self._arrivals = 0
@@ -109,17 +104,15 @@ class PoolBook:
     def submit(self, key: Any, request: SampleRequest, route: str | None,
                namespace: Namespace | None = None) -> None:
         """Queue a checked request routed to `route`; its result comes out of a later
-        `run` under `key`. `namespace` (session, weights version) enables prefix reuse,
-        where the model allows it (`reuses_prefixes`)."""
+        `run` under `key`. `namespace` (session, weights version) enables prefix reuse."""
         refusal = never_fits(request, self.capacity, self.cost)
         if refusal is not None:
             self.answer(key, refusal)
             return
         self._arrivals += 1
         self.waiting.append(PoolRequest(
-            key, request, route, namespace if self.reuses_prefixes else None,
-            token_step.new_generator(request.params.seed,
-                                                                     self.device),
+            key, request, route, namespace,
+            token_step.new_generator(request.params.seed, self.device),
             token_step.stop_tokens(request.params, self.eos), self._arrivals))
         self._publish()
 

@@ -365,10 +365,18 @@ def _unused_left(mask: torch.Tensor) -> int:
 
 
 def row_kv(cache: DynamicCache, row: int, mask_row: torch.Tensor) -> LayerKV:
-    """Row `row` of `cache` at the positions `mask_row` keeps, as `[1, H, n, D]` copies."""
-    columns = torch.nonzero(mask_row).squeeze(-1)
-    return [(layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns])
-            for layer in cache.layers if is_kv(layer)]
+    """Row `row` of `cache` at the positions `mask_row` (the batch's width) keeps, as
+    `[1, H, n, D]` copies: of a window's layer, its last W - 1 positions, all a later
+    position's window reads."""
+    kv = []
+    for layer in cache.layers:
+        if not is_kv(layer):
+            continue
+        columns = torch.nonzero(mask_row[layer.offset:]).squeeze(-1)
+        if layer.window is not None:
+            columns = columns[-window_columns(layer.window):]
+        kv.append((layer.keys[row:row + 1, :, columns], layer.values[row:row + 1, :, columns]))
+    return kv
 
 
 def row_states(cache: DynamicCache, row: int) -> RowStates:
@@ -400,7 +408,9 @@ def prefix_states(prefixes: Sequence[RowStates | None],
 def prefix_batch(prefixes: Sequence[LayerKV | None], cached: Sequence[int],
                  width: int) -> LayerKV:
     """Per layer, the first `cached[i]` positions of each joiner's cached prefix as one
-    batch `[n, H, width, D]`, right-aligned (a joiner with none is all padding)."""
+    batch `[n, H, width, D]`, right-aligned (a joiner with none is all padding). A
+    window's layer holds the last positions of a prefix reused whole, right-aligned
+    too, and zeros before them: a window no new position reaches back to."""
     shape = next(p for p, n in zip(prefixes, cached, strict=True) if n and p is not None)
     layers = []
     for layer, (keys, values) in enumerate(shape):

@@ -22,10 +22,10 @@ batch between decode steps.
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
   extends one computes only its new tokens. A hybrid's entry keeps its recurrent layers'
-  states after its last token and is reused whole, by a prompt that extends every one
-  of its tokens (the next turn of a conversation), its prefill going on from those
-  states with no padding between (`_prefill_groups`). Not on a model with sliding
-  windows (`PoolBook`'s `reuses_prefixes`).
+  states after its last token, a sliding window's layers their last W - 1 positions:
+  such an entry is reused whole, by a prompt that extends every one of its tokens (the
+  next turn of a conversation), its prefill going on from it with no padding between
+  (`_prefill_groups`), which the states would run through and a window would count.
 * Faults stay with their request. Logits that are not finite fail that request alone
   (`tokens.not_finite`). A prefill that fails (out of memory, a device error) has changed
   nothing: with several joiners each is prefilled again alone, so only the one that
@@ -68,7 +68,6 @@ from twinkle_server.engine.sampling.book import PoolBook, PoolRequest, PoolRow
 from twinkle_server.engine.sampling.cache_layers import (
     attention_windows,
     new_cache,
-    sliding_layers,
     state_layers,
     unsupported_layers,
     window_columns,
@@ -153,8 +152,7 @@ class DecodePool(PoolBook):
         weights = next(model.parameters())
         config = model.config
         super().__init__(capacity, prefill_tokens, weights.device, eos_token_ids,
-                         batch_invariant, row_cost(config, weights.dtype),
-                         not sliding_layers(config))
+                         batch_invariant, row_cost(config, weights.dtype))
         self.model, self.route, self.decode = model, route, decode
         self.pad = pad_token_id
         self.parallel, self.fault, self.clock = parallel, fault, clock
@@ -190,14 +188,15 @@ class DecodePool(PoolBook):
     # ------------------------------------------------------------------ compute
 
     def _prefill_groups(self, joiners: list[PoolRequest]) -> list[list[PoolRequest]]:
-        """The joiners by the prefill each joins in: one for all, but on a hybrid model a
-        joiner with a cached prefix must have no padding between that prefix's states and
-        its new tokens (padding would run through the states), so it joins with those
-        whose new tokens are as many as its own, and those without a prefix join the
-        longest."""
+        """The joiners by the prefill each joins in: one for all, but on a model whose
+        prefixes are reused whole (recurrent states, sliding windows) a joiner with a
+        cached prefix must have no padding between that prefix and its new tokens
+        (padding would run through the states, and a window would count it), so it
+        joins with those whose new tokens are as many as its own, and those without a
+        prefix join the longest."""
         if not joiners:
             return []
-        if not self.prefixes.state:
+        if not self.prefixes.whole:
             return [joiners]
         longest = max(r.sample.prompt.size - r.cached for r in joiners)
         groups: dict[int, list[PoolRequest]] = {}

@@ -7,11 +7,13 @@ used entries. The cache counts the KV positions it holds (`tokens`), which live 
 pool's capacity: the pool evicts entries (least recently used namespace first) whenever
 its rows need the room (`fit`), so the two together never pass the pool's bound.
 
-A hybrid model's entry also keeps its recurrent layers' states after its last token
-(`Prefix.states`), which count as `state` positions. A state holds at that position
-only, so such an entry is reused whole or not at all: a later prompt must extend every
-one of its tokens (the next turn of a conversation extends the last prompt and its
-completion), where an attention model's entry gives any prefix it shares.
+An entry holds what a row of its length holds in the pool, and counts as such a row
+(`admission.RowCost`): a hybrid's also keeps its recurrent layers' states after its last
+token (`Prefix.states`), a sliding window's layers only their last W - 1 positions.
+Both hold for the entry's end alone, so on such a model an entry is reused whole or not
+at all (`whole`): a later prompt must extend every one of its tokens (the next turn of a
+conversation extends the last prompt and its completion), where an entry of full
+attention alone gives any prefix it shares.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from twinkle_server.engine.sampling.admission import PLAIN, RowCost
 from twinkle_server.engine.sampling.cache_layers import LayerKV, RowStates
 
 PREFIX_ENTRIES_PER_NAMESPACE = 8
@@ -31,9 +34,9 @@ Namespace = tuple[str, str]
 
 @dataclass(eq=False)
 class Prefix:
-    """A cached sequence: `tokens`, per attention layer keys and values `[1, H, len, D]`,
-    and per recurrent layer the states after its last token (none for a model of
-    attention alone)."""
+    """A cached sequence: `tokens`, per attention layer keys and values `[1, H, n, D]`
+    (a window's layer: its last positions), and per recurrent layer the states after
+    its last token (none for a model of attention alone)."""
 
     tokens: np.ndarray
     layers: LayerKV
@@ -44,10 +47,11 @@ class PrefixCache:
     """Cached prefixes by namespace, least recently used first."""
 
     def __init__(self, per_namespace: int = PREFIX_ENTRIES_PER_NAMESPACE,
-                 state: int = 0) -> None:
-        """`state`: KV positions an entry's recurrent states take, for a hybrid model
-        (whose entries are then reused only whole); 0 for a model of attention alone."""
-        self.per_namespace, self.state = per_namespace, state
+                 cost: RowCost = PLAIN) -> None:
+        """`cost`: the KV positions an entry takes, as a row of its length; a model with
+        recurrent states or sliding windows reuses its entries only whole."""
+        self.per_namespace, self.cost = per_namespace, cost
+        self.whole = bool(cost.state or cost.windowed)
         self._entries: OrderedDict[Namespace, OrderedDict[bytes, Prefix]] = OrderedDict()
         self.tokens = 0
         """KV positions held by every entry."""
@@ -55,7 +59,7 @@ class PrefixCache:
     def lookup(self, namespace: Namespace, prompt: np.ndarray) -> tuple[Prefix | None, int]:
         """The namespace's entry sharing the longest prefix with `prompt`, and how many of
         its tokens are reused: at most all but the prompt's last (whose logits the
-        prefill must compute), and for a hybrid's entry all of them or none. (None, 0)
+        prefill must compute), and of a `whole` entry all of them or none. (None, 0)
         when nothing is shared."""
         entries = self._entries.get(namespace)
         best, best_len = None, 0
@@ -63,7 +67,7 @@ class PrefixCache:
             n = min(entry.tokens.size, prompt.size - 1)
             differ = np.flatnonzero(entry.tokens[:n] != prompt[:n])
             common = int(differ[0]) if differ.size else n
-            if self.state and common < entry.tokens.size:
+            if self.whole and common < entry.tokens.size:
                 continue
             if common > best_len:
                 best, best_len = key, common
@@ -88,7 +92,7 @@ class PrefixCache:
             self.tokens -= self._positions(entries.popitem(last=False)[1])
 
     def _positions(self, entry: Prefix) -> int:
-        return entry.tokens.size + self.state
+        return self.cost.positions(entry.tokens.size)
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry; False when there is none."""
