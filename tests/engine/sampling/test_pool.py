@@ -168,6 +168,27 @@ def test_a_request_that_cannot_fit_even_without_cached_prefixes_leaves_them_cach
         pool.run(0.0)
 
 
+def test_cached_prefixes_make_way_for_every_waiting_request_that_would_then_fit(model):
+    """A session's two entries hold 61 of 100 positions; two requests of 20 each wait. The
+    cache gives up its oldest entry so that both join at once: they once joined one a
+    slice while anything at all could join, decoding apart what could run as one batch.
+    The newest entry stays."""
+    pool = _pool(model, capacity=100)
+    pool.submit("first", _req(list(range(20, 50)), 1, max_tokens=2, seed=1,
+                              ignore_eos=True), None, ("session", "v1"))
+    _drain(pool)
+    assert pool.prefixes.tokens == 30 + 31
+    requests = [_req(list(range(60 + i, 70 + i)), 1, max_tokens=10, seed=2 + i,
+                     ignore_eos=True) for i in range(2)]
+    for i, request in enumerate(requests):
+        pool.submit(i, request, None)
+    results = dict(pool.run(0.0))
+    assert (len(pool.rows), len(pool.waiting), pool.prefixes.tokens) == (2, 0, 31)
+    _drain(pool, results)
+    for i, request in enumerate(requests):
+        _same(_alone(model, request), results[i].sequences)
+
+
 def test_a_full_pool_queues_requests_then_serves_them(model):
     # Each request needs 2 x (4 + 8) = 24 positions alone; 30 hold one at a time.
     pool = _pool(model, capacity=30)

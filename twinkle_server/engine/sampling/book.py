@@ -210,10 +210,11 @@ class PoolBook:
                         r.sample.params.max_tokens) for r in self.waiting],
                 room, self.prefill_tokens, self._samples(), self._copied_width(), self.cost)
         count = plan(self.capacity - self.prefixes.tokens)
-        # Cached prefixes make way for the next request only where that lets it join.
-        if not count and self.waiting and plan(self.capacity):
-            while not count and self.prefixes.evict_one():
-                count = plan(self.capacity - self.prefixes.tokens)
+        # Cached prefixes, least recently used first, make way for as many waiting
+        # requests as could join without any: only where that lets more of them join.
+        most = plan(self.capacity) if self.prefixes.tokens else count
+        while count < most and self.prefixes.evict_one():
+            count = plan(self.capacity - self.prefixes.tokens)
         return [self.waiting.popleft() for _ in range(count)]
 
     def _remaining(self) -> list[int]:

@@ -208,8 +208,8 @@ class StateLayer(LinearAttentionLayer or object):  # type: ignore[misc]
         """Make a fresh layer hold `rows`' states (each as `row` gives it), stacked, so
         that a prefill goes on from them as from a previous forward of its own."""
         for i in range(self.number_of_states):
-            conv = torch.cat([r[2 * i] for r in rows]) if rows[0][2 * i] is not None else None
-            if conv is not None:
+            if rows[0][2 * i] is not None:
+                conv = torch.cat([r[2 * i] for r in rows])
                 self.conv_states[i], self.conv_kernel_size[i] = conv, conv.shape[-1]
                 self.is_conv_states_initialized[i] = True
                 self.device, self.dtype = conv.device, conv.dtype
