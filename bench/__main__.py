@@ -12,10 +12,11 @@ from bench import (
     split,
     tinker_compat,
     tinker_http,
+    turns,
 )
 
 for module in (codec, engine, distributed, server, tinker_compat, tinker_http, sampling,
-               limit):
+               limit, turns):
     print(f"== {module.__name__}")
     module.main()
     print()
