@@ -17,8 +17,7 @@ computed and reused (the pool's counters), and the ratio. A hybrid's or a window
 prefix is reused only whole, which the next turn of a conversation is.
 
 Run: `.venv/bin/python -m bench.turns` (about seven minutes on 2 CPU cores; also part of
-`make bench`). Figures
-measure and print; nothing passes or fails on time.
+`make bench`). Figures measure and print; nothing passes or fails on time.
 """
 
 from __future__ import annotations
