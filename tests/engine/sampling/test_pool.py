@@ -19,6 +19,7 @@ from twinkle_server.engine.types import Generation, Progress, SampleRequest, Sam
 
 from .. import small
 from ..draws import assert_sampled_alike, sampled_alone
+from ..faults import failing_forward
 from ..small import decode as _decode
 from ..small import route as _route
 
@@ -187,6 +188,64 @@ def test_cached_prefixes_make_way_for_every_waiting_request_that_would_then_fit(
     _drain(pool, results)
     for i, request in enumerate(requests):
         _same(_alone(model, request), results[i].sequences)
+
+
+def test_an_evicted_entry_frees_its_memory_while_requests_that_used_it_go_on(model):
+    """The cache counts only the entries it holds: one it gives up must be freed, though a
+    request that reused it still decodes and another that found it still waits (they once
+    kept it alive, uncounted, for as long as they lived)."""
+    import gc
+    import weakref
+
+    pool = _pool(model, capacity=200)
+    first = list(range(20, 50))
+    pool.submit("first", _req(first, 1, max_tokens=2, seed=1, ignore_eos=True), None,
+                ("session", "v1"))
+    _drain(pool)
+    entries = [weakref.ref(keys) for entry in pool.prefixes._entries[("session", "v1")].values()
+               for keys, _ in entry.layers]
+    pool.submit("decoding", _req(first + [7], 1, max_tokens=30, seed=2, ignore_eos=True),
+                None, ("session", "v1"))
+    pool.run(0.0)
+    # 2 x (40 + 30) positions beside the decoding row's 31 + 30: 1 more than the pool.
+    pool.submit("waiting", _req(first + [8] * 10, 2, max_tokens=30, seed=3), None,
+                ("session", "v1"))
+    pool.run(0.0)
+    assert pool.rows and pool.waiting
+    pool.prefixes.fit(0)
+    gc.collect()
+    assert [ref() for ref in entries] == [None] * len(entries)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_failed_prefill_is_retried_apart_on_one_rank_and_is_the_slices_on_several(
+        model, world):
+    """Two joiners whose prefill fails once: on one rank each is prefilled again alone and
+    both are served; on several ranks (here rank 0 of 2, its collectives the identity) the
+    failure goes to `fault` at once, which raises there, and no forward ran again on this
+    rank alone: it would find no other rank in its collectives."""
+    parallel = OneRank()
+    parallel.placement = replace(parallel.placement, world=world)
+    faults: list[str] = []
+
+    def fault(exc: BaseException, what: str):
+        faults.append(what)
+        raise exc
+
+    pool = DecodePool(model, _route, eos_token_ids=(299,), pad_token_id=0, decode=_decode,
+                      capacity=100_000, prefill_tokens=10_000, parallel=parallel, fault=fault)
+    for i in range(2):
+        pool.submit(i, _req([5 + i, 6, 7], 1, max_tokens=4, seed=i), None)
+    with failing_forward(model, RuntimeError("device error"), lambda ids: ids.shape[0] == 2):
+        if world == 1:
+            results = _drain(pool)
+        else:
+            with pytest.raises(RuntimeError, match="device error"):
+                pool.run(0.0)
+    if world == 1:
+        assert faults == [] and sorted(results) == [0, 1]
+    else:
+        assert faults == ["the prefill of 2 prompts of 3, 3 tokens"] and not pool.rows
 
 
 def test_a_full_pool_queues_requests_then_serves_them(model):

@@ -144,6 +144,33 @@ def test_a_step_that_fails_after_the_mixers_ran_is_undone_states_and_all(layered
     assert_sampled_alike(_alone(layered, older), results[0].sequences)
 
 
+def test_joiners_of_prefixes_of_other_lengths_and_none_join_in_one_slice_as_alone(layered):
+    """Three sessions' next turns, cached prefixes of 25, 23 and 2 tokens (the last shorter
+    than a window), with as many new tokens each and two samples, beside two requests
+    without a session: the prefixes sit right-aligned before their new tokens, padding
+    before them, and every request samples what it gives alone."""
+    pool = _pool(layered)
+    starts = {"a": (list(range(10, 30)), 6), "b": (list(range(40, 58)), 6), "c": ([90], 2)}
+    turns = {}
+    for name, (start, replied) in starts.items():
+        pool.submit(name, _req(start, 1, max_tokens=replied, seed=1, ignore_eos=True), None,
+                    (name, "v1"))
+        reply = [int(t) for t in _drain(pool, {})[name].sequences[0].tokens]
+        turns[name] = (start + reply + [7, 8, 9], len(start) + len(reply) - 1)
+    assert [cached for _, cached in turns.values()] == [25, 23, 2]
+    requests = {name: _req(prompt, 2, max_tokens=5, seed=2) for name, (prompt, _) in
+                turns.items()}
+    requests |= {"x": _req(list(range(100, 103)), 1, max_tokens=5, seed=3),
+                 "y": _req(list(range(110, 114)), 2, max_tokens=5, seed=4)}
+    for name, request in requests.items():
+        pool.submit(name, request, None, (name, "v1") if name in turns else None)
+    results = _drain(pool, {})
+    for name, request in requests.items():
+        cached = turns[name][1] if name in turns else 0
+        assert results[name].prompt_cache_hit_tokens == cached, name
+        assert_sampled_alike(_alone(layered, request), results[name].sequences, name)
+
+
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_admission_counts_each_rows_recurrent_states(family):
     layered = _build(family)
@@ -179,8 +206,8 @@ def _turn(pool, model) -> tuple[list[int], int]:
 def test_the_next_turn_goes_on_from_what_the_cache_kept_at_its_prefixs_end(layered):
     """The second turn computes only its new tokens, from the recurrent states kept with
     the first turn's prompt and completion or a window's last positions, and samples
-    what computing its whole prompt alone gives; twice, since a step writes a conv state
-    in place and must not write the cached one."""
+    what computing its whole prompt alone gives; twice: the entry is as it was after a
+    turn decoded from it."""
     pool = _pool(layered)
     turn, cached = _turn(pool, layered)
     for key in range(2):

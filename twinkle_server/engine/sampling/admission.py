@@ -82,9 +82,9 @@ def admit(width: int, remaining: Sequence[int], waiting: Sequence[Waiting], capa
     copies (`copies`) of its requests of `samples[i]` samples and `shared` columns alike;
     each row costs `cost`.
 
-    Joiners are prefilled together, padded to their widest cached prefix plus their
-    widest suffix, and the batch takes the wider width: the rows there already hold that
-    many more columns alike, the joiners all of theirs. At most `prefill_tokens` prompt
+    Joiners are prefilled together (or in groups no wider), padded to their widest
+    cached prefix plus their widest suffix, and the batch takes the wider width: the rows
+    there already hold that many more columns alike, the joiners all of theirs. At most `prefill_tokens` prompt
     tokens are computed per slice, but the first joiner always may (a prompt longer than
     the budget still runs). Stops at the first request that does not fit: it is next.
     """

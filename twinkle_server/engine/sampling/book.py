@@ -198,8 +198,11 @@ class PoolBook:
     # ------------------------------------------------------------------ admission
 
     def _admit(self) -> list[PoolRequest]:
+        """The waiting requests that join now, each with the cached prefix it reuses.
+        Those left waiting hold none (they look again next time): the cache may give up
+        an entry, whose memory must then go."""
         for request in self.waiting:
-            if request.prefix is None and request.namespace is not None:
+            if request.namespace is not None:
                 request.prefix, request.cached = self.prefixes.lookup(
                     request.namespace, np.asarray(request.sample.prompt))
         remaining = self._remaining()
@@ -213,9 +216,13 @@ class PoolBook:
         # Cached prefixes, least recently used first, make way for as many waiting
         # requests as could join without any: only where that lets more of them join.
         most = plan(self.capacity) if self.prefixes.tokens else count
-        while count < most and self.prefixes.evict_one():
+        while count < most and self.prefixes.evict_one(
+                keep={r.prefix for r in list(self.waiting)[:most] if r.prefix is not None}):
             count = plan(self.capacity - self.prefixes.tokens)
-        return [self.waiting.popleft() for _ in range(count)]
+        joiners = [self.waiting.popleft() for _ in range(count)]
+        for request in self.waiting:
+            request.prefix, request.cached = None, 0
+        return joiners
 
     def _remaining(self) -> list[int]:
         return [row.request.sample.params.max_tokens - len(row.tokens) for row in self.rows]

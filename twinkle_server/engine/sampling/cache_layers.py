@@ -6,9 +6,11 @@ each kind keeps per row, and the functions that treat every kind alike.
   Nemotron-H) hold a state of fixed size per row instead of keys and values: the causal
   conv's last inputs and the scan's state (`StateLayer`). They join, leave, are undone
   with a failed step and are held per row like the keys and values, rows first, with no
-  width (left padding never reaches them: padding positions enter a prefill zeroed by
-  its mask, which keeps a state at zero). A step replaces a layer's states rather than
-  writing into them (`StateLayer.checkpoint`), so `snapshot` keeps the states before it.
+  width (left padding before a row's tokens leaves its states at zero: padding positions
+  enter a prefill zeroed by its mask; a prefill that goes on from a cached prefix's
+  states, `StateLayer.start_from`, has no padding after them). A step replaces a layer's
+  states rather than writing into them (`StateLayer.checkpoint`), so `snapshot` keeps
+  the states before it.
 * Sliding windows. A sliding-window layer (Mistral, Gemma 3, gpt-oss) of window W keeps
   the batch's last W - 1 columns whenever it gets new buffers (a join, a `reserve`:
   `BufferedLayer.trim`), so its buffers hold those and the spare columns the next steps

@@ -312,8 +312,9 @@ class KVBatch:
         self.pending = chosen
 
     def row_prefix(self, row: int) -> tuple[LayerKV, RowStates]:
-        """Row `row`'s KV at the positions its mask keeps, as `[1, H, n, D]` copies (a
-        view would keep the whole batch's tensors alive), and its recurrent states."""
+        """Row `row`'s KV at the positions its mask keeps (a window's layer: the last
+        W - 1 of them), as `[1, H, n, D]` copies (a view would keep the whole batch's
+        tensors alive), and its recurrent states: a prefix cache entry."""
         return row_kv(self.cache, row, self.mask[row]), row_states(self.cache, row)
 
 

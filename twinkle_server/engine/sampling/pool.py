@@ -5,9 +5,11 @@ batch between decode steps.
   hybrid's linear-attention and Mamba states per row (`cache_layers`), each counted by
   admission at what it holds (`row_cost`); other local attention is refused.
 * Joining. Requests wait in arrival order; at the start of each slice those that fit
-  (`admission`) are prefilled in one forward, ONE row per request whatever its
-  `num_samples` (a GRPO group computes its prompt once), their first tokens drawn from
-  that row's logits; its KV is then copied per sample and joins the batch (`kv_batch`).
+  (`admission`) are prefilled in one forward (on a model that reuses prefixes whole, one
+  a count of new tokens among those with a cached prefix: `_prefill_groups`), ONE row
+  per request whatever its `num_samples` (a GRPO group computes its prompt once), their
+  first tokens drawn from that row's logits; its KV is then copied per sample and joins
+  the batch (`kv_batch`).
 * Leaving. A row leaves the step it stops (a stop token, a stop string, `max_tokens`);
   a request is answered when its last row has left. Its place is taken by its route's
   last row, moved within the cache's buffers; no other row moves (`kv_batch.compaction`),
@@ -206,20 +208,25 @@ class DecodePool(PoolBook):
         return list(groups.values())
 
     def _prefill_apart(self, joiners: list[PoolRequest]) -> None:
-        """Prefill `joiners` together; if that fails, each alone, so that only a joiner
-        that fails by itself fails."""
+        """Prefill `joiners` together; if that fails, on one rank each alone, so that only
+        a joiner that fails by itself fails. On several ranks the failure is the slice's
+        (`fault` raises): a forward one rank ran again alone would find no other rank in
+        its collectives."""
         drawn_from = _generator_states(joiners)
         try:
             self._prefill(joiners)
         except Exception as exc:
             _restore(drawn_from)     # each is drawn again from where it stood
-            if len(joiners) > 1:
+            if len(joiners) > 1 and self.parallel.world == 1:
                 for joiner in joiners:
                     self._prefill_apart([joiner])
                 return
-            joiner = joiners[0]
-            self._answer(joiner, self.fault(exc, f"the prefill of a {joiner.sample.prompt.size}"
-                                                 "-token prompt"))
+            sizes = [str(joiner.sample.prompt.size) for joiner in joiners]
+            what = (f"the prefill of a {sizes[0]}-token prompt" if len(joiners) == 1 else
+                    f"the prefill of {len(joiners)} prompts of {', '.join(sizes)} tokens")
+            error = self.fault(exc, what)
+            for joiner in joiners:
+                self._answer(joiner, error)
 
     def _prefill(self, joiners: list[PoolRequest]) -> None:
         """One forward over the joiners' uncached prompt tokens, then their rows join.
@@ -271,6 +278,7 @@ class DecodePool(PoolBook):
                             drawn.chosen[picked], order, groups=index[picked].tolist())
             self.rows = [joined[i] for i in order]
         for request in joiners:     # after the join: a join that fails answers nobody
+            request.prefix = None   # its rows hold what it reused; the entry may go
             if request.error is not None:
                 self._answer(request, request.error)
         self._count(prompt_tokens_computed=sum(r.sample.prompt.size - r.cached

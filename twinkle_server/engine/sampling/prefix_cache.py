@@ -8,8 +8,10 @@ pool's capacity: the pool evicts entries (least recently used namespace first) w
 its rows need the room (`fit`), so the two together never pass the pool's bound.
 
 An entry holds what a row of its length holds in the pool, and counts as such a row
-(`admission.RowCost`): a hybrid's also keeps its recurrent layers' states after its last
-token (`Prefix.states`), a sliding window's layers only their last W - 1 positions.
+(`admission.RowCost`; a window's layers with the spare columns a decoding row's buffers
+add, which an entry has not): a hybrid's also keeps its recurrent layers' states after
+its last token (`Prefix.states`), a sliding window's layers only their last W - 1
+positions.
 Both hold for the entry's end alone, so on such a model an entry is reused whole or not
 at all (`whole`): a later prompt must extend every one of its tokens (the next turn of a
 conversation extends the last prompt and its completion), where an entry of full
@@ -19,6 +21,7 @@ attention alone gives any prefix it shares.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,14 +97,19 @@ class PrefixCache:
     def _positions(self, entry: Prefix) -> int:
         return self.cost.positions(entry.tokens.size)
 
-    def evict_one(self) -> bool:
-        """Drop the least recently used entry; False when there is none."""
-        while self._entries:
-            namespace, entries = next(iter(self._entries.items()))
-            if entries:
-                self.tokens -= self._positions(entries.popitem(last=False)[1])
-                return True
-            del self._entries[namespace]
+    def evict_one(self, keep: Collection[Prefix] = ()) -> bool:
+        """Drop the least recently used entry but those in `keep` (which requests about
+        to join reuse: giving them up would free nothing); False when there is none."""
+        for namespace, entries in list(self._entries.items()):
+            for key, entry in entries.items():
+                if entry not in keep:
+                    del entries[key]
+                    self.tokens -= self._positions(entry)
+                    if not entries:
+                        del self._entries[namespace]
+                    return True
+            if not entries:
+                del self._entries[namespace]
         return False
 
     def fit(self, room: int) -> None:
