@@ -14,7 +14,9 @@ and sampled as an inflight publication (Tinker's sampling client of live weights
 The two arms run on one engine, rounds interleaved (either first in turn), with fresh
 conversations each round; printed: the median seconds of a round, its prompt tokens
 computed and reused (the pool's counters), and the ratio. A hybrid's or a window's cached
-prefix is reused only whole, which the next turn of a conversation is.
+prefix is reused only whole, which the next turn of a conversation is, and its prefill
+joins only joiners of as many new tokens: `--varied` gives each conversation its own
+number of asked tokens, so that those turns prefill one by one.
 
 Run: `.venv/bin/python -m bench.turns` (about seven minutes on 2 CPU cores; also part of
 `make bench`). Figures measure and print; nothing passes or fails on time.
@@ -43,6 +45,8 @@ def _conversations(engine: Engine, route: str, seed: int, sessions: bool,
     rng = np.random.default_rng(seed)
     vocab = engine.base.vocab_size
     prompts = [rng.integers(3, vocab, args.prompt) for _ in range(args.conversations)]
+    asks = (np.linspace(args.ask // 2, args.ask * 3 // 2, args.conversations).astype(int)
+            if args.varied else [args.ask] * args.conversations)
     before = engine.decode_stats()
     start = time.perf_counter()
     for turn in range(args.turns):
@@ -60,7 +64,7 @@ def _conversations(engine: Engine, route: str, seed: int, sessions: bool,
         if failed:
             raise failed[0]
         prompts = [np.concatenate([prompt, done[i].sequences[0].tokens,
-                                   rng.integers(3, vocab, args.ask)])
+                                   rng.integers(3, vocab, asks[i])])
                    for i, prompt in enumerate(prompts)]
     seconds = time.perf_counter() - start
     after = engine.decode_stats()
@@ -95,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--reply", type=int, default=32)
     parser.add_argument("--ask", type=int, default=32)
+    parser.add_argument("--varied", action="store_true",
+                        help="each conversation asks its own number of tokens, spread over "
+                             "ask/2..3 ask/2")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     from bench.engine import _hybrid_base, _wider_base, _windowed_base
@@ -106,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         "hybrid (Gated DeltaNet)": _hybrid_base,
     }
     torch.manual_seed(0)
+    asked = f"{args.ask // 2}..{args.ask * 3 // 2}" if args.varied else str(args.ask)
     print(f"conversations: {args.conversations} at once, {args.turns} turns, a "
-          f"{args.prompt}-token start, each turn +{args.reply} sampled +{args.ask} asked "
+          f"{args.prompt}-token start, each turn +{args.reply} sampled +{asked} asked "
           f"({torch.get_num_threads()} threads, float32, hidden 512, 8 layers, LoRA rank 16 "
           f"all-linear; medians of {args.rounds} interleaved rounds; tokens: a round's "
           "prompt tokens)")

@@ -3,8 +3,8 @@ few `--max-adapters` each train 3 steps in turn, none refused, and every loss, a
 logprobs their final weights give, equal the same runs on a server that pages nothing.
 The same ops through the same passes, paging moving no number: equal exactly
 (engine/test_residency.py). 8 runs on 2 slots run in `make test`; 64 runs on 4 slots, in
-host memory and on disk, are `long` (a minute together, left to `make test-long`, which
-CI runs)."""
+host memory and on disk, are `long` (one to two minutes together, left to
+`make test-long`, which CI runs)."""
 
 from __future__ import annotations
 

@@ -47,6 +47,7 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under pid {launcher}")
 
 
+@pytest.mark.long
 def test_a_killed_rank_fails_ops_unavailable_and_a_restart_resumes(tmp_path, tiny_cache):
     data_dir = tmp_path / "data"
     server = start_server(data_dir, "--nproc-per-node", "2",
@@ -144,6 +145,7 @@ def test_a_shard_group_size_that_does_not_divide_the_ranks_is_refused(tmp_path, 
         start_server(tmp_path / "data", "--nproc-per-node", "2", "--shard-group-size", "3")
 
 
+@pytest.mark.long
 def test_a_hung_rank_is_given_up_within_the_collective_timeout(tmp_path, tiny_cache):
     server = start_server(tmp_path / "data", "--nproc-per-node", "2",
                           "--collective-timeout", str(TIMEOUT_S))
@@ -170,6 +172,7 @@ def test_a_hung_rank_is_given_up_within_the_collective_timeout(tmp_path, tiny_ca
             server.proc.kill()
 
 
+@pytest.mark.long
 def test_two_nodes_meet_at_the_rendezvous_and_serve_as_one(tmp_path, tiny_cache):
     # Two launchers on this machine play two nodes of one rank each.
     with socket.socket() as probe:

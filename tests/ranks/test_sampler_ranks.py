@@ -240,6 +240,7 @@ def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path,
     assert "sampler rank 3 is lost" in server.log()
 
 
+@pytest.mark.long
 def test_a_hung_sampler_rank_is_given_up_and_the_others_serve_on(tmp_path, tiny_cache):
     """A stopped (hung) sampler rank is not a dead process, so the launcher keeps the job:
     within the collective timeout its sample fails UNAVAILABLE naming it, later samples go

@@ -4,6 +4,12 @@ cispo with group-relative advantages, optim_step, fresh sampler weights each ste
 The tiny model is randomly initialised, so the task is one RL can learn from scratch in a
 few dozen cheap steps: the reward of a completion is the fraction of its tokens below
 `GOOD_BELOW` (a quarter of the 4096-token vocabulary, so about 0.25 at the start).
+
+The learning rate is small enough that no step flips the policy: at 5e-2 a step once
+took the reward from 0.59 to 0.0, every sample's, where group-relative advantages are all
+zero and nothing is learnt again (a `make test` run; which draws a run gets depends on
+how its requests share decode batches, so the path differs from run to run). At 1e-2,
+six seeds reached 0.75 in 10 to 28 steps with no drop below 0.11.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ pytestmark = pytest.mark.integration
 GOOD_BELOW = 1024
 PROMPTS = [[10, 20, 30], [11, 21, 31]]
 LOSSES = ("importance_sampling", "ppo", "cispo")
-MAX_STEPS = 24
+MAX_STEPS = 40
+LEARNING_RATE = 1e-2
 
 
 def reward(tokens: list[int]) -> float:
@@ -57,7 +64,7 @@ def test_group_relative_rl_with_is_ppo_and_cispo_raises_the_toy_reward(service_c
                                                             strict=True)]
         loss = LOSSES[step % len(LOSSES)]
         fwdbwd = training_client.forward_backward(data, loss)
-        optim = training_client.optim_step(types.AdamParams(learning_rate=5e-2))
+        optim = training_client.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
         assert len(fwdbwd.result().loss_fn_outputs) == len(data)
         optim.result()
         rewards.append(float(np.mean(step_rewards)))
