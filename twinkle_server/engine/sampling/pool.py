@@ -6,10 +6,10 @@ batch between decode steps.
   admission at what it holds (`row_cost`); other local attention is refused.
 * Joining. Requests wait in arrival order; at the start of each slice those that fit
   (`admission`) are prefilled in one forward (on a model that reuses prefixes whole, one
-  a count of new tokens among those with a cached prefix: `_prefill_groups`), ONE row
-  per request whatever its `num_samples` (a GRPO group computes its prompt once), their
-  first tokens drawn from that row's logits; its KV is then copied per sample and joins
-  the batch (`kv_batch`).
+  forward for each number of new tokens among the joiners with a cached prefix:
+  `_prefill_groups`), ONE row per request whatever its `num_samples` (a GRPO group
+  computes its prompt once), their first tokens drawn from that row's logits; its KV is
+  then copied per sample and joins the batch (`kv_batch`).
 * Leaving. A row leaves the step it stops (a stop token, a stop string, `max_tokens`);
   a request is answered when its last row has left. Its place is taken by its route's
   last row, moved within the cache's buffers; no other row moves (`kv_batch.compaction`),
@@ -30,8 +30,8 @@ batch between decode steps.
   (`_prefill_groups`), which the states would run through and a window would count.
 * Faults stay with their request. Logits that are not finite fail that request alone
   (`tokens.not_finite`). A prefill that fails (out of memory, a device error) has changed
-  nothing: with several joiners each is prefilled again alone, so only the one that
-  fails alone fails. A step that fails is undone (`KVBatch.restore`); out of memory
+  nothing: with several joiners each is prefilled again alone (on one rank), so only the
+  one that fails alone fails. A step that fails is undone (`KVBatch.restore`); out of memory
   fails the newest request, the one whose admission the memory could not hold, and any
   other error fails the requests of that step, whose state is unknown; the rest go on.
   A cancelled request leaves at once. On several ranks `fault` raises instead (a rank
