@@ -216,8 +216,8 @@ class PoolBook:
         # Cached prefixes, least recently used first, make way for as many waiting
         # requests as could join without any: only where that lets more of them join.
         most = plan(self.capacity) if self.prefixes.tokens else count
-        while count < most and self.prefixes.evict_one(
-                keep={r.prefix for r in list(self.waiting)[:most] if r.prefix is not None}):
+        reused = {r.prefix for r in list(self.waiting)[:most] if r.prefix is not None}
+        while count < most and self.prefixes.evict_one(keep=reused):
             count = plan(self.capacity - self.prefixes.tokens)
         joiners = [self.waiting.popleft() for _ in range(count)]
         for request in self.waiting:
