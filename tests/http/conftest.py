@@ -121,6 +121,8 @@ WEATHER = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is sunny in Paris, 21 C."
+END = "<|im_end|>"
+"""The tiny model's end of turn, its stop token."""
 RESULT = "sunny, 21 C"
 
 
@@ -153,7 +155,10 @@ HARMONY_ANSWER = ("<|channel|>analysis<|message|>The tool says sunny.<|end|><|st
 
 def harmony_model(root: Path, tiny_cache: Path) -> Path:
     """The tiny model under Harmony's chat template (its tokenizer has gpt-oss's special
-    tokens): a directory to serve as a Harmony model."""
+    tokens), stopping as gpt-oss does on `<|call|>` and `<|return|>` besides its end of
+    turn: a directory to serve as a Harmony model."""
+    from transformers import AutoTokenizer
+
     from twinkle_server.engine.tiny_model import build_tiny_model
 
     out = root / "harmony"
@@ -161,18 +166,24 @@ def harmony_model(root: Path, tiny_cache: Path) -> Path:
     config = json.loads((out / "tokenizer_config.json").read_text())
     config["chat_template"] = HARMONY_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+    stops = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids(
+        ["<|im_end|>", "<|return|>", "<|call|>"])
+    model = json.loads((out / "config.json").read_text())
+    model["eos_token_id"] = stops
+    (out / "config.json").write_text(json.dumps(model))
     return out
 
 
 def tool_caller(proc, tenant: str = "alice", base: str = "tiny",
                 tokenizer_dir: Path | None = None,
-                replies: tuple[str, str] = (CALL, ANSWER)) -> str:
+                replies: tuple[str, str] = (CALL + END, ANSWER + END)) -> str:
     """A sampler checkpoint of `tenant`'s on `proc`, trained on `base` by the stock SDK
     until it answers `ASK` (with `WEATHER` offered) with `replies[0]` (a call), and the
-    call's `RESULT` with `replies[1]`: a model as an agent. The conversations are rendered
-    by the base's own chat template (`tokenizer_dir`'s; the tiny model's by default), as
-    the routes render them. About 120 steps at lr 2e-3 take the loss from ~440 to below
-    1 nat a conversation (measured on tiny)."""
+    call's `RESULT` with `replies[1]` (each reply ends with a stop token of the base): a
+    model as an agent. The conversation is rendered by the base's own chat template
+    (`tokenizer_dir`'s; the tiny model's by default), as the routes render it, and trained
+    as one datum: the template renders the call in the history as the model says it. About
+    120 steps at lr 2e-3 take the loss from ~440 to below 1 nat (measured on tiny)."""
     from transformers import AutoTokenizer
 
     from twinkle_server.engine.tiny_model import build_tiny_model
@@ -182,18 +193,19 @@ def tool_caller(proc, tenant: str = "alice", base: str = "tiny",
         {"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     answered = {"role": "tool", "tool_call_id": "call_1", "content": RESULT}
-    data = []
-    for messages, reply in zip((ASK, [*ASK, called, answered]), replies, strict=True):
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(
-            messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False)
-        completion = tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
-        ids = prompt + completion
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1]),
-            loss_fn_inputs={"target_tokens": np.array(ids[1:], np.int64),
-                            "weights": np.array([0.0] * (len(prompt) - 1)
-                                                + [1.0] * len(completion), np.float32)}))
+    asked, after = (tokenizer.apply_chat_template(
+        messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+        for messages in (ASK, [*ASK, called, answered]))
+    assert after.startswith(asked + replies[0]), (asked, after)
+    ids, weights = [], []
+    for text, weight in ((asked, 0.0), (replies[0], 1.0),
+                         (after[len(asked) + len(replies[0]):], 0.0), (replies[1], 1.0)):
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        ids += tokens
+        weights += [weight] * len(tokens)
+    data = [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(ids[1:], np.int64),
+                                        "weights": np.array(weights[1:], np.float32)})]
     service = tinker.ServiceClient(base_url=f"http://{proc.http_address}",
                                    api_key=proc.keys[tenant])
     training = service.create_lora_training_client(base_model=base, rank=32,
