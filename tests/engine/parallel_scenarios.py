@@ -1,7 +1,9 @@
 """Engine scenarios on several ranks, run by tests/engine/test_parallel.py under torch's
 launcher (`python -m torch.distributed.run --nproc-per-node 2 -m
-tests.engine.parallel_scenarios NAME`). Every rank runs the same calls; rank 0 also runs
-them on an engine of its own on one process and prints one JSON line comparing the two.
+tests.engine.parallel_scenarios NAME...`), one after another in one job (each on engines of
+its own: a job's start costs more than most scenarios). Every rank runs the same calls;
+rank 0 also runs them on an engine of its own on one process and prints one JSON line per
+scenario comparing the two.
 """
 
 from __future__ import annotations
@@ -194,14 +196,16 @@ OPTIONS = {"checkpointed_pass": {"activation_checkpointing": True}}
 """Engine options of a scenario, on every rank and in the one-process reference."""
 
 
-def main(name: str) -> None:
+def main(names: list[str]) -> None:
     parallel = Parallel.init(placement_from_env("cpu"), timeout_s=60)
-    options = OPTIONS.get(name, {})
-    got = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, parallel=parallel,
-                                      **options))
-    if parallel.rank == 0:
-        want = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, **options))
-        os.write(1, (json.dumps({"got": got, "want": want}) + "\n").encode())
+    for name in names:
+        options = OPTIONS.get(name, {})
+        got = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS,
+                                          parallel=parallel, **options))
+        if parallel.rank == 0:
+            want = SCENARIOS[name](Engine.load("tiny", device="cpu", limits=LIMITS, **options))
+            os.write(1, (json.dumps({"scenario": name, "got": got, "want": want})
+                         + "\n").encode())
     parallel.close()
     # The result is out and every rank has left the group: skip the interpreter's
     # teardown. Now and then rank 1 aborted ("terminate called without an active
@@ -211,4 +215,4 @@ def main(name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -47,32 +47,33 @@ def test_with_fewer_datums_than_ranks_some_ranks_get_none():
     assert sorted(len(s) for s in shares) == [0, 0, 1, 1]
 
 
+ON_TWO_RANKS = ["sample_first", "upper_layer_adapter", "forward_only_rank_in_pieces",
+                "pass_failing_in_backward", "checkpointed_pass", "pass_headroom"]
+"""Scenarios whose result is a list of losses and gradient sums."""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_cache) -> dict[str, dict]:
+    """Every scenario of tests/engine/parallel_scenarios.py, run in one two-rank job: its
+    {"got": two ranks, "want": one process}, by name."""
+    from tests.engine.parallel_scenarios import SCENARIOS
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "tests.engine.parallel_scenarios",
+                          *SCENARIOS], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    return {result.pop("scenario"): result for result in results}
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("scenario", ["sample_first", "upper_layer_adapter",
-                                      "forward_only_rank_in_pieces",
-                                      "pass_failing_in_backward", "checkpointed_pass",
-                                      "pass_headroom"])
-def test_two_ranks_agree_with_one_process(scenario, tiny_cache):
+@pytest.mark.parametrize("scenario", ON_TWO_RANKS)
+def test_two_ranks_agree_with_one_process(scenario, two_ranks):
     """Scenarios where the ranks' halves of the work differ (tests/engine/
     parallel_scenarios.py): each completes on two ranks, with one process's numbers
     (LOSS_RTOL: the ranks run other GEMM shapes)."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "tests.engine.parallel_scenarios",
-                          scenario], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("{"))
-    result = json.loads(line)
+    result = two_ranks[scenario]
     np.testing.assert_allclose(result["got"], result["want"], rtol=LOSS_RTOL)
-
-
-def _on_two_ranks(scenario: str) -> dict:
-    """The scenario's {"got": two ranks, "want": one process} (tests/engine/
-    parallel_scenarios.py)."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "tests.engine.parallel_scenarios",
-                          scenario], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
 
 
 def _alike_alone(engine, add, requests, result) -> None:
@@ -97,23 +98,23 @@ def _alike_alone(engine, add, requests, result) -> None:
 
 
 @pytest.mark.integration
-def test_two_ranks_sample_their_shares_as_one_process(tiny_cache, engine, add):
+def test_two_ranks_sample_their_shares_as_one_process(two_ranks, engine, add):
     """A static batch split into the ranks' shares (`sampling_split`): every request's
     rows as alone, up to a near tie."""
     from tests.engine.parallel_scenarios import sampling_split_requests
 
-    _alike_alone(engine, add, sampling_split_requests(), _on_two_ranks("sampling_split"))
+    _alike_alone(engine, add, sampling_split_requests(), two_ranks["sampling_split"])
 
 
 @pytest.mark.integration
-def test_two_rank_decode_with_joins_and_leaves_equals_one_rank(tiny_cache, engine, add):
+def test_two_rank_decode_with_joins_and_leaves_equals_one_rank(two_ranks, engine, add):
     """Continuous batching on two ranks, requests joining a running batch after a few
     slices and leaving at different steps (`decode_with_joins_and_leaves`): every seeded
     request's rows are its rows alone up to a near tie (its own generator, the same
     draws), on two ranks and on one process alike."""
     from tests.engine.parallel_scenarios import DECODE_JOIN_CALL, decode_calls
 
-    result = _on_two_ranks("decode_with_joins_and_leaves")
+    result = two_ranks["decode_with_joins_and_leaves"]
     got, want = result["got"], result["want"]
     # Joins and leaves really happened mid-generation: the first call's shortest request
     # was answered before the late ones joined, its longest only after they joined.
