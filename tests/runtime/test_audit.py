@@ -32,7 +32,7 @@ def test_a_checkpoint_deleted_by_its_ttl_and_a_grpc_download_are_recorded(runtim
         path = checkpoint_ref(f"tinker://{model_id}/sampler_weights/ttl")
         runtime.runs.checkpoint_files("alice", path)
         await runtime.runs.set_checkpoint_ttl("alice", path, 3600)
-        await runtime.expire_checkpoints(now=time.time() + 7200)
+        await runtime.lifetimes.expire_checkpoints(now=time.time() + 7200)
         return row
 
     row = asyncio.run(scenario())

@@ -98,9 +98,9 @@ def test_the_sweep_deletes_expired_checkpoints_files_and_record_and_spares_the_r
         await runtime.runs.set_checkpoint_ttl("alice", hour, 3600)
         await runtime.runs.set_checkpoint_ttl("alice", day, 86400)
         directory = runtime.runs.checkpoint_files("alice", hour)[0]
-        await runtime.expire_checkpoints(now=time.time() + 1800)
+        await runtime.lifetimes.expire_checkpoints(now=time.time() + 1800)
         assert runtime.runs.list_checkpoints("alice").total == 3
-        await runtime.expire_checkpoints(now=time.time() + 7200)
+        await runtime.lifetimes.expire_checkpoints(now=time.time() + 7200)
         names = [row.name for row, _ in runtime.runs.list_checkpoints("alice").items]
         assert sorted(names) == ["day", "forever"]
         assert not directory.exists()

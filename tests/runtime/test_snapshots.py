@@ -94,9 +94,9 @@ def test_a_held_reference_outlives_the_timeout_and_superseded_idle_snapshots_go(
         named = await runtime.sampling.create_session("alice", session, model_id=model_id)
         timeout = runtime.config.session_timeout
         folders = [_weights(runtime, s) for s in between]
-        await runtime.expire_snapshots(now=time.monotonic() + timeout / 2)
+        await runtime.lifetimes.expire_snapshots(now=time.monotonic() + timeout / 2)
         assert all(f.is_dir() for f in folders)            # not idle long enough yet
-        await runtime.expire_snapshots(now=time.monotonic() + 10 * timeout)
+        await runtime.lifetimes.expire_snapshots(now=time.monotonic() + 10 * timeout)
         assert not any(f.exists() for f in folders)
         assert not any(s in runtime.samplers for s in between)
         for kept in (reference, newest, only):   # first, newest, another model's only
@@ -118,7 +118,7 @@ def test_an_rl_loop_of_snapshots_keeps_a_bounded_number_on_disk(runtime):
             latest = await runtime.sampling.snapshot("alice", OpRef(model_id, step))
             await runtime.sampling.sample(runtime.sampling.target("alice", None, latest),
                                           PROMPT, 1, GREEDY)
-            await runtime.expire_snapshots(now=time.monotonic() + step * (timeout + 1))
+            await runtime.lifetimes.expire_snapshots(now=time.monotonic() + step * (timeout + 1))
             on_disk = sorted(p.name for p in runtime.snapshot_root.iterdir())
             assert on_disk == sorted({first, latest})
 
@@ -130,7 +130,7 @@ def test_a_snapshot_outside_any_session_goes_when_unused_for_the_timeout(runtime
         info = await runtime.training.create_model("alice", spec=LoraSpec(rank=4, alpha=8))
         sampler = await runtime.sampling.snapshot("alice", OpRef(info.entry.model_id, 0))
         folder = _weights(runtime, sampler)
-        await runtime.expire_snapshots(now=time.monotonic() + runtime.config.session_timeout + 1)
+        await runtime.lifetimes.expire_snapshots(now=time.monotonic() + runtime.config.session_timeout + 1)
         assert sampler not in runtime.samplers and not folder.exists()
 
     asyncio.run(scenario())
@@ -163,13 +163,13 @@ def test_a_snapshot_with_a_request_waiting_or_running_is_not_idle(runtime):
             runtime.sampling.target("alice", None, sampler), PROMPT, 1, GREEDY))
         await asyncio.sleep(0.1)
         far = time.monotonic() + 10 * runtime.config.session_timeout
-        await runtime.expire_snapshots(now=far)
+        await runtime.lifetimes.expire_snapshots(now=far)
         assert sampler in runtime.samplers and runtime.samplers[sampler].in_flight == 1
         gate.set()
         await busy
         assert len((await request).sequences) == 1
         assert runtime.samplers[sampler].in_flight == 0
-        await runtime.expire_snapshots(now=far)
+        await runtime.lifetimes.expire_snapshots(now=far)
         assert sampler not in runtime.samplers
 
     asyncio.run(scenario())
@@ -184,7 +184,7 @@ def test_an_inflight_session_ends_when_its_model_unloads(runtime):
         inflight = await runtime.sampling.snapshot("alice", OpRef(model_id, 0), inflight=True)
         target = runtime.sampling.target("alice", None, inflight)
         assert len((await runtime.sampling.sample(target, PROMPT, 1, GREEDY)).sequences) == 1
-        await runtime.unload(model_id, "test")
+        await runtime.lifetimes.unload(model_id, "test")
         assert inflight not in runtime.samplers
         with pytest.raises(NotFound, match="sampling_session_id"):
             runtime.sampling.target("alice", None, inflight)

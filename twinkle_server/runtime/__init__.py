@@ -6,7 +6,8 @@ references, refusals, model and sampler entries), and the typed verbs every fron
 `runtime.training` (create_model, forward, optim_step, save, load, ...),
 `runtime.sampling` (sessions, sample, sampling without a session, compute_logprobs; each
 request's rules checked once, before it is queued), `runtime.runs` (sessions, runs, checkpoints, capabilities) and
-`runtime.external` (external weights and their signed download URLs). Verbs
+`runtime.external` (external weights and their signed download URLs); `runtime.lifetimes`
+ends models and sampling sessions (unloads, closed sessions, expiries). Verbs
 take plain values and an authenticated tenant (`Runtime.authenticate`) and return plain
 values or raise the one error family (`twinkle_server.engine.errors`). Nothing here
 imports a protocol: a front maps values and error categories to its own wire.
@@ -24,6 +25,7 @@ from twinkle_server.runtime.copies import Copies
 from twinkle_server.runtime.core import SUBMITTED, Core
 from twinkle_server.runtime.external import External
 from twinkle_server.runtime.imports import Imports
+from twinkle_server.runtime.lifetimes import Lifetimes
 from twinkle_server.runtime.runs import Runs
 from twinkle_server.runtime.sampling import Sampling
 from twinkle_server.runtime.stability import Stability
@@ -50,9 +52,10 @@ class Runtime(Core):
                  engines: EngineAPI | Sequence[tuple[ModelConfig, EngineAPI]],
                  store: Store) -> None:
         super().__init__(config, engines, store)
-        self.training = Training(self)
-        self.sampling = Sampling(self)
-        self.runs = Runs(self)
+        self.lifetimes = Lifetimes(self)   # unloads, session ends, expiries
+        self.training = Training(self, self.lifetimes)
+        self.sampling = Sampling(self, self.lifetimes)
+        self.runs = Runs(self, self.lifetimes)
         self.stability = Stability(self)   # stable_reinforce's records (sampling side)
         self.external = External(self)
         self.audit = Audit(self)           # the audit log (entries written by the verbs)

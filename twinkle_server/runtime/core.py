@@ -88,9 +88,8 @@ class Core:
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
         self._closed = False
-        self.sweeps: list[Callable[[], Awaitable[None]]] = [
-            self.expire_sessions, self.expire_checkpoints, self.expire_snapshots]
-        """What the periodic sweep runs (`expire`); verb groups add their own."""
+        self.sweeps: list[Callable[[], Awaitable[None]]] = []
+        """What the periodic sweep runs (`expire`): each verb group adds its own."""
         self.observe_op: OpObserver | None = None
         self.traces = Traces()
         """Each session's recent ops, for its trace (`runtime.traces`)."""
@@ -248,7 +247,7 @@ class Core:
         start, submitted = time.perf_counter(), time.monotonic()
         result = error = None
         sampler = self.samplers.get(op.queue_id)
-        if sampler is not None:   # in use until it ends (`expire_snapshots`)
+        if sampler is not None:   # in use until it ends (`Lifetimes.expire_snapshots`)
             sampler.in_flight += 1
         served = base or self.base_of(op.queue_id)
         future = served.scheduler.submit(op)
@@ -340,116 +339,18 @@ class Core:
     def new_model_id(self) -> str:
         return "run-" + secrets.token_hex(6)
 
-    # ------------------------------------------------------------------ unloading
-
-    async def unload(self, model_id: str, reason: str) -> None:
-        """Free an adapter's slot; its run record and checkpoints stay."""
-        if model_id not in self.models:
-            return
-        served = self.base_of(model_id)
-        entry = self.models.pop(model_id)
-        served.scheduler.unregister(model_id, FailedPrecondition(
-            f"model_id: {model_id!r} was unloaded ({reason})"))
-        await self.admin("unload", lambda: served.engine.remove_adapter(model_id), served)
-        log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
-        self.record(entry.tenant, "model_unload", model_id=model_id, reason=reason)
-        for sampling_id in [s for s, e in self.samplers.items() if e.inflight_of == model_id]:
-            await self.end_sampler(sampling_id, f"its model {model_id!r} was unloaded")
+    # ------------------------------------------------------------------ sweeps
 
     async def expire(self) -> None:
-        """The periodic sweep (`server.serve`): idle sessions, checkpoints past their
-        expiry, superseded snapshots, and each verb group's (`sweeps`). A failure is
-        logged, not raised: the next sweep tries again."""
+        """The periodic sweep (`server.serve`): what each verb group put in `sweeps`
+        (idle sessions, checkpoints past their expiry and superseded snapshots:
+        `runtime.lifetimes`; stale uploads). A failure is logged, not raised: the next
+        sweep tries again."""
         for sweep in self.sweeps:
             try:
                 await sweep()
             except Exception:
                 log.exception("expiry sweep %s failed", sweep.__name__)
-
-    async def expire_checkpoints(self, now: float | None = None) -> None:
-        """Delete every tenant's checkpoints whose expiry (`Runs.set_checkpoint_ttl`) is
-        at or before `now` (default: the current time)."""
-        now = time.time() if now is None else now
-        for row in self.store.expired_checkpoints(now):
-            if await self.drop_checkpoint(row, expired_by=now):
-                log.info("expired checkpoint %s tenant=%s",
-                         paths.tinker_path(row.run_id, row.checkpoint_id), row.tenant)
-                self.record(row.tenant, "checkpoint_delete", reason="expired",
-                            model_id=row.run_id,
-                            tinker_path=paths.tinker_path(row.run_id, row.checkpoint_id),
-                            checkpoint_type=row.kind, owner=row.tenant)
-
-    async def expire_sessions(self) -> None:
-        for session_id in self.store.expired_sessions(self.config.session_timeout):
-            tenant = self.store.session_tenant(session_id)
-            await self.write(self.store.close_session, session_id)
-            if tenant is not None:
-                self.record(tenant, "session_close", session_id=session_id,
-                            reason="expired")
-            await self.close_session_models(session_id, "session expired")
-
-    async def expire_snapshots(self, now: float | None = None) -> None:
-        """Drop the snapshots an RL loop has moved past; a snapshot otherwise lives as
-        long as its client session (`close_session_models`).
-
-        The server cannot know which sampling clients a program still holds, so it
-        keeps, for each model and client session, the snapshots a held client may still
-        need and drops only those superseded. A snapshot is dropped (at `now`, a
-        `time.monotonic()`) when all hold:
-
-        - no request of it is running or queued, and none ended for `--session-timeout`
-          seconds;
-        - it is not the newest snapshot of its model in its session (a loop samples its
-          latest weights: a step longer than the timeout must not lose them);
-        - it is not the first snapshot of its model in its session: that is where a
-          reference is taken (tinker-cookbook's `preference/train_dpo.py` takes
-          `training_client.save_weights_and_get_sampling_client()` right after creating
-          the training client, then trains that same client, snapshotting it again for
-          each sampling evaluation, and reads the reference every step, however long).
-
-        So an RL loop that snapshots every step keeps on disk its first snapshot, its
-        newest, and those used in the last `--session-timeout` seconds (an off-policy
-        loop's few steps behind), whatever the number of steps. A snapshot of a model
-        made outside any client session (gRPC `session_id` unset) has no session to
-        live as long as: it goes when unused for the timeout, as any idle one."""
-        now = time.monotonic() if now is None else now
-        kept: set[str] = set()
-        lines: dict[tuple[str, str | None], list[str]] = {}
-        for sampling_id, entry in self.samplers.items():   # in creation order
-            if entry.snapshot and entry.session_id:
-                lines.setdefault((entry.session_id, entry.snapshot_of), []).append(sampling_id)
-        for line in lines.values():
-            kept.update((line[0], line[-1]))
-        idle = [s for s, e in self.samplers.items() if e.snapshot and s not in kept
-                and not e.in_flight and now - e.last_used > self.config.session_timeout]
-        for sampling_id in idle:
-            await self.end_sampler(sampling_id, "a newer snapshot of its model replaced it "
-                                                f"and it was unused for over "
-                                                f"{self.config.session_timeout:g} s "
-                                                "(--session-timeout)")
-
-    async def close_session_models(self, session_id: str, reason: str) -> None:
-        for model_id in [m for m, e in self.models.items() if e.session_id == session_id]:
-            await self.unload(model_id, reason)
-        for sid in [s for s, e in self.samplers.items() if e.session_id == session_id]:
-            await self.end_sampler(sid, reason)
-
-    async def end_sampler(self, sampling_id: str, reason: str) -> None:
-        """Forget a sampling session: its requests fail with `reason`, waiting or in the
-        decode pool (whose next slice drops their rows; a static batch already running
-        finishes), and the snapshot it owns is deleted, on the writer thread."""
-        if sampling_id not in self.samplers:
-            return
-        served = self.base_of(sampling_id)
-        entry = self.samplers.pop(sampling_id)
-        served.scheduler.unregister(sampling_id, FailedPrecondition(
-            f"sampling_session_id: {sampling_id!r} has ended ({reason})"))
-        self.record(entry.tenant, "sampler_end", sampling_session_id=sampling_id,
-                    reason=reason)
-        if entry.snapshot and entry.weights_path:
-            await self.write(shutil.rmtree, entry.weights_path, True)
-            log.info("dropped snapshot sampler=%s tenant=%s (%s)", sampling_id, entry.tenant,
-                     reason)
 
 
 def _log_refusal(outcome: asyncio.Future) -> None:

@@ -25,6 +25,7 @@ from twinkle_server.engine.errors import (
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.lifetimes import Lifetimes
 from twinkle_server.runtime.values import CheckpointRef, check_metadata
 from twinkle_server.store import CheckpointRow, RunRow, SessionRow
 
@@ -81,8 +82,9 @@ def _page(limit: int, offset: int) -> tuple[int, int]:
 
 
 class Runs:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core, lifetimes: Lifetimes) -> None:
         self.core = core
+        self.lifetimes = lifetimes
 
     # ------------------------------------------------------------------ sessions
 
@@ -109,7 +111,7 @@ class Runs:
         self._own_session(tenant, session_id)
         await self.core.write(self.core.store.close_session, session_id)
         audit.record(self.core, tenant, "session_close", session_id=session_id)
-        await self.core.close_session_models(session_id, "session closed")
+        await self.lifetimes.close_session_models(session_id, "session closed")
 
     def list_sessions(self, tenant: str, limit: int = 0, offset: int = 0) -> Page:
         """Every session the tenant created, open or closed, newest first:
@@ -196,7 +198,7 @@ class Runs:
     async def set_checkpoint_ttl(self, tenant: str, ref: CheckpointRef,
                                  ttl_seconds: int | None) -> float | None:
         """Make the tenant's checkpoint expire `ttl_seconds` from now (the expiry sweep,
-        `Core.expire_checkpoints`, then deletes it), or never (`None`). Returns the
+        `Lifetimes.expire_checkpoints`, then deletes it), or never (`None`). Returns the
         expiry time."""
         check_ttl(ttl_seconds)
         row, _ = self.core.own_checkpoint(tenant, ref)

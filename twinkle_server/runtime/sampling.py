@@ -30,6 +30,7 @@ from twinkle_server.engine.types import (
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import ONCE_QUEUE, Served
 from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.lifetimes import Lifetimes
 from twinkle_server.runtime.values import CheckpointRef, OpRef, Refusal, SamplerEntry
 from twinkle_server.scheduling.executor import SAMPLE
 from twinkle_server.scheduling.planning import Op
@@ -103,8 +104,9 @@ def _checked(served: Served, target: Target, prompt: np.ndarray, num_samples: in
 
 
 class Sampling:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core, lifetimes: Lifetimes) -> None:
         self.core = core
+        self.lifetimes = lifetimes
 
     async def create_session(self, tenant: str, session_id: str = "", *,
                              model_path: CheckpointRef | None = None, base_model: str = "",
@@ -149,7 +151,7 @@ class Sampling:
         path, nothing counted against the tenant) and are deleted with their sampling
         session: when its client session closes or expires, when a newer snapshot of the
         model replaced them and they were unused for `--session-timeout` seconds (never
-        the model's first or newest snapshot in the session: `Core.expire_snapshots`),
+        the model's first or newest snapshot in the session: `Lifetimes.expire_snapshots`),
         and at a restart.
 
         `inflight` (Tinker's `kind="inflight"`) publishes them instead to the model's one
@@ -180,8 +182,8 @@ class Sampling:
         core.record(tenant, "sampler_create", sampling_session_id=sampling_id,
                     session_id=owner or None, **{source: model_id})
         if owner and core.store.session_tenant(owner) is None:
-            # Closed while the save ran: `close_session_models` has already passed by.
-            await core.end_sampler(sampling_id, "session closed")
+            # Closed while the save ran: `Lifetimes.close_session_models` has passed by.
+            await self.lifetimes.end_sampler(sampling_id, "session closed")
             raise FailedPrecondition(f"session_id: session {owner!r} was closed")
         return sampling_id
 

@@ -30,6 +30,7 @@ from twinkle_server.engine.types import (
 )
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.core import Core
+from twinkle_server.runtime.lifetimes import Lifetimes
 from twinkle_server.runtime.stability import LOSS as STABLE_REINFORCE
 from twinkle_server.runtime.stability import Stability
 from twinkle_server.runtime.values import CheckpointRef, ModelEntry, OpRef, Refusal, check_metadata
@@ -61,8 +62,9 @@ def spec_to_json(spec: LoraSpec) -> dict[str, Any]:
 
 
 class Training:
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core, lifetimes: Lifetimes) -> None:
         self.core = core
+        self.lifetimes = lifetimes
         self.stability = Stability(core)
 
     # ------------------------------------------------------------------ models
@@ -147,7 +149,7 @@ class Training:
 
     async def unload_model(self, tenant: str, model_id: str) -> None:
         self.core.model_of(tenant, model_id)
-        await self.core.unload(model_id, "unloaded by its owner")   # records model_unload
+        await self.lifetimes.unload(model_id, "unloaded by its owner")   # records model_unload
 
     # ------------------------------------------------------------------ forward
 
