@@ -37,9 +37,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not bench_smoke and not long" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Tests left out of make test to keep it within 15 minutes on 2 cores (64 training runs
-# paging through 4 slots; ranks that hang or die, whose tests wait out timeouts or start
-# jobs of their own; two nodes meeting at a rendezvous; a few minutes): CI runs them
-# after make test.
+# paging through 4 slots; ranks that hang or die, whose tests wait out timeouts; two
+# nodes meeting at a rendezvous; a few minutes): CI runs them after make test.
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long
 

@@ -213,7 +213,6 @@ def _fail_rank_3_while_sampling(training, fail: Callable[[], None]
     return errors
 
 
-@pytest.mark.long
 def test_a_killed_sampler_rank_fails_its_samples_unavailable_naming_it(tmp_path, tiny_cache):
     """The stock SDK over HTTP (it does not resend a failed sample, as the native client
     resends an UNAVAILABLE one): the sample on the killed rank fails at once, naming it;
