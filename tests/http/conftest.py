@@ -33,9 +33,11 @@ def keyed_server(data_dir, *flags: str):
     return proc
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory, tiny_cache):
-    # Cases create models the package's server keeps until their session ends: room for
+    # The package's server, kept for the test session (a package scope ends each time a
+    # worker turns to another package's file, and the server started again, up to six
+    # times a worker). Cases create models it keeps until their session ends: room for
     # all of them, as tests/tinker_compat/conftest.py gives its server.
     proc = keyed_server(tmp_path_factory.mktemp("http-server"),
                         "--max-adapters-per-tenant", "32", "--max-adapters", "64")
@@ -43,19 +45,19 @@ def server(tmp_path_factory, tiny_cache):
     proc.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def base_url(server) -> str:
     return f"http://{server.http_address}"
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def service(server, base_url):
     client = tinker.ServiceClient(base_url=base_url, api_key=server.keys["alice"])
     yield client
     client.close("success").result()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def bob(server, base_url):
     client = tinker.ServiceClient(base_url=base_url, api_key=server.keys["bob"])
     yield client

@@ -13,7 +13,7 @@ from twinkle_server.runtime import Runtime
 from twinkle_server.store import Store
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def engine(tiny_cache) -> Engine:
     return Engine.load("tiny", cache_dir=str(tiny_cache))
 

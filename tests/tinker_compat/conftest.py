@@ -13,7 +13,7 @@ MAX_BATCH_TOKENS = 8_000_000
 """Raised so the 16 MiB batch test fits in one request (the default is 262,144 tokens)."""
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory, tiny_cache):
     proc = start_server(tmp_path_factory.mktemp("tinker-compat-server"),
                         "--max-batch-tokens", str(MAX_BATCH_TOKENS),
