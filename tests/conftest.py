@@ -8,7 +8,10 @@ import pytest
 import torch
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+         else os.cpu_count() or 1)
+"""The cores this process may run on (a container's cpuset, not the host's count)."""
+THREADS = max(1, min(2, CORES // WORKERS))
 """Compute threads of each test process and of every server or rank it starts (they read
 OMP_NUM_THREADS): the workers share the cores. With torch's default (a thread per core)
 in every process, two workers and their servers ran twice as many spinning threads as
