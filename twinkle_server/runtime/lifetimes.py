@@ -7,12 +7,15 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from typing import TypeVar
 
 from twinkle_server.engine.errors import FailedPrecondition
+from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import Core
 from twinkle_wire import paths
 
 log = logging.getLogger("twinkle_server")
+E = TypeVar("E")
 
 
 class Lifetimes:
@@ -23,15 +26,25 @@ class Lifetimes:
         self.core = core
         core.sweeps += [self.expire_sessions, self.expire_checkpoints, self.expire_snapshots]
 
+    def _forget(self, registry: dict[str, E], queue_id: str, why: str
+                ) -> tuple[Served, E] | None:
+        """Take `queue_id` out of `registry` and out of its model's scheduler, whose waiting
+        ops fail naming `why`: its model and entry, or None if it was not there."""
+        if queue_id not in registry:
+            return None
+        served = self.core.base_of(queue_id)
+        entry = registry.pop(queue_id)
+        served.scheduler.unregister(queue_id, FailedPrecondition(why))
+        return served, entry
+
     async def unload(self, model_id: str, reason: str) -> None:
         """Free an adapter's slot; its run record and checkpoints stay."""
         core = self.core
-        if model_id not in core.models:
+        forgotten = self._forget(core.models, model_id,
+                                 f"model_id: {model_id!r} was unloaded ({reason})")
+        if forgotten is None:
             return
-        served = core.base_of(model_id)
-        entry = core.models.pop(model_id)
-        served.scheduler.unregister(model_id, FailedPrecondition(
-            f"model_id: {model_id!r} was unloaded ({reason})"))
+        served, entry = forgotten
         await core.admin("unload", lambda: served.engine.remove_adapter(model_id), served)
         log.info("unloaded model=%s tenant=%s (%s)", model_id, entry.tenant, reason)
         core.record(entry.tenant, "model_unload", model_id=model_id, reason=reason)
@@ -114,12 +127,11 @@ class Lifetimes:
         decode pool (whose next slice drops their rows; a static batch already running
         finishes), and the snapshot it owns is deleted, on the writer thread."""
         core = self.core
-        if sampling_id not in core.samplers:
+        forgotten = self._forget(core.samplers, sampling_id,
+                                 f"sampling_session_id: {sampling_id!r} has ended ({reason})")
+        if forgotten is None:
             return
-        served = core.base_of(sampling_id)
-        entry = core.samplers.pop(sampling_id)
-        served.scheduler.unregister(sampling_id, FailedPrecondition(
-            f"sampling_session_id: {sampling_id!r} has ended ({reason})"))
+        _, entry = forgotten
         core.record(entry.tenant, "sampler_end", sampling_session_id=sampling_id,
                     reason=reason)
         if entry.snapshot and entry.weights_path:
