@@ -226,7 +226,7 @@ class Front:
         entry = self.futures.get(tenant, request_id)
         if not await self.futures.wait(entry):
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-        entry.answered = True
+        self.futures.answered(entry)
         if entry.task.cancelled():
             return failed_response(Cancelled(f"request_id: {request_id!r} was cancelled "
                                              "(cancel_future) before it finished"))
