@@ -6,6 +6,7 @@ next is always taken, and another tenant's ops are not held by the flood."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -86,3 +87,35 @@ def test_a_pipelining_sdk_client_past_the_bound_gets_every_result_through_its_re
     assert counted and float(counted[0].rsplit(" ", 1)[1]) > 0, counted
     service.close("success").result()
     bob_service.close("success").result()
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/oai/api/v1/completions", {"model": "tiny", "prompt": "stream me", "max_tokens": 8,
+                                 "stream": True}),
+    ("/anthropic/api/v1/messages", {"model": "tiny", "max_tokens": 8, "stream": True,
+                                    "messages": [{"role": "user", "content": "stream me"}]}),
+], ids=["openai", "anthropic"])
+def test_a_stream_past_the_bound_is_a_429_before_any_event(bounded, route, body):
+    """With BOUND of alice's samples decoding, her stream request is refused as her other
+    requests are: HTTP 429 naming the flag, not a 200 whose stream then carries the error
+    (a client backs off and retries a 429). Bob streams meanwhile; once hers are
+    cancelled, so does she."""
+    endless = {"base_model": "tiny", "num_samples": 1,
+               "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+               "sampling_params": {"max_tokens": 4000, "stop": [], "temperature": 1.0}}
+    with _client(bounded, "alice") as alice, _client(bounded, "bob") as bob:
+        decoding = [alice.post("/api/v1/asample", json=endless) for _ in range(BOUND)]
+        assert [d.status_code for d in decoding] == [200] * BOUND
+        refused = alice.post(route, json=body)
+        assert refused.status_code == 429, refused.text
+        assert "--max-queued-ops-per-tenant" in refused.text, refused.text
+        theirs = bob.post(route, json=body)
+        assert theirs.status_code == 200, theirs.text
+        for answer in decoding:
+            alice.post("/api/v1/cancel_future",
+                       json={"request_id": answer.json()["request_id"]})
+        deadline = time.monotonic() + 60
+        while (again := alice.post(route, json=body)).status_code == 429:
+            assert time.monotonic() < deadline, "the cancelled samples never left the queue"
+            time.sleep(0.2)
+        assert again.status_code == 200, again.text

@@ -20,7 +20,7 @@ from tinker.proto import tinker_public_pb2 as tpb
 from twinkle_server.http import unserved
 from twinkle_server.http.admin import AdminRoutes
 from twinkle_server.http.anthropic import AnthropicRoutes
-from twinkle_server.http.app import Front
+from twinkle_server.http.app import MAX_BODY_BYTES, Front
 from twinkle_server.http.external import ExternalRoutes
 from twinkle_server.http.oai import OpenAIRoutes
 from twinkle_server.http.rest import Rest
@@ -229,3 +229,22 @@ def test_every_route_is_tenant_isolated(server, base_url, alice_objects):
     names = [c.tinker_path for c in rest.list_checkpoints(alice_objects["run"]).result()
              .checkpoints]
     assert alice_objects["saved"] in names
+
+
+@pytest.mark.parametrize("path", ["/api/v1/asample", "/api/v1/forward_backward",
+                                  "/oai/api/v1/chat/completions",
+                                  "/anthropic/api/v1/messages"])
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_refused_naming_it_before_it_is_parsed(server, base_url,
+                                                                        path, declared):
+    """A body past `MAX_BODY_BYTES` is a 400 naming the limit, whether its length is
+    declared (refused before a byte is read) or it comes in chunks (refused once it
+    passes the limit): no route parses, tokenizes or holds more than the limit."""
+    size = MAX_BODY_BYTES + 1
+    body = b"x" * size
+    content = body if declared else (body[i:i + (1 << 20)] for i in range(0, size, 1 << 20))
+    r = httpx.post(base_url + path, content=content, timeout=60,
+                   headers={"X-API-Key": server.keys["alice"],
+                            "Authorization": f"Bearer {server.keys['alice']}"})
+    assert r.status_code == 400, r.text
+    assert f"over the {MAX_BODY_BYTES} bytes (64 MiB) a request may carry" in r.text, r.text

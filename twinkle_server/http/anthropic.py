@@ -73,12 +73,12 @@ class AnthropicRoutes:
             tenant = self.front.tenant(request)
             asked = anthropic_request.read(await json_body(request))
             source = self.chat.source(tenant, asked)
-            prompted = self.chat.prompted(source.served, asked)
+            prompted = await self.chat.prompted(source.served, asked)
             reply = Message(asked, prompted.prompts, Decoded(
                 source.served, asked.stop, 1, asked.stream, asked.tools,
                 prompted.tool_format, prompted.forced))
-            work = self.chat.start(tenant, source, asked, prompted.prompts,
-                                   reply.decoded.hear)
+            work = await self.chat.start(tenant, source, asked, prompted.prompts,
+                                         reply.decoded.hear)
         except Exception as exc:
             return error_response(exc)
         return await answer(request, reply, work, asked.stream, error_response)
@@ -88,7 +88,7 @@ class AnthropicRoutes:
             tenant = self.front.tenant(request)
             asked = anthropic_request.read(await json_body(request), counting=True)
             served = self.chat.source(tenant, asked).served
-            prompt, = self.chat.prompted(served, asked, checked=False).prompts
+            prompt, = (await self.chat.prompted(served, asked, checked=False)).prompts
         except Exception as exc:
             return error_response(exc)
         return JSONResponse({"input_tokens": int(prompt.size)})

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import Cancelled, Unauthenticated
+from twinkle_server.engine.errors import Cancelled, ResourceExhausted, Unauthenticated
 from twinkle_server.http import convert
 from twinkle_server.http.errors import BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
@@ -44,6 +44,11 @@ bytes)."""
 SDK_MAX_CHUNK_BYTES = 5_000_000
 SDK_MAX_CHUNK_LEN = 1024
 """The SDK's own chunk caps (`ClientConfigResponse` defaults): bytes and datums."""
+MAX_BODY_BYTES = 64 << 20
+"""The most bytes of a request body any route reads. The SDK's largest body, a
+forward_backward chunk, stays within its 5 MB estimate (`SDK_MAX_CHUNK_BYTES`, which
+counts the protobuf's bytes), and a prompt at the longest context is a few MB of JSON;
+past it a body is refused, naming the limit, before any of it is parsed."""
 
 
 def fwdbwd_chunking(max_batch_tokens: int) -> dict[str, int]:
@@ -56,6 +61,24 @@ def fwdbwd_chunking(max_batch_tokens: int) -> dict[str, int]:
     return {"fwdbwd_max_chunk_bytes_count": min(SDK_MAX_CHUNK_BYTES,
                                                 SDK_MIN_BYTES_PER_TOKEN * max_batch_tokens),
             "fwdbwd_max_chunk_len": min(SDK_MAX_CHUNK_LEN, max_batch_tokens)}
+
+
+async def admitted(start: Callable[[], asyncio.Future]) -> asyncio.Future:
+    """`start()`'s task (the task of an op's verb, which `start` creates), once its op is
+    submitted to its model's scheduler, or done before that. An op refused past its queue
+    bounds raises its refusal (`ResourceExhausted`, from `SUBMITTED`) here, so a route
+    answers 429 before it promises anything (a future, a stream's 200)."""
+    submitted = asyncio.get_running_loop().create_future()
+    token = SUBMITTED.set(submitted)
+    try:
+        task = start()
+    finally:
+        SUBMITTED.reset(token)
+    await asyncio.wait({submitted, task}, return_when=asyncio.FIRST_COMPLETED)
+    if submitted.done() and (refused := submitted.result()) is not None:
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        raise refused
+    return task
 
 
 def route(fn: Handler) -> Callable[[Front, Request], Awaitable[Response]]:
@@ -74,8 +97,26 @@ def route(fn: Handler) -> Callable[[Front, Request], Awaitable[Response]]:
     return wrapper
 
 
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused (`BadBody`) once it passes `MAX_BODY_BYTES`: by its
+    declared length before a byte is read, else as it arrives."""
+    def refused(size: str) -> BadBody:
+        return BadBody(f"body: {size} bytes, over the {MAX_BODY_BYTES} bytes "
+                       f"({MAX_BODY_BYTES >> 20} MiB) a request may carry")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise refused(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise refused(f"more than {MAX_BODY_BYTES}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         body = json.loads(raw or b"{}")
     except ValueError:
@@ -132,19 +173,13 @@ class Front:
     async def promise(self, tenant: str, request_id: str, work: Awaitable[Any],
                       render: Callable[[Any], Any], **extra: Any) -> dict[str, Any]:
         """Start `work` as the tenant's future `request_id` and answer its id once its op
-        is submitted; an op refused past its bounds (`SUBMITTED`) is answered here, HTTP
+        is submitted; an op refused past its bounds (`admitted`) is answered here, HTTP
         429, and leaves no future (the SDK retries it)."""
-        submitted = asyncio.get_running_loop().create_future()
-        token = SUBMITTED.set(submitted)
         try:
-            self.futures.submit(tenant, request_id, work, render)
-        finally:
-            SUBMITTED.reset(token)
-        task = self.futures.get(tenant, request_id).task
-        await asyncio.wait({submitted, task}, return_when=asyncio.FIRST_COMPLETED)
-        if submitted.done() and (refused := submitted.result()) is not None:
+            await admitted(lambda: self.futures.submit(tenant, request_id, work, render))
+        except ResourceExhausted:
             self.futures.forget(tenant, request_id)
-            raise refused
+            raise
         return {"request_id": request_id, **extra}
 
     def refused(self, tenant: str, ref: OpRef, kind: str, error: Exception) -> BaseException:

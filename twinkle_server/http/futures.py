@@ -60,8 +60,8 @@ class Futures:
         return sum(1 for t in self._tables.values() for e in t.values() if not e.task.done())
 
     def submit(self, tenant: str, request_id: str, work: Awaitable[Any],
-               render: Callable[[Any], Any]) -> None:
-        """Start `work` as the tenant's future `request_id`. Refuses (without starting it)
+               render: Callable[[Any], Any]) -> asyncio.Task:
+        """Start `work` as the tenant's future `request_id`; returns its task. Refuses (without starting it)
         when the tenant already holds `MAX_FUTURES_PER_TENANT` unfinished or unread
         futures."""
         table = self._tables.setdefault(tenant, OrderedDict())
@@ -76,6 +76,7 @@ class Futures:
         entry = Entry(asyncio.ensure_future(work), render)
         entry.task.add_done_callback(lambda task: _finished(entry, task))
         table[request_id] = entry
+        return entry.task
 
     def forget(self, tenant: str, request_id: str) -> None:
         """Drop the future `request_id` (an op refused at once: nobody will read it)."""

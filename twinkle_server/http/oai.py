@@ -38,7 +38,7 @@ from twinkle_server.engine import WEIGHTS_FILE, checks
 from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, NotFound
 from twinkle_server.engine.types import Progress, SampleRequest, SamplingParams
 from twinkle_server.http import oai_request
-from twinkle_server.http.app import Front, json_body
+from twinkle_server.http.app import Front, admitted, json_body
 from twinkle_server.http.oai_reply import Reply, error_response
 from twinkle_server.http.oai_request import OaiError, OaiRequest
 from twinkle_server.http.tool_calls import ToolFormat, ToolUse, format_of
@@ -143,10 +143,11 @@ class OpenAIRoutes:
             asked = oai_request.read(route, await json_body(request))
             source = self.source(tenant, asked)
             served = source.served
-            prompted = self.prompted(served, asked)
+            prompted = await self.prompted(served, asked)
             reply = Reply(route, asked, served, prompted.prompts, prompted.tool_format,
                           prompted.forced)
-            work = self.start(tenant, source, asked, prompted.prompts, reply.decoded.hear)
+            work = await self.start(tenant, source, asked, prompted.prompts,
+                                    reply.decoded.hear)
         except Exception as exc:
             return error_response(exc)
         return await answer(request, reply, work, asked.stream, error_response)
@@ -192,14 +193,16 @@ class OpenAIRoutes:
             missing.param = "model"      # type: ignore[attr-defined]
             raise missing from None
 
-    def prompted(self, served: Served, asked: OaiRequest, checked: bool = True
-                 ) -> Prompted:
+    async def prompted(self, served: Served, asked: OaiRequest, checked: bool = True
+                       ) -> Prompted:
         """`asked`'s prompts for `served`, and how its replies write tool calls; with
         `checked`, within the model's limits (what the engine would refuse, refused here:
-        a stream's 200 goes out first)."""
+        a stream's 200 goes out first). The chat template and the tokenizer run on a
+        worker thread: a long prompt (seconds for megabytes of text) must not stall the
+        server's one event loop, which answers every other request meanwhile."""
         writes_calls = tool_format(served, asked.tools, "tools")
         forced = writes_calls.forced(asked.tools) if writes_calls and asked.tools else ""
-        prompts = self._prompts(served, asked, forced)
+        prompts = await asyncio.to_thread(self._prompts, served, asked, forced)
         if checked:
             check_sizes(served, asked, prompts)
         return Prompted(prompts, writes_calls, forced)
@@ -223,14 +226,17 @@ class OpenAIRoutes:
             out.append(ids)
         return out
 
-    def start(self, tenant: str, source: Source, asked: OaiRequest,
-               prompts: Sequence[np.ndarray],
-               hear: Callable[[int], Callable[[Progress], None] | None]) -> asyncio.Future:
-        """Every prompt's `n` choices, checked now and started, sampled without a session
+    async def start(self, tenant: str, source: Source, asked: OaiRequest,
+                    prompts: Sequence[np.ndarray],
+                    hear: Callable[[int], Callable[[Progress], None] | None]
+                    ) -> asyncio.Future:
+        """Every prompt's `n` choices, checked now and queued, sampled without a session
         (`Sampling.sample_from`: their prompts could never be reused, and kept they would
         push live sessions' cached prefixes out of the pool first); `hear(p)` listens to
-        prompt p's progress (None: no progress wanted). Cancelling the returned future (a
-        client gone away) cancels them."""
+        prompt p's progress (None: no progress wanted). Returns once all are queued: one
+        refused past the queue bounds raises here (429, before a stream's 200), and the
+        ones queued before it are cancelled. Cancelling the returned future (a client gone
+        away) cancels them."""
         params = SamplingParams(max_tokens=asked.max_tokens or 0,
                                 temperature=asked.temperature, top_p=asked.top_p,
                                 top_k=asked.top_k, stop_strings=asked.stop,
@@ -238,19 +244,29 @@ class OpenAIRoutes:
         if asked.user:
             log.info("oai request tenant=%s user=%r model=%s", tenant, asked.user,
                      asked.model)
-        started: list[Any] = []
         echoed = asked.echo and asked.top_logprobs is not None
+        checked: list[Any] = []
         try:
             for p, prompt in enumerate(prompts):
-                started.append(self.rt.sampling.sample_from(
+                checked.append(self.rt.sampling.sample_from(
                     source, prompt, asked.n, params, include_prompt_logprobs=echoed,
                     topk_prompt_logprobs=asked.top_logprobs or 0 if echoed else 0,
                     topk_sample_logprobs=asked.top_logprobs or 0, on_progress=hear(p)))
         except BaseException:
-            for work in started:   # refused before any of them was queued
+            for work in checked:   # refused before any of them was queued
                 work.close()
             raise
-        return asyncio.gather(*started)
+        queued: list[asyncio.Future] = []
+        try:
+            for work in checked:
+                queued.append(await admitted(lambda work=work: asyncio.ensure_future(work)))
+        except BaseException:
+            for task in queued:
+                task.cancel()
+            for work in checked[len(queued) + 1:]:
+                work.close()
+            raise
+        return asyncio.gather(*queued)
 
     def routes(self) -> list[Route]:
         served = [Route(f"{PREFIX}/models", self.models, methods=["GET"]),

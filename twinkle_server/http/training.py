@@ -13,7 +13,7 @@ from starlette.routing import Route
 from twinkle_server.engine.errors import EngineError, InvalidArgument
 from twinkle_server.engine.types import LoraSpec
 from twinkle_server.http import convert
-from twinkle_server.http.app import API_PREFIX, Front, json_body, route
+from twinkle_server.http.app import API_PREFIX, Front, json_body, read_body, route
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.runs import check_ttl
@@ -81,7 +81,7 @@ class TrainingRoutes:
             raise BadBody("content-encoding: send the body uncompressed (the server's "
                           "client/config sets proto_compress_fwdbwd false)")
         msg, datums, loss = convert.forward_request(
-            await request.body(), lambda sdk_id, total: self.rt.training.check_tokens(
+            await read_body(request), lambda sdk_id, total: self.rt.training.check_tokens(
                 self.front.aliases.get((tenant, sdk_id), sdk_id), total))
         ref = self.front.op_ref(tenant, msg.model_id, msg.seq_id, rid := self.front._id())
         backward = not msg.forward_only

@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from twinkle_server.engine.errors import EngineError, NotFound
-from twinkle_server.http.app import Front
-from twinkle_server.http.errors import status_for
+from twinkle_server.http.app import Front, read_body
+from twinkle_server.http.errors import BadBody, status_for
 
 log = logging.getLogger("twinkle_server.http")
 UNSERVED: tuple[tuple[str, str, str, str], ...] = (
@@ -61,8 +61,8 @@ async def consume_seq(front: Front | None, request: Request, error: Exception) -
     if front is None or request.method not in ("POST", "PUT", "DELETE", "PATCH"):
         return
     try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
+        body = json.loads(await read_body(request) or b"{}")
+    except (ValueError, BadBody):   # not JSON, or too large to read: no seq_id here
         return
     if not (isinstance(body, dict) and isinstance(body.get("model_id"), str)
             and isinstance(body.get("seq_id"), int)):
