@@ -66,3 +66,42 @@ def test_a_batch_over_the_cap_trains_alike_through_the_sdk_and_the_shim(server):
     finally:
         shim.close()
         sdk.close("success").result()
+
+
+def _out_of_vocab(length: int = 100) -> types.Datum:
+    ids = list(range(5, 5 + length))
+    return types.Datum(model_input=types.ModelInput.from_ints(ids),
+                       loss_fn_inputs={"target_tokens": np.array(ids[1:] + [10**6], np.int64),
+                                       "weights": np.ones(length, np.float32)})
+
+
+@pytest.mark.parametrize("bad_at", ["first", "last"])
+def test_a_chunked_forward_backward_with_a_bad_datum_fails_whole_and_its_step_applies_nothing(
+        server, bad_at):
+    """A bad datum in one chunk of a batch the SDK cuts into several: the call fails naming
+    it (a later chunk refused at once left the SDK's first chunk unsent and the model's
+    queue waiting for good); the step sent after it is refused and applies nothing of the
+    other chunks' gradients (weights as before: the same loss, to the rounding of a pass
+    that may be merged with other tests' ones, LOSS_RTOL); the next batch trains."""
+    data = sft_data(12, length=100)
+    data = [_out_of_vocab(), *data] if bad_at == "first" else [*data, _out_of_vocab()]
+    sdk = tinker.ServiceClient(base_url=f"http://{server.http_address}", api_key="tml-open")
+    try:
+        tc = sdk.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        probe = sft_data(2, length=30, seed=9)
+        before = tc.forward(probe, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+        failed = tc.forward_backward(data, "cross_entropy")
+        step = tc.optim_step(ADAM)
+        with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+            failed.result(timeout=60)
+        with pytest.raises(tinker.RequestFailedError,
+                           match="a forward_backward since the last step failed"):
+            step.result(timeout=60)
+        after = tc.forward(probe, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+        assert after == pytest.approx(before, rel=LOSS_RTOL)
+        tc.forward_backward(sft_data(12, length=100), "cross_entropy").result(timeout=60)
+        assert tc.optim_step(ADAM).result(timeout=60).metrics is not None
+        trained = tc.forward(probe, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+        assert trained < before
+    finally:
+        sdk.close("success").result()

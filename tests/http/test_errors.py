@@ -33,12 +33,12 @@ from .conftest import sft_data
 pytestmark = pytest.mark.integration
 
 
-def test_bad_datum_is_bad_request(service):
+def test_a_bad_datum_fails_its_forward_backward_naming_the_field(service):
     tc = service.create_lora_training_client(base_model="tiny", rank=4).result()
     bad = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
                       loss_fn_inputs={"target_tokens": np.array([1, 2], np.int64),
                                       "weights": np.ones(2, np.float32)})
-    with pytest.raises(tinker.BadRequestError, match="input_ids has 3 tokens"):
+    with pytest.raises(tinker.RequestFailedError, match="input_ids has 3 tokens"):
         tc.forward_backward([bad], "cross_entropy").result()
 
 

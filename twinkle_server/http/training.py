@@ -92,7 +92,13 @@ class TrainingRoutes:
             forward = self.rt.training.forward_request(tenant, ref.model_id, datums, loss,
                                                        backward, convert.provenance(msg))
         except (EngineError, ValueError) as exc:
-            raise self.front.refused(tenant, ref, kind, exc) from None
+            # Answered with a future that fails in the op's turn, not a 400 at once: the
+            # SDK sends a parallel forward_backward's first chunk only once the others
+            # are answered, so a later chunk's 400 left the first unsent and the model's
+            # queue waiting for it, with every op after it, for good.
+            refusal = self.rt.training.refuse(tenant, ref, kind, exc)
+            self.front.futures.submit(tenant, rid, refusal.outcome, convert.forward_output)
+            return {"request_id": rid}
         return await self.front.promise(tenant, rid,
                                         self.rt.training.forward(tenant, ref, forward),
                                         convert.forward_output)

@@ -7,6 +7,13 @@ decode pool (`decode`, continuous batching) or, with the static sampler, run as 
 save, load, ...) run alone. Engine errors come back as values, one per op. Sample ops
 the scheduler cancels leave the pool at the next slice (`decode`'s `cancelled`).
 
+A model's step never applies gradients a failed forward_backward left partial. The SDK
+cuts a large forward_backward into chunks, each its own op: when one fails (refused,
+or failing in its pass), the others still add theirs. So once a forward_backward fails,
+the model's next `optim_step` or `step` is refused instead (`FailedPrecondition`, naming
+the failure), and its gradients are zeroed: nothing of that window is applied, and the
+step after starts clean. `zero_grad` or a `load_state` clears them as well.
+
 Served models that share a device take `Turns` on it: each batch or decode slice runs
 while its model holds the device, first come first served.
 """
@@ -18,12 +25,17 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from twinkle_server.engine.errors import EngineError
+from twinkle_server.engine.errors import EngineError, FailedPrecondition
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.engine.types import Generation, Progress
 from twinkle_server.scheduling.planning import FORWARD, SAMPLE, Op, Partial
 
 __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
+
+STEPS = frozenset({"optim_step", "step"})
+"""Op kinds that apply a model's accumulated gradients."""
+CLEARS = frozenset({"zero_grad", "load_state"})
+"""Op kinds after which a model holds no gradients of an earlier op."""
 
 
 class Turns:
@@ -75,10 +87,23 @@ class EngineExecutor:
         self.engine = engine
         self.turns = turns if turns is not None else _Alone()
         self.decode_turns = self.turns if decodes_here else _Alone()
+        self._failed: dict[str, BaseException] = {}
+        """Per model (queue id): the forward_backward that failed since its last step."""
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
-        with self.turns:
-            return self._run_batch(ops)
+        try:
+            with self.turns:
+                results = self._run_batch(ops)
+        except Exception as exc:   # every op of the batch fails with it
+            self._note_failures(ops, [exc] * len(ops))
+            raise
+        self._note_failures(ops, results)
+        return results
+
+    def _note_failures(self, ops: Sequence[Op], results: Sequence[Any]) -> None:
+        for op, result in zip(ops, results):
+            if op.kind == "forward_backward" and isinstance(result, BaseException):
+                self._failed[op.queue_id] = result
 
     def _run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         group = ops[0].merge_group
@@ -90,10 +115,24 @@ class EngineExecutor:
         results: list[Any] = []
         for op in ops:
             try:
+                if op.kind in STEPS and op.queue_id in self._failed:
+                    raise self._dropped(op)
                 results.append(op.payload())
             except EngineError as exc:
                 results.append(exc)
+            if op.kind in CLEARS:
+                self._failed.pop(op.queue_id, None)
         return results
+
+    def _dropped(self, op: Op) -> FailedPrecondition:
+        """Zero the model's gradients, which a failed forward_backward left partial, and
+        the refusal of the step `op` that would have applied them."""
+        failure = self._failed.pop(op.queue_id)
+        self.engine.zero_grad(op.queue_id)
+        return FailedPrecondition(
+            f"{op.kind}: a forward_backward since the last step failed ({failure}); the "
+            "gradients accumulated since then were dropped and nothing was applied: send "
+            "the batch again, then step")
 
     def decode(self, joining: Sequence[tuple[int, Op]], slice_s: float,
                cancelled: Sequence[int] = ()) -> list[tuple[int, Any]]:
