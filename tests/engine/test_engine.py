@@ -291,3 +291,32 @@ def test_token_ids_outside_the_vocabulary_name_datum_value_and_size(engine, datu
     neg = Datum(np.array([1, 2]), {"target_tokens": np.array([1, -3])})
     with pytest.raises(InvalidArgument, match=r"datum\[0\].target_tokens: token id -3"):
         engine.validate_forward(ForwardRequest("tok", [neg], CE, True))
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "GRPOLoss"])
+def test_a_finite_loss_with_a_non_finite_gradient_is_refused_and_leaves_the_gradients(
+        engine, datums, fresh, loss):
+    """A ratio loss over sampler logprobs far below the model's (a placeholder -200):
+    exp(logp - old) overflows to infinity, the clipped branch keeps the loss finite, but
+    its backward is 0 x inf = NaN. That request is refused naming it, its adapter's
+    gradients stay as they were (exactly), and the other adapter in the pass trains as
+    alone (to the rounding of a 2-row pass against an 8-row one)."""
+    _add(engine, fresh, "overflow", LoraSpec(rank=2, alpha=2, seed=1))
+    _add(engine, fresh, "beside", LoraSpec(rank=2, alpha=2, seed=2))
+    _add(engine, fresh, "alone", LoraSpec(rank=2, alpha=2, seed=2))
+    engine.forward_batch([ForwardRequest("overflow", datums[:1], CE, True)])
+    pending = [p.grad.clone() for p in engine.adapters["overflow"].parameters()]
+    placeholder = [Datum(d.input_ids, {
+        "target_tokens": d.loss_inputs["target_tokens"],
+        "logprobs": np.full(d.num_tokens, -200.0, np.float32),
+        "advantages": np.ones(d.num_tokens, np.float32)}) for d in datums[:2]]
+    results = engine.forward_batch([ForwardRequest("overflow", placeholder, LossSpec(loss), True),
+                                    ForwardRequest("beside", datums[2:4], CE, True)])
+    engine.forward_batch([ForwardRequest("alone", datums[2:4], CE, True)])
+    assert isinstance(results[0], InvalidArgument), results[0]
+    assert f"the gradient of {loss} is not finite" in str(results[0])
+    for a, b in zip(engine.adapters["overflow"].parameters(), pending, strict=True):
+        assert torch.equal(a.grad, b)
+    for a, b in zip(engine.adapters["beside"].parameters(),
+                    engine.adapters["alone"].parameters(), strict=True):
+        assert_grads_close(a.grad, b.grad)

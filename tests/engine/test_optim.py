@@ -67,6 +67,7 @@ def test_unknown_optimizer_and_scheduler_list_the_allowed_names():
     ("AdamW", {"amsgrad": "yes"}, "optimizer.amsgrad: must be true or false"),
     ("AdamW", {"betas": 0.9}, "optimizer.betas: must be a list of numbers"),
     ("AdamW", {"betas": [0.9, float("nan")]}, "optimizer.betas: must be finite"),
+    ("Adam", {"lr": 0.1, "eps": 0.0}, r"optimizer.eps: must be > 0, got 0.0"),
     # torch's own range check (a ValueError) comes back as InvalidArgument.
     ("AdamW", {"betas": [1.5, 0.9]}, r"optimizer: AdamW\(.*\) was rejected: .*beta"),
     ("SGD", {"lr": 0.1, "momentum": -1.0}, "optimizer: SGD.*was rejected"),
@@ -176,6 +177,8 @@ def test_apply_adam_params_sets_every_group_and_keeps_the_moments():
     (AdamParams(learning_rate=-1e-4), "adam_params.learning_rate: must be >= 0"),
     (AdamParams(eps=float("nan")), "adam_params.eps: must be finite"),
     (AdamParams(weight_decay=float("inf")), "adam_params.weight_decay: must be finite"),
+    # 0 divides a zero moment by zero: a fresh adapter's lora_A gradient is exactly 0.
+    (AdamParams(eps=0.0), r"adam_params.eps: must be > 0, got 0.0"),
 ])
 def test_bad_adam_params_are_rejected_naming_the_field(adam, message):
     with pytest.raises(InvalidArgument, match=message):

@@ -22,7 +22,7 @@ logprobs through the base (`PassLogprobs.forward`), each request's loss
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -265,7 +265,7 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
     # 3. Each request's loss on its own rows; a non-finite one is that request's error.
     results: list[ForwardOutput | EngineError | None] = [None] * len(requests)
     to_backward: list[torch.Tensor] = []
-    counters: list[tuple[Adapter, ForwardRequest, float, float, float]] = []
+    counters: list[tuple[int, Adapter, ForwardRequest, float, float, float]] = []
     row = 0
     for request, slot in zip(grouped, slots, strict=True):
         adapter = adapters[request.adapter_id]
@@ -279,15 +279,19 @@ def run_forward(base: BaseModel, router: Router, adapters: Mapping[str, Adapter]
         loss, output, correct = outcome
         if request.backward:
             to_backward.append(loss)
-        counters.append((adapter, request, output.loss, correct, output.metrics["tokens:sum"]))
+        counters.append((slot, adapter, request, output.loss, correct,
+                         output.metrics["tokens:sum"]))
         results[slot] = output
     # 4. The kept losses backpropagated together (gradients summed over the ranks).
     if to_backward:
         _backward(adapters, computed, to_backward, requests, results, parallel)
     else:
         computed.drop()
-    # 5. Counted once the pass has gone through: a backward that fails leaves them as well.
-    for adapter, request, reported, correct, tokens in counters:
+    # 5. Counted once the pass has gone through: a backward that fails leaves them as well,
+    # and so does a request whose gradient `_backward` refused.
+    for slot, adapter, request, reported, correct, tokens in counters:
+        if isinstance(results[slot], EngineError):
+            continue
         if request.backward:
             adapter.tokens_seen += sum(d.num_tokens for d in request.datums)
         book = adapter.train_metrics if request.backward else adapter.eval_metrics
@@ -341,14 +345,18 @@ def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
     The trained adapters' gradients of this pass are computed apart, then added to what
     they held before (on several ranks, after summing them over the ranks), so a backward
     that fails part-way (out of memory in its third piece, say) leaves every adapter's
-    gradients as they were.
+    gradients as they were. An adapter whose gradients of this pass are not finite (a
+    finite loss can have them: a ratio `exp(logp - old)` overflowing to infinity on a
+    clipped branch backpropagates 0 x inf) keeps what it held, and its requests become
+    `InvalidArgument`s in `results`.
     """
     trained = {r.adapter_id for r, result in zip(requests, results, strict=True)
                if r.backward and isinstance(result, ForwardOutput)}
     kept = [(p, None if p.grad is None else p.grad.clone())
             for a in {r.adapter_id for r in requests} - trained
             for p in adapters[a].parameters()]
-    params = [p for a in sorted(trained) for p in adapters[a].parameters()]
+    owned = [(a, p) for a in sorted(trained) for p in adapters[a].parameters()]
+    params = [p for _, p in owned]
     before = [p.grad for p in params]
     for param in params:
         param.grad = None
@@ -362,8 +370,25 @@ def _backward(adapters: Mapping[str, Adapter], computed: PassLogprobs,
     finally:
         for param, grad in kept:
             param.grad = grad
-    for param, grad in zip(params, before, strict=True):
-        if grad is not None and param.grad is not None:
+    refused = {a for a in trained if not _finite(adapters[a].parameters())}
+    for (owner, param), grad in zip(owned, before, strict=True):
+        if owner in refused:
+            param.grad = grad
+        elif grad is not None and param.grad is not None:
             param.grad.add_(grad)  # this pass's fresh tensor: nothing to allocate
         elif grad is not None:
             param.grad = grad
+    for index, request in enumerate(requests):
+        if request.adapter_id in refused and request.backward:
+            loss = (request.loss or adapters[request.adapter_id].loss).name
+            results[index] = InvalidArgument(
+                f"loss: the gradient of {loss} is not finite though the loss is (a ratio "
+                "exp(logp - logprobs) past the float range, say: the datums' 'logprobs' "
+                "far below the model's); this batch's gradient was discarded and the "
+                "adapter is unchanged")
+
+
+def _finite(params: Iterator[torch.nn.Parameter]) -> bool:
+    """Whether every gradient the parameters hold is finite (one device sync)."""
+    flags = [torch.isfinite(p.grad).all() for p in params if p.grad is not None]
+    return bool(torch.stack(flags).all()) if flags else True

@@ -175,6 +175,8 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], **kwargs: A
     clean = _check_kwargs("optimizer", name, cls.__init__, kwargs)
     if clean.get("lr", 0.0) < 0:
         raise InvalidArgument(f"optimizer.lr: must be >= 0, got {clean['lr']}")
+    if "eps" in clean:
+        _check_eps("optimizer.eps", clean["eps"])
     return _construct("optimizer", name, cls, list(params), **clean)
 
 
@@ -199,14 +201,23 @@ def build_scheduler(name: str, optimizer: torch.optim.Optimizer, **kwargs: Any
     return _construct("lr_scheduler", name, factory, optimizer, **clean)
 
 
+def _check_eps(field: str, eps: float) -> None:
+    """Adam's eps keeps its update's denominator above 0: at 0, a parameter whose
+    gradients have all been 0 (a fresh adapter's lora_A: lora_B starts at 0) steps by
+    0/0 = NaN, and the adapter is lost."""
+    if eps <= 0:
+        raise InvalidArgument(f"{field}: must be > 0, got {eps}")
+
+
 def _check_adam(adam: AdamParams) -> None:
     for key in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
         value = getattr(adam, key)
         if not math.isfinite(value):
             raise InvalidArgument(f"adam_params.{key}: must be finite, got {value}")
-    for key in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
+    for key in ("learning_rate", "weight_decay", "grad_clip_norm"):
         if getattr(adam, key) < 0:
             raise InvalidArgument(f"adam_params.{key}: must be >= 0, got {getattr(adam, key)}")
+    _check_eps("adam_params.eps", adam.eps)
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(adam, key) < 1.0:
             raise InvalidArgument(f"adam_params.{key}: must be in [0, 1), got {getattr(adam, key)}")
