@@ -312,6 +312,10 @@ def training_state(adapter: Adapter) -> dict[str, Any]:
         "counters": {"step": adapter.step, "micro_step": adapter.micro_step,
                      "tokens_seen": adapter.tokens_seen, "grad_accum": adapter.grad_accum},
         "seed": _plain(adapter.spec.seed),
+        # Saved mid accumulation window, the window's gradients so far: without them a
+        # resumed run would apply its next step to only the micro-batches after the load.
+        "pending_grads": None if adapter.at_boundary else [
+            None if p.grad is None else p.grad.detach().cpu() for p in adapter.parameters()],
     }
 
 
@@ -322,7 +326,9 @@ def load_state(adapter: Adapter, path: str | Path, include_optimizer: bool,
     Everything is read and rebuilt before the adapter changes, so a failure leaves it as
     it was. With the optimizer, the saved gradient accumulation count must equal the
     adapter's, or the load is refused; `adopt_accumulation` (an adapter created from the
-    checkpoint with no count of its own) takes the saved count instead. Checkpoints
+    checkpoint with no count of its own) takes the saved count instead. A state saved mid
+    accumulation window brings back the window's gradients so far, so the resumed run
+    steps exactly as the uninterrupted one. Checkpoints
     written before the RNG state was dropped carry an `rng` key, which is ignored.
     """
     found = read_weights(path)
@@ -335,11 +341,16 @@ def load_state(adapter: Adapter, path: str | Path, include_optimizer: bool,
                                      "load it without the optimizer")
         restored = _rebuild(adapter, torch.load(state_file, weights_only=True),
                             adopt_accumulation)
+    pending = restored.pop("pending_grads") if restored is not None else None
     copy_weights(adapter, found)
     adapter.zero_grad()
     if restored is not None:
         for field_name, value in restored.items():
             setattr(adapter, field_name, value)
+    if pending is not None:
+        for param, grad in zip(adapter.parameters(), pending, strict=True):
+            if grad is not None:
+                param.grad = grad.to(device=param.device, dtype=param.dtype)
 
 
 def _rebuild(adapter: Adapter, state: dict[str, Any], adopt_accumulation: bool
@@ -371,7 +382,14 @@ def _rebuild(adapter: Adapter, state: dict[str, Any], adopt_accumulation: bool
             # lr (LinearLR: base lr / 3); the saved groups put the resumed lr back.
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
+    pending = state.get("pending_grads")   # absent from checkpoints written before it
+    params = list(adapter.parameters())
+    if pending is not None and (len(pending) != len(params) or any(
+            g is not None and g.shape != p.shape for g, p in zip(pending, params))):
+        raise FailedPrecondition("checkpoint: its pending gradients do not fit this "
+                                 "adapter's parameters; load it without the optimizer")
     return {
+        "pending_grads": pending,
         "optimizer": optimizer, "optimizer_name": optimizer_name,
         "optimizer_kwargs": optimizer_kwargs, "scheduler": scheduler,
         "scheduler_name": scheduler_name, "scheduler_kwargs": scheduler_kwargs,
