@@ -122,6 +122,11 @@ def test_every_validation_case_returns_its_code_and_the_server_keeps_serving(ser
     ids = np.arange(5, 15)
     good = (ids, {"target_tokens": ids + 1, "weights": np.ones(10, np.float32)})
     cases = [
+        # First: once a forward_backward has failed beside others that trained, the next
+        # step is refused for that (scheduling/executor.py) before its own arguments.
+        (lambda: client.call(client.training.OptimStep, training_pb2.OptimStepRequest(
+            op=client.header(model), adam=training_pb2.AdamParams(learning_rate=float("nan")))),
+         grpc.StatusCode.INVALID_ARGUMENT, "learning_rate: must be finite"),
         (lambda: client.forward_backward(model, [(np.array([1, 10**7]), {
             "target_tokens": np.array([1, 2])})]), grpc.StatusCode.INVALID_ARGUMENT,
          "outside the vocabulary"),
@@ -142,9 +147,6 @@ def test_every_validation_case_returns_its_code_and_the_server_keeps_serving(ser
         (lambda: client.call(client.training.CreateModel, training_pb2.CreateModelRequest(
             base_model="Qwen/NotServed", lora=common_pb2.LoraConfig(rank=4, train_mlp=True))),
          grpc.StatusCode.INVALID_ARGUMENT, "'Qwen/NotServed' is not served here"),
-        (lambda: client.call(client.training.OptimStep, training_pb2.OptimStepRequest(
-            op=client.header(model), adam=training_pb2.AdamParams(learning_rate=float("nan")))),
-         grpc.StatusCode.INVALID_ARGUMENT, "learning_rate: must be finite"),
         (lambda: client.call(client.training.SetOptimizer, training_pb2.ConfigureRequest(
             op=client.header(model), name="Lion")), grpc.StatusCode.INVALID_ARGUMENT,
          "'Lion' is not allowed"),

@@ -9,10 +9,12 @@ the scheduler cancels leave the pool at the next slice (`decode`'s `cancelled`).
 
 A model's step never applies gradients a failed forward_backward left partial. The SDK
 cuts a large forward_backward into chunks, each its own op: when one fails (refused,
-or failing in its pass), the others still add theirs. So once a forward_backward fails,
-the model's next `optim_step` or `step` is refused instead (`FailedPrecondition`, naming
-the failure), and its gradients are zeroed: nothing of that window is applied, and the
-step after starts clean. `zero_grad` or a `load_state` clears them as well.
+or failing in its pass), the others still add theirs. So when, since the model's last
+step, a forward_backward failed and another added gradients, its next `optim_step` or
+`step` is refused instead (`FailedPrecondition`, naming the failure), and its gradients
+are zeroed: nothing of that window is applied, and the step after starts clean. A window
+whose only forward_backward failed holds no gradient of it, and steps as usual.
+`zero_grad` or a `load_state` clears the window as well.
 
 Served models that share a device take `Turns` on it: each batch or decode slice runs
 while its model holds the device, first come first served.
@@ -89,6 +91,8 @@ class EngineExecutor:
         self.decode_turns = self.turns if decodes_here else _Alone()
         self._failed: dict[str, BaseException] = {}
         """Per model (queue id): the forward_backward that failed since its last step."""
+        self._trained: set[str] = set()
+        """The models a forward_backward added gradients to since their last step."""
 
     def run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         try:
@@ -102,8 +106,12 @@ class EngineExecutor:
 
     def _note_failures(self, ops: Sequence[Op], results: Sequence[Any]) -> None:
         for op, result in zip(ops, results):
-            if op.kind == "forward_backward" and isinstance(result, BaseException):
+            if op.kind != "forward_backward":
+                continue
+            if isinstance(result, BaseException):
                 self._failed[op.queue_id] = result
+            else:
+                self._trained.add(op.queue_id)
 
     def _run_batch(self, ops: Sequence[Op]) -> Sequence[Any]:
         group = ops[0].merge_group
@@ -115,21 +123,26 @@ class EngineExecutor:
         results: list[Any] = []
         for op in ops:
             try:
-                if op.kind in STEPS and op.queue_id in self._failed:
-                    raise self._dropped(op)
+                if op.kind in STEPS:
+                    self._step_window(op)
                 results.append(op.payload())
             except EngineError as exc:
                 results.append(exc)
             if op.kind in CLEARS:
                 self._failed.pop(op.queue_id, None)
+                self._trained.discard(op.queue_id)
         return results
 
-    def _dropped(self, op: Op) -> FailedPrecondition:
-        """Zero the model's gradients, which a failed forward_backward left partial, and
-        the refusal of the step `op` that would have applied them."""
-        failure = self._failed.pop(op.queue_id)
+    def _step_window(self, op: Op) -> None:
+        """End the model's window at the step `op`; if a forward_backward in it failed
+        beside others that added gradients, zero them and refuse the step."""
+        failure = self._failed.pop(op.queue_id, None)
+        trained = op.queue_id in self._trained
+        self._trained.discard(op.queue_id)
+        if failure is None or not trained:
+            return
         self.engine.zero_grad(op.queue_id)
-        return FailedPrecondition(
+        raise FailedPrecondition(
             f"{op.kind}: a forward_backward since the last step failed ({failure}); the "
             "gradients accumulated since then were dropped and nothing was applied: send "
             "the batch again, then step")
