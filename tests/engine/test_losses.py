@@ -284,6 +284,13 @@ _RL = {"logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32)
      r"datum\[0\].loss_fn_inputs\['advantages'\]: contains NaN or infinity"),
     (LossSpec("cross_entropy"), _datum(2, weights=np.array([np.inf, 1.0], np.float32)),
      r"\['weights'\]: contains NaN or infinity"),
+    # The SDK knows per-token clip thresholds as inputs; no loss here reads them there.
+    (LossSpec("ppo"), _datum(2, **_RL, clip_low_threshold=np.full(2, 0.5, np.float32)),
+     r"datum\[0\].loss_fn_inputs\['clip_low_threshold'\]: no loss reads it; ppo reads "
+     r"\['advantages', 'logprobs', 'target_tokens', 'weights'\] \(its clip thresholds are "
+     r"loss_fn_config keys\)"),
+    (LossSpec("cross_entropy"), _datum(2, mask=np.ones(2, np.float32)),
+     r"datum\[0\].loss_fn_inputs\['mask'\]: no loss reads it"),
 ])
 def test_validate_loss_names_the_field(spec, datum, message):
     with pytest.raises(InvalidArgument, match=message):

@@ -104,6 +104,8 @@ LOSSES: dict[str, _LossDef] = {
 }
 LOSS_NAMES: frozenset[str] = frozenset(LOSSES)
 _FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask", "sampled_mask")
+_OPTIONAL = {"gspo": ("sequence_ratio_mask",)}
+"""Inputs a loss reads when given, beyond its required ones and `weights`."""
 _NON_NEGATIVE = ("clip_low_threshold", "beta", "epsilon", "epsilon_high", "kl_coeff",
                  "clip_high_threshold")
 _ONE_TARGET = ("gspo", "stable_reinforce")
@@ -148,11 +150,14 @@ def resolve_config(spec: LossSpec) -> dict[str, float]:
 def validate_loss(spec: LossSpec, datums: Sequence[Datum]) -> None:
     """Check the loss name, its config and every datum's loss inputs before any compute.
 
-    Each error names the datum index and the field: a missing required input, a float
-    input whose shape differs from `target_tokens` (both shapes given), or a NaN/infinity.
+    Each error names the datum index and the field: a missing required input, an input no
+    loss reads (the SDK's per-token `clip_low_threshold`, say: served nowhere, so refused
+    rather than ignored), a float input whose shape differs from `target_tokens` (both
+    shapes given), or a NaN/infinity.
     """
     resolve_config(spec)
     required = LOSSES[spec.name].required
+    reads = sorted({*required, "weights", *_OPTIONAL.get(spec.name, ())})
     for index, datum in enumerate(datums):
         inputs = datum.loss_inputs
         for key in required:
@@ -160,6 +165,12 @@ def validate_loss(spec: LossSpec, datums: Sequence[Datum]) -> None:
                 raise InvalidArgument(
                     f"datum[{index}].loss_fn_inputs: {spec.name} needs {key!r} "
                     f"(it needs {list(required)})")
+        for key in inputs:
+            if key != "target_tokens" and key not in _FLOAT_INPUTS:
+                hint = " (its clip thresholds are loss_fn_config keys)" if key in _CLIP else ""
+                raise InvalidArgument(
+                    f"datum[{index}].loss_fn_inputs[{key!r}]: no loss reads it; "
+                    f"{spec.name} reads {reads}{hint}")
         targets = inputs["target_tokens"]
         if targets.ndim not in (1, 2) or not np.issubdtype(targets.dtype, np.integer):
             raise InvalidArgument(
