@@ -38,31 +38,32 @@ def tiny_cache(tmp_path_factory):
 def sdk_heartbeats_stop_with_their_server() -> Iterator[None]:
     """A stock-SDK client beats its session's heartbeat until it is closed. One a test left
     open after its server stopped failed its beats and warned ("Session heartbeat failed
-    ... Connection error") minutes later, in the middle of other tests' output (7 to 29
-    such lines a `make test`). A server a test stops now takes its clients' heartbeats
-    with it: only those local tasks end, nothing is sent to the stopped server."""
+    ... Connection error") minutes later, in the middle of other tests' output (7 to 32
+    such lines a `make test`). A server a test stops now takes with it the heartbeats of
+    the SDK's connections to it (its `InternalClientHolder`s, which a training client
+    keeps after its `ServiceClient` is gone): only those local tasks end, nothing is sent
+    to the stopped server."""
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    import tinker
+    from tinker.lib.internal_client_holder import InternalClientHolder
 
     from twinkle_server.process import ServerProcess
 
-    clients: weakref.WeakSet = weakref.WeakSet()
-    create, stop = tinker.ServiceClient.__init__, ServerProcess.stop
+    holders: weakref.WeakSet = weakref.WeakSet()
+    create, stop = InternalClientHolder.__init__, ServerProcess.stop
 
-    def created(client, *args, **kwargs) -> None:
-        create(client, *args, **kwargs)
-        clients.add(client)
+    def created(holder, *args, **kwargs) -> None:
+        holders.add(holder)
+        create(holder, *args, **kwargs)
 
     def stopped(server: ServerProcess, *args, **kwargs) -> int:
         code = stop(server, *args, **kwargs)
-        for client in list(clients):
-            holder = client._session_holder
-            if (holder is not None and server.http_address
-                    and (client._base_url or "").endswith(f"//{server.http_address}")):
+        for holder in list(holders):
+            if server.http_address and f"//{server.http_address}" in getattr(
+                    holder, "_base_url", ""):
                 holder.close()
         return code
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tinker.ServiceClient, "__init__", created)
+        patch.setattr(InternalClientHolder, "__init__", created)
         patch.setattr(ServerProcess, "stop", stopped)
         yield
