@@ -4,6 +4,8 @@ alone, and the pool's accounting stays exact."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -172,6 +174,93 @@ def test_out_of_memory_giving_the_cache_new_columns_fails_the_newest_request_alo
     _drain(engine, results)
     assert isinstance(results[1], ResourceExhausted) and "memory" in str(results[1])
     _same(_alone(engine, older), results[0])
+    _pool_is_empty(engine)
+
+
+@contextlib.contextmanager
+def _out_of_memory_in(monkeypatch, cls, name, times=10**6):
+    """Inside the block, the first `times` calls of `cls.name` run out of memory; yields
+    the list of failures so far."""
+    real, hits = getattr(cls, name), []
+
+    def failing(self, *args, **kwargs):
+        if len(hits) < times:
+            hits.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, failing)
+    try:
+        yield hits
+    finally:
+        monkeypatch.setattr(cls, name, real)
+
+
+def test_a_prefill_allocates_nothing_after_its_join_so_no_row_joins_twice(engine,
+                                                                           monkeypatch):
+    """A joiner that stops at its first token never joins the batch: its row once joined
+    and left at once, and out of memory as it left (copying its prefix entry, moving the
+    rows that stay) was taken for a failed prefill, which joined every joiner again:
+    4 rows for 2 samples, drawing from one generator, so their seeded tokens changed."""
+    from twinkle_server.engine.sampling.kv_batch import KVBatch
+
+    once = _request(None, [5, 6, 7], max_tokens=1, seed=4, namespace="once")
+    group = _request(None, [8, 9, 10, 11], n=2, max_tokens=6, seed=5)
+    with _out_of_memory_in(monkeypatch, KVBatch, "select"), \
+            _out_of_memory_in(monkeypatch, KVBatch, "row_prefix"):
+        results = dict(engine.decode([once, group], [0, 1], 0.0))
+    assert engine.decode_stats().active_rows == 2
+    _drain(engine, results)
+    _same(_alone(engine, once), results[0])
+    _same(_alone(engine, group), results[1])
+    _pool_is_empty(engine)
+
+
+def test_out_of_memory_as_rows_leave_fails_the_newest_request_still_decoding(engine,
+                                                                              monkeypatch):
+    """Moving the rows that stay after a step allocates: out of memory there fails the
+    newest request still decoding, as in the step itself, and the rows leave again. The
+    request that finished is answered and the older one goes on as alone (the fault once
+    escaped the slice, which failed every request)."""
+    from twinkle_server.engine.sampling.kv_batch import KVBatch
+
+    older = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
+    newer = _request(None, [30, 31, 32], n=2, max_tokens=12, seed=2)
+    short = _request(None, [40, 41], max_tokens=2, seed=3, namespace="short")
+    results = dict(engine.decode([older], [0], 0.0))
+    results.update(engine.decode([newer], [1], 0.0))
+    with _out_of_memory_in(monkeypatch, KVBatch, "select", times=1) as hits:
+        results.update(engine.decode([short], [2], 0.0))    # its prefill, and one step
+    assert hits
+    assert isinstance(results[1], ResourceExhausted) and "memory" in str(results[1])
+    _same(_alone(engine, short), results[2])
+    _drain(engine, results)
+    _same(_alone(engine, older), results[0])
+    _pool_is_empty(engine)
+
+
+def test_out_of_memory_copying_a_finished_rows_prefix_entry_keeps_no_entry_alone(
+        engine, monkeypatch):
+    """A finished row's prompt and completion are copied into the prefix cache: where
+    memory cannot hold the copy, the cache keeps no entry for them (its prompt's, from
+    the prefill, stays) and every request is served (the fault once escaped the slice,
+    which failed every request)."""
+    from twinkle_server.engine.sampling.kv_batch import KVBatch
+
+    older = _request(None, [5, 6, 7], n=2, max_tokens=12, seed=1)
+    prompt = [50, 51, 52]
+    short = _request(None, prompt, max_tokens=2, seed=3, namespace="uncopied")
+    results = dict(engine.decode([older], [0], 0.0))
+    with _out_of_memory_in(monkeypatch, KVBatch, "row_prefix") as hits:
+        results.update(engine.decode([short], [1], 0.0))    # its prefill, and one step
+    assert hits
+    _same(_alone(engine, short), results[1])
+    _drain(engine, results)
+    _same(_alone(engine, older), results[0])
+    extended = prompt + results[1].sequences[0].tokens.tolist() + [9]
+    later = _drain(engine, dict(engine.decode(
+        [_request(None, extended, max_tokens=2, seed=4, namespace="uncopied")], [2], 0.0)))
+    assert later[2].prompt_cache_hit_tokens == len(prompt)
     _pool_is_empty(engine)
 
 

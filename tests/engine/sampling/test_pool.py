@@ -190,6 +190,31 @@ def test_cached_prefixes_make_way_for_every_waiting_request_that_would_then_fit(
         _same(_alone(model, request), results[i].sequences)
 
 
+def test_a_request_its_own_cached_prefix_leaves_no_room_gives_it_up_and_joins(model):
+    """The next turn of a session extends the 15-token entry its first turn left: 33
+    prompt + 5 tokens fit the 40-position pool alone, but not beside that entry, which
+    its prefill would copy into its row. It gives the entry up and computes its whole
+    prompt (it once kept the entry, and waited forever with every request behind it)."""
+    pool = _pool(model, capacity=40)
+    first = list(range(1, 11))
+    pool.submit("first", _req(first, 1, max_tokens=6, temperature=0.0, ignore_eos=True),
+                None, ("session", "v1"))
+    reply = _drain(pool)["first"].sequences[0].tokens.tolist()
+    turn = _req(first + reply + [7] * 8, 1, max_tokens=5, temperature=0.0, ignore_eos=True)
+    behind = _req([3, 4], 1, max_tokens=2, seed=1)
+    pool.submit("turn", turn, None, ("session", "v1"))
+    pool.submit("behind", behind, None)
+    results = {}
+    for _ in range(10):
+        results.update(pool.run(0.0))
+        stats = pool.stats()
+        assert stats.kv_in_use <= 40 + stats.active_rows, stats
+    assert sorted(results) == ["behind", "turn"], results
+    assert results["turn"].prompt_cache_hit_tokens == 0
+    _same(_alone(model, turn), results["turn"].sequences)
+    _same(_alone(model, behind), results["behind"].sequences)
+
+
 def test_an_evicted_entry_frees_its_memory_while_requests_that_used_it_go_on(model):
     """The cache counts only the entries it holds: one it gives up must be freed, though a
     request that reused it still decodes and another that found it still waits (they once
@@ -246,6 +271,54 @@ def test_a_failed_prefill_is_retried_apart_on_one_rank_and_is_the_slices_on_seve
         assert faults == [] and sorted(results) == [0, 1]
     else:
         assert faults == ["the prefill of 2 prompts of 3, 3 tokens"] and not pool.rows
+
+
+@pytest.mark.parametrize(("capacity", "leaving", "staying", "session"), [
+    (70, (12, 1), (2, 2), True), (192, (30, 2), (15, 3), False)],
+    ids=["prefix-cache", "shared-copy"])
+def test_what_rows_that_left_keep_in_the_buffers_counts_within_the_bound(
+        model, capacity, leaving, staying, session):
+    """A long prompt's rows leave after 2 tokens beside a short prompt's samples, which
+    decode 12: the buffers keep their columns (the long prompt's padding before the
+    short rows, spare ones sized for the rows that left) until the next reserve replaces
+    them. The prefix cache (its session's entry) and the group's shared prompt copy get
+    only the room those buffers leave: both once counted the rows at their footprint
+    alone, and the pool held up to 5 positions past its bound."""
+    (long_prompt, long_samples), (short_prompt, short_samples) = leaving, staying
+    requests = {"leaving": _req(list(range(1, 1 + long_prompt)), long_samples, max_tokens=2,
+                                temperature=0.0, ignore_eos=True),
+                "staying": _req(list(range(100, 100 + short_prompt)), short_samples,
+                                max_tokens=12, temperature=0.0, ignore_eos=True)}
+    pool = _pool(model, capacity=capacity)
+    pool.submit("leaving", requests["leaving"], None, ("session", "v1") if session else None)
+    pool.submit("staying", requests["staying"], None)
+    results = {}
+    while len(results) < 2:
+        results.update(pool.run(0.0))
+        stats = pool.stats()
+        assert stats.kv_in_use <= capacity + stats.active_rows, stats
+    for key, request in requests.items():
+        _same(_alone(model, request), results[key].sequences)
+
+
+def test_spare_columns_rows_that_leave_keep_count_within_the_bound(model):
+    """Three samples of 3 tokens decode in 26 positions; a 1-sample request waits, and
+    joins when they have 1 token left each and it 2. The step gives the 4 rows the mean
+    of their tokens left as spare columns, rounded down (1): rounded up (2) the buffers
+    held 28 positions, kept when the 3 samples left after that step, past 26 + 1."""
+    requests = {"group": _req([5, 6, 7, 8], 3, max_tokens=3, temperature=0.0,
+                              ignore_eos=True),
+                "late": _req([1, 2, 3, 4], 1, max_tokens=3, temperature=0.0, ignore_eos=True)}
+    pool = _pool(model, capacity=26)
+    for key, request in requests.items():
+        pool.submit(key, request, None)
+    results = {}
+    while len(results) < 2:
+        results.update(pool.run(0.0))
+        stats = pool.stats()
+        assert stats.kv_in_use <= 26 + stats.active_rows, stats
+    for key, request in requests.items():
+        _same(_alone(model, request), results[key].sequences)
 
 
 def test_a_full_pool_queues_requests_then_serves_them(model):

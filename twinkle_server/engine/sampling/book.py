@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from twinkle_server.engine.errors import Cancelled, EngineError
+from twinkle_server.engine.memory import OUT_OF_MEMORY
 from twinkle_server.engine.sampling import tokens as token_step
 from twinkle_server.engine.sampling.admission import (
     PLAIN,
@@ -215,10 +216,24 @@ class PoolBook:
         count = plan(self.capacity - self.prefixes.tokens)
         # Cached prefixes, least recently used first, make way for as many waiting
         # requests as could join without any: only where that lets more of them join.
+        # An entry a joiner reuses is copied into its row by its prefill, so giving it
+        # up frees nothing until then; where only such entries are left, the next
+        # request and those after it give up their own (and compute those tokens): its
+        # own entry beside its row may pass the capacity, and it would wait forever.
         most = plan(self.capacity) if self.prefixes.tokens else count
-        reused = {r.prefix for r in list(self.waiting)[:most] if r.prefix is not None}
-        while count < most and self.prefixes.evict_one(keep=reused):
-            count = plan(self.capacity - self.prefixes.tokens)
+        given_up = False
+        while count < most:
+            waiting = list(self.waiting)
+            reused = {r.prefix for r in waiting[:most] if r.prefix is not None}
+            if self.prefixes.evict_one(keep=reused):
+                count = plan(self.capacity - self.prefixes.tokens)
+            elif given_up:
+                break
+            else:
+                given_up = True
+                for request in waiting[count:]:
+                    request.prefix, request.cached = None, 0
+                most = plan(self.capacity)
         joiners = [self.waiting.popleft() for _ in range(count)]
         for request in self.waiting:
             request.prefix, request.cached = None, 0
@@ -237,39 +252,60 @@ class PoolBook:
         mode, whose steps read every row's own cache and make no copy."""
         return 0 if self.batch_invariant else self.batch.shared_width()
 
+    def _held_by_rows(self) -> int:
+        """Most KV positions the rows hold from now until they leave, their shared copy
+        aside: their footprint (`admission.footprint`), or what their buffers hold
+        already where that is more (`KVBatch.buffered`: columns and rows of rows that
+        left, held until the buffers are replaced; then a row holds at most its
+        footprint's share and one column)."""
+        return max(footprint(self.batch.width, self._remaining(), self.cost),
+                   self.batch.buffered())
+
     def _fit_prefixes(self) -> None:
-        """Give up cached prefixes the rows' footprint, shared copies and the buffer rows
-        left unused by rows that stopped leave no room for."""
-        self.prefixes.fit(self.capacity - footprint(self.batch.width, self._remaining(),
-                                                    self.cost)
-                          - copies(self._samples(), self._copied_width())
-                          - self.batch.unused())
+        """Give up cached prefixes the rows and their shared copies leave no room for."""
+        self.prefixes.fit(self.capacity - self._held_by_rows()
+                          - copies(self._samples(), self._copied_width()))
 
     def _leave(self) -> None:
-        """Answer requests whose last row stopped or that failed; keep the other rows."""
-        keep = []
+        """Answer requests whose last row stopped or that failed; keep the other rows.
+        What allocates (copying a finished row's prefix entry, moving the rows that
+        stay) runs before anything changes, so a failure changes nothing; an entry the
+        memory cannot hold is not kept."""
+        entries = []
         for i, row in enumerate(self.rows):
             request = row.request
-            if request.error is not None:
-                self._answer(request, request.error)
-                continue
-            if row.stop is None:
-                keep.append(i)
-                continue
-            request.left -= 1
-            if request.namespace is not None and request.sample.num_samples == 1:
+            if (request.error is None and row.stop is not None
+                    and request.namespace is not None and request.sample.num_samples == 1):
                 # Prompt + completion but its last token, which was never fed.
                 tokens = np.concatenate([np.asarray(request.sample.prompt, np.int64),
                                          np.asarray(row.tokens[:-1], np.int64)])
-                self.prefixes.remember(request.namespace, tokens, *self.batch.row_prefix(i))
-            if request.left == 0:
-                self._answer(request, Generation(
-                    [token_step.sequence(r.tokens, r.logprobs, r.topk,
-                                         request.sample.topk_logprobs, r.stop)
-                     for r in request.rows], prompt_cache_hit_tokens=request.cached,
-                    decode_slices=request.slices))
+                try:
+                    entries.append((request.namespace, tokens, *self.batch.row_prefix(i)))
+                except OUT_OF_MEMORY:
+                    pass
+        keep = [i for i, row in enumerate(self.rows)
+                if row.request.error is None and row.stop is None]
+        order = None
         if len(keep) < len(self.rows):
             order = compaction([row.request.route for row in self.rows], keep)
             self.batch.select(order)
+        for row in self.rows:
+            request = row.request
+            if request.error is not None:
+                self._answer(request, request.error)
+            elif row.stop is not None:
+                request.left -= 1
+                if request.left == 0:
+                    self._finish(request)
+        for namespace, tokens, layers, states in entries:
+            self.prefixes.remember(namespace, tokens, layers, states)
+        if order is not None:
             self.rows = [self.rows[i] for i in order]
         self._fit_prefixes()
+
+    def _finish(self, request: PoolRequest) -> None:
+        """Answer `request`, every row of which has stopped, with its sequences."""
+        self._answer(request, Generation(
+            [token_step.sequence(r.tokens, r.logprobs, r.topk, request.sample.topk_logprobs,
+                                 r.stop) for r in request.rows],
+            prompt_cache_hit_tokens=request.cached, decode_slices=request.slices))

@@ -120,15 +120,25 @@ class KVBatch:
 
     def held(self) -> int:
         """KV positions the batch holds now (a position: one column of every attention
-        layer, so a window's layer holding fewer columns counts its share): the buffers'
-        rows (those a select left unused among them) x their columns, the shared copy's
-        groups x columns, and `row_state` positions a row for its recurrent states."""
+        layer, so a window's layer holding fewer columns counts its share): the rows'
+        (`buffered`) and the shared copy's groups x columns."""
+        shared = self._shared
+        return self._held(sum(shared.groups * shared.width for k in shared.keys
+                              if k is not None) if shared else 0)
+
+    def buffered(self) -> int:
+        """KV positions the rows hold now, the shared copy aside: the buffers' rows x
+        their columns, with the rows and columns no row uses any more (rows a select
+        left unused, columns it dropped on the left, spare columns sized for rows that
+        left: all held until a join or a `reserve` replaces the buffers), and
+        `row_state` positions a row for its recurrent states."""
+        return self._held(0)
+
+    def _held(self, copied: int) -> int:
+        """`buffered`, with `copied` more columns of the attention layers."""
         layers = self.kv_layers()
         if not layers:
             return 0
-        shared = self._shared
-        copied = sum(shared.groups * shared.width for k in shared.keys
-                     if k is not None) if shared else 0
         return (_positions(sum(layer.rows_held() * layer.columns() for layer in layers)
                            + copied, len(layers)) + self.rows * self.row_state)
 

@@ -10,16 +10,19 @@ batch between decode steps.
   `_prefill_groups`), ONE row per request whatever its `num_samples` (a GRPO group
   computes its prompt once), their first tokens drawn from that row's logits; its KV is
   then copied per sample and joins the batch (`kv_batch`).
-* Leaving. A row leaves the step it stops (a stop token, a stop string, `max_tokens`);
-  a request is answered when its last row has left. Its place is taken by its route's
+* Leaving. A row leaves the step it stops (a stop token, a stop string, `max_tokens`),
+  one that stops at its first token never joins; a request is answered when its last
+  row has left. Its place is taken by its route's
   last row, moved within the cache's buffers; no other row moves (`kv_batch.compaction`),
   so a request's samples may sit apart, and each step draws them in their own order.
 * Memory. The batch's footprint (`admission.footprint`) plus the prefix cache stays
   within `capacity`: admission keeps to it, and the prefix cache gives up entries
   whenever what it stored would pass it. Both leave room for the copies of their
   prompts' columns a request's samples share (`KVBatch.shared_prefix`), which is made
-  only where it fits. Held positions (rows x buffer columns, the shared copy, the cache)
-  are at most `capacity` plus one column a row.
+  only where it fits. Rows that leave leave their columns in the buffers until these are
+  replaced (`KVBatch.buffered`), which the prefix cache and the shared copy make room for
+  too. Held positions (rows x buffer columns, the shared copy, the cache) are at most
+  `capacity` plus one column a row.
 * Prefix reuse. A request may name a namespace (its sampling session and the version of
   its weights): the KV of its prompt, and with `num_samples` 1 of its prompt and
   completion, is kept (`prefix_cache`), and a later prompt of the same namespace that
@@ -34,7 +37,9 @@ batch between decode steps.
   one that fails alone fails. A step that fails is undone (`KVBatch.restore`); out of memory
   fails the newest request, the one whose admission the memory could not hold, and any
   other error fails the requests of that step, whose state is unknown; the rest go on.
-  A cancelled request leaves at once. On several ranks `fault` raises instead (a rank
+  Rows that leave are moved before anything changes, and fail as a step does (out of
+  memory: the newest request still decoding); a finished row's prefix entry that memory
+  cannot hold is not kept. A cancelled request leaves at once. On several ranks `fault` raises instead (a rank
   that skipped a forward would leave the others waiting in a collective).
 * Several ranks. Each rank runs its own pool over its share of the requests; every
   forward gathers the sharded base's layers with the other ranks, so each prefill and
@@ -65,7 +70,7 @@ from twinkle_server.engine.errors import (
 )
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.sampling import tokens as token_step
-from twinkle_server.engine.sampling.admission import RowCost, footprint
+from twinkle_server.engine.sampling.admission import RowCost
 from twinkle_server.engine.sampling.book import PoolBook, PoolRequest, PoolRow
 from twinkle_server.engine.sampling.cache_layers import (
     attention_windows,
@@ -230,7 +235,8 @@ class DecodePool(PoolBook):
 
     def _prefill(self, joiners: list[PoolRequest]) -> None:
         """One forward over the joiners' uncached prompt tokens, then their rows join.
-        Nothing changes before the forward and the draw have succeeded."""
+        Nothing changes before the forward and the draw have succeeded, and nothing that
+        can fail follows the join (`_prefill_apart` would prefill the joiners again)."""
         joiners = [joiners[i] for i in _grouped([r.route for r in joiners])]
         cached = max(r.cached for r in joiners)
         suffix = max(r.sample.prompt.size - r.cached for r in joiners)
@@ -265,8 +271,11 @@ class DecodePool(PoolBook):
                    for i, r in enumerate(joiners) if r.namespace is not None and r.error is None}
         for request in joiners:
             request.rows = [row for row in rows if row.request is request]
-            request.left = len(request.rows)
-        keep = [i for i, row in enumerate(rows) if row.request.error is None]
+            request.left = sum(row.stop is None for row in request.rows)
+        # A row that stopped at its first token never joins (its prompt's entry is its
+        # prefix entry): nothing that allocates follows the join.
+        keep = [i for i, row in enumerate(rows)
+                if row.request.error is None and row.stop is None]
         if keep:
             picked = torch.tensor(keep, device=self.device)
             select_rows(kv, index[picked])
@@ -281,6 +290,8 @@ class DecodePool(PoolBook):
             request.prefix = None   # its rows hold what it reused; the entry may go
             if request.error is not None:
                 self._answer(request, request.error)
+            elif not request.left:
+                self._finish(request)
         self._count(prompt_tokens_computed=sum(r.sample.prompt.size - r.cached
                                                for r in joiners),
                     prefix_hit_tokens=sum(r.cached for r in joiners))
@@ -289,21 +300,23 @@ class DecodePool(PoolBook):
                 namespace, layers, states = prompts[id(request)]
                 self.prefixes.remember(namespace, np.asarray(request.sample.prompt), layers,
                                        states)
-        self._leave()
+        self._fit_prefixes()
 
     def _step(self) -> None:
         """Feed every row's pending token and draw each row's next; a failed forward is
         undone and fails the requests it can be held to."""
         batch = self.batch
         remaining = self._remaining()
-        room = self.capacity - self.prefixes.tokens - footprint(batch.width, remaining,
-                                                                self.cost)
+        room = self.capacity - self.prefixes.tokens - self._held_by_rows()
         saved = batch.snapshot()
         requests = self._decoding()
         drawn_from = _generator_states(requests)
         try:
             # New spare columns copy the whole cache: out of memory there is the step's.
-            batch.reserve(min(SPARE_COLUMNS, -(-sum(remaining) // len(self.rows))))
+            # As many as the rows' mean tokens left (1 at least), rounded down: the
+            # buffers then hold no more than the rows' footprint, which they keep for
+            # rows that leave until the next reserve.
+            batch.reserve(min(SPARE_COLUMNS, sum(remaining) // len(self.rows)))
             with self.route([row.request.route for row in self.rows]), \
                     self._stepping(room):
                 out = self.model(**batch.step_inputs(), use_cache=True, logits_to_keep=1,
@@ -322,6 +335,27 @@ class DecodePool(PoolBook):
         self._take(drawn, self.rows)
         batch.advance(drawn.chosen)
         self._leave()
+
+    def _leave(self) -> None:
+        """`PoolBook._leave`, which changes nothing where it fails: out of memory there
+        (moving the rows that stay) fails the newest request still decoding, as in a
+        step, and the rows leave again, its own with them; any other fault fails every
+        request decoding. Once every one has failed no row stays, and nothing moves."""
+        while True:
+            try:
+                super()._leave()
+                return
+            except Exception as exc:
+                going = [r for r in self._decoding()
+                         if r.error is None and any(row.stop is None for row in r.rows)]
+                if not going:
+                    raise
+                error = self.fault(exc, f"the leaving of rows from a batch of "
+                                        f"{len(self.rows)}")
+                if isinstance(error, ResourceExhausted):
+                    going = [max(going, key=lambda r: r.arrival)]
+                for request in going:
+                    request.error = error
 
     def _stepping(self, room: int) -> AbstractContextManager:
         """The context of a decode step's forward: batch-invariant, or the decode path
