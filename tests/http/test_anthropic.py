@@ -128,6 +128,57 @@ def test_a_streamed_tool_use_is_a_tool_use_block_with_its_input(client, agent):
     assert [b.type for b in forced.content] == ["tool_use"]
 
 
+def _count(tokenizer, messages: list[dict], **options) -> int:
+    """Tokens of `messages` as the tiny model's chat template renders them."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_a_failed_tool_result_reaches_the_model_marked_as_an_error(client):
+    """Claude Code sends `is_error: true` for a tool that failed: the template shows the
+    tool message's content, so the marker is put there."""
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    call = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "t1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    for is_error, shown in ((True, "Error: boom"), (False, "boom")):
+        counted = client.messages.count_tokens(model="tiny", tools=[TOOL], messages=[
+            *ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                                     "name": "get_weather",
+                                                     "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": "boom", "is_error": is_error}]}])
+        expected = _count(tokenizer, [*ASK, call, {"role": "tool", "tool_call_id": "t1",
+                                                   "content": shown}],
+                          tools=[WEATHER], add_generation_prompt=True)
+        assert counted.input_tokens == expected, is_error
+
+
+def test_a_final_assistant_message_is_continued_as_a_prefill(server, client):
+    """Anthropic's prefill: the last assistant message is left open and the reply is what
+    follows it, the same greedy tokens as a plain completion of the open rendering."""
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    prefill = [*HELLO, {"role": "assistant", "content": "The answer is"}]
+    continued = tokenizer.apply_chat_template(prefill, tokenize=False,
+                                              continue_final_message=True)
+    assert continued.endswith("The answer is")
+    ids = tokenizer.encode(continued, add_special_tokens=False)
+    assert client.messages.count_tokens(model="tiny", messages=prefill).input_tokens \
+        == len(ids)
+    reply = client.messages.create(model="tiny", messages=prefill, max_tokens=6,
+                                   extra_body=GREEDY)
+    plain = httpx.post(f"http://{server.http_address}/oai/api/v1/completions", timeout=60,
+                       headers={"authorization": f"Bearer {server.keys['alice']}"},
+                       json={"model": "tiny", "prompt": ids, "max_tokens": 6,
+                             "temperature": 0.0}).json()["choices"][0]["text"]
+    assert reply.usage.input_tokens == len(ids)
+    assert "".join(b.text for b in reply.content) == plain
+    # An empty final assistant message starts nothing: a new turn opens, as without it.
+    empty = [*HELLO, {"role": "assistant", "content": ""}]
+    assert client.messages.count_tokens(model="tiny", messages=empty).input_tokens \
+        == _count(tokenizer, HELLO, add_generation_prompt=True)
+
+
 def test_errors_come_in_anthropics_shape_and_name_the_field(server, client, agent):
     with pytest.raises(anthropic.NotFoundError, match="gpt"):
         client.messages.create(model="gpt-4o", messages=HELLO, max_tokens=4)
@@ -161,6 +212,17 @@ def test_errors_come_in_anthropics_shape_and_name_the_field(server, client, agen
                                            "disable_parallel_tool_use": True}},
          "tool_choice.disable_parallel_tool_use"),
         ({"stop_sequences": ["a"] * 17}, "stop_sequences"),
+        # A value of the wrong kind is refused, not read as left out.
+        ({"stop_sequences": 0}, "stop_sequences"),
+        ({"stop_sequences": ""}, "stop_sequences"),
+        ({"stop_sequences": False}, "stop_sequences"),
+        ({"stop_sequences": {}}, "stop_sequences"),
+        ({"stop_sequences": "abc"}, "stop_sequences"),
+        ({"messages": [*HELLO, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]}],
+          "tools": [TOOL]}, "messages"),
+        ({"messages": [*HELLO, {"role": "assistant", "content": "It"}], "tools": [TOOL],
+          "tool_choice": {"type": "any"}}, "tool_choice"),
         ({"top_k": 0}, "top_k"),
         ({"frequency_penalty": 1}, "frequency_penalty"),
     ]

@@ -13,6 +13,8 @@ import pytest
 import tinker
 from tinker import types
 
+from twinkle_server.runtime.copies import MAX_IDEMPOTENCY_KEY_CHARS
+
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -100,6 +102,38 @@ def test_a_retry_with_the_same_idempotency_key_answers_the_same_copy(server, bas
     assert first.status_code == again.status_code == other.status_code == 200
     assert first.json() == again.json()
     assert other.json()["tinker_path"] != first.json()["tinker_path"]
+
+
+def test_an_idempotency_key_is_refused_when_over_long_or_reused_for_another_source(
+        server, base_url, saved):
+    prefix = "K" * MAX_IDEMPOTENCY_KEY_CHARS
+    with httpx.Client(base_url=base_url, headers={"X-API-Key": server.keys["alice"]},
+                      timeout=60) as http:
+        def copy(source: str, key: str) -> httpx.Response:
+            return http.post("/api/v1/copy_weights", json={"source_path": source},
+                             headers={"X-Idempotency-Key": key})
+
+        def copies() -> int:
+            return http.get("/api/v1/checkpoints?limit=1").json()["cursor"]["total_count"]
+
+        before = copies()
+        long = copy(saved["state"], prefix + "-first")
+        assert long.status_code == 400, long.text
+        assert long.json()["detail"] == (
+            f"X-Idempotency-Key: {MAX_IDEMPOTENCY_KEY_CHARS + 6} characters, over the "
+            f"{MAX_IDEMPOTENCY_KEY_CHARS} a key may have (the SDK sends a 36-character UUID)")
+        assert copies() == before
+        first = copy(saved["state"], "one-key")
+        assert first.status_code == 200, first.text
+        # Another source (the first copy itself) under the same key is not a retry.
+        another = first.json()["tinker_path"]
+        other = copy(another, "one-key")
+        assert other.status_code == 400, other.text
+        assert other.json()["detail"] == (
+            f"idempotency_key: 'one-key' was used for a copy of {saved['state']!r}; a copy "
+            f"of {another!r} needs a key of its own")
+        assert copies() == before + 1
+        assert copy(saved["state"], "one-key").json() == first.json()
 
 
 def test_another_tenant_copies_only_what_it_may_read(server, rest, saved):

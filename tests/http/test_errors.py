@@ -72,6 +72,39 @@ def test_keys_have_the_sdk_prefix_and_legacy_keys_work(server, base_url):
     client.close("success").result()
 
 
+def test_the_bearer_scheme_is_read_in_any_case_and_an_empty_key_header_is_left_out(
+        server, base_url):
+    key = server.keys["alice"]
+    for headers in ({"authorization": f"bearer {key}"}, {"authorization": f"BEARER {key}"},
+                    {"authorization": f"Bearer {key}", "x-api-key": ""}):
+        r = httpx.get(f"{base_url}/api/v1/sessions", headers=headers, timeout=30)
+        assert r.status_code == 200, (headers, r.text)
+    r = httpx.get(f"{base_url}/api/v1/sessions", headers={"x-api-key": ""}, timeout=30)
+    assert r.status_code == 401, r.text
+
+
+@pytest.mark.parametrize(("lora", "says"), [
+    ({"seed": 2**70}, f"lora_config.seed: {2**70}; give an integer in [0, 2^63)"),
+    ({"seed": -1}, "lora_config.seed: -1; give an integer in [0, 2^63)"),
+    ({"train_mlp": "false"}, "lora_config.train_mlp: must be true or false, got 'false'"),
+    ({"train_attn": 0}, "lora_config.train_attn: must be true or false, got 0"),
+    ({"train_unembed": "yes"}, "lora_config.train_unembed: must be true or false, got 'yes'"),
+])
+def test_create_model_refuses_a_bad_lora_config_field_by_name_and_makes_no_run(
+        server, base_url, service, lora, says):
+    with httpx.Client(base_url=base_url, headers={"X-API-Key": server.keys["alice"]},
+                      timeout=30) as http:
+        def runs() -> int:
+            return http.get("/api/v1/training_runs").json()["cursor"]["total_count"]
+        before = runs()
+        r = http.post("/api/v1/create_model", json={
+            "session_id": service.holder.get_session_id(), "base_model": "tiny",
+            "lora_config": {"rank": 4, **lora}})
+        assert r.status_code == 400, r.text
+        assert r.json()["detail"] == says
+        assert runs() == before
+
+
 # ----------------------------------------------------------------------------- isolation
 
 

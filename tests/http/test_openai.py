@@ -192,6 +192,12 @@ def test_another_tenants_checkpoint_is_not_found_and_a_key_is_needed(server, bas
     ({"model": "tiny", "prompt": "x", "frequency_penalty": False}, "frequency_penalty"),
     ({"model": "tiny", "prompt": "x", "stream": True,
       "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    # A value of the wrong kind is refused, not read as left out.
+    ({"model": "tiny", "prompt": "x", "suffix": 0}, "suffix"),
+    ({"model": "tiny", "prompt": "x", "suffix": []}, "suffix"),
+    ({"model": "tiny", "prompt": "x", "echo": "no"}, "echo"),
+    ({"model": "tiny", "prompt": "x", "seed": 2**63}, "seed"),
+    ({"model": "tiny", "prompt": "x", "seed": -1}, "seed"),
 ])
 def test_a_field_not_served_is_refused_by_name_in_openais_shape(server, base_url, body,
                                                                param):
@@ -241,6 +247,21 @@ def test_chat_refusals_and_unknown_models(server, base_url):
                            json={"model": "tiny", "messages": message,
                                  "max_completion_tokens": 2, **extra})
         assert reply.status_code == 200, reply.text
+
+
+def test_a_final_assistant_message_is_answered_with_a_turn_of_its_own(server, client):
+    """OpenAI's chat continues no message: a trailing assistant turn is closed and the
+    reply is a new one (Anthropic's route continues it instead)."""
+    from transformers import AutoTokenizer
+
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "The answer is"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_other_routes_and_methods_answer_in_openais_shape(server, base_url):

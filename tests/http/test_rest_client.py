@@ -7,12 +7,14 @@ from __future__ import annotations
 import sqlite3
 import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
 from twinkle_client import errors
+from twinkle_server.runtime.runs import DEFAULT_PAGE, MAX_PAGE
 
 from ..service.transport import ProtoConnection
 from .conftest import sft_data
@@ -152,6 +154,39 @@ def test_the_session_listing_includes_a_session_with_no_runs_even_once_closed(
     assert session_id in rest["alice"].list_sessions(limit=1000).result().sessions
     assert rest["alice"].get_session(session_id).result().sampler_ids == []
     assert session_id not in rest["bob"].list_sessions(limit=1000).result().sessions
+
+
+# ----------------------------------------------------------------------------- paging
+
+LISTINGS = ["/api/v1/checkpoints", "/api/v1/training_runs", "/api/v1/sessions"]
+
+
+@pytest.mark.parametrize("listing", LISTINGS)
+@pytest.mark.parametrize(("query", "says"), [
+    ("limit=1&offset=99999999999999999999999",
+     "offset: 99999999999999999999999 is out of range; give an integer in [0, 2^63)"),
+    ("limit=99999999999999999999999",
+     "limit: 99999999999999999999999 is out of range; give an integer in [0, 2^63)"),
+    ("offset=-5", "offset: -5 is out of range; give an integer in [0, 2^63)"),
+    ("limit=abc", "limit: 'abc' is not an integer"),
+])
+def test_a_page_argument_out_of_range_is_refused_naming_it(server, base_url, listing,
+                                                           query, says):
+    r = httpx.get(f"{base_url}{listing}?{query}", timeout=30,
+                  headers={"X-API-Key": server.keys["alice"]})
+    assert r.status_code == 400, r.text
+    assert r.json()["detail"] == says
+
+
+@pytest.mark.parametrize("listing", ["/api/v1/checkpoints", "/api/v1/training_runs"])
+def test_the_cursor_reports_the_limit_its_page_was_served_with(server, base_url, listing):
+    """The SDK asks for the next page while `offset + limit < total_count`: a cursor that
+    echoed an asked limit over the most a page holds would end its paging early."""
+    with httpx.Client(base_url=base_url, headers={"X-API-Key": server.keys["alice"]},
+                      timeout=30) as http:
+        assert http.get(f"{listing}?limit=5000").json()["cursor"]["limit"] == MAX_PAGE
+        assert http.get(listing).json()["cursor"]["limit"] == DEFAULT_PAGE
+        assert http.get(f"{listing}?limit=1").json()["cursor"]["limit"] == 1
 
 
 # ----------------------------------------------------------------------------- unserved

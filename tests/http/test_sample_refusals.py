@@ -51,6 +51,14 @@ BAD = [
     ({}, 10**6, (5, 6), "num_samples: 1000000 x (prompt + max_tokens)"),
     ({}, 1, (5, VOCAB), f"prompt: token ids must lie in [0, {VOCAB})"),
     ({}, 1, (), "prompt: is empty"),
+    # 0 is a count like any other, not "left out": refused as a negative one is.
+    ({}, 0, (5, 6), "num_samples: must be >= 1, got 0"),
+    ({"max_tokens": 0}, 1, (5, 6), "sampling_params.max_tokens: must be >= 1, got 0"),
+    # Seeds as the OpenAI route takes them; out of range, not a failed future.
+    ({"seed": 2**70}, 1, (5, 6),
+     f"sampling_params.seed: {2**70}; give an integer in [0, 2^63)"),
+    ({"seed": -1}, 1, (5, 6), "sampling_params.seed: -1; give an integer in [0, 2^63)"),
+    ({}, 1, (5, 2**70), f"prompt: token id {2**70} does not fit in int32"),
 ]
 
 
@@ -85,6 +93,18 @@ def test_an_out_of_vocabulary_token_through_the_sdk_is_a_bad_request(sampler):
                        types.SamplingParams(max_tokens=2)).result(timeout=60)
 
 
+@pytest.mark.parametrize("field", ["prompt_logprobs", "record_stability_info"])
+@pytest.mark.parametrize("value", ["no", 0, 1, []])
+def test_a_flag_that_is_not_true_or_false_is_refused_by_name(http, sampler, field, value):
+    reply = http.post("/api/v1/asample", json={
+        "sampling_session_id": sampler._sampling_session_id, "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]},
+        "sampling_params": {"max_tokens": 2}, field: value})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["detail"] == f"{field}: must be true or false, got {value!r}"
+
+
 def test_the_session_still_samples_after_the_refusals(sampler):
     reply = sampler.sample(PROMPT, 2, types.SamplingParams(max_tokens=2, seed=0)).result()
     assert [len(s.tokens) for s in reply.sequences] == [2, 2]
+

@@ -23,6 +23,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -100,21 +101,23 @@ def _json(path: str, body: dict) -> dict:
 
 
 # Each case: the request under test at seq_id `s` of model `m`, and what it answers:
-# an HTTP status (refused at once / not served), or "fails" (accepted, the op fails).
+# an HTTP status (refused at once / not served), or "fails" (accepted, the op fails). A
+# refused forward_backward fails in its future: the SDK sends a parallel call's first
+# chunk only once the others are answered.
 ROUTE_CASES = {
     "forward_backward refused (bad datum)": (
         lambda m, s: {"method": "POST", "url": "/api/v1/forward_backward",
                       "content": _forward_body(m, s, [_bad_datum()], forward_only=False)},
-        400),
+        "fails"),
     "forward_backward refused (unknown loss)": (
         lambda m, s: {"method": "POST", "url": "/api/v1/forward_backward",
                       "content": _forward_body(m, s, loss="no_such_loss",
                                                forward_only=False)},
-        400),
+        "fails"),
     "forward refused (bad datum)": (
         lambda m, s: {"method": "POST", "url": "/api/v1/forward_backward",
                       "content": _forward_body(m, s, [_bad_datum()])},
-        400),
+        "fails"),
     "optim_step refused (optimizer type)": (
         lambda m, s: _json("/optim_step", {"model_id": m, "seq_id": s,
                                            "optim_params": {"type": "sgd"}}),
@@ -212,6 +215,30 @@ def test_a_retried_refusal_answers_the_same_and_a_reused_seq_id_is_refused(http,
     next_op_runs(http, model, 2)
 
 
+def _refusal(http: httpx.Client, answer: httpx.Response) -> str:
+    """Why an op was refused: at once (a 4xx's detail) or in its future."""
+    if answer.status_code == 200:
+        return resolve(http, answer)["error"]
+    return answer.json()["detail"]
+
+
+def test_seq_id_refusals_count_as_the_sdk_does_from_1(http, model):
+    """The runtime's queues count from 0; every message names the SDK's own numbers."""
+    def optim_step(seq_id: int) -> str:
+        return _refusal(http, http.post("/api/v1/optim_step", json={
+            "model_id": model, "seq_id": seq_id, "adam_params": {"learning_rate": 1e-3}}))
+
+    assert optim_step(0) == "seq_id: 0 must be at least 1; the model expects seq_id 1 next"
+    next_op_runs(http, model, 1)
+    reused = _refusal(http, http.post("/api/v1/save_weights", json={
+        "model_id": model, "seq_id": 1, "path": "x"}))
+    assert reused.startswith("seq_id: 1 was already used by a forward"), reused
+    assert reused.endswith("(the model expects 2)"), reused
+    ahead = optim_step(10**6)
+    assert ahead.startswith(f"seq_id: {10**6} is more than"), ahead
+    assert ahead.endswith("ahead of the expected 2"), ahead
+
+
 def test_a_refused_sample_leaves_the_sampler_serving(service, http):
     """asample carries the sampling client's own seq_id, which this server does not
     order by: a refused sample must not stop the next one either."""
@@ -241,4 +268,10 @@ def test_the_sdk_keeps_training_after_an_unserved_or_refused_op(service):
         tc.forward_backward([_bad_datum()], "cross_entropy").result(timeout=NEXT_OP_TIMEOUT_S)
     out = tc.forward_backward(sft_data(n=2), "cross_entropy").result(timeout=NEXT_OP_TIMEOUT_S)
     assert out.metrics["loss:sum"] > 0
+    # The step after a window in which one forward_backward failed beside one that
+    # trained is refused, naming it (it might have been the same call's other chunk,
+    # scheduling/executor.py); the next window steps.
+    with pytest.raises(tinker.RequestFailedError, match="input_ids has 3 tokens"):
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=NEXT_OP_TIMEOUT_S)
+    tc.forward_backward(sft_data(n=2), "cross_entropy").result(timeout=NEXT_OP_TIMEOUT_S)
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=NEXT_OP_TIMEOUT_S)

@@ -55,3 +55,27 @@ class Cancelled(EngineError):
     and its resources freed."""
 
     category = "cancelled"
+
+
+class NamesSeqIds:
+    """Mixed into an error whose message names a model's seq_ids, counted from 0 as the
+    runtime's queues count them: `template` with a `{name}` field a seq_id. A front whose
+    clients count otherwise words it their way (`numbered`; the Tinker SDK counts a
+    training client's ops from 1)."""
+
+    def __init__(self, template: str, **seq_ids: int) -> None:
+        self.template, self.seq_ids = template, seq_ids
+        super().__init__(self.numbered(0))
+
+    def numbered(self, first: int) -> str:
+        """The message with every seq_id counted from `first`."""
+        return self.template.format(**{k: v + first for k, v in self.seq_ids.items()})
+
+
+class SeqIdInvalid(NamesSeqIds, InvalidArgument):
+    """A seq_id no op may have (below the first)."""
+
+
+class CancelledOp(NamesSeqIds, Cancelled):
+    """An ordered op cancelled before it finished: its seq_id stays taken."""
+

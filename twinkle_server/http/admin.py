@@ -3,7 +3,8 @@
 
 Neither carries a seq_id: both answer at once, not through a future. A copy's
 `X-Idempotency-Key` (one per SDK call, kept across its retries) makes a retry answer the
-first attempt's copy; `X-Tinker-Weights-Access-Token`, when sent, is another tenant's API
+first attempt's copy (a key over `MAX_IDEMPOTENCY_KEY_CHARS` is refused, never cut to
+fit); `X-Tinker-Weights-Access-Token`, when sent, is another tenant's API
 key, whose tenant reads the source (Twinkle's only access tokens are API keys).
 """
 
@@ -17,6 +18,7 @@ from starlette.routing import Route
 
 from twinkle_server.http import convert
 from twinkle_server.http.app import Front, json_body, route
+from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime import checkpoint_ref
 from twinkle_server.runtime.copies import MAX_IDEMPOTENCY_KEY_CHARS
 from twinkle_server.store import AuditRow
@@ -56,7 +58,11 @@ class AdminRoutes:
         source = checkpoint_ref(convert.text(body, "source_path", required=True), "source_path")
         token = request.headers.get(ACCESS_TOKEN_HEADER)
         reader = self.rt.copies.reader_of(token) if token else None
-        key = request.headers.get(IDEMPOTENCY_HEADER, "")[:MAX_IDEMPOTENCY_KEY_CHARS]
+        key = request.headers.get(IDEMPOTENCY_HEADER, "")
+        if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+            raise BadBody(f"X-Idempotency-Key: {len(key)} characters, over the "
+                          f"{MAX_IDEMPOTENCY_KEY_CHARS} a key may have (the SDK sends a "
+                          "36-character UUID)")
         row = await self.rt.copies.copy(
             tenant, source, reader=reader, session_id=convert.text(body, "session_id") or None,
             ttl_seconds=convert.integer(body, "ttl_seconds"),

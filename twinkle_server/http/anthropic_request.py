@@ -6,6 +6,15 @@ Anthropic's error shape): `thinking` only disabled, `service_tier` only "auto" o
 "standard_only", a block's `cache_control` not at all (a sessionless request reuses no
 prefix). Messages alternate as Anthropic's do; a user turn's `tool_result` blocks become
 the template's `tool` messages, an assistant's `tool_use` blocks its calls.
+
+A `tool_result` with `is_error: true` (what an agent such as Claude Code sends when a
+tool failed) is served: its text reaches the template as the tool message's content
+behind `TOOL_ERROR_PREFIX`, the one part of a tool message every chat template shows, so
+the model reads that the call failed and why. A final assistant message is continued, as
+Anthropic's prefill is: the template renders it open (`continue_final_message`), the
+reply's text is only what follows it; an empty one is no prefill (a new turn opens),
+and one holding `tool_use` blocks, or a prefill beside a `tool_choice` that forces a
+call, is refused by name.
 """
 
 from __future__ import annotations
@@ -13,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from twinkle_server.http import convert
 from twinkle_server.http.oai_request import (
     OaiError,
     OaiRequest,
-    boolean,
     call_message,
     check_tools,
     integer,
@@ -36,6 +45,8 @@ SERVED = {"model", "max_tokens", "messages", "system", "temperature", "top_p", "
           "service_tier"}
 COUNTED = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 """What `count_tokens` reads: the prompt's parts."""
+TOOL_ERROR_PREFIX = "Error: "
+"""Put before the text of a `tool_result` whose `is_error` is true."""
 
 
 def read(body: Mapping[str, Any], counting: bool = False) -> OaiRequest:
@@ -51,14 +62,18 @@ def read(body: Mapping[str, Any], counting: bool = False) -> OaiRequest:
         raise OaiError("service_tier", f"{body['service_tier']!r}; give \"auto\" or "
                                        "\"standard_only\"")
     model = string_field(body, "model", required=True)
-    messages = _messages(body.get("messages"), body.get("system"))
+    messages, prefill = _prefill(_messages(body.get("messages"), body.get("system")))
     tools = _tool_use(body.get("tools"), body.get("tool_choice"))
+    if prefill and tools is not None and tools.choice != "auto":
+        raise OaiError("tool_choice", f"{tools.choice!r} forces a call, which cannot "
+                                      "follow a final assistant message (a prefill); "
+                                      "leave one of them out")
     if counting:
         return OaiRequest(route="chat", model=model, prompts=None, messages=messages,
                           max_tokens=None, max_tokens_field="max_tokens", temperature=1.0,
                           top_p=1.0, n=1, stop=(), seed=None, top_logprobs=None,
                           echo=False, stream=False, include_usage=False, user=None,
-                          tools=tools)
+                          tools=tools, continue_final=prefill)
     if body.get("max_tokens") is None:
         raise OaiError("max_tokens", "required, an integer >= 1")
     metadata = body.get("metadata")
@@ -69,8 +84,8 @@ def read(body: Mapping[str, Any], counting: bool = False) -> OaiRequest:
     if user is not None and not isinstance(user, str):
         raise OaiError("metadata.user_id", "must be a string")
     top_k = body.get("top_k")
-    stop = body.get("stop_sequences") or []
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+    stop = convert.strings(body, "stop_sequences") or []
+    if not all(stop):
         raise OaiError("stop_sequences", "give a list of non-empty strings")
     if len(stop) > MAX_STOP_SEQUENCES:
         raise OaiError("stop_sequences", f"{len(stop)} sequences; at most "
@@ -83,9 +98,25 @@ def read(body: Mapping[str, Any], counting: bool = False) -> OaiRequest:
         max_tokens=max_tokens_of(body, "max_tokens", None), max_tokens_field="max_tokens",
         temperature=number(body, "temperature", 1.0, 0.0, 1.0), top_p=top_p, n=1,
         stop=tuple(unicode(s, "stop_sequences") for s in stop), seed=None,
-        top_logprobs=None, echo=False, stream=boolean(body, "stream"), include_usage=False,
-        user=user, tools=tools,
-        top_k=-1 if top_k is None else integer(body, "top_k", -1, 1, 2**31 - 1))
+        top_logprobs=None, echo=False, stream=convert.flag(body, "stream"),
+        include_usage=False, user=user, tools=tools,
+        top_k=-1 if top_k is None else integer(body, "top_k", -1, 1, 2**31 - 1),
+        continue_final=prefill)
+
+
+def _prefill(messages: tuple[dict[str, Any], ...]) -> tuple[tuple[dict[str, Any], ...], bool]:
+    """The messages, and whether the last is an assistant's text to continue (Anthropic's
+    prefill); an empty final assistant message starts nothing, and is left out."""
+    last = messages[-1]
+    if last["role"] != "assistant":
+        return messages, False
+    if last.get("tool_calls"):
+        raise OaiError("messages", "the final assistant message is continued (a "
+                                   "prefill), so it holds text only; answer its tool_use "
+                                   "blocks with a user message of tool_result blocks")
+    if not last["content"]:
+        return messages[:-1], False
+    return messages, True
 
 
 def _messages(value: Any, system: Any) -> tuple[dict[str, Any], ...]:
@@ -146,8 +177,8 @@ def _turn(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
         else:
             answer = block.get("content")
             text = "" if answer is None else _texts(answer, f"{at}.content")
-            if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
-                raise OaiError(f"{at}.is_error", "must be true or false")
+            if convert.flag(block, "is_error", field=f"{at}.is_error"):
+                text = TOOL_ERROR_PREFIX + text
             answers.append({"role": "tool", "content": text,
                             "tool_call_id": string_field(block, "tool_use_id", required=True)})
     if role == "assistant":

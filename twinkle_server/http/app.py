@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from twinkle_server.engine.errors import Cancelled, ResourceExhausted, Unauthenticated
 from twinkle_server.http import convert
-from twinkle_server.http.errors import BadBody, failed_response, status_for
+from twinkle_server.http.errors import SDK_FIRST_SEQ_ID, BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
 from twinkle_server.runtime import SUBMITTED, OpRef, Runtime
 
@@ -142,11 +142,12 @@ class Front:
     def tenant(self, request: Request, while_draining: bool = False) -> str:
         """The tenant of the request's API key (refused while the server drains, unless
         `while_draining`: reading an op's outcome); a legacy key the SDK sent as
-        `tml-tw-...` is tried again as `tw-...`."""
-        token = request.headers.get("x-api-key")
-        auth = request.headers.get("authorization", "")
-        if token is None and auth.startswith("Bearer "):
-            token = auth[7:]
+        `tml-tw-...` is tried again as `tw-...`. The Bearer scheme's name is read in any
+        case (RFC 7235), and an empty header counts as left out."""
+        token = request.headers.get("x-api-key") or None
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if token is None and scheme.lower() == "bearer":
+            token = credentials.strip()
         try:
             return self.rt.authenticate(token or None, while_draining)
         except Unauthenticated:
@@ -167,7 +168,8 @@ class Front:
     def op_ref(self, tenant: str, model_id: str, seq_id: int | None,
                request_id: str) -> OpRef:
         """The runtime's op for the SDK's model id and seq_id (counted from 1)."""
-        return OpRef(self.model(tenant, model_id), None if seq_id is None else seq_id - 1,
+        return OpRef(self.model(tenant, model_id),
+                     None if seq_id is None else seq_id - SDK_FIRST_SEQ_ID,
                      request_id)
 
     async def promise(self, tenant: str, request_id: str, work: Awaitable[Any],

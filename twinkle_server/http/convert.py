@@ -34,23 +34,27 @@ small body cannot ask for a huge allocation."""
 _DTYPES = {tpb.DTYPE_FLOAT32: np.float32, tpb.DTYPE_INT64: np.int64,
            tpb.DTYPE_INT32: np.int32}
 _STOP = {"stop": tpb.STOP_REASON_STOP, "length": tpb.STOP_REASON_LENGTH}
+INT64_END = 2**63
+"""Integers a body may give are int64, [-2^63, 2^63): SQLite rows, numpy arrays and torch
+generators hold no more (a larger one was an OverflowError, a 500)."""
 
 
 # ----------------------------------------------------------------------------- requests
 
 
 def _field(body: Mapping[str, Any], name: str, kind: type | tuple, default: Any = None,
-           required: bool = False) -> Any:
+           required: bool = False, field: str = "") -> Any:
+    field = field or name
     value = body.get(name, default)
     if value is None:
         if required:
-            raise BadBody(f"{name}: required")
+            raise BadBody(f"{field}: required", field)
         return default
     if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise BadBody(f"{name}: expected a number, got {value!r}")
+        raise BadBody(f"{field}: expected a number, got {value!r}", field)
     if not isinstance(value, kind):
-        raise BadBody(f"{name}: expected {getattr(kind, '__name__', 'a number')}, got "
-                      f"{type(value).__name__}")
+        raise BadBody(f"{field}: expected {getattr(kind, '__name__', 'a number')}, got "
+                      f"{type(value).__name__}", field)
     return value
 
 
@@ -60,8 +64,67 @@ def text(body: Mapping[str, Any], name: str, required: bool = False) -> str:
     return "" if value is None else value
 
 
-def integer(body: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
-    return _field(body, name, int, default)
+def integer(body: Mapping[str, Any], name: str, default: int | None = None,
+            low: int = -INT64_END, high: int = INT64_END - 1, field: str = "") -> int | None:
+    """Field `name` (`field` in messages), an integer in [`low`, `high`] (int64 unless
+    narrowed); `default` when left out or null."""
+    field = field or name
+    value = _field(body, name, int, None, field=field)
+    if value is None:
+        return default
+    if value < low:
+        raise BadBody(f"{field}: must be >= {low}, got {value}", field)
+    if value > high:
+        raise BadBody(f"{field}: must be <= {high}, got {value}", field)
+    return value
+
+
+def seed(body: Mapping[str, Any], name: str, field: str = "") -> int | None:
+    """Field `name` (`field` in messages), a seed: an integer in [0, 2^63), on every route
+    (OpenAI documents that range; torch's `manual_seed` refuses more than 64 bits);
+    None when left out or null."""
+    field = field or name
+    value = body.get(name)
+    if value is not None and (type(value) is not int or not 0 <= value < INT64_END):
+        raise BadBody(f"{field}: {value!r}; give an integer in [0, 2^63)", field)
+    return value
+
+
+def flag(body: Mapping[str, Any], name: str, default: bool = False, field: str = "") -> bool:
+    """Field `name` (`field` in messages), true or false; `default` when left out or
+    null. Any other value (a string, a number) is refused, never read as true or false."""
+    field = field or name
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadBody(f"{field}: must be true or false, got {value!r}", field)
+    return value
+
+
+def strings(body: Mapping[str, Any], name: str, field: str = "") -> list[str] | None:
+    """Field `name` (`field` in messages), a list of strings; None when left out or
+    null. Anything else (a string, a number, false, an object) is refused by name."""
+    field = field or name
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise BadBody(f"{field}: give a list of strings, got {value!r}", field)
+    return value
+
+
+def query_integer(query: Mapping[str, str], name: str) -> int:
+    """Query parameter `name`, a count or offset in [0, 2^63); 0 when left out or empty."""
+    raw = query.get(name) or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadBody(f"{name}: {raw!r} is not an integer", name) from None
+    if not 0 <= value < INT64_END:
+        raise BadBody(f"{name}: {value} is out of range; give an integer in [0, 2^63)",
+                      name)
+    return value
 
 
 def number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -202,6 +265,9 @@ def prompt_tokens(body: Mapping[str, Any]) -> np.ndarray:
         ids.extend(_field(chunk, "tokens", list, []))
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise BadBody("prompt: token ids must be integers")
+    too_big = next((t for t in ids if not -INT64_END <= t < INT64_END), None)
+    if too_big is not None:
+        raise BadBody(f"prompt: token id {too_big} is outside int64")
     return wire.token_array(np.asarray(ids, np.int64), "prompt").astype(np.int64)
 
 
@@ -209,10 +275,15 @@ def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
     """The SDK's `sampling_params`; `stop` as Tinker reads it (`twinkle_wire.stop`)."""
     p = _field(body, "sampling_params", dict, {})
     stop = parse_stop(p.get("stop"))
-    return SamplingParams(max_tokens=integer(p, "max_tokens", 0) or 0, temperature=number(p, "temperature", 1.0),
+    # max_tokens left out (or null) is 0, which the runtime reads as "to the context
+    # limit"; given, it is at least 1 like every other count.
+    return SamplingParams(max_tokens=integer(p, "max_tokens", 0, low=1,
+                                             field="sampling_params.max_tokens"),
+                          temperature=number(p, "temperature", 1.0),
                           top_p=number(p, "top_p", 1.0), top_k=integer(p, "top_k", -1),
                           stop_token_ids=stop.token_ids, stop_strings=stop.strings,
-                          seed=integer(p, "seed"), ignore_eos=not stop.on_eos)
+                          seed=seed(p, "seed", "sampling_params.seed"),
+                          ignore_eos=not stop.on_eos)
 
 
 # ----------------------------------------------------------------------------- responses

@@ -23,13 +23,18 @@ nor `execute_with_retries` retries (they retry 408/409/429/5xx) and its future p
 raises at once; 400 would say the request was malformed, 409 is retried for minutes,
 410 makes the poll resend the original request. It mostly reaches the SDK through
 `retrieve_future`, as category `user`.
+
+The scheduler's refusals name seq_ids in the runtime's numbering, from 0 (what the gRPC
+front's clients send); the SDK counts a training client's ops from 1 (`Front.op_ref`
+subtracts one), so this front words them as the SDK counts (`NamesSeqIds.numbered`):
+"seq_id: 0 must be at least 1; the model expects seq_id 1 next".
 """
 
 from __future__ import annotations
 
 import logging
 
-from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_server.engine.errors import EngineError, InvalidArgument, NamesSeqIds
 from twinkle_wire import WireError
 from twinkle_wire.paths import PathError
 
@@ -49,11 +54,18 @@ USER_CATEGORIES = frozenset({"invalid_argument", "unauthenticated", "permission_
                              "not_found", "failed_precondition", "resource_exhausted",
                              "cancelled"})
 NO_RETRY_STATUSES = frozenset({429, 503})
+SDK_FIRST_SEQ_ID = 1
+"""The seq_id of a training client's first op, as the SDK counts them."""
 
 
 class BadBody(InvalidArgument):
     """A request body the front cannot read (not JSON, not the SDK's protobuf, a field of
-    the wrong type)."""
+    the wrong type or out of range); `param` is the field, where one is to blame (the
+    OpenAI routes' error body names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def category_of(exc: BaseException) -> str:
@@ -73,6 +85,8 @@ def message_of(exc: BaseException) -> str:
         return f"internal error: {type(exc).__name__}"
     if isinstance(exc, MemoryError):
         return "server out of memory for this request"
+    if isinstance(exc, NamesSeqIds):
+        return exc.numbered(SDK_FIRST_SEQ_ID)
     return str(exc)
 
 

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import EngineError, InvalidArgument
+from twinkle_server.engine.errors import EngineError
 from twinkle_server.http import convert
 from twinkle_server.http.app import Front, json_body, route
 from twinkle_server.runtime import checkpoint_ref
@@ -35,13 +35,6 @@ from twinkle_server.runtime.external import DOWNLOAD_PREFIX, parse_recipients
 from twinkle_server.runtime.imports import UPLOAD_PREFIX
 from twinkle_server.runtime.runs import check_ttl
 from twinkle_wire import paths
-
-
-def recipients(body: dict[str, Any]) -> list[str]:
-    values = body.get("age_encryption_recipients") or []
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise InvalidArgument("age_encryption_recipients: expected a list of strings")
-    return values
 
 
 class ExternalRoutes:
@@ -59,7 +52,7 @@ class ExternalRoutes:
             name = paths.check_name(convert.text(body, "path", required=True), "path")
             ttl = convert.integer(body, "ttl_seconds")
             check_ttl(ttl)
-            ages = recipients(body)
+            ages = convert.strings(body, "age_encryption_recipients") or []
             parse_recipients(ages)   # refused at once (400), as the SDK's other saves are
         except (EngineError, paths.PathError) as exc:
             raise front.refused(tenant, ref, "save_external", exc) from None

@@ -54,10 +54,14 @@ MODELS_LISTED = 100
 which lists those that serve (sampler weights, exports, imports); any of them, and any
 published one, can be named."""
 def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], model: str,
-                tools: ToolUse | None = None, forced: str = "") -> np.ndarray:
+                tools: ToolUse | None = None, forced: str = "",
+                continue_final: bool = False) -> np.ndarray:
     """`messages` (and `tools`) through `tokenizer`'s chat template, then `forced` (the
-    start of the reply a tool choice requires), as token ids. A template that refuses
-    the messages (`raise_exception` in it: a system role it does not take, say) is the
+    start of the reply a tool choice requires), as token ids. The template opens a new
+    assistant turn, or with `continue_final` leaves the last message open for the reply to
+    go on (Anthropic's prefill; OpenAI's chat answers a final assistant message with a
+    turn of its own). A template that refuses the messages (`raise_exception` in it: a
+    system role it does not take, say), or cannot leave the last one open, is the
     request's error, naming `messages` and the template's words."""
     from jinja2 import TemplateError
 
@@ -66,10 +70,16 @@ def chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]], model: str,
     try:
         text = tokenizer.apply_chat_template(
             list(messages), tools=[t.for_template() for t in tools.tools] if tools else None,
-            tokenize=False, add_generation_prompt=True)
+            tokenize=False, add_generation_prompt=not continue_final,
+            continue_final_message=continue_final)
     except TemplateError as exc:
         raise OaiError("messages", f"model {model!r}'s chat template refuses them: "
                                    f"{exc}") from None
+    except ValueError as exc:   # transformers: the final message is not in the rendering
+        if not continue_final:
+            raise
+        raise OaiError("messages", f"model {model!r}'s chat template cannot continue the "
+                                   f"final assistant message: {exc}") from None
     return np.asarray(tokenizer.encode(text + forced, add_special_tokens=False), np.int64)
 
 
@@ -213,7 +223,7 @@ class OpenAIRoutes:
         tokenizer = served.engine.base.tokenizer
         if asked.messages is not None:
             return [chat_prompt(tokenizer, asked.messages, served.name, asked.tools,
-                                forced)]
+                                forced, asked.continue_final)]
         vocab = served.engine.base.vocab_size
         out = []
         for i, prompt in enumerate(asked.prompts or ()):

@@ -1,9 +1,10 @@
 """An OpenAI completions or chat-completions request body, read and checked.
 
 Every field a client may send is either served (read here into `OaiRequest`) or refused
-by name (`OaiError`, with the field as OpenAI's `param`): a field we do not serve is
-accepted only at its neutral value (`frequency_penalty` 0, `logit_bias` empty, ...), which
-asks for nothing. Nothing here touches the runtime.
+by name (`OaiError`, or a shared reader's `BadBody` from `convert`, with the field as
+OpenAI's `param`): a field we do not serve is accepted only at its neutral value
+(`frequency_penalty` 0, `logit_bias` empty, ...), which asks for nothing. Nothing here
+touches the runtime.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from twinkle_server.engine.errors import InvalidArgument
+from twinkle_server.http import convert
 from twinkle_server.http.tool_calls import Tool, ToolUse
 
 MAX_N = 16
@@ -80,6 +82,7 @@ class OaiRequest:
     user: str | None
     tools: ToolUse | None = None    # None: the reply is text, whatever it holds
     top_k: int = -1
+    continue_final: bool = False    # the last message is the reply's start (a prefill)
 
 
 def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
@@ -98,22 +101,20 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
                             f"{sorted(SERVED[route])}")
     model = string_field(body, "model", required=True)
     n = integer(body, "n", 1, 1, MAX_N)
-    stream = boolean(body, "stream")
+    stream = convert.flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise OaiError("stream_options", "only with stream: true")
     if options is not None and (not isinstance(options, dict)
                                 or set(options) - {"include_usage"}):
         raise OaiError("stream_options", "give {\"include_usage\": true|false}")
-    include_usage = bool(options and boolean(options, "include_usage",
-                                           "stream_options.include_usage"))
+    include_usage = bool(options and convert.flag(options, "include_usage",
+                                                  field="stream_options.include_usage"))
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise OaiError("top_p", "must be > 0")
-    seed = body.get("seed")
-    if seed is not None and (type(seed) is not int or seed < 0 or seed >= 2**63):
-        raise OaiError("seed", f"{seed!r}; give an integer in [0, 2^63)")
+    seed = convert.seed(body, "seed")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise OaiError("user", "must be a string")
@@ -123,7 +124,7 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
                   stop=_stop(body.get("stop")), seed=seed, stream=stream,
                   include_usage=include_usage, user=user)
     if route == "completions":
-        if body.get("suffix"):
+        if convert.text(body, "suffix"):
             raise OaiError("suffix", "insertion (a suffix after the completion) is not "
                                      "served; leave it out")
         logprobs = body.get("logprobs")
@@ -131,7 +132,7 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
         return OaiRequest(prompts=_prompts(body.get("prompt")), messages=None,
                           max_tokens=max_tokens_of(body, "max_tokens", 16),
                           max_tokens_field="max_tokens", top_logprobs=top,
-                          echo=boolean(body, "echo"), **common)
+                          echo=convert.flag(body, "echo"), **common)
     # null is "not given", as for every other field.
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise OaiError("max_completion_tokens", "give it or max_tokens, not both")
@@ -139,15 +140,16 @@ def read(route: str, body: Mapping[str, Any]) -> OaiRequest:
             else "max_tokens")
     asks_top = body.get("top_logprobs") is not None
     top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if asks_top else 0
-    if asks_top and not boolean(body, "logprobs"):
+    asks_logprobs = convert.flag(body, "logprobs")
+    if asks_top and not asks_logprobs:
         raise OaiError("top_logprobs", "needs logprobs: true")
     if body.get("parallel_tool_calls") is False:
         raise OaiError("parallel_tool_calls", "false is not served (a reply may hold "
                                               "several calls); leave it out")
-    boolean(body, "parallel_tool_calls")
+    convert.flag(body, "parallel_tool_calls")
     return OaiRequest(prompts=None, messages=_messages(body.get("messages")),
                       max_tokens=max_tokens_of(body, name, None), max_tokens_field=name,
-                      top_logprobs=top if boolean(body, "logprobs") else None, echo=False,
+                      top_logprobs=top if asks_logprobs else None, echo=False,
                       tools=_tool_use(body.get("tools"), body.get("tool_choice")),
                       **common)
 
@@ -159,15 +161,6 @@ def string_field(body: Mapping[str, Any], key: str, required: bool = False) -> s
     if not isinstance(value, str) or not value:
         raise OaiError(key, "required, a non-empty string" if value is None
                        else f"must be a non-empty string, got {value!r}")
-    return value
-
-
-def boolean(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
-    value = body.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise OaiError(param or key, f"must be true or false, got {value!r}")
     return value
 
 

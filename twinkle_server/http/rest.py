@@ -4,7 +4,9 @@ scoped to the calling tenant; a checkpoint another tenant published is readable 
 
 The SDK puts a checkpoint id (`weights/<name>`, `sampler_weights/<name>`) into its URLs
 as two path segments; routes name them `{segment}/{name}` (names never hold a '/'), so a
-checkpoint named `publish` or `ttl` cannot be mistaken for the routes that end so."""
+checkpoint named `publish` or `ttl` cannot be mistaken for the routes that end so.
+A listing's cursor reports the limit its page was served with (`_cursor`), so the SDK's
+paging goes on past a page cut to `MAX_PAGE`."""
 
 from __future__ import annotations
 
@@ -14,22 +16,29 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.http import convert
 from twinkle_server.http.app import Front, json_body, route
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime import CheckpointRef, checkpoint_ref
-from twinkle_server.runtime.runs import MAX_PAGE
+from twinkle_server.runtime.runs import DEFAULT_PAGE, MAX_PAGE
 from twinkle_server.runtime.trace_exports import OPERATOR_PREFIX, TRACE_PREFIX
 from twinkle_wire import paths
 
 
 def _page_args(request: Request) -> tuple[int, int]:
-    try:
-        return (int(request.query_params.get("limit", 0) or 0),
-                int(request.query_params.get("offset", 0) or 0))
-    except ValueError:
-        raise InvalidArgument("limit, offset: must be integers") from None
+    """The query's `limit` and `offset` (0: left out), each refused by name when it is
+    not an integer in [0, 2^63)."""
+    return (convert.query_integer(request.query_params, "limit"),
+            convert.query_integer(request.query_params, "offset"))
+
+
+def _cursor(limit: int, offset: int, total: int) -> dict[str, int]:
+    """The SDK's `Cursor`, with the limit the page was served with (`limit` left out is
+    `DEFAULT_PAGE`, one over `MAX_PAGE` is `MAX_PAGE`), not the one asked for: the SDK
+    asks for the next page while `offset + limit < total_count`, so echoing a limit
+    over the maximum would end its paging with rows never listed."""
+    return {"offset": offset, "limit": min(limit or DEFAULT_PAGE, MAX_PAGE),
+            "total_count": total}
 
 
 class Rest:
@@ -46,8 +55,7 @@ class Rest:
         limit, offset = _page_args(request)
         page = self.rt.runs.list_runs(tenant, limit, offset)
         return {"training_runs": [convert.run(v) for v in page.items],
-                "cursor": {"offset": offset, "limit": limit or len(page.items),
-                           "total_count": page.total}}
+                "cursor": _cursor(limit, offset, page.total)}
 
     @route
     async def get_run(self, request: Request) -> Any:
@@ -68,8 +76,7 @@ class Rest:
         limit, offset = _page_args(request)
         page = self.rt.runs.list_checkpoints(tenant, "", limit, offset)
         return {"checkpoints": [convert.checkpoint(row, run) for row, run in page.items],
-                "cursor": {"offset": offset, "limit": limit or len(page.items),
-                           "total_count": page.total}}
+                "cursor": _cursor(limit, offset, page.total)}
 
     def _ref(self, request: Request) -> tuple[str, CheckpointRef]:
         tenant = self.front.tenant(request)

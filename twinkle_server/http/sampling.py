@@ -55,10 +55,11 @@ class SamplingRoutes:
         sampler = convert.text(body, "sampling_session_id")
         prompt = convert.prompt_tokens(body)
         params = convert.sampling_params(body)
-        num_samples = convert.integer(body, "num_samples", 1) or 1
-        include = bool(body.get("prompt_logprobs"))
+        num_samples = convert.integer(body, "num_samples", 1, low=1)
+        include = convert.flag(body, "prompt_logprobs")
         topk = convert.integer(body, "topk_prompt_logprobs", 0) or 0
         options = sampling_options.read(body)
+        recorded = convert.flag(body, "record_stability_info")
         if sampler:
             target = self.rt.sampling.target(tenant, None, sampler, rid)
             work = self.rt.sampling.sample(
@@ -76,7 +77,7 @@ class SamplingRoutes:
         # Fixed at submission (the SDK reads them off the promise); kept, with what
         # stable_reinforce needs, when the request asks to record (`runtime.stability`).
         ids = self.rt.stability.new_ids(num_samples)
-        if body.get("record_stability_info"):
+        if recorded:
             work = self.rt.stability.recorded(tenant, queue, prompt, ids, work)
         return await self.front.promise(
             tenant, rid, work,

@@ -41,10 +41,10 @@ class TrainingRoutes:
                                   "server runs AdamW only")
         base_model = convert.text(body, "base_model")
         self.rt.base(base_model).check_trains()
-        spec = LoraSpec.from_tinker(convert.integer(lora, "rank", 32), convert.integer(lora, "seed"),
-                                    bool(lora.get("train_mlp", True)),
-                                    bool(lora.get("train_attn", True)),
-                                    bool(lora.get("train_unembed", True)))
+        spec = LoraSpec.from_tinker(
+            convert.integer(lora, "rank", 32), convert.seed(lora, "seed", "lora_config.seed"),
+            *(convert.flag(lora, part, True, f"lora_config.{part}")
+              for part in ("train_mlp", "train_attn", "train_unembed")))
         session_id = convert.text(body, "session_id")
         work = self.rt.training.create_model(
             tenant, spec=spec, session_id=session_id, base_model=base_model,
@@ -147,6 +147,7 @@ class TrainingRoutes:
             name = name if ephemeral else paths.check_name(name, "path")
             ttl = convert.integer(body, "ttl_seconds")
             check_ttl(ttl)
+            overwrite = convert.flag(body, "overwrite")
         except (EngineError, paths.PathError) as exc:
             raise self.front.refused(tenant, ref, f"save_{kind}", exc) from None
         if ephemeral:
@@ -158,7 +159,7 @@ class TrainingRoutes:
                                                  "path": None, "sampling_session_id": sampler})
         work = self.rt.training.save(tenant, ref, kind, name,
                                      include_optimizer=kind == "training",
-                                     overwrite=bool(body.get("overwrite", False)),
+                                     overwrite=overwrite,
                                      user_metadata=convert.mapping(body, "user_metadata"))
         if ttl is not None:
             work = self._expiring(tenant, work, ttl)
@@ -179,13 +180,13 @@ class TrainingRoutes:
         tenant = self.front.tenant(request)
         body = await json_body(request)
         text = convert.text(body, "path", required=True)
-        optimizer = bool(body.get("optimizer", False))
         rid = self.front._id()
         if body.get("model_id"):
             ref = self.front.op(tenant, body, rid)
             try:
                 source = checkpoint_ref(text)
-            except paths.PathError as exc:
+                optimizer = convert.flag(body, "optimizer")
+            except (EngineError, paths.PathError) as exc:
                 raise self.front.refused(tenant, ref, "load_state", exc) from None
             return await self.front.promise(tenant, rid,
                                 self.rt.training.load(tenant, ref, source, optimizer),
@@ -193,6 +194,7 @@ class TrainingRoutes:
                                            "model_id": body["model_id"]})
         # A new training client from a checkpoint: the SDK names the model itself.
         session_id = convert.text(body, "session_id", required=True)
+        optimizer = convert.flag(body, "optimizer")
         alias = f"{session_id}:train:{convert.integer(body, 'model_seq_id', 0)}"
         base_model = convert.text(body, "base_model")
         self.rt.base(base_model)

@@ -15,6 +15,7 @@ weights_access_token=)` semantics, mapped onto tenants:
   rename, never in place, so a later save over the source leaves the copy as it was;
 - the SDK sends one `X-Idempotency-Key` per call and retries with it: a retry answers
   the copy the first attempt made (found through its audit entry, so across restarts);
+  the same key with another source is not a retry, and is refused;
 - Twinkle has no projects: `destination_project_id` is accepted and recorded, nothing
   more. With `session_id`, the new run is listed under that session of the caller.
 """
@@ -27,16 +28,16 @@ import shutil
 import time
 from pathlib import Path
 
-from twinkle_server.engine.errors import NotFound, Unauthenticated
+from twinkle_server.engine.errors import InvalidArgument, NotFound, Unauthenticated
 from twinkle_server.runtime.audit import checkpoint_details, record
 from twinkle_server.runtime.core import Core
 from twinkle_server.runtime.runs import check_ttl
-from twinkle_server.runtime.values import CheckpointRef
+from twinkle_server.runtime.values import CheckpointRef, checkpoint_ref
 from twinkle_server.store import AuditRow, CheckpointRow
 
 COPY_EVENT = "checkpoint_copy"
 MAX_IDEMPOTENCY_KEY_CHARS = 200
-"""Longest idempotency key kept (the SDK sends a 36-character UUID)."""
+"""Longest idempotency key taken (the SDK sends a 36-character UUID)."""
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -81,6 +82,12 @@ class Copies:
         check_ttl(ttl_seconds)
         if idempotency_key:
             done = store.find_audit(tenant, COPY_EVENT, "idempotency_key", idempotency_key)
+            first = done and checkpoint_ref(done.details["source"], source.field)
+            if first and (first.run_id, first.kind, first.name) != (
+                    source.run_id, source.kind, source.name):
+                raise InvalidArgument(
+                    f"idempotency_key: {idempotency_key!r} was used for a copy of "
+                    f"{first.text!r}; a copy of {source.text!r} needs a key of its own")
             copied = done and store.get_checkpoint(tenant, done.details["model_id"],
                                                    done.details["checkpoint_type"],
                                                    done.details["name"])

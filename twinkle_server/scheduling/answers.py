@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from twinkle_server.engine.errors import Cancelled
+from twinkle_server.engine.errors import Cancelled, CancelledOp
 from twinkle_server.scheduling.planning import Op, Partial
 from twinkle_server.scheduling.queues import Entry
 
@@ -70,10 +70,10 @@ def tell(entry: Entry, partial: Partial) -> None:
 
 
 def cancelled(op: Op, cause: BaseException | None = None) -> Cancelled:
-    seq = "" if op.seq_id is None else (f" (seq_id {op.seq_id} is taken: a retry of it gets "
-                                        "this answer)")
-    error = Cancelled(f"{op.kind}: cancelled before it finished: its caller stopped waiting "
-                      f"(cancel_future, or the client went away){seq}")
+    what = (f"{op.kind}: cancelled before it finished: its caller stopped waiting "
+            "(cancel_future, or the client went away)")
+    error = Cancelled(what) if op.seq_id is None else CancelledOp(
+        what + " (seq_id {seq} is taken: a retry of it gets this answer)", seq=op.seq_id)
     error.__cause__ = cause
     return error
 

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from twinkle_server.engine.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NamesSeqIds,
     NotFound,
     ResourceExhausted,
+    SeqIdInvalid,
     Unavailable,
 )
 from twinkle_server.scheduling.planning import Op, Place
@@ -99,7 +101,7 @@ class SchedulerClosed(Unavailable):
     """The server is shutting down; the op was not run."""
 
 
-class OutOfOrder(FailedPrecondition):
+class OutOfOrder(NamesSeqIds, FailedPrecondition):
     """The op's seq_id can never run (too old and forgotten, too far ahead, or reused)."""
 
 
@@ -255,22 +257,24 @@ class Queues:
         if existing is not None:
             if existing.op.kind != op.kind:
                 return OutOfOrder(
-                    f"seq_id: {seq} was already used by a {existing.op.kind} op; this "
-                    f"{op.kind} needs a new seq_id (the model expects {queue.next_seq})")
+                    f"seq_id: {{seq}} was already used by a {existing.op.kind} op; this "
+                    f"{op.kind} needs a new seq_id (the model expects {{expected}})",
+                    seq=seq, expected=queue.next_seq)
             if not existing.future.done():
                 existing.waiters += 1
             return existing.future
         if seq < 0:
-            return InvalidArgument(f"seq_id: {seq} must be at least 0; the model expects "
-                                   f"seq_id {queue.next_seq} next")
+            return SeqIdInvalid("seq_id: {seq} must be at least {first}; the model "
+                                "expects seq_id {expected} next",
+                                seq=seq, first=0, expected=queue.next_seq)
         if seq < queue.next_seq:
             return OutOfOrder(
-                f"seq_id: {seq} already ran and its result is no longer kept; the model "
-                f"expects seq_id {queue.next_seq} next")
+                "seq_id: {seq} already ran and its result is no longer kept; the model "
+                "expects seq_id {expected} next", seq=seq, expected=queue.next_seq)
         if seq > queue.next_seq + MAX_SEQ_AHEAD:
             return OutOfOrder(
-                f"seq_id: {seq} is more than {MAX_SEQ_AHEAD} ahead of the expected "
-                f"{queue.next_seq}")
+                f"seq_id: {{seq}} is more than {MAX_SEQ_AHEAD} ahead of the expected "
+                "{expected}", seq=seq, expected=queue.next_seq)
         if seq != queue.next_seq and (error := room(op)) is not None:
             return error
         queue.pending[seq] = entry
