@@ -95,7 +95,7 @@ class Reply:
         return self.base.decode(self.prompts[prompt].tolist())
 
     def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([int(token)])
+        return token_text(self.tokenizer, int(token))
 
     def _chat_logprobs(self, seq: SampledSequence) -> dict[str, Any] | None:
         if self.asked.top_logprobs is None:
@@ -106,11 +106,12 @@ class Reply:
             top = []
             if seq.topk_token_ids is not None and seq.topk_logprobs is not None:
                 top = [{"token": self._piece(t), "logprob": float(lp),
-                        "bytes": list(self._piece(t).encode())}
+                        "bytes": list(token_bytes(self.tokenizer, int(t)))}
                        for t, lp in zip(seq.topk_token_ids[i], seq.topk_logprobs[i],
                                         strict=True)][:self.asked.top_logprobs]
             content.append({"token": piece, "logprob": float(logprob),
-                            "bytes": list(piece.encode()), "top_logprobs": top})
+                            "bytes": list(token_bytes(self.tokenizer, int(token))),
+                            "top_logprobs": top})
         return {"content": content}
 
     def _completion_logprobs(self, seq: SampledSequence, prompt: int,
@@ -243,3 +244,44 @@ class Reply:
 
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes token `token` stands for. Decoded alone, a token that holds part of a
+    character decodes to U+FFFD, as does every other such token; its bytes are then read
+    from its vocabulary entry: a byte-fallback `<0xNN>` piece (SentencePiece), or
+    byte-level BPE's alphabet (GPT-2, Qwen, Llama 3)."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode()
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """The token as OpenAI names it in `logprobs`: its text, or where its bytes are not
+    whole UTF-8 characters, `bytes:` and the bytes escaped (`bytes:\\xe4\\xb8`), so no
+    two such tokens share a name."""
+    raw = token_bytes(tokenizer, token)
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet, character -> byte: a printable Latin-1 byte stands for
+    itself; every other byte, in order, for the characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    for rank, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(0x100 + rank)
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
