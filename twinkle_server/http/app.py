@@ -24,7 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from twinkle_server.engine.errors import Cancelled, ResourceExhausted, Unauthenticated
+from twinkle_server.engine.errors import (
+    Cancelled,
+    EngineError,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from twinkle_server.http import convert
 from twinkle_server.http.errors import SDK_FIRST_SEQ_ID, BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
@@ -154,6 +159,16 @@ class Front:
             if token and token.startswith(LEGACY_KEY_PREFIX):
                 return self.rt.authenticate(token[len("tml-"):], while_draining)
             raise
+
+    def alias(self, tenant: str, alias: str, run_id: str) -> None:
+        """Let the SDK's own name `alias` for a model stand for its run `run_id`; the
+        aliases of models no longer loaded are forgotten, so they do not pile up."""
+        for (owner, name), run in list(self.aliases.items()):
+            try:
+                self.rt.model_of(owner, run)
+            except EngineError:
+                del self.aliases[(owner, name)]
+        self.aliases[(tenant, alias)] = run_id
 
     def model(self, tenant: str, model_id: str) -> str:
         """The run id behind an SDK model id, checked to be the tenant's loaded model."""

@@ -19,13 +19,11 @@ from twinkle_server.runtime.sampling import Source
 
 
 class SamplingRoutes:
-    """The SDK's `SamplingClient` routes over the front's auth and futures; it keeps the
-    path each sampling session was created from, for `get_sampler`."""
+    """The SDK's `SamplingClient` routes over the front's auth and futures."""
 
     def __init__(self, front: Front) -> None:
         self.front = front
         self.rt = front.rt
-        self.sampler_paths: dict[str, str | None] = {}
 
     @route
     async def create_sampling_session(self, request: Request) -> Any:
@@ -36,7 +34,6 @@ class SamplingRoutes:
             tenant, convert.text(body, "session_id"),
             model_path=checkpoint_ref(text, "model_path") if text else None,
             base_model=convert.text(body, "base_model"))
-        self.sampler_paths[sampler] = text or None
         return {"type": "create_sampling_session", "sampling_session_id": sampler}
 
     @route
@@ -45,7 +42,7 @@ class SamplingRoutes:
         sampler = request.path_params["sampler_id"]
         entry = self.rt.sampler_of(tenant, sampler)
         return {"sampler_id": sampler, "base_model": entry.base_model,
-                "model_path": self.sampler_paths.get(sampler)}
+                "model_path": entry.model_path}
 
     @route
     async def asample(self, request: Request) -> Any:

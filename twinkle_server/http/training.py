@@ -205,7 +205,7 @@ class TrainingRoutes:
                 tenant, spec=None, from_checkpoint=source, load_optimizer=optimizer,
                 session_id=session_id, base_model=base_model,
                 user_metadata=convert.mapping(body, "user_metadata"))
-            self.front.aliases[(tenant, alias)] = info.entry.model_id
+            self.front.alias(tenant, alias, info.entry.model_id)
             return info.entry.model_id
         return await self.front.promise(tenant, rid, create(), lambda _: {
             "type": "load_weights", "path": text, "model_id": alias})

@@ -132,9 +132,10 @@ class Sampling:
         else:
             served, base_name = core.base(base_model), base_model
         sampling_id = "samp-" + secrets.token_hex(6)
-        core.samplers[sampling_id] = SamplerEntry(session_id, tenant, model_id or None,
-                                                  weights, base_name,
-                                                  last_used=time.monotonic())
+        core.samplers[sampling_id] = SamplerEntry(
+            session_id, tenant, model_id or None, weights, base_name,
+            last_used=time.monotonic(),
+            model_path=model_path.text if model_path is not None else None)
         served.scheduler.register_model(sampling_id)
         core.record(tenant, "sampler_create", sampling_session_id=sampling_id,
                     session_id=session_id or None,

@@ -82,6 +82,7 @@ class SamplerEntry:
     last_used: float = 0.0     # time.monotonic() of its creation or latest request's end
     in_flight: int = 0         # its requests running or queued now
     inflight_of: str | None = None  # the model whose inflight target it samples
+    model_path: str | None = None   # the checkpoint path it was created from, as named
 
 
 def check_metadata(values: Mapping[str, str], field: str) -> dict[str, str]:
