@@ -58,7 +58,7 @@ BAD = [
     ({"seed": 2**70}, 1, (5, 6),
      f"sampling_params.seed: {2**70}; give an integer in [0, 2^63)"),
     ({"seed": -1}, 1, (5, 6), "sampling_params.seed: -1; give an integer in [0, 2^63)"),
-    ({}, 1, (5, 2**70), f"prompt: token id {2**70} does not fit in int32"),
+    ({}, 1, (5, 2**70), f"prompt: token id {2**70} is outside int64"),
 ]
 
 
