@@ -25,6 +25,14 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+async def _run_and_read(table: Futures, tenant: str, request_ids: list[str]) -> None:
+    """Each request in turn submitted, finished and its result read."""
+    for request_id in request_ids:
+        _submit_finished(table, tenant, request_id)
+        await _settle()
+        table.answered(table.get(tenant, request_id))
+
+
 def test_read_results_do_not_count_against_the_tenants_bound(monkeypatch):
     """A tenant that reads every result never meets the bound, however many ops it runs
     within the results' lifetime; unread ones still count, and the refusal names them."""
@@ -32,10 +40,7 @@ def test_read_results_do_not_count_against_the_tenants_bound(monkeypatch):
 
     async def scenario() -> None:
         table = Futures()
-        for i in range(10):
-            _submit_finished(table, "alice", f"r{i}")
-            await _settle()
-            table.answered(table.get("alice", f"r{i}"))
+        await _run_and_read(table, "alice", [f"r{i}" for i in range(10)])
         for i in range(3):
             _submit_finished(table, "alice", f"unread{i}")
         with pytest.raises(ResourceExhausted, match=r"3 requests of this tenant are "
@@ -57,10 +62,7 @@ def test_answered_results_past_the_kept_number_are_forgotten_oldest_first(monkey
 
     async def scenario() -> None:
         table = Futures()
-        for i in range(4):
-            _submit_finished(table, "alice", f"r{i}")
-            await _settle()
-            table.answered(table.get("alice", f"r{i}"))
+        await _run_and_read(table, "alice", [f"r{i}" for i in range(4)])
         _submit_finished(table, "alice", "next")
         await _settle()
         for gone in ("r0", "r1"):
