@@ -4,13 +4,15 @@ The server refuses a request over its `--max-batch-tokens`, so a bigger batch is
 into consecutive groups (`split`), each one op whose gradients accumulate exactly as one
 op's would; every group is packed before any seq_id is taken (`pack`). `run_ops` sends
 the groups in order under their reserved seq_ids and, if one fails, releases the rest so
-the model's later ops do not wait. A custom loss (`run_custom`) is tinker's two passes: a
+the model's later ops do not wait; the server names a datum by its index in its op, which
+`run_ops` turns back into its index in the caller's batch. A custom loss (`run_custom`) is tinker's two passes: a
 forward for the logprobs, the user's torch loss on them here, then a cross_entropy
 forward_backward whose weights carry exactly that loss's gradient.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +24,7 @@ import twinkle_wire as wire
 from tinker_compat import convert
 from twinkle_client import api
 from twinkle_client.connection import Connection, Op
+from twinkle_client.errors import TwinkleError, category_of
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +35,9 @@ CustomLossFn = Callable[[list[types.Datum], list["torch.Tensor"]],
 
 SURROGATE = api.Loss("cross_entropy")
 """The loss both passes of a custom loss run on the server."""
+
+_DATUM_INDEX = re.compile(r"\bdatum\[(\d+)\]")
+"""How the server's messages name a datum: `datum[<index in its op>]`."""
 
 
 @dataclass(frozen=True)
@@ -69,16 +75,27 @@ def pack(datums: list[wire.Datum], bounds: list[tuple[int, int]], loss: api.Loss
 
 
 def run_ops(conn: Connection, reserved: list[Op], ops: Ops) -> types.ForwardBackwardOutput:
-    """Send each group as its op, in order; if one fails, the rest are released."""
+    """Send each group as its op, in order; if one fails, the rest are released and its
+    error names datums by their index in the whole request."""
     parts = []
     for index, (op, call) in enumerate(zip(reserved, ops.calls, strict=True)):
         try:
             parts.append(convert.forward_output(call.send(conn, op)))
-        except BaseException:
+        except BaseException as exc:
             for later in reserved[index + 1:]:
                 api.release(conn, later)
+            first = ops.bounds[index][0]
+            if first and isinstance(exc, TwinkleError) and _DATUM_INDEX.search(exc.message):
+                raise _counted_from(conn, exc, first) from None
             raise
     return convert.combine_outputs(parts)
+
+
+def _counted_from(conn: Connection, error: TwinkleError, first: int) -> Exception:
+    """`error` of an op whose datums start at `first` in the request, its datums named by
+    their index in the request."""
+    message = _DATUM_INDEX.sub(lambda m: f"datum[{int(m[1]) + first}]", error.message)
+    return conn.error_factory(category_of(error.code), message, error.method)
 
 
 def surrogate_data(data: Sequence[types.Datum]) -> list[types.Datum]:

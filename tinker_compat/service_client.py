@@ -10,21 +10,45 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tinker import types
+from tinker.lib.public_interfaces.custom_loss import (
+    LossHandle,
+    PerDatumLossFn,
+    check_loss_inputs,
+    run_loss_handle,
+    trace_loss,
+)
 
 from tinker_compat import convert
 from tinker_compat.futures import APIFuture, ClientFuture, deprecated
-from tinker_compat.rest_client import RestClient, open_connection
+from tinker_compat.rest_client import RestClient, open_connection, unserved
 from tinker_compat.sampling_client import SamplingClient, submit_sampling_client
 from tinker_compat.training_client import TrainingClient, TrainingClientFuture
 from twinkle_client import api
 from twinkle_client.errors import require_int
 from twinkle_wire import paths
 
+if TYPE_CHECKING:
+    import torch
+
 CLIENT_NAME = "tinker_compat/0.1"
+
+
+@dataclass(frozen=True)
+class ClientSideLoss(LossHandle):
+    """The SDK's `LossHandle` for a loss that runs in this client (the SDK's own choice
+    when the server runs no custom losses, as Twinkle's does not): callable as
+    `forward_backward_custom`'s `loss_fn`, it checks each datum's inputs against the
+    declared ranks, runs the traced loss per datum and sums it."""
+
+    def __call__(self, data: list[types.Datum], logprobs_list: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        check_loss_inputs(self, data)
+        return run_loss_handle(self, data, logprobs_list)
 
 
 def _single(method: str) -> str:
@@ -41,6 +65,8 @@ class ServiceClient:
             `host:port`; default `TWINKLE_BASE_URL`, then `TINKER_BASE_URL`.
         api_key: default `TWINKLE_API_KEY`, then `TINKER_API_KEY`; none for an open server.
         user_metadata, project_id, display_name: stored as tags of the session.
+        default_headers_overrides: None: this client speaks gRPC and sends no HTTP headers
+            (headers given are refused: ValueError).
         **kwargs: other tinker options do not apply to Twinkle; ignored with a FutureWarning,
             as tinker ignores unknown ones.
 
@@ -55,15 +81,21 @@ class ServiceClient:
     def __init__(self, user_metadata: dict[str, str] | None = None,
                  project_id: str | None = None, *, display_name: str | None = None,
                  base_url: str | None = None, api_key: str | None = None,
+                 default_headers_overrides: Mapping[str, str] | None = None,
                  **kwargs: Any) -> None:
         # Positional order as tinker 0.38's (user_metadata, project_id); the rest by keyword.
         project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
+        if default_headers_overrides:
+            raise ValueError("default_headers_overrides: this client speaks gRPC to the Twinkle "
+                             "server and sends no HTTP headers; pass None (the key goes in "
+                             "api_key)")
         if kwargs:
             warnings.warn(f"ServiceClient ignores unsupported arguments: "
                           f"{', '.join(sorted(kwargs))}.", FutureWarning, stacklevel=2)
         tags = dict(user_metadata or {})
         tags.update({k: v for k, v in (("project_id", project_id),
                                         ("display_name", display_name)) if v})
+        self._project_id = project_id
         self._conn = open_connection(base_url, api_key, CLIENT_NAME, open_session=True,
                                      tags=tags)
 
@@ -221,6 +253,61 @@ class ServiceClient:
         return await self.create_training_client_from_state_with_optimizer(
             path, base_model, user_metadata, weights_access_token)
 
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None,
+                     weights_access_token: str | None = None) -> APIFuture[str]:
+        """Copy a checkpoint you may read into a new training run of yours, recorded under
+        this client's `project_id` (or `TINKER_PROJECT_ID`; one is required, as by the
+        SDK); `RestClient.copy_weights` with that project.
+
+        Args:
+        - `path`: tinker path of the checkpoint to copy (yours, or a published one)
+        - `ttl_seconds`: the copy expires this long from now (3600 to 10 years); None: never
+        - `weights_access_token`: another tenant's API key, to copy what that tenant may read
+
+        Returns:
+        - `APIFuture` of the copy's tinker path.
+
+        Example:
+        ```python
+        archive = ServiceClient(project_id="archive", base_url="http://127.0.0.1:8000")
+        copied = archive.copy_weights("tinker://run-id/weights/step-400").result()
+        ```
+        """
+        return RestClient(self._conn).copy_weights(path, self._project_id,
+                                                   ttl_seconds=ttl_seconds,
+                                                   weights_access_token=weights_access_token)
+
+    def create_custom_loss(self, fn: PerDatumLossFn,
+                           input_ranks: Mapping[str, types.CustomLossInputRank]
+                           ) -> APIFuture[LossHandle]:
+        """A per-datum loss for `TrainingClient.forward_backward_custom`, traced and checked
+        here as the SDK does (`torch.fx`, torch and math only; a function that breaks the
+        rules raises ValueError now). It runs in this client, as the SDK runs it against a
+        server without server-side losses: `fn(logprobs, *inputs) -> (loss, metrics)` on
+        each datum, the losses summed, `:mean` metrics averaged.
+
+        Args:
+        - `fn`: the loss; its parameters after `logprobs` are `loss_fn_inputs` keys
+        - `input_ranks`: each parameter's rank (0 scalar, 1 `[T]`, 2 `[T, K]`)
+
+        Returns:
+        - An already finished `APIFuture` of the handle to pass as `loss_fn`.
+
+        Example:
+        ```python
+        def neg_ll(logprobs, weights):
+            loss = -(logprobs * weights).sum()
+            return loss, {"custom/neg_ll:sum": loss}
+
+        handle = service_client.create_custom_loss(
+            neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+        result = training_client.forward_backward_custom(data, handle).result()
+        ```
+        """
+        traced = trace_loss(fn, input_ranks, self._conn.session_id or "")
+        return APIFuture.completed(ClientSideLoss(traced.name, traced.inputs,
+                                                  traced.session_id, traced.graph))
+
     # ------------------------------------------------------------------ sampling
 
     def create_sampling_client(self, model_path: str | None = None,
@@ -273,6 +360,15 @@ class ServiceClient:
     def create_rest_client(self) -> RestClient:
         """A RestClient sharing this client's connection."""
         return RestClient(self._conn)
+
+    def get_console_url(self) -> str:
+        """Not served (raises NotFoundError): the server has no web console."""
+        raise unserved(self._conn, "get_console_url",
+                       "it has no web console; RestClient lists its runs and checkpoints")
+
+    def get_telemetry(self) -> None:
+        """None, the SDK's answer when it has no telemetry: Twinkle's clients report none."""
+        return None
 
     @staticmethod
     def _check_optimizer(optimizer: Mapping[str, Any] | types.AdamOptimizerConfig | None

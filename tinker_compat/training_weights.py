@@ -5,7 +5,9 @@ sampling clients on the adapter's weights.
 saves the adapter (`weights/`, `sampler_weights/`, `external_weights/`), loads a
 checkpoint into it, and hands out `SamplingClient`s; the training passes and the
 optimizer step stay in `training_client`. Every call takes its op's `seq_id` in the
-calling thread, in call order, like the passes.
+calling thread, in call order, like the passes. A save's `ttl_seconds` is set right after
+the save op, with the call `RestClient.set_checkpoint_ttl_from_tinker_path` makes (the
+gRPC save carries no TTL).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tinker import types
 
 from tinker_compat import convert
 from tinker_compat.futures import APIFuture, ClientFuture, deprecated
+from tinker_compat.rest_client import unserved
 from tinker_compat.sampling_client import (
     SamplingClient,
     SamplingClientFuture,
@@ -26,10 +29,16 @@ from tinker_compat.sampling_client import (
 )
 from twinkle_client import api
 from twinkle_client.connection import Connection
+from twinkle_client.errors import TwinkleError, category_of
 from twinkle_wire import paths
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+MIN_CHECKPOINT_TTL_SECONDS = 3600
+MAX_CHECKPOINT_TTL_SECONDS = 10 * 365 * 24 * 3600
+"""The TTLs the server accepts (1 hour to 10 years), checked before the save so that a TTL
+it would refuse saves nothing."""
 
 
 def moved_to_sync(method: str, advice: str) -> str:
@@ -55,7 +64,9 @@ class TrainingWeights:
 
         Args:
         - `name`: 1-128 letters, digits, '.', '_', '-'
-        - `ttl_seconds`: accepted for compatibility; Twinkle checkpoints do not expire
+        - `ttl_seconds`: delete it this long after it is saved (3600 to 10 years); None:
+          never. A TTL out of range fails the future (BadRequestError, as the SDK's) and
+          saves nothing; if setting it fails after the save, the error names the saved path
         - `overwrite`: replace a checkpoint of the same name (without it, saving a name
           again is a `ConflictError`); the new checkpoint is complete before the old goes
         - `user_metadata`: stored with the checkpoint
@@ -68,10 +79,9 @@ class TrainingWeights:
         path = training_client.save_state("step-100").result().path
         ```
         """
-        self._warn_ttl(ttl_seconds)
         call = api.save_state(paths.check_name(name, "name"), include_optimizer=True,
                               user_metadata=user_metadata, overwrite=overwrite)
-        return self._submit(call, lambda path: types.SaveWeightsResponse(
+        return self._save(call, ttl_seconds, lambda path: types.SaveWeightsResponse(
             path=convert.tinker_path(path), type="save_weights"))
 
     @deprecated(moved_to_sync("save_state", "it returns an APIFuture that can be awaited."))
@@ -88,16 +98,21 @@ class TrainingWeights:
         """Save the adapter weights (PEFT format, no optimizer) for sampling, as
         `tinker://<run>/sampler_weights/<name>`.
 
+        Args:
+        - `name`: 1-128 letters, digits, '.', '_', '-'
+        - `ttl_seconds`: as `save_state`'s
+        - `user_metadata`: stored with the checkpoint
+
         Example:
         ```python
         path = training_client.save_weights_for_sampler("s-1").result().path
         sampling_client = service_client.create_sampling_client(model_path=path).result()
         ```
         """
-        self._warn_ttl(ttl_seconds)
         call = api.save_weights_for_sampler(paths.check_name(name, "name"), user_metadata)
-        return self._submit(call, lambda path: types.SaveWeightsForSamplerResponse(
-            path=convert.tinker_path(path), type="save_weights_for_sampler"))
+        return self._save(call, ttl_seconds,
+                          lambda path: types.SaveWeightsForSamplerResponse(
+                              path=convert.tinker_path(path), type="save_weights_for_sampler"))
 
     @deprecated(moved_to_sync("save_weights_for_sampler", "it returns an APIFuture that can be awaited."))
     async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None,
@@ -138,8 +153,13 @@ class TrainingWeights:
         """Deprecated: use `training_client.save_weights_external(...)`."""
         return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
-    def _load(self, path: str, optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
+    def _load(self, path: str, optimizer: bool, weights_access_token: str | None
+              ) -> APIFuture[types.LoadWeightsResponse]:
         paths.parse(path, "path")
+        if weights_access_token is not None:
+            raise ValueError("weights_access_token: loading reads as this client's own key "
+                             "only; copy the checkpoint first with RestClient.copy_weights(path, "
+                             "..., weights_access_token=...) and load the copy, or pass None")
         return self._submit(api.load_state(path, include_optimizer=optimizer),
                             lambda _: types.LoadWeightsResponse(
                                 path=convert.tinker_path(path), model_id=self.model_id,
@@ -147,40 +167,50 @@ class TrainingWeights:
 
     @deprecated("DEPRECATED: TrainingClient.load_state() is deprecated in tinker; use "
                 "ServiceClient.create_training_client_from_state() instead.")
-    def load_state(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state(self, path: str, weights_access_token: str | None = None
+                   ) -> APIFuture[types.LoadWeightsResponse]:
         """Load adapter weights (not the optimizer state) from a `weights/` checkpoint.
+
+        Args:
+        - `path`: `tinker://<run>/weights/<name>` (or `twinkle://`), own or published
+        - `weights_access_token`: None; another tenant's key is refused (ValueError):
+          copy its checkpoint with `RestClient.copy_weights` and load the copy
 
         Example:
         ```python
         training_client.load_state("tinker://run-id/weights/step-100").result()
         ```
         """
-        return self._load(path, optimizer=False)
+        return self._load(path, False, weights_access_token)
 
     @deprecated("DEPRECATED: TrainingClient.load_state_async() is deprecated in tinker; use "
                 "ServiceClient.create_training_client_from_state() instead.")
-    async def load_state_async(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
+    async def load_state_async(self, path: str, weights_access_token: str | None = None
+                               ) -> APIFuture[types.LoadWeightsResponse]:
         """Deprecated: as `load_state`, awaited once for the future."""
-        return self._load(path, optimizer=False)
+        return self._load(path, False, weights_access_token)
 
     @deprecated("DEPRECATED: TrainingClient.load_state_with_optimizer() is deprecated in tinker; "
                 "use ServiceClient.create_training_client_from_state_with_optimizer() instead.")
-    def load_state_with_optimizer(self, path: str) -> APIFuture[types.LoadWeightsResponse]:
-        """Load adapter weights and AdamW state from a `weights/` checkpoint.
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None
+                                  ) -> APIFuture[types.LoadWeightsResponse]:
+        """Load adapter weights and AdamW state from a `weights/` checkpoint
+        (`weights_access_token` as `load_state`'s).
 
         Example:
         ```python
         training_client.load_state_with_optimizer("tinker://run-id/weights/step-100").result()
         ```
         """
-        return self._load(path, optimizer=True)
+        return self._load(path, True, weights_access_token)
 
     @deprecated("DEPRECATED: TrainingClient.load_state_with_optimizer_async() is deprecated in "
                 "tinker; use ServiceClient.create_training_client_from_state_with_optimizer().")
-    async def load_state_with_optimizer_async(self, path: str
+    async def load_state_with_optimizer_async(self, path: str,
+                                              weights_access_token: str | None = None
                                               ) -> APIFuture[types.LoadWeightsResponse]:
         """Deprecated: as `load_state_with_optimizer`, awaited once for the future."""
-        return self._load(path, optimizer=True)
+        return self._load(path, True, weights_access_token)
 
     # ------------------------------------------------------------------ sampling
 
@@ -261,13 +291,46 @@ class TrainingWeights:
         return await self.save_weights_and_get_sampling_client(
             name, retry_config, record_stability_info, kind)
 
+    # ------------------------------------------------------------------ console
+
+    def get_console_url(self) -> str:
+        """Not served (raises NotFoundError): the server has no web console."""
+        raise unserved(self._conn, "get_console_url",
+                       "it has no web console; RestClient.get_training_run(model_id) describes "
+                       "the run")
+
+    def get_telemetry(self) -> None:
+        """None, the SDK's answer when it has no telemetry: Twinkle's clients report none."""
+        return None
+
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _warn_ttl(ttl_seconds: int | None) -> None:
-        if ttl_seconds is not None:
-            warnings.warn("ttl_seconds: Twinkle checkpoints do not expire; the value is ignored",
-                          UserWarning, stacklevel=3)
+    def _save(self, call: api.OpCall[str], ttl_seconds: int | None,
+              then: Callable[[str], U]) -> APIFuture[U]:
+        """A save op, then (with `ttl_seconds`) its checkpoint's expiry, `ttl_seconds` after
+        the save as the SDK's; the future fails if either fails, and a TTL the server would
+        refuse fails it before any seq_id is taken."""
+        if ttl_seconds is None:
+            return self._submit(call, then)
+        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not (
+                MIN_CHECKPOINT_TTL_SECONDS <= ttl_seconds <= MAX_CHECKPOINT_TTL_SECONDS):
+            return APIFuture.failed(self._conn.error_factory(
+                "invalid_argument", f"ttl_seconds: {ttl_seconds!r} is out of range; give "
+                f"{MIN_CHECKPOINT_TTL_SECONDS} (1 hour) to {MAX_CHECKPOINT_TTL_SECONDS} "
+                "(10 years), or None for no expiry", call.method))
+        op = self._conn.reserve(self.model_id)
+
+        def run() -> U:
+            path = call.send(self._conn, op)
+            try:
+                api.set_checkpoint_ttl(path, ttl_seconds).send(self._conn)
+            except TwinkleError as exc:
+                raise self._conn.error_factory(
+                    category_of(exc.code), f"{convert.tinker_path(path)}: saved, but its "
+                    f"ttl_seconds was not set: {exc}", exc.method) from exc
+            return then(path)
+
+        return self._conn.submit(run, future_class=APIFuture)
 
     def _submit(self, call: api.OpCall[T], then: Callable[[T], U]) -> APIFuture[U]:
         """One op: its seq_id taken now, in call order; `then` makes its Tinker response."""

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 def prompts(inputs: Any, template: Callable[[], Template]) -> list[np.ndarray]:
     """Prompts as token-id arrays: token ids, a feature with input_ids, a string (one
-    user message), a list of chat messages, or a list of any of these; strings and
-    messages are encoded with `template()`."""
+    user message), a list of chat messages, or a list of any of these (of any lengths,
+    kinds mixed); strings and messages are encoded with `template()`."""
     def one(item: Any) -> np.ndarray | None:
         if isinstance(item, str) or (isinstance(item, Sequence) and item
                                      and all(isinstance(m, Mapping) and "role" in m
@@ -38,8 +38,11 @@ def prompts(inputs: Any, template: Callable[[], Template]) -> list[np.ndarray]:
         if isinstance(item, Mapping) and "messages" in item:
             return np.asarray(template().encode(
                 item, add_generation_prompt=True)["input_ids"])
-        array = np.asarray(item) if np.ndim(item) == 1 else None
-        return array if array is not None and array.dtype.kind in "iu" else None
+        try:
+            array = np.asarray(item)
+        except ValueError:  # ragged: a list of prompts (of different lengths or kinds)
+            return None
+        return array if array.ndim == 1 and array.dtype.kind in "iu" else None
 
     single = one(inputs)
     if single is not None:

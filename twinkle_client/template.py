@@ -12,7 +12,10 @@ message's content plus what the chat template writes after it in that turn (the 
 prompt. Spans are found by rendering the conversation prefix by prefix
 (`apply_chat_template(messages[:k])`), never by searching tokens, and mapped to tokens by
 the tokenizer's character offsets, so the tokens are exactly those of the whole rendered
-text; a token carries loss when any of its characters is an assistant character.
+text; a token carries loss when any of its characters is an assistant character. A
+conversation may start with an assistant message (a greeting): it carries loss like any
+assistant turn, its header (and any default system prompt the template adds) being what
+the template writes before its content.
 
 A generation prompt (`add_generation_prompt=True`) is the rendered conversation up to and
 including the assistant header, as `input_ids` only: what a sampler continues.
@@ -22,6 +25,7 @@ transformers is imported only by the tokenizer loader, never at module import.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -194,9 +198,11 @@ class Template:
             assistant = assistant[-1:]
         spans = []
         for k in assistant:
-            head = self.render(messages[:k], add_generation_prompt=True)
+            head = (self.render(messages[:k], add_generation_prompt=True) if k
+                    else self._leading_header(messages[0]))
             turn = full if k == len(messages) - 1 else self.render(messages[:k + 1])
-            for prefix, what in ((head, f"messages[:{k}] with the generation prompt"),
+            for prefix, what in ((head, f"messages[:{k}] with the generation prompt" if k
+                                  else "the header of messages[0]"),
                                  (turn, f"messages[:{k + 1}]")):
                 if not full.startswith(prefix):
                     raise TemplateError(
@@ -205,6 +211,13 @@ class Template:
                         "by prefix; use last_turn_only=True or a prefix-stable template")
             spans.append((len(head), len(turn)))
         return full, spans
+
+    def _leading_header(self, message: dict[str, str]) -> str:
+        """What the template writes before the content of a conversation's first message,
+        an assistant one (there is no earlier prefix to render with the generation prompt):
+        the common start of that message rendered with two different contents."""
+        return os.path.commonprefix([self.render([{**message, "content": probe}])
+                                     for probe in ("a", "b")])
 
     def _shift(self, tokens: np.ndarray, loss: np.ndarray, index: int) -> Feature:
         """Truncate to `max_length` + 1 tokens, then `input_ids = T[:-1]`, `labels = T[1:]`."""
