@@ -385,7 +385,7 @@ def _rebuild(adapter: Adapter, state: dict[str, Any], adopt_accumulation: bool
     pending = state.get("pending_grads")   # absent from checkpoints written before it
     params = list(adapter.parameters())
     if pending is not None and (len(pending) != len(params) or any(
-            g is not None and g.shape != p.shape for g, p in zip(pending, params))):
+            g is not None and g.shape != p.shape for g, p in zip(pending, params, strict=True))):
         raise FailedPrecondition("checkpoint: its pending gradients do not fit this "
                                  "adapter's parameters; load it without the optimizer")
     return {

@@ -105,7 +105,7 @@ class EngineExecutor:
         return results
 
     def _note_failures(self, ops: Sequence[Op], results: Sequence[Any]) -> None:
-        for op, result in zip(ops, results):
+        for op, result in zip(ops, results, strict=True):
             if op.kind != "forward_backward":
                 continue
             if isinstance(result, BaseException):
