@@ -2,18 +2,24 @@
 
 `APIFuture` is both a `twinkle_client.futures.Future` (result, result_async, await, done,
 exception, future) and a `tinker.APIFuture`, so `isinstance(f, tinker.APIFuture)` and
-annotations in user code hold. `ClientFuture` is what the `create_*` methods return, as in
-tinker 0.38: a future of a client that may also be used, deprecated with a FutureWarning,
-as the client itself (`client_future(TrainingClient)` builds the forwarding class).
+annotations in user code hold. As in tinker, cancelling `future()`, or an await that times
+out or is cancelled, cancels the call where it can: not yet sent, it is never sent; a
+running sample stops on the server; a training op already sent stays applied (cancel()
+is False). `SampleFuture`, of `sample` and `compute_logprobs`, is also a
+`concurrent.futures.Future`, as tinker 0.38's. `ClientFuture` is what the `create_*`
+methods return, as in tinker 0.38: a future of a client that may also be used,
+deprecated with a FutureWarning, as the client itself (`client_future(TrainingClient)`
+builds the forwarding class).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 import tinker
@@ -39,6 +45,81 @@ class APIFuture(Future[T], tinker.APIFuture[T]):
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_exception(error)
         return cls(done)
+
+    async def result_async(self, timeout: float | None = None) -> T:
+        """Await the call; TimeoutError after `timeout` s. As in tinker, a timeout (or a
+        cancelled await) cancels the call where it can (see the module)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
+
+
+class SampleFuture(concurrent.futures.Future, APIFuture[T]):
+    """The future of `sample` and `compute_logprobs`: an `APIFuture` that is also a
+    `concurrent.futures.Future`, as tinker 0.38's `_AwaitableFutureCompatWrapper`, since
+    both returned one before. Its state mirrors the call's, so `wait`, `as_completed` and
+    `asyncio.wrap_future` see it finish; its Future methods warn once with tinker's
+    FutureWarning, pointing to `.future()`."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        concurrent.futures.Future.__init__(self)
+        self._future = future
+        self._warned = False
+        future.add_done_callback(self._mirror)
+
+    def _mirror(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled():
+            if concurrent.futures.Future.cancel(self):
+                self.set_running_or_notify_cancel()
+        elif (exception := future.exception()) is not None:
+            self.set_exception(exception)
+        else:
+            self.set_result(future.result())
+
+    def result(self, timeout: float | None = None) -> T:
+        return self._future.result(timeout)
+
+    def future(self) -> concurrent.futures.Future:
+        return self._future
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return APIFuture.__await__(self)
+
+    def __repr__(self) -> str:
+        return APIFuture.__repr__(self)
+
+    def _warn(self, method: str) -> None:
+        # Once per future, as tinker's: the stdlib bridges call these from callbacks too.
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"DEPRECATED: .{method}() on this future uses a temporary compatibility wrapper "
+            "for tinker's APIFuture, which a subsequent release removes. Await the future "
+            "or call .result(); if you need a concurrent.futures.Future, call .future().",
+            FutureWarning, stacklevel=3)
+
+    def cancel(self) -> bool:
+        self._warn("cancel")
+        return self._future.cancel()
+
+    def cancelled(self) -> bool:
+        self._warn("cancelled")
+        return self._future.cancelled()
+
+    def running(self) -> bool:
+        self._warn("running")
+        return self._future.running()
+
+    def done(self) -> bool:
+        self._warn("done")
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._warn("exception")
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        self._warn("add_done_callback")
+        concurrent.futures.Future.add_done_callback(self, fn)
 
 
 def deprecated(message: str) -> Callable[[F], F]:
@@ -78,6 +159,8 @@ class ClientFuture(APIFuture[C]):
         future = self.future()
         if not future.done():
             state = "pending"
+        elif future.cancelled():
+            state = "cancelled"
         elif future.exception() is not None:
             state = f"failed: {future.exception()!r}"
         else:

@@ -2,19 +2,29 @@
 
 A session samples from one fixed set of weights: a saved sampler checkpoint
 (`tinker://<run>/sampler_weights/<name>`) or the bare base model. Samples run on the
-server's sampler queue, unordered with respect to training ops, as in Tinker.
+server's sampler queue, unordered with respect to training ops, as in Tinker; cancelling a
+sample's future stops it on the server. A client pickles, as tinker's does, for use in
+other processes: the copy reconnects (one connection per process and server).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from tinker import types
 
 from tinker_compat import convert, sampling_options
-from tinker_compat.futures import APIFuture, ClientFuture, client_future, deprecated
+from tinker_compat.errors import error_factory
+from tinker_compat.futures import (
+    APIFuture,
+    ClientFuture,
+    SampleFuture,
+    client_future,
+    deprecated,
+)
 from twinkle_client import api
-from twinkle_client.connection import Connection
+from twinkle_client.connection import Connection, parse_base_url
 from twinkle_client.errors import require_int
 from twinkle_client.tokenizer import load_tokenizer
 from twinkle_wire import paths
@@ -46,6 +56,15 @@ class SamplingClient:
     def __repr__(self) -> str:
         source = self.model_path or self._base_model
         return f"<SamplingClient {self.sampling_session_id} of {source}>"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle for another process, as tinker's client: the copy reconnects with this
+        client's URL, key and CA, opens no session of its own, and samples from the same
+        sampling session, which lives as long as the session of the client that made it."""
+        conn = self._conn
+        return (_unpickle, (conn.base_url, conn.api_key, conn.root_certificates,
+                            self.sampling_session_id, self._base_model, self.model_path,
+                            self._record_stability_info))
 
     def sample(self, prompt: types.ModelInput, num_samples: int,
                sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,
@@ -111,7 +130,7 @@ class SamplingClient:
                 convert.sample_response_to_tinker(result, include_prompt_logprobs), result,
                 target_prompt_logprobs)
 
-        return self._conn.submit(run, future_class=APIFuture)
+        return self._conn.submit(run, future_class=SampleFuture, interruptible=True)
 
     @deprecated("DEPRECATED: SamplingClient.sample_async() is deprecated. Use `await "
                 "SamplingClient.sample(...)` instead; sample() returns an APIFuture that can be "
@@ -156,7 +175,7 @@ class SamplingClient:
         def run() -> list[float | None]:
             return convert.logprobs_list(call.send(self._conn))
 
-        return self._conn.submit(run, future_class=APIFuture)
+        return self._conn.submit(run, future_class=SampleFuture, interruptible=True)
 
     @deprecated("DEPRECATED: SamplingClient.compute_logprobs_async() is deprecated. Use `await "
                 "SamplingClient.compute_logprobs(...)` instead.")
@@ -189,6 +208,26 @@ class SamplingClient:
 
 
 SamplingClientFuture: type[ClientFuture] = client_future(SamplingClient, "SamplingClient")
+
+_copies_connections: dict[tuple[str, str | None, bytes | None], Connection] = {}
+_copies_lock = threading.Lock()
+
+
+def _unpickle(base_url: str, api_key: str | None, root_certificates: bytes | None,
+              sampling_session_id: str, base_model: str, model_path: str | None,
+              record_stability_info: bool) -> SamplingClient:
+    """A pickled SamplingClient in this process, on the process's one connection to the
+    server for that key (made at the first copy, sessionless)."""
+    key = (base_url, api_key, root_certificates)
+    with _copies_lock:
+        conn = _copies_connections.get(key)
+        if conn is None or conn.closed:
+            conn = _copies_connections[key] = Connection(
+                base_url, api_key, client_name="tinker_compat/0.1",
+                error_factory=error_factory(parse_base_url(base_url)[0]),
+                root_certificates=root_certificates, open_session=False)
+    return SamplingClient(conn, sampling_session_id, base_model, model_path,
+                          record_stability_info)
 
 
 def open_sampling_client(connection: Connection, *, model_path: str | None = None,

@@ -7,13 +7,15 @@ submitted before waiting on either is correct, and faster than waiting in betwee
 
 A reserved seq_id must always reach the server, or the model's later ops would wait for
 it: when an op cannot be sent (an earlier part of its request failed, the user's custom
-loss raised), the seq_id is spent with no op under it (`api.release`, the SkipSeq RPC).
+loss raised, its future was cancelled before it was sent), the seq_id is spent with no op
+under it (`api.release`, the SkipSeq RPC). An op already sent cannot be cancelled: the
+server applies it in order, so its future's cancel() is False.
 Checkpoints and sampling clients are `training_weights`' half of the class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tinker import types
@@ -159,7 +161,8 @@ class TrainingClient(TrainingWeights):
         first_pass = [self._conn.reserve(self.model_id) for _ in ops.bounds]
         second_pass = [self._conn.reserve(self.model_id) for _ in ops.bounds]
         return self._conn.submit(forward_ops.run_custom, self._conn, list(data), loss_fn, ops,
-                                 first_pass, second_pass, future_class=APIFuture)
+                                 first_pass, second_pass, future_class=APIFuture,
+                                 on_cancel=self._releaser(first_pass + second_pass))
 
     @deprecated(moved_to_sync("forward_backward_custom", _AT_ONCE))
     async def forward_backward_custom_async(self, data: list[types.Datum],
@@ -260,7 +263,15 @@ class TrainingClient(TrainingWeights):
             return ops
         reserved = [self._conn.reserve(self.model_id) for _ in ops.bounds]
         return self._conn.submit(forward_ops.run_ops, self._conn, reserved, ops,
-                                 future_class=APIFuture)
+                                 future_class=APIFuture, on_cancel=self._releaser(reserved))
+
+    def _releaser(self, reserved: list[api.Op]) -> Callable[[], None]:
+        """What a future cancelled before its ops are sent runs instead: their release."""
+        def release() -> None:
+            for op in reserved:
+                api.release(self._conn, op)
+
+        return release
 
 
 TrainingClientFuture: type[ClientFuture] = client_future(TrainingClient, "TrainingClient")

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from twinkle_client import errors
-from twinkle_client.futures import Future
+from twinkle_client.futures import CallFuture, Future, running_call
 from twinkle_wire._proto.twinkle.v1 import (
     external_pb2_grpc,
     runs_pb2_grpc,
@@ -127,6 +127,7 @@ class Connection:
                  root_certificates: bytes | None = None, open_session: bool = True,
                  tags: Mapping[str, str] | None = None) -> None:
         self.base_url = base_url
+        self.api_key = api_key
         self.target, secure = parse_base_url(base_url)
         self.error_factory = error_factory
         if secure:
@@ -137,6 +138,8 @@ class Connection:
             self.channel = grpc.secure_channel(self.target, credentials)
         else:
             self.channel = grpc.insecure_channel(self.target)
+        # Kept, with the key, so that a copy of a client in another process can reconnect.
+        self.root_certificates = root_certificates
         self.metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {api_key}"),) if api_key else ())
         self.session = session_pb2_grpc.SessionServiceStub(self.channel)
@@ -171,12 +174,26 @@ class Connection:
         deadline = timeout or (None if ordered else CALL_TIMEOUT_S)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                return method(request, metadata=self.metadata, timeout=deadline)
+                return self._unary(method, request, deadline)
             except grpc.RpcError as exc:
                 if not self._retryable(exc, retry, attempt):
                     raise errors.from_rpc_error(exc, name, self.error_factory) from None
             time.sleep(RETRY_DELAYS_S[attempt])
         raise AssertionError("unreachable")
+
+    def _unary(self, method: Any, request: Any, deadline: float | None) -> Any:
+        """One attempt of a unary call. Made by an interruptible call on the pool, it is
+        cancelled with that call's future (the server stops it), raising CancelledError."""
+        call = running_call()
+        if call is None or not call.interruptible:
+            return method(request, metadata=self.metadata, timeout=deadline)
+        rpc = method.future(request, metadata=self.metadata, timeout=deadline)
+        if not call.attach(rpc.cancel):
+            rpc.cancel()
+        try:
+            return rpc.result()
+        except grpc.FutureCancelledError:
+            raise CancelledError(f"{_method_name(method)}: cancelled by its future") from None
 
     def _retryable(self, exc: grpc.RpcError, retry: bool, attempt: int) -> bool:
         return (retry and attempt < len(RETRY_DELAYS_S) and not self._closed.is_set()
@@ -206,13 +223,22 @@ class Connection:
         raise AssertionError("unreachable")
 
     def submit(self, fn: Callable[..., T], *args: Any, future_class: type[Future] = Future,
+               on_cancel: Callable[[], Any] | None = None, interruptible: bool = False,
                **kwargs: Any) -> Future[T]:
-        """Run `fn(*args, **kwargs)` on the call pool; returns its future at once."""
+        """Run `fn(*args, **kwargs)` on the call pool; returns its future at once.
+
+        A future cancelled before `fn` starts runs `on_cancel` on the pool instead: a call
+        that reserved seq_ids passes their release, so the model's later ops do not wait.
+        Once started, `fn` can be cancelled only if `interruptible` (a sample, which the
+        server can stop): its gRPC calls are cancelled with the future.
+        """
         with self._submit_lock:
             if self._closed.is_set():
                 raise self.error_factory("failed_precondition",
                                          f"connection to {self.base_url} is closed", "")
-            return future_class(self._pool.submit(fn, *args, **kwargs))
+            future = CallFuture(interruptible)
+            self._pool.submit(future.run, fn, args, kwargs, on_cancel)
+            return future_class(future)
 
     # ------------------------------------------------------------------ ordered ops
 

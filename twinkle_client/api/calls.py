@@ -3,7 +3,8 @@
 A request is checked and built in the caller's thread, so an argument the contract cannot
 carry raises where the call is written. An `OpCall` is built before its model's seq_id is
 taken, so a refused argument leaves no gap in the model's op order; `submit` then takes
-the seq_id in the caller's thread (call order is op order) and sends from the call pool.
+the seq_id in the caller's thread (call order is op order) and sends from the call pool,
+or releases it if the op's future is cancelled before it is sent.
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ class ForwardCall(OpCall[ForwardResult]):
 def submit(conn: Connection, model_id: str, call: OpCall[T], *,
            future_class: type[Future] = Future) -> Future[T]:
     """Take `model_id`'s next seq_id now, in the caller's thread, and send `call` under it
-    from the call pool; returns its future at once."""
+    from the call pool; returns its future at once. Cancelled before it is sent, the op is
+    never sent and its seq_id is released; once sent, it cannot be cancelled."""
     op = conn.reserve(model_id)
-    return conn.submit(call.send, conn, op, future_class=future_class)
+    return conn.submit(call.send, conn, op, future_class=future_class,
+                       on_cancel=lambda: release(conn, op))
 
 
 def release(conn: Connection, op: Op) -> None:
