@@ -15,8 +15,9 @@ Checkpoints and sampling clients are `training_weights`' half of the class.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from tinker import types
 
@@ -124,7 +125,8 @@ class TrainingClient(TrainingWeights):
         future, which is awaited again (`await (await tc.forward_backward_async(...))`)."""
         return self.forward_backward(data, loss_fn, loss_fn_config)
 
-    def forward_backward_custom(self, data: list[types.Datum], loss_fn: CustomLossFn
+    def forward_backward_custom(self, data: list[types.Datum], loss_fn: CustomLossFn, *,
+                                loss_type_input: Literal["logprobs"] | None = None
                                 ) -> APIFuture[types.ForwardBackwardOutput]:
         """Forward/backward with a loss computed here, in torch, on the returned logprobs.
 
@@ -136,6 +138,8 @@ class TrainingClient(TrainingWeights):
         Args:
         - `data`: datums with `target_tokens` (and any extra fields the loss reads)
         - `loss_fn`: `(data, logprobs_list) -> (loss, metrics)`
+        - `loss_type_input`: deprecated, as in the SDK: the loss always receives logprobs;
+          given, it warns, and any value but "logprobs" is refused
 
         Returns:
         - `APIFuture` of the `ForwardBackwardOutput`; `metrics["loss:sum"]` is the custom
@@ -149,6 +153,7 @@ class TrainingClient(TrainingWeights):
         result = training_client.forward_backward_custom(data, loss_fn).result()
         ```
         """
+        _check_loss_type_input(loss_type_input, "forward_backward_custom")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn: expected a callable (data, logprobs) -> (loss, metrics), "
                              f"got {type(loss_fn).__name__}")
@@ -165,11 +170,12 @@ class TrainingClient(TrainingWeights):
                                  on_cancel=self._releaser(first_pass + second_pass))
 
     @deprecated(moved_to_sync("forward_backward_custom", _AT_ONCE))
-    async def forward_backward_custom_async(self, data: list[types.Datum],
-                                            loss_fn: CustomLossFn
-                                            ) -> APIFuture[types.ForwardBackwardOutput]:
+    async def forward_backward_custom_async(
+            self, data: list[types.Datum], loss_fn: CustomLossFn, *,
+            loss_type_input: Literal["logprobs"] | None = None
+            ) -> APIFuture[types.ForwardBackwardOutput]:
         """Deprecated: use `training_client.forward_backward_custom(...)`."""
-        return self.forward_backward_custom(data, loss_fn)
+        return self.forward_backward_custom(data, loss_fn, loss_type_input=loss_type_input)
 
     # ------------------------------------------------------------------ optimizer
 
@@ -265,13 +271,19 @@ class TrainingClient(TrainingWeights):
         return self._conn.submit(forward_ops.run_ops, self._conn, reserved, ops,
                                  future_class=APIFuture, on_cancel=self._releaser(reserved))
 
-    def _releaser(self, reserved: list[api.Op]) -> Callable[[], None]:
-        """What a future cancelled before its ops are sent runs instead: their release."""
-        def release() -> None:
-            for op in reserved:
-                api.release(self._conn, op)
-
-        return release
-
 
 TrainingClientFuture: type[ClientFuture] = client_future(TrainingClient, "TrainingClient")
+
+
+def _check_loss_type_input(loss_type_input: str | None, method: str) -> None:
+    """The SDK's deprecated `loss_type_input`: given, a DeprecationWarning; only "logprobs"
+    (what the loss always receives) is served."""
+    if loss_type_input is None:
+        return
+    warnings.warn(f"The 'loss_type_input' parameter of {method}() is deprecated: the loss "
+                  "always receives logprobs; remove it from your call.", DeprecationWarning,
+                  stacklevel=3)
+    if loss_type_input != "logprobs":
+        raise ValueError(f"loss_type_input: {loss_type_input!r} is not served; the loss "
+                         "receives 'logprobs'")
+

@@ -278,7 +278,8 @@ class TrainingWeights:
             return SamplingClient(self._conn, call.send(self._conn, op), self._base_model,
                                   record_stability_info=record_stability_info)
 
-        return self._conn.submit(run, future_class=SamplingClientFuture)
+        return self._conn.submit(run, future_class=SamplingClientFuture,
+                                 on_cancel=self._releaser([op]))
 
     @deprecated("DEPRECATED: TrainingClient.save_weights_and_get_sampling_client_async() is "
                 "deprecated. Use `await TrainingClient.save_weights_and_get_sampling_client()`.")
@@ -330,7 +331,15 @@ class TrainingWeights:
                     f"ttl_seconds was not set: {exc}", exc.method) from exc
             return then(path)
 
-        return self._conn.submit(run, future_class=APIFuture)
+        return self._conn.submit(run, future_class=APIFuture, on_cancel=self._releaser([op]))
+
+    def _releaser(self, reserved: list[api.Op]) -> Callable[[], None]:
+        """What a future cancelled before its ops are sent runs instead: their release."""
+        def release() -> None:
+            for op in reserved:
+                api.release(self._conn, op)
+
+        return release
 
     def _submit(self, call: api.OpCall[T], then: Callable[[T], U]) -> APIFuture[U]:
         """One op: its seq_id taken now, in call order; `then` makes its Tinker response."""

@@ -87,6 +87,22 @@ def test_cancelling_a_queued_op_releases_its_seq_id_so_later_ops_of_the_model_ru
     assert after.metrics["loss:sum"] > 0
 
 
+@pytest.mark.parametrize("save", [
+    lambda tc: tc.save_weights_and_get_sampling_client(),
+    lambda tc: tc.save_state("cancelled", ttl_seconds=3600),
+], ids=["sampling-client-snapshot", "save-with-ttl"])
+def test_cancelling_a_queued_save_releases_its_seq_id(service_client, save):
+    """The saves that send their own op (a snapshot for a sampling client, a save with a
+    TTL) release their seq_id too when cancelled before they are sent."""
+    training_client = service_client.create_lora_training_client("tiny", rank=4).result()
+    gate = fill_call_pool(service_client)
+    victim = save(training_client)
+    after = training_client.forward(sft_data(1, 4), "cross_entropy")
+    assert victim.future().cancel()
+    gate.set()
+    assert after.result(timeout=WAIT_S).metrics["loss:sum"] > 0
+
+
 def test_cancelling_a_running_sample_stops_it_on_the_server(server, service_client):
     sampling_client = service_client.create_sampling_client(base_model="tiny").result()
     future = sampling_client.sample(PROMPT, 8, types.SamplingParams(max_tokens=2000, stop=[]))

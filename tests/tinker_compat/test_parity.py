@@ -31,9 +31,6 @@ NOT_COMPARED = {
     ("TrainingClient", "__init__"): "built by ServiceClient from a connection, not a holder",
     ("RestClient", "__init__"): "its first, private argument is a connection, not a holder",
 }
-PENDING = {("TrainingClient", "forward_backward_custom"),
-           ("TrainingClient", "forward_backward_custom_async")}
-"""`loss_type_input` belongs in tinker_compat/training_client.py (another change)."""
 
 
 def signature_gaps(sdk: type, compat: type, names: list[str]) -> list[str]:
@@ -67,17 +64,27 @@ def public_names(sdk: type) -> list[str]:
 def test_every_public_method_of_the_sdk_clients_exists_with_the_sdks_parameters():
     gaps = []
     for sdk, compat in PAIRS:
-        names = [n for n in public_names(sdk) if (sdk.__name__, n) not in NOT_COMPARED
-                 and (sdk.__name__, n) not in PENDING]
+        names = [n for n in public_names(sdk) if (sdk.__name__, n) not in NOT_COMPARED]
         gaps += [f"{sdk.__name__}.{gap}" for gap in signature_gaps(sdk, compat, names)]
     assert gaps == []
 
 
-@pytest.mark.xfail(strict=True, reason="loss_type_input is not yet a parameter of "
-                                       "forward_backward_custom (tinker_compat/training_client.py)")
-def test_forward_backward_custom_takes_the_sdks_loss_type_input():
-    assert signature_gaps(tinker.TrainingClient, TrainingClient,
-                          sorted(name for _, name in PENDING)) == []
+def test_forward_backward_custom_warns_of_loss_type_input_and_serves_only_logprobs(
+        service_client):
+    """As the SDK: the deprecated parameter warns, and only "logprobs" is served."""
+    training_client = service_client.create_lora_training_client("tiny", rank=4).result()
+    data = sft_data(n=1)
+
+    def loss_fn(data, logprobs_list):
+        loss = -sum(lp.sum() for lp in logprobs_list)
+        return loss, {}
+
+    with pytest.warns(DeprecationWarning, match="loss_type_input"):
+        out = training_client.forward_backward_custom(data, loss_fn,
+                                                      loss_type_input="logprobs").result()
+    assert out.metrics["loss:sum"] > 0
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'probs'"):
+        training_client.forward_backward_custom(data, loss_fn, loss_type_input="probs")
 
 
 # ----------------------------------------------------------------------------- TTLs
