@@ -10,11 +10,13 @@ the scheduler cancels leave the pool at the next slice (`decode`'s `cancelled`).
 A model's step never applies gradients a failed forward_backward left partial. The SDK
 cuts a large forward_backward into chunks, each its own op: when one fails (refused,
 or failing in its pass), the others still add theirs. So when, since the model's last
-step, a forward_backward failed and another added gradients, its next `optim_step` or
-`step` is refused instead (`FailedPrecondition`, naming the failure), and its gradients
-are zeroed: nothing of that window is applied, and the step after starts clean. A window
+step, a forward_backward failed and another added gradients, its next `optim_step` is
+refused instead (`FailedPrecondition`, naming the failure), and its gradients are
+zeroed: nothing of that window is applied, and the step after starts clean. A window
 whose only forward_backward failed holds no gradient of it, and steps as usual.
-`zero_grad` or a `load_state` clears the window as well.
+`zero_grad` or a `load_state` clears the window as well. The native `step` is left to
+its own accumulation window (it applies every `gradient_accumulation_steps`-th call,
+and zeroing is its loop's `zero_grad` at a window's end).
 
 Served models that share a device take `Turns` on it: each batch or decode slice runs
 while its model holds the device, first come first served.
@@ -34,8 +36,8 @@ from twinkle_server.scheduling.planning import FORWARD, SAMPLE, Op, Partial
 
 __all__ = ["FORWARD", "SAMPLE", "EngineExecutor"]
 
-STEPS = frozenset({"optim_step", "step"})
-"""Op kinds that apply a model's accumulated gradients."""
+STEPS = frozenset({"optim_step"})
+"""Op kinds that apply a model's accumulated gradients at once (Tinker's step)."""
 CLEARS = frozenset({"zero_grad", "load_state"})
 """Op kinds after which a model holds no gradients of an earlier op."""
 
