@@ -103,19 +103,28 @@ def test_cancelling_a_queued_save_releases_its_seq_id(service_client, save):
     assert after.result(timeout=WAIT_S).metrics["loss:sum"] > 0
 
 
-def test_cancelling_a_running_sample_stops_it_on_the_server(server, service_client):
-    sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+def cancelled_samples(server: ServerProcess) -> float:
+    return metric(server, "twinkle_ops_total", kind="sample", outcome="cancelled")
+
+
+def decoding_sample(server: ServerProcess, sampling_client):
+    """A long sample of 8 rows, once all 8 decode on the server."""
     future = sampling_client.sample(PROMPT, 8, types.SamplingParams(max_tokens=2000, stop=[]))
     wait_until(lambda: metric(server, "twinkle_decode_rows_active") == 8,
                "the sample's 8 rows decoding")
-    cancelled = metric(server, "twinkle_ops_total", kind="sample", outcome="cancelled")
+    return future
+
+
+def test_cancelling_a_running_sample_stops_it_on_the_server(server, service_client):
+    sampling_client = service_client.create_sampling_client(base_model="tiny").result()
+    future = decoding_sample(server, sampling_client)
+    cancelled = cancelled_samples(server)
     sampled = metric(server, "twinkle_tokens_sampled_total")
     assert future.future().cancel()
     assert future.future().cancelled()
     with pytest.raises(concurrent.futures.CancelledError):
         future.result(timeout=WAIT_S)
-    wait_until(lambda: metric(server, "twinkle_ops_total", kind="sample",
-                              outcome="cancelled") == cancelled + 1,
+    wait_until(lambda: cancelled_samples(server) == cancelled + 1,
                "the server cancelling the sample")
     wait_until(lambda: metric(server, "twinkle_decode_rows_active") == 0,
                "the sample's rows leaving the decode pool")
@@ -126,10 +135,8 @@ def test_cancelling_a_running_sample_stops_it_on_the_server(server, service_clie
 
 def test_an_await_that_times_out_cancels_the_sample_as_tinker_does(server, service_client):
     sampling_client = service_client.create_sampling_client(base_model="tiny").result()
-    future = sampling_client.sample(PROMPT, 8, types.SamplingParams(max_tokens=2000, stop=[]))
-    wait_until(lambda: metric(server, "twinkle_decode_rows_active") == 8,
-               "the sample's 8 rows decoding")
-    cancelled = metric(server, "twinkle_ops_total", kind="sample", outcome="cancelled")
+    future = decoding_sample(server, sampling_client)
+    cancelled = cancelled_samples(server)
 
     async def wait_briefly() -> None:
         with pytest.raises(TimeoutError):
@@ -137,8 +144,7 @@ def test_an_await_that_times_out_cancels_the_sample_as_tinker_does(server, servi
 
     asyncio.run(wait_briefly())
     assert future.future().cancelled()
-    wait_until(lambda: metric(server, "twinkle_ops_total", kind="sample",
-                              outcome="cancelled") == cancelled + 1,
+    wait_until(lambda: cancelled_samples(server) == cancelled + 1,
                "the server cancelling the sample")
 
 
