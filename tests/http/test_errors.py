@@ -213,6 +213,8 @@ def _cases(o: dict) -> dict[tuple[str, str], dict]:
         ("GET", "/api/v1/audit"): {"listing": "audit"},
         ("POST", "/api/v1/external_weights_upload_finish"): {"json": {"upload_id": o["upload"]}},
         ("GET", "/oai/api/v1/models"): {"listing": "models"},
+        ("GET", "/oai/api/v1/models/{model:path}"):
+            {"url": f"/oai/api/v1/models/{o['sampler_path']}"},
         ("POST", "/oai/api/v1/completions"): {"json": {"model": o["sampler_path"],
                                                        "prompt": [5], "max_tokens": 1}},
         ("POST", "/oai/api/v1/chat/completions"): {"json": {

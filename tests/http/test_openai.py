@@ -63,6 +63,22 @@ def test_models_lists_the_bases_and_the_callers_sampler_checkpoints(client, chec
     assert path in ids
 
 
+def test_a_model_is_retrieved_by_its_id_and_another_tenants_is_not_found(server, base_url,
+                                                                        client, checkpoint):
+    """`models.retrieve` answers the entry `/models` lists, for a base name or alias and a
+    checkpoint path (slashes and all); once every id answered 404."""
+    path, _ = checkpoint
+    listed = {m.id: m for m in client.models.list().data}
+    for name in ("tiny", "Qwen/Qwen3-0.6B", path):
+        assert client.models.retrieve(name) == listed[name]
+    bob = openai.OpenAI(base_url=base_url, api_key=server.keys["bob"], max_retries=0)
+    for name in (path, "no-such-model"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            bob.models.retrieve(name)
+        assert (missing.value.body["param"], missing.value.body["code"]) == \
+            ("model", "model_not_found")
+
+
 def test_a_completion_counts_its_usage_exactly_and_is_seeded(client):
     first = client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=6,
                                       temperature=1.0, seed=3)

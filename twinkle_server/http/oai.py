@@ -1,5 +1,5 @@
 """OpenAI-compatible inference on the HTTP port, as hosted Tinker serves it:
-`GET /oai/api/v1/models`, `POST /oai/api/v1/completions` and
+`GET /oai/api/v1/models` (and one by its id), `POST /oai/api/v1/completions` and
 `POST /oai/api/v1/chat/completions`, streamed (server-sent events) or not.
 
 `model` is a served base model's name or alias, a sampler checkpoint
@@ -35,17 +35,23 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from twinkle_server.engine import WEIGHTS_FILE, checks
-from twinkle_server.engine.errors import Cancelled, EngineError, InvalidArgument, NotFound
+from twinkle_server.engine.errors import (
+    Cancelled,
+    EngineError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from twinkle_server.engine.types import Progress, SampleRequest, SamplingParams
-from twinkle_server.http import oai_request
+from twinkle_server.http import convert, oai_request
 from twinkle_server.http.app import Front, admitted, json_body
 from twinkle_server.http.oai_reply import Reply, error_response
 from twinkle_server.http.oai_request import OaiError, OaiRequest
 from twinkle_server.http.tool_calls import ToolFormat, ToolUse, format_of
-from twinkle_server.runtime import checkpoint_ref
+from twinkle_server.runtime import CheckpointRef, checkpoint_ref
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.sampling import Source, context_left
-from twinkle_wire import paths
+from twinkle_server.store import CheckpointRow, RunRow
 
 log = logging.getLogger("twinkle_server.http")
 PREFIX = "/oai/api/v1"
@@ -120,24 +126,56 @@ class OpenAIRoutes:
             tenant = self.front.tenant(request)
         except Exception as exc:
             return error_response(exc)
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "twinkle",
-                 "root": served.name}
+        data = [self._base_entry(name, served)
                 for served in self.rt.bases for name in served.model.names]
         page = self.rt.runs.list_checkpoints(tenant, limit=MODELS_LISTED)
         for row, run in page.items:
-            weights = self.rt.store.checkpoint_root / row.rel_path / WEIGHTS_FILE
-            # Sampler weights, plain exports and imports serve; training state and exports
-            # encrypted with age (`<file>.age`) do not.
-            if row.kind == "training" or not weights.is_file():
-                continue
             try:
-                root = self.rt.checkpoint_base(row, run=run).name
-            except EngineError:   # trained on a base this server no longer serves
+                data.append(self._checkpoint_entry(tenant, row, run))
+            except EngineError:   # a checkpoint that does not serve: not listed
                 continue
-            data.append({"id": paths.tinker_path(row.run_id, row.checkpoint_id),
-                         "object": "model", "created": int(row.created_at),
-                         "owned_by": tenant, "root": root})
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """One entry of `/models` by its id (OpenAI's `models.retrieve`): a base's name
+        or alias, or a checkpoint path the caller may read, listed or not."""
+        try:
+            tenant = self.front.tenant(request)
+            name = request.path_params["model"]
+            if not name:
+                raise NotFound("model: give a model's id after /models/")
+            if not name.startswith(("tinker://", "twinkle://")):
+                return JSONResponse(self._base_entry(name, self._base(name)))
+            row, _ = self.rt.checkpoint(tenant, _model_ref(name))
+            return JSONResponse(self._checkpoint_entry(tenant, row))
+        except NotFound as exc:
+            exc.param = "model"   # type: ignore[attr-defined]
+            return error_response(exc)
+        except Exception as exc:
+            return error_response(exc)
+
+    @staticmethod
+    def _base_entry(name: str, served: Served) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "twinkle",
+                "root": served.name}
+
+    def _checkpoint_entry(self, tenant: str, row: CheckpointRow,
+                          run: RunRow | None = None) -> dict[str, Any]:
+        """`row`'s entry, its root the base it was trained on. Sampler weights, plain
+        exports and imports serve; training state, exports encrypted with age
+        (`<file>.age`) and checkpoints of a base this server no longer serves do not
+        (NotFound, naming why)."""
+        path = convert.tinker_path(row)
+        weights = self.rt.store.checkpoint_root / row.rel_path / WEIGHTS_FILE
+        if row.kind == "training" or not weights.is_file():
+            raise NotFound(f"model: {path!r} holds no weights that sample (a training "
+                           "checkpoint, or an export encrypted with age)")
+        try:
+            root = self.rt.checkpoint_base(row, "model", run=run).name
+        except FailedPrecondition as exc:
+            raise NotFound(str(exc)) from None
+        return {"id": path, "object": "model", "created": int(row.created_at),
+                "owned_by": tenant if row.tenant == tenant else "published", "root": root}
 
     # ------------------------------------------------------------------ completions
 
@@ -172,10 +210,7 @@ class OpenAIRoutes:
                 raise OaiError("model", f"{asked.model!r}: after ';' give a checkpoint path "
                                         "(tinker://<run>/sampler_weights/<name>)")
             return Source(self._base(path), tenant=tenant)
-        try:
-            ref = checkpoint_ref(path, "model")
-        except Exception as exc:
-            raise OaiError("model", str(exc).removeprefix("model: ")) from None
+        ref = _model_ref(path)
         if ref.kind == "training":
             raise OaiError("model", f"{path!r} is a training checkpoint; name one saved for "
                                     "sampling (.../sampler_weights/...) or external weights")
@@ -280,11 +315,20 @@ class OpenAIRoutes:
 
     def routes(self) -> list[Route]:
         served = [Route(f"{PREFIX}/models", self.models, methods=["GET"]),
+                  Route(f"{PREFIX}/models/{{model:path}}", self.model, methods=["GET"]),
                   Route(f"{PREFIX}/completions", self.completions, methods=["POST"]),
                   Route(f"{PREFIX}/chat/completions", self.chat_completions,
                         methods=["POST"])]
         return served + [Route(f"{PREFIX}/{{rest:path}}", _unserved(served),
                                methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
+
+
+def _model_ref(text: str) -> CheckpointRef:
+    """The checkpoint path a request names as its `model`, or its error naming `model`."""
+    try:
+        return checkpoint_ref(text, "model")
+    except Exception as exc:
+        raise OaiError("model", str(exc).removeprefix("model: ")) from None
 
 
 def _unserved(served: Sequence[Route]) -> Callable[[Request], Awaitable[Response]]:
