@@ -252,7 +252,8 @@ class MultiLoraTransformersModel(ModelAdapters):
     def clip_grad_norm(self, max_norm: float = 1.0, *, adapter_name: str | None = None,
                        blocking: bool = True) -> float | Future[float]:
         """Clip the gradients to total L2 norm `max_norm` at the end of an accumulation
-        window (inside one, it only measures); returns the norm before clipping."""
+        window (inside one, it only measures; `max_norm` 0 always only measures, below 0
+        is refused); returns the norm before clipping."""
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
                 or not math.isfinite(max_norm):
             raise ValueError(f"max_norm: must be a finite number, got {max_norm!r}")

@@ -300,6 +300,18 @@ def test_rejected_calls_take_no_seq_id_and_server_errors_do_not_stall_later_ops(
         _model(scheduler=False).calculate_loss()
 
 
+def test_a_negative_clip_cap_is_refused_inside_and_at_the_end_of_a_window(client):
+    """Mid-window clip_grad_norm only measures, but a cap below 0 is refused there too:
+    once it was silently read as "no clipping"."""
+    model = _model(accum=2, scheduler=False)
+    batch = InputProcessor("left").collate(toy_features(2))
+    for _ in range(2):
+        model.forward_backward(batch)
+        with pytest.raises(InvalidArgumentError, match=r"max_norm: must be >= 0"):
+            model.clip_grad_norm(-1.0)
+    assert model.clip_grad_norm(1.0) > 0   # the window's gradients are all there
+
+
 # ----------------------------------------------------------------------------- LoRA mapping
 
 

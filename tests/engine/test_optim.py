@@ -193,9 +193,8 @@ def test_clip_grad_norm_returns_the_norm_before_clipping():
     a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])  # c has no gradient
     params = [a, b, c]
     assert grad_norm(params) == pytest.approx(5.0)
-    for only_measure in (0.0, -1.0):
-        assert clip_grad_norm(params, only_measure) == pytest.approx(5.0)
-        assert a.grad.tolist() == [3.0, 0.0] and b.grad.tolist() == [4.0]
+    assert clip_grad_norm(params, 0.0) == pytest.approx(5.0)  # 0 only measures
+    assert a.grad.tolist() == [3.0, 0.0] and b.grad.tolist() == [4.0]
     assert clip_grad_norm(params, 10.0) == pytest.approx(5.0)  # under the cap: unchanged
     assert b.grad.tolist() == [4.0]
     assert clip_grad_norm(params, 1.0) == pytest.approx(5.0)
@@ -208,3 +207,13 @@ def test_clip_grad_norm_without_gradients_is_zero_and_rejects_a_non_finite_cap()
     assert grad_norm(_params()) == 0.0
     with pytest.raises(InvalidArgument, match="max_norm: must be a finite number"):
         clip_grad_norm(_params(), float("nan"))
+
+
+def test_a_negative_clip_cap_is_refused_and_leaves_the_gradients():
+    """A cap below 0 caps nothing (torch's own would flip the gradients' sign); once it
+    was read as "only measure", the user's clipping silently off."""
+    a = torch.nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([3.0, 4.0])
+    with pytest.raises(InvalidArgument, match=r"max_norm: must be >= 0 \(0 only measures\)"):
+        clip_grad_norm([a], -1.0)
+    assert a.grad.tolist() == [3.0, 4.0]

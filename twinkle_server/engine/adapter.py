@@ -125,6 +125,7 @@ class Adapter:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip when the next `step` applies the optimizer; mid-window only measure, so a
         window's gradients are clipped once, as one big batch's would be."""
+        optim.check_max_norm(max_norm)
         if not self.step_applies_next:
             return optim.grad_norm(self.parameters())
         self.last_grad_norm = optim.clip_grad_norm(self.parameters(), max_norm)

@@ -253,14 +253,23 @@ def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
     return float(torch.linalg.vector_norm(norms))
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Scale the gradients so their total L2 norm is at most `max_norm`; returns the norm
-    before clipping. `max_norm <= 0` only measures (Tinker's `grad_clip_norm` 0 = off)."""
-    params = list(params)
+def check_max_norm(max_norm: float) -> None:
+    """A clipping cap: a finite number >= 0 (0 only measures; below 0 would cap
+    nothing)."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) \
             or not math.isfinite(max_norm):
         raise InvalidArgument(f"max_norm: must be a finite number, got {max_norm!r}")
-    if max_norm <= 0:
+    if max_norm < 0:
+        raise InvalidArgument(f"max_norm: must be >= 0 (0 only measures), got {max_norm}")
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so their total L2 norm is at most `max_norm`; returns the norm
+    before clipping. `max_norm` 0 only measures (Tinker's `grad_clip_norm` 0 = off); below
+    0 is refused (it caps nothing)."""
+    params = list(params)
+    check_max_norm(max_norm)
+    if max_norm == 0:
         return grad_norm(params)
     if not any(p.grad is not None for p in params):
         return 0.0
