@@ -220,7 +220,8 @@ class Template:
                                      for probe in ("a", "b")])
 
     def _shift(self, tokens: np.ndarray, loss: np.ndarray, index: int) -> Feature:
-        """Truncate to `max_length` + 1 tokens, then `input_ids = T[:-1]`, `labels = T[1:]`."""
+        """Truncate to `max_length` + 1 tokens, then `input_ids = T[:-1]`, `labels = T[1:]`;
+        a cut that leaves no assistant token to learn from is refused."""
         if tokens.shape[0] < 2:
             raise TemplateError(f"row {index}: renders to {tokens.shape[0]} token(s); a training "
                                 "row needs at least 2")
@@ -232,7 +233,14 @@ class Template:
                     f"row {index}: {length} tokens (input_ids after the shift) exceed "
                     f"max_length {self.max_length}; raise max_length or use "
                     "truncation_strategy 'right' or 'left'")
-            window = slice(None, keep) if self.truncation_strategy == "right" else slice(-keep, None)
+            right = self.truncation_strategy == "right"
+            window = slice(None, keep) if right else slice(-keep, None)
+            if loss.any() and not loss[window][1:].any():
+                raise TemplateError(
+                    f"row {index}: cut to max_length {self.max_length} on the "
+                    f"{'right' if right else 'left'}, it keeps none of its assistant tokens "
+                    "and would train nothing; raise max_length, use truncation_strategy "
+                    f"{'left' if right else 'right'!r}, or leave the row out")
             tokens, loss = tokens[window], loss[window]
         labels = np.where(loss[1:], tokens[1:], IGNORE_INDEX).astype(np.int64)
         return {"input_ids": tokens[:-1].copy(), "labels": labels}

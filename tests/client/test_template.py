@@ -120,7 +120,7 @@ def test_template_that_renders_turns_differently_later_is_refused_by_name(model_
         Template(tokenizer=tokenizer).encode({"messages": MULTI}, index=4)
 
 
-@pytest.mark.parametrize("max_length", [5, 12])
+@pytest.mark.parametrize("max_length", [30, 34])
 def test_right_truncation_keeps_the_start_and_the_shift(template, max_length):
     full_ids, full_labels = expected_feature(template.tokenizer, SINGLE)
     tokens = np.append(full_ids, full_labels[-1])
@@ -128,6 +128,20 @@ def test_right_truncation_keeps_the_start_and_the_shift(template, max_length):
         {"messages": SINGLE})
     np.testing.assert_array_equal(feature["input_ids"], tokens[:max_length])
     np.testing.assert_array_equal(feature["labels"], full_labels[:max_length])
+
+
+def test_a_row_cut_to_no_assistant_token_is_refused_naming_it(template):
+    """Right truncation that keeps only the prompt leaves a row that trains nothing:
+    once it was returned without a word, its labels all ignored."""
+    _, full_labels = expected_feature(template.tokenizer, SINGLE)
+    first = int(np.flatnonzero(full_labels != IGNORE_INDEX)[0])
+    cut = Template(tokenizer=template.tokenizer, max_length=first)
+    with pytest.raises(TemplateError, match=rf"row 3: cut to max_length {first} on the right, "
+                                            "it keeps none of its assistant tokens"):
+        cut.encode({"messages": SINGLE}, index=3)
+    kept = Template(tokenizer=template.tokenizer, max_length=first + 1).encode(
+        {"messages": SINGLE})
+    assert (kept["labels"] != IGNORE_INDEX).sum() == 1
 
 
 def test_left_truncation_keeps_the_end_and_the_shift(template):
