@@ -75,3 +75,27 @@ def test_a_signed_url_checks_only_for_the_tenant_it_was_signed_for():
     old = signer.sign("/f", 600, now)
     assert "reader" not in old.url
     signer.check("/f", str(old.expires), old.signature, now)
+
+
+def test_a_tenant_reads_its_own_entries_however_far_behind_the_store_writer_is(runtime):
+    """Entries are written off the request path; a read of the log waits for the ones
+    queued before it (read your writes). Once the read went straight to the store, and
+    the stock SDK's publish, then get_audit_log, sometimes missed the publish."""
+    import threading
+
+    held = threading.Event()
+    runtime.write_later(held.wait)          # the writer is busy with an earlier write
+    runtime.record("alice", "session_create", session_id="s-1")
+
+    async def scenario():
+        read = asyncio.ensure_future(runtime.audit.entries("alice", "sessions"))
+        await asyncio.sleep(0.2)
+        assert not read.done()              # behind the held write, as its entry is
+        held.set()
+        return await read
+
+    try:
+        entries = asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        held.set()
+    assert [e.details["session_id"] for e in entries] == ["s-1"]

@@ -47,7 +47,7 @@ class AdminRoutes:
     @route
     async def audit(self, request: Request) -> Any:
         tenant = self.front.tenant(request)
-        rows = self.rt.audit.entries(tenant, request.query_params.get("event_type", "all"),
+        rows = await self.rt.audit.entries(tenant, request.query_params.get("event_type", "all"),
                                      request.query_params.get("day", ""))
         return {"entries": [audit_entry(r) for r in rows]}
 

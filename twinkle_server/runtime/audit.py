@@ -69,9 +69,11 @@ class Audit:
     def __init__(self, core: Core) -> None:
         self.core = core
 
-    def entries(self, tenant: str, event_type: str = "all", day: str = "") -> list[AuditRow]:
+    async def entries(self, tenant: str, event_type: str = "all", day: str = ""
+                      ) -> list[AuditRow]:
         """The tenant's entries of one UTC day (`day` YYYY-MM-DD; empty: today), oldest
-        first, of the kind `event_type` names (`EVENT_TYPES`)."""
+        first, of the kind `event_type` names (`EVENT_TYPES`); read behind the entries
+        queued so far, so a caller sees what it has just done."""
         prefixes = EVENT_TYPES.get(event_type)
         if prefixes is None:
             raise InvalidArgument(f"event_type: {event_type!r}; one of "
@@ -81,5 +83,5 @@ class Audit:
         except ValueError:
             raise InvalidArgument(f"day: {day!r} is not a date (YYYY-MM-DD)") from None
         start = dt.datetime.combine(date, dt.time(), dt.timezone.utc).timestamp()
-        return self.core.store.audit_entries(tenant, start, start + 86_400, prefixes,
-                                             MAX_ENTRIES_PER_DAY)
+        return await self.core.write(self.core.store.audit_entries, tenant, start,
+                                     start + 86_400, prefixes, MAX_ENTRIES_PER_DAY)

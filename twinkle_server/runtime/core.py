@@ -114,7 +114,8 @@ class Core:
     # ------------------------------------------------------------------ store writes
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a store write on the writer thread, in submission order, and await it."""
+        """Run a store write on the writer thread, in submission order, and await it (a
+        read that must see the writes queued before it runs there too)."""
         return await asyncio.wrap_future(self._writer.submit(fn, *args))
 
     def write_later(self, fn: Callable[..., Any], *args: Any) -> None:

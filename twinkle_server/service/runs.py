@@ -90,8 +90,8 @@ class RunsServicer(runs_pb2_grpc.RunsServiceServicer):
 
     @unary
     async def GetAuditLog(self, request, context):
-        rows = self.rt.audit.entries(tenant_of(self.rt, context),
-                                     request.event_type or "all", request.day)
+        rows = await self.rt.audit.entries(tenant_of(self.rt, context),
+                                           request.event_type or "all", request.day)
         return rpb.GetAuditLogResponse(entries=[
             rpb.AuditLogEntry(timestamp=r.at, event=r.event,
                               event_details_json=json.dumps(r.details, sort_keys=True))
