@@ -169,7 +169,8 @@ class TrainingWeights:
                 "ServiceClient.create_training_client_from_state() instead.")
     def load_state(self, path: str, weights_access_token: str | None = None
                    ) -> APIFuture[types.LoadWeightsResponse]:
-        """Load adapter weights (not the optimizer state) from a `weights/` checkpoint.
+        """Load adapter weights from a `weights/` checkpoint; the optimizer starts again
+        (its moments and step count reset), as the SDK documents.
 
         Args:
         - `path`: `tinker://<run>/weights/<name>` (or `twinkle://`), own or published

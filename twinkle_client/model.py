@@ -310,8 +310,10 @@ class MultiLoraTransformersModel(ModelAdapters):
     def load(self, path: str, load_optimizer: bool = False, *,
              adapter_name: str | None = None, blocking: bool = True) -> None | Future[None]:
         """Load a checkpoint's weights (and, with `load_optimizer`, its optimizer,
-        scheduler and counters) into the adapter. `path` is a twinkle:// (or tinker://)
-        path, or the bare name of a checkpoint of this adapter's own run."""
+        scheduler and counters) into the adapter; without `load_optimizer`, the adapter's
+        optimizer and scheduler keep their settings but start again (moments, schedule
+        position and step counters reset). `path` is a twinkle:// (or tinker://) path, or
+        the bare name of a checkpoint of this adapter's own run."""
         _check_bool(load_optimizer, "load_optimizer")
         adapter = self._adapter(adapter_name)
         if "://" not in path:

@@ -91,6 +91,59 @@ def test_load_state_with_optimizer_resumes_to_the_uninterrupted_weights(
     assert diff(snapshot("straight"), snapshot("resumed")) <= 1e-6
 
 
+def test_a_weights_only_load_starts_the_optimizer_afresh_as_a_new_client_would(
+        engine, datums, add, snapshot, diff, tmp_path):
+    """The SDK's `load_state` loads "weights only, optimizer resets". A run that had
+    stepped kept its Adam moments and step count through such a load, so it stepped
+    differently from a new client loading the same weights. Same shapes and code path on
+    both sides: only float noise (1e-6, as the resume tests) may differ."""
+    spec = LoraSpec(rank=4, alpha=8, seed=5)
+    add("source", spec)
+    _train(engine, "source", datums, 1)
+    engine.save_state("source", tmp_path / "w", include_optimizer=False)
+    add("busy", spec)
+    _train(engine, "busy", datums, 3)
+    engine.load_state("busy", tmp_path / "w", include_optimizer=False)
+    add("new", spec)
+    engine.load_state("new", tmp_path / "w", include_optimizer=False)
+    assert engine.adapters["busy"].step == 0
+    _train(engine, "busy", datums, 2)
+    _train(engine, "new", datums, 2)
+    assert diff(snapshot("busy"), snapshot("new")) <= 1e-6
+
+
+def test_a_weights_only_load_keeps_the_native_settings_and_restarts_their_state(
+        engine, datums, add, snapshot, diff, tmp_path):
+    """The native loop's optimizer, scheduler and loss stay set; the moments, the
+    schedule's position and the counters start again, as in a new adapter set up alike."""
+    spec = LoraSpec(rank=2, alpha=4, seed=3)
+    add("source", spec)
+    engine.save_state("source", tmp_path / "w", include_optimizer=False)
+
+    def native(name, steps):
+        for _ in range(steps):
+            engine.forward_batch([ForwardRequest(name, datums[:2], None, True)])
+            engine.step(name)
+            engine.zero_grad(name)
+            engine.lr_step(name)
+
+    for name in ("busy", "new"):
+        add(name, spec)
+        engine.set_loss(name, LossSpec("CrossEntropyLoss"))
+        engine.set_optimizer(name, "AdamW", {"lr": 1e-2})
+        engine.set_lr_scheduler(name, "CosineAnnealingLR", {"T_max": 4})
+    native("busy", 3)
+    for name in ("busy", "new"):
+        engine.load_state(name, tmp_path / "w", include_optimizer=False)
+    busy = engine.get_train_configs("busy")
+    assert (busy["step"], busy["micro_step"]) == (0, 0)
+    assert busy["optimizer"] == {"name": "AdamW", "kwargs": {"lr": 1e-2}}
+    assert engine.adapters["busy"].learning_rate() == engine.adapters["new"].learning_rate()
+    native("busy", 2)
+    native("new", 2)
+    assert diff(snapshot("busy"), snapshot("new")) <= 1e-6
+
+
 def test_native_optimizer_scheduler_counters_and_a_windows_gradients_survive_a_save_and_load(
         engine, datums, add, snapshot, diff, tmp_path):
     spec = LoraSpec(rank=2, alpha=4, seed=2)

@@ -81,6 +81,21 @@ class Adapter:
         for p in self.parameters():
             p.grad = None
 
+    def restart_optimizer(self) -> None:
+        """Start the optimizer's state again, its settings kept: moments and step counts
+        gone, the lr back to where the schedule starts (a new scheduler on it), the
+        counters at 0. What a weights-only load leaves (the SDK's "optimizer resets"), so
+        the run steps as a new adapter set up alike and loading the same weights would."""
+        self.step = self.micro_step = 0
+        if self.optimizer is None:
+            return
+        self.optimizer.state.clear()
+        for group in self.optimizer.param_groups:
+            group["lr"] = group.get("initial_lr", group["lr"])
+        if self.scheduler_name:
+            self.scheduler = optim.build_scheduler(self.scheduler_name, self.optimizer,
+                                                   **self.scheduler_kwargs)
+
     def learning_rate(self) -> float:
         if self.optimizer is None:
             return 0.0

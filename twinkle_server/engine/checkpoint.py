@@ -321,7 +321,8 @@ def training_state(adapter: Adapter) -> dict[str, Any]:
 
 def load_state(adapter: Adapter, path: str | Path, include_optimizer: bool,
                adopt_accumulation: bool = False) -> None:
-    """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter.
+    """Load weights (and optimizer, scheduler, loss, counters) into an existing adapter;
+    without the optimizer, the adapter's optimizer starts again (`restart_optimizer`).
 
     Everything is read and rebuilt before the adapter changes, so a failure leaves it as
     it was. With the optimizer, the saved gradient accumulation count must equal the
@@ -344,7 +345,9 @@ def load_state(adapter: Adapter, path: str | Path, include_optimizer: bool,
     pending = restored.pop("pending_grads") if restored is not None else None
     copy_weights(adapter, found)
     adapter.zero_grad()
-    if restored is not None:
+    if restored is None:
+        adapter.restart_optimizer()
+    else:
         for field_name, value in restored.items():
             setattr(adapter, field_name, value)
     if pending is not None:
