@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 
 from tinker_compat import ServiceClient
@@ -62,3 +63,10 @@ def test_sampling_option_limits(sampler, options, message):
 def test_options_the_sdk_refuses_are_refused_before_sending(sampler, options, message):
     with pytest.raises(ValueError, match=message):
         sampler.sample(PROMPT, 1, ONE_TOKEN, **options)
+
+
+def test_top_p_zero_is_refused_as_over_http_not_read_as_no_cut(sampler):
+    """The wire once could not tell top_p 0 from top_p left out, so the gRPC server
+    sampled it as 1.0, the whole distribution; HTTP refuses it by name."""
+    with pytest.raises(tinker.BadRequestError, match=r"top_p: must be in \(0, 1\]"):
+        sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=1, top_p=0.0)).result()

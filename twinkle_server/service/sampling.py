@@ -15,9 +15,10 @@ from twinkle_wire._proto.twinkle.v1 import sampling_pb2_grpc
 
 
 def params_of(p: smp.SamplingParams) -> SamplingParams:
-    """Engine parameters; max_tokens 0 (Tinker's None) means up to the context limit."""
+    """Engine parameters; max_tokens 0 (Tinker's None) means up to the context limit, a
+    top_p left out is 1.0 (a top_p of 0 is the engine's to refuse)."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                          top_p=p.top_p or 1.0, top_k=p.top_k,
+                          top_p=p.top_p if p.HasField("top_p") else 1.0, top_k=p.top_k,
                           stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
                           stop_strings=tuple(p.stop_strings),
                           seed=p.seed if p.HasField("seed") else None,
