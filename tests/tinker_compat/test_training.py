@@ -12,6 +12,7 @@ import pytest
 import tinker
 from safetensors.numpy import load_file
 from tinker import types
+from transformers import AutoTokenizer
 
 from tinker_compat import RestClient, ServiceClient, TrainingClient
 
@@ -58,6 +59,10 @@ def test_sync_result_loop_lowers_loss_and_returns_logprobs_per_datum_and_optim_m
     info = training_client.get_info()
     assert (info.model_id, info.lora_rank, info.model_data.model_name) == \
         (training_client.model_id, 8, "tiny")
+    # What AutoTokenizer loads, as the HTTP front names it (the built-in model's files);
+    # once the name "tiny", which nothing can load.
+    tokenizer = AutoTokenizer.from_pretrained(info.model_data.tokenizer_id)
+    assert tokenizer.encode("Hello") == training_client.get_tokenizer().encode("Hello")
 
 
 def test_async_double_await_loop_of_tinker_docs_trains(base_url):

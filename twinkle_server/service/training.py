@@ -31,7 +31,7 @@ from twinkle_wire._proto.twinkle.v1 import training_pb2_grpc
 def info_to_proto(info: ModelInfo) -> tpb.ModelInfo:
     return tpb.ModelInfo(
         model_id=info.entry.model_id, base_model=info.entry.base_model, arch=info.arch,
-        tokenizer_id=info.entry.base_model, is_lora=True, lora=spec_to_proto(info.spec),
+        tokenizer_id=info.tokenizer_id, is_lora=True, lora=spec_to_proto(info.spec),
         next_seq_id=info.next_seq_id, target_modules=info.target_modules,
         trainable_params=info.trainable_params, state_bytes=info.state_bytes)
 
