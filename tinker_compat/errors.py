@@ -18,6 +18,14 @@ matching `twinkle_client.errors` class, so `except tinker.BadRequestError`,
 | unavailable (UNAVAILABLE)                  | APIConnectionError                | none |
 | deadline_exceeded                          | APITimeoutError                   | none |
 
+An op the stock SDK runs as a future (create a model, forward, forward_backward,
+optim_step, save, load, sample, compute_logprobs) raises there a status error when the
+server refuses it at once and `tinker.RequestFailedError` (category `user` or `server`)
+when it fails once accepted; over gRPC the two are one status, so such an op's error is
+an instance of both (`<Class>RequestFailed`, made by `_failed`): code written with either
+`except` catches it, and its `category` is the SDK's `RequestErrorCategory` (4xx `user`,
+else `server`).
+
 The HTTP codes follow Google's gRPC-to-HTTP table (google/rpc/code.proto), except
 FAILED_PRECONDITION: Google says 400, but a state conflict ("the model was unloaded")
 is not a malformed request, and Tinker's ConflictError (409, "conflicts with the current
@@ -36,6 +44,7 @@ from typing import Any
 
 import httpx
 import tinker
+from tinker import types
 
 from twinkle_client import errors as native
 from twinkle_client.errors import ErrorFactory
@@ -152,6 +161,36 @@ CLASSES: dict[str, type[Exception]] = {
 """Category (see `twinkle_client.errors.CATEGORIES`) -> exception class."""
 
 
+FUTURED_METHODS = frozenset({"CreateModel", "Forward", "ForwardBackward", "OptimStep",
+                             "SaveState", "LoadState", "SaveWeightsForSampler", "Sample",
+                             "ComputeLogprobs"})
+"""The gRPC calls behind the ops the stock SDK runs as futures (`_APIFuture`)."""
+
+
+def _failed(cls: type[_StatusMixin]) -> type[Exception]:
+    """`cls` that is also a `tinker.RequestFailedError`: a futured op's error."""
+    name = f"{cls.__name__}RequestFailed"
+
+    def __init__(self: Any, message: str, *, method: str = "", target: str = "") -> None:
+        cls.__init__(self, message, method=method, target=target)
+        self.request_id = ""
+        self.category = (types.RequestErrorCategory.User if cls.http_status < 500
+                         else types.RequestErrorCategory.Server)
+
+    # RequestFailedError first: its __init__ is not run (ours sets its fields), and the
+    # status chain's cooperative __init__ calls then never reach it.
+    made = type(name, (tinker.RequestFailedError, cls), {
+        "__init__": __init__, "__reduce__": cls.__reduce__,
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"{cls.__name__} of an op the SDK runs as a future."})
+    globals()[name] = made   # so pickle finds it by name
+    return made
+
+
+_FAILED: dict[type, type[Exception]] = {
+    cls: _failed(cls) for cls in CLASSES.values() if issubclass(cls, _StatusMixin)}
+
+
 def _rebuild(cls: type, message: str, method: str, target: str) -> Exception:
     return cls(message, method=method, target=target)
 
@@ -166,6 +205,9 @@ def error_factory(target: str) -> ErrorFactory:
     """
 
     def make(category: str, message: str, method: str) -> Exception:
-        return CLASSES.get(category, InternalServerError)(message, method=method, target=target)
+        cls = CLASSES.get(category, InternalServerError)
+        if method in FUTURED_METHODS and cls in _FAILED:
+            cls = _FAILED[cls]
+        return cls(message, method=method, target=target)
 
     return make

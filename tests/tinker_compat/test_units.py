@@ -82,6 +82,28 @@ def test_each_grpc_status_becomes_the_matching_tinker_and_twinkle_exception_with
     assert type(again) is type(exc) and str(again) == str(exc)
 
 
+@pytest.mark.parametrize(("category", "kind"), [
+    ("invalid_argument", "user"), ("not_found", "user"), ("failed_precondition", "user"),
+    ("resource_exhausted", "user"), ("cancelled", "user"), ("internal", "server")])
+def test_a_futured_ops_failure_is_also_the_sdks_request_failed_error(category, kind):
+    """The stock SDK raises `RequestFailedError` (category user or server) for an op that
+    failed after it was accepted, a status error for one refused at once; over gRPC the
+    two cannot be told apart, so a futured op's error is both, and code written against
+    either `except` catches it. Once it was only the status error."""
+    factory = error_factory("x:1")
+    for method in ("ForwardBackward", "Forward", "OptimStep", "SaveState", "LoadState",
+                   "SaveWeightsForSampler", "Sample", "ComputeLogprobs", "CreateModel"):
+        exc = factory(category, "adam_params.learning_rate: must be >= 0", method)
+        assert isinstance(exc, tinker.RequestFailedError), method
+        assert isinstance(exc, type(factory(category, "m", "GetRun"))), method
+        assert exc.category == types.RequestErrorCategory(kind), method
+        assert (exc.message, exc.request_id) == ("adam_params.learning_rate: must be >= 0", "")
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and again.category == exc.category
+    assert not isinstance(factory(category, "m", "GetRun"), tinker.RequestFailedError)
+    assert not isinstance(factory("unavailable", "m", "Sample"), tinker.RequestFailedError)
+
+
 def test_futures_are_tinker_api_futures_and_failed_ones_raise_their_error():
     error = error_factory("x:1")("not_found", "run_id: no run 'r'", "GetRun")
     future = APIFuture.failed(error)
