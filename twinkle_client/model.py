@@ -297,15 +297,18 @@ class MultiLoraTransformersModel(ModelAdapters):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, name: str, save_optimizer: bool = False, *,
+    def save(self, name: str, save_optimizer: bool = False, *, overwrite: bool = False,
              adapter_name: str | None = None, blocking: bool = True) -> str | Future[str]:
         """Save the adapter (PEFT format) and, with `save_optimizer`, the optimizer,
-        scheduler and counters to resume exactly. Returns its twinkle:// path."""
+        scheduler and counters to resume exactly. Returns its twinkle:// path. A name
+        this run has saved before is refused unless `overwrite` (replaced whole, never
+        half-written)."""
         paths.check_name(name)
         _check_bool(save_optimizer, "save_optimizer")
+        _check_bool(overwrite, "overwrite")
         adapter = self._adapter(adapter_name)
-        return self._ordered(adapter, api.save_state(name, include_optimizer=save_optimizer),
-                             blocking)
+        return self._ordered(adapter, api.save_state(name, include_optimizer=save_optimizer,
+                                                     overwrite=overwrite), blocking)
 
     def load(self, path: str, load_optimizer: bool = False, *,
              adapter_name: str | None = None, blocking: bool = True) -> None | Future[None]:

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 import twinkle_wire as wire
 from twinkle_client import features
-from twinkle_client.errors import InvalidArgumentError
+from twinkle_client.errors import FailedPreconditionError, InvalidArgumentError
 from twinkle_client.futures import Future
 from twinkle_client.lora import lora_spec
 from twinkle_client.model import MultiLoraTransformersModel
@@ -126,6 +126,25 @@ def test_resume_with_optimizer_continues_to_the_weights_of_an_uninterrupted_run(
                   _weights(client, end, tmp_path / "straight"), atol=1e-6)
     # The bare name of a checkpoint of the model's own run works too.
     straight.load("half")
+
+
+def test_save_overwrites_a_name_only_when_asked_and_keeps_the_old_one_otherwise(
+        client, tmp_path):
+    """A loop that re-saves 'latest' every few steps, as save_pretrained overwrites: once
+    the native save had no `overwrite`, and the server's refusal told the user to use it."""
+    model = _model(scheduler=False)
+    first = model.save("latest")
+    before = _weights(client, first, tmp_path / "before")
+    _train_step(model, toy_features(4, seed=3))
+    with pytest.raises(FailedPreconditionError, match="'latest' already exists; choose "
+                                                      "another name or overwrite it"):
+        model.save("latest")
+    _assert_close(_weights(client, first, tmp_path / "kept"), before, atol=0.0)
+    with pytest.raises(ValueError, match="overwrite: must be True or False"):
+        model.save("latest", overwrite="yes")
+    assert model.save("latest", save_optimizer=True, overwrite=True) == first
+    after = _weights(client, first, tmp_path / "after")
+    assert max(float(np.abs(after[k] - before[k]).max()) for k in after) > 0
 
 
 @integration
