@@ -117,7 +117,8 @@ class Template:
         """One row -> `{'input_ids', 'labels'}` (or `{'input_ids'}` for a generation prompt).
 
         Args:
-            row: a mapping with `messages`, a list of `{'role', 'content'}` strings.
+            row: a mapping with `messages`, a list of `{'role', 'content'}` strings, and
+                optionally `tools` (OpenAI's function schema), rendered by the template.
             add_generation_prompt: encode a prompt for sampling: the conversation without a
                 trailing assistant message (a reference answer), then the assistant header.
             index: the row's position, used in error messages.
@@ -141,13 +142,14 @@ class Template:
         spans: list[list[tuple[int, int]]] = []
         for offset, row in enumerate(rows):
             messages = _messages(row, start_index + offset)
+            tools = _tools(row, start_index + offset)
             if add_generation_prompt:
                 if len(messages) > 1 and messages[-1]["role"] == "assistant":
                     messages = messages[:-1]
-                texts.append(self.render(messages, add_generation_prompt=True))
+                texts.append(self.render(messages, add_generation_prompt=True, tools=tools))
                 spans.append([])
             else:
-                text, row_spans = self._assistant_spans(messages, start_index + offset)
+                text, row_spans = self._assistant_spans(messages, start_index + offset, tools)
                 texts.append(text)
                 spans.append(row_spans)
         encoded = self.tokenizer(texts, add_special_tokens=False,
@@ -172,14 +174,18 @@ class Template:
         """Token ids -> text (special tokens kept unless `skip_special_tokens`)."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def render(self, messages: Sequence[Mapping[str, str]],
-               add_generation_prompt: bool = False) -> str:
-        """The chat template's text for `messages` (no tokenization)."""
+    def render(self, messages: Sequence[Mapping[str, Any]],
+               add_generation_prompt: bool = False,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The chat template's text for `messages` (and the `tools` offered to the model,
+        as the template writes them), without tokenizing."""
         return self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
+            [dict(m) for m in messages], tools=[dict(t) for t in tools] if tools else None,
+            tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self.chat_template_kwargs)
 
-    def _assistant_spans(self, messages: list[dict[str, str]], index: int
+    def _assistant_spans(self, messages: list[dict[str, Any]], index: int,
+                         tools: list[dict[str, Any]] | None = None
                          ) -> tuple[str, list[tuple[int, int]]]:
         """The full text and the character spans of the assistant turns that carry loss.
 
@@ -188,7 +194,7 @@ class Template:
         prefixes of the full text, which holds for templates that render each turn
         independently of the later ones (ChatML, Llama, Mistral, ...).
         """
-        full = self.render(messages)
+        full = self.render(messages, tools=tools)
         assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         if not assistant:
             raise TemplateError(f"row {index}: messages has no assistant message to learn "
@@ -198,9 +204,10 @@ class Template:
             assistant = assistant[-1:]
         spans = []
         for k in assistant:
-            head = (self.render(messages[:k], add_generation_prompt=True) if k
-                    else self._leading_header(messages[0]))
-            turn = full if k == len(messages) - 1 else self.render(messages[:k + 1])
+            head = (self.render(messages[:k], add_generation_prompt=True, tools=tools) if k
+                    else self._leading_header(messages[0], tools))
+            turn = full if k == len(messages) - 1 else self.render(messages[:k + 1],
+                                                                   tools=tools)
             for prefix, what in ((head, f"messages[:{k}] with the generation prompt" if k
                                   else "the header of messages[0]"),
                                  (turn, f"messages[:{k + 1}]")):
@@ -212,11 +219,12 @@ class Template:
             spans.append((len(head), len(turn)))
         return full, spans
 
-    def _leading_header(self, message: dict[str, str]) -> str:
+    def _leading_header(self, message: dict[str, Any],
+                        tools: list[dict[str, Any]] | None) -> str:
         """What the template writes before the content of a conversation's first message,
         an assistant one (there is no earlier prefix to render with the generation prompt):
         the common start of that message rendered with two different contents."""
-        return os.path.commonprefix([self.render([{**message, "content": probe}])
+        return os.path.commonprefix([self.render([{**message, "content": probe}], tools=tools)
                                      for probe in ("a", "b")])
 
     def _shift(self, tokens: np.ndarray, loss: np.ndarray, index: int) -> Feature:
@@ -257,8 +265,10 @@ class Template:
             "assistant header): raise max_length or use truncation_strategy='left'")
 
 
-def _messages(row: Any, index: int) -> list[dict[str, str]]:
-    """`row['messages']` checked: a non-empty list of `{'role': str, 'content': str}`."""
+def _messages(row: Any, index: int) -> list[dict[str, Any]]:
+    """`row['messages']` checked: a non-empty list of `{'role': str, 'content': str}`
+    (an assistant turn that only calls tools has content ''); other keys of a message,
+    such as `tool_calls`, go to the chat template as they are."""
     if not isinstance(row, Mapping):
         raise TemplateError(f"row {index}: expected a dict, got {type(row).__name__}")
     messages = row.get("messages")
@@ -280,6 +290,19 @@ def _messages(row: Any, index: int) -> list[dict[str, str]]:
                                     f"got {type(message.get(key)).__name__}")
         checked.append(dict(message))
     return checked
+
+
+def _tools(row: Mapping[str, Any], index: int) -> list[dict[str, Any]] | None:
+    """`row['tools']` checked: None (absent), or a list of tool dicts (OpenAI's function
+    schema, as chat templates take them)."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence) \
+            or not all(isinstance(t, Mapping) for t in tools):
+        raise TemplateError(f"row {index}: 'tools' must be a list of dicts (OpenAI's "
+                            f"function schema), got {tools!r:.80}")
+    return [dict(t) for t in tools]
 
 
 TEMPLATES: dict[str, type[Template]] = {"Template": Template}

@@ -73,6 +73,39 @@ def test_every_assistant_turn_of_a_multi_turn_conversation_carries_loss(template
     assert learned == ["我是Twinkle。<|im_end|>\n", "2 + 3 = 5\n#### 5<|im_end|>\n"]
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALLING = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"type": "function", "function": {"name": "get_weather",
+                                                 "arguments": {"city": "Paris"}}}]},
+           {"role": "tool", "content": "sunny"},
+           {"role": "assistant", "content": "It is sunny."}]
+
+
+def test_a_rows_tools_reach_the_chat_template_and_its_calls_are_learned(template):
+    """A row's `tools` are rendered as the template writes them (its tool block), in the
+    training text and the generation prompt alike; the assistant's calls carry loss.
+    Once `tools` was dropped without a word: the model learned calls to tools it was
+    never shown."""
+    row = {"messages": CALLING, "tools": TOOLS}
+    feature = template.encode(row)
+    full = template.tokenizer.apply_chat_template(CALLING, tools=TOOLS, tokenize=False)
+    text = template.decode(np.append(feature["input_ids"], feature["labels"][-1]))
+    assert text == full and '"name": "get_weather"' in text.split("<|im_end|>")[0]
+    runs = np.split(feature["labels"], np.flatnonzero(np.diff(feature["labels"] == IGNORE_INDEX)) + 1)
+    learned = [template.decode(run) for run in runs if run[0] != IGNORE_INDEX]
+    assert learned[0].startswith("<tool_call>\n{\"name\": \"get_weather\"")
+    assert learned[1] == "It is sunny.<|im_end|>\n"
+    prompt = template.encode({"messages": CALLING[:1], "tools": TOOLS},
+                             add_generation_prompt=True)
+    assert template.decode(prompt["input_ids"]) == template.tokenizer.apply_chat_template(
+        CALLING[:1], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(TemplateError, match=r"row 2: 'tools' must be a list of dicts"):
+        template.encode({"messages": CALLING, "tools": "get_weather"}, index=2)
+
+
 def test_last_turn_only_puts_loss_on_the_final_assistant_message_only(model_dir):
     template = Template(model_dir, last_turn_only=True)
     feature = template.encode({"messages": MULTI})
