@@ -172,8 +172,14 @@ def cursor(offset: int, limit: int, total: int) -> types.Cursor:
 # ----------------------------------------------------------------------------- sampling
 
 
+class Refused(ValueError):
+    """A value the server refuses that the wire cannot carry to it: the caller answers
+    it as the server's refusal (`BadRequestError`), as the stock SDK gets it."""
+
+
 def prompt_tokens(prompt: types.ModelInput, field: str = "prompt") -> np.ndarray:
-    """The prompt's token ids as an int32 array, checked; only text chunks are supported."""
+    """The prompt's token ids as an int32 array, checked; only text chunks are supported
+    (an empty prompt is the server's to refuse)."""
     if not isinstance(prompt, types.ModelInput):
         raise ValueError(f"{field}: expected tinker.types.ModelInput, got {type(prompt).__name__}")
     try:
@@ -181,8 +187,6 @@ def prompt_tokens(prompt: types.ModelInput, field: str = "prompt") -> np.ndarray
     except Exception as exc:
         raise ValueError(f"{field}: only text (EncodedTextChunk) inputs are supported: {exc}"
                          ) from None
-    if not tokens:
-        raise ValueError(f"{field}: empty; give at least one token")
     return wire.token_array(np.asarray(tokens, dtype=np.int64), field).astype(np.int32)
 
 
@@ -196,7 +200,8 @@ def sampling_spec(params: types.SamplingParams) -> api.SamplingParams:
         raise ValueError(f"sampling_params: expected tinker.types.SamplingParams, got "
                          f"{type(params).__name__}")
     if params.max_tokens is not None and params.max_tokens < 1:
-        raise ValueError(f"sampling_params.max_tokens: must be >= 1, got {params.max_tokens}")
+        # The wire's 0 means "to the context limit": refused here, as the server would.
+        raise Refused(f"sampling_params.max_tokens: must be >= 1, got {params.max_tokens}")
     stop = parse_stop(params.stop)
     return api.SamplingParams(max_tokens=params.max_tokens or 0,
                               temperature=params.temperature, top_p=params.top_p,

@@ -107,15 +107,20 @@ class SamplingClient:
             print(tokenizer.decode(sequence.tokens), sum(sequence.logprobs))
         ```
         """
-        require_int(num_samples, "num_samples")
+        require_int(num_samples, "num_samples", minimum=0)   # 0: the server refuses it
         require_int(topk_prompt_logprobs, "topk_prompt_logprobs", minimum=0)
         sampling_options.check(topk_sample_logprobs=topk_sample_logprobs,
                                prompt_alt_tokens_k=prompt_alt_tokens_k,
                                prompt_logprobs_last_n=prompt_logprobs_last_n,
                                include_prompt_logprobs=include_prompt_logprobs,
                                target_prompt_logprobs=target_prompt_logprobs)
+        try:
+            spec = convert.sampling_spec(sampling_params)
+        except convert.Refused as exc:
+            return SampleFuture.failed(
+                self._conn.error_factory("invalid_argument", str(exc), "Sample"))
         call = api.sample(self.sampling_session_id, convert.prompt_tokens(prompt), num_samples,
-                          convert.sampling_spec(sampling_params), include_prompt_logprobs,
+                          spec, include_prompt_logprobs,
                           topk_prompt_logprobs, topk_sample_logprobs=topk_sample_logprobs,
                           target_prompt_logprobs=(
                               None if target_prompt_logprobs is None

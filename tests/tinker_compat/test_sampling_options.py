@@ -70,3 +70,17 @@ def test_top_p_zero_is_refused_as_over_http_not_read_as_no_cut(sampler):
     sampled it as 1.0, the whole distribution; HTTP refuses it by name."""
     with pytest.raises(tinker.BadRequestError, match=r"top_p: must be in \(0, 1\]"):
         sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=1, top_p=0.0)).result()
+
+
+@pytest.mark.parametrize(("prompt", "num_samples", "max_tokens", "message"), [
+    (PROMPT, 0, 1, r"num_samples: must be >= 1, got 0"),
+    (PROMPT, 1, 0, r"sampling_params.max_tokens: must be >= 1, got 0"),
+    (types.ModelInput.empty(), 1, 1, r"prompt: is empty"),
+])
+def test_values_the_server_refuses_fail_the_future_as_the_sdks_bad_request(
+        sampler, prompt, num_samples, max_tokens, message):
+    """The stock SDK sends these and its future fails with the server's 400
+    (`BadRequestError`); tinker_compat raised a plain ValueError at the call."""
+    future = sampler.sample(prompt, num_samples, types.SamplingParams(max_tokens=max_tokens))
+    with pytest.raises(tinker.BadRequestError, match=message):
+        future.result(timeout=60)

@@ -97,7 +97,7 @@ def _checked(served: Served, target: Target, prompt: np.ndarray, num_samples: in
                       seed=params.seed)
     if not params.max_tokens:
         params = replace(params, max_tokens=context_left(served, prompt.size))
-    payload = SampleRequest(target.adapter_id, target.weights_path, prompt, num_samples or 1,
+    payload = SampleRequest(target.adapter_id, target.weights_path, prompt, num_samples,
                             params, topk_sample_logprobs, target.cache_namespace)
     check_sample(payload, scoring, served)
     return payload, scoring

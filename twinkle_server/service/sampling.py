@@ -55,7 +55,8 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             options = prompt_options(request)
         except wire.WireError as exc:
             return await self.verbs.refuse(target, "sample", exc)
-        result = await self.verbs.sample(target, prompt, request.num_samples,
+        result = await self.verbs.sample(target, prompt, request.num_samples
+                                         if request.HasField("num_samples") else 1,
                                          params_of(request.params),
                                          request.include_prompt_logprobs,
                                          request.topk_prompt_logprobs,
