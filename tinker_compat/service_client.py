@@ -25,7 +25,8 @@ from tinker.lib.public_interfaces.custom_loss import (
 
 from tinker_compat import convert
 from tinker_compat.futures import APIFuture, ClientFuture, deprecated
-from tinker_compat.rest_client import RestClient, open_connection, unserved
+from tinker_compat.rest_client import RestClient, open_connection
+from tinker_compat.rest_unserved import unserved
 from tinker_compat.sampling_client import SamplingClient, submit_sampling_client
 from tinker_compat.training_client import TrainingClient, TrainingClientFuture
 from twinkle_client import api

@@ -20,7 +20,7 @@ from tinker import types
 
 from tinker_compat import convert
 from tinker_compat.futures import APIFuture, ClientFuture, deprecated
-from tinker_compat.rest_client import unserved
+from tinker_compat.rest_unserved import unserved
 from tinker_compat.sampling_client import (
     SamplingClient,
     SamplingClientFuture,
