@@ -9,6 +9,8 @@ other processes: the copy reconnects (one connection per process and server).
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +26,7 @@ from tinker_compat.futures import (
     deprecated,
 )
 from twinkle_client import api
-from twinkle_client.connection import Connection, parse_base_url
+from twinkle_client.connection import Connection, env_endpoint, parse_base_url
 from twinkle_client.errors import require_int
 from twinkle_client.tokenizer import load_tokenizer
 from twinkle_wire import paths
@@ -65,6 +67,48 @@ class SamplingClient:
         return (_unpickle, (conn.base_url, conn.api_key, conn.root_certificates,
                             self.sampling_session_id, self._base_model, self.model_path,
                             self._record_stability_info))
+
+    def get_telemetry(self) -> None:
+        """None, the SDK's answer when it has no telemetry: Twinkle's clients report none."""
+        return None
+
+    def get_sampler_handle(self) -> str:
+        """A string handle to this client's sampler, for other processes without pickle,
+        as tinker's: every `SamplingClient.from_sampler_handle` of it, anywhere and any
+        number of times, makes a new client of the same sampler. It carries no key.
+
+        Example:
+        ```python
+        handle = sampling_client.get_sampler_handle()
+        # in another process
+        sampling_client = SamplingClient.from_sampler_handle(handle)
+        ```
+        """
+        conn = self._conn
+        certificates = conn.root_certificates
+        fields = {"base_url": conn.base_url,
+                  "root_certificates": (base64.b64encode(certificates).decode()
+                                        if certificates else None),
+                  "sampling_session_id": self.sampling_session_id,
+                  "base_model": self._base_model, "model_path": self.model_path,
+                  "record_stability_info": self._record_stability_info}
+        return base64.urlsafe_b64encode(json.dumps(fields).encode()).decode()
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> SamplingClient:
+        """A new client of the sampler behind `handle` (`get_sampler_handle`), with
+        `api_key`, else this process's key as a `ServiceClient` resolves it
+        (`TWINKLE_API_KEY`, then `TINKER_API_KEY`)."""
+        try:
+            fields = json.loads(base64.urlsafe_b64decode(handle))
+            certificates = fields["root_certificates"]
+            return _unpickle(fields["base_url"], env_endpoint(None, api_key)[1],
+                             base64.b64decode(certificates) if certificates else None,
+                             fields["sampling_session_id"], fields["base_model"],
+                             fields["model_path"], fields["record_stability_info"])
+        except (ValueError, TypeError, KeyError):
+            raise ValueError(f"handle: not a sampler handle from get_sampler_handle, got "
+                             f"{handle!r:.60}") from None
 
     def sample(self, prompt: types.ModelInput, num_samples: int,
                sampling_params: types.SamplingParams, include_prompt_logprobs: bool = False,

@@ -6,6 +6,7 @@ SamplingClient pickles into another process, as tinker's does."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import multiprocessing
 import pickle
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import pytest
 from tinker import types
 
-from tinker_compat import RestClient, SamplingClient
+from tinker_compat import RestClient, SamplingClient, ServiceClient
 from twinkle_client.connection import MAX_INFLIGHT_CALLS
 from twinkle_server.process import ServerProcess, start_server
 
@@ -195,3 +196,27 @@ def test_a_pickled_sampling_client_samples_the_same_in_another_process(service_c
     with concurrent.futures.ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
         assert pool.submit(_sample_in_worker, sampling_client).result(timeout=WAIT_S) == want
+
+
+def _sample_from_handle(handle: str) -> list[int]:
+    return _sample_in_worker(SamplingClient.from_sampler_handle(handle, api_key="tml-worker"))
+
+
+def test_a_sampler_handle_carries_no_key_and_makes_clients_of_the_same_sampler(base_url):
+    """The SDK's pickle-free way to hand a sampler to other processes: a string, without
+    credentials; each `from_sampler_handle` is a new client of the same sampler, using
+    the key it is given (else this process's)."""
+    with ServiceClient(base_url=base_url, api_key="tml-handle-secret") as service:
+        sampling_client = service.create_sampling_client(base_model="tiny").result()
+        want = _sample_in_worker(sampling_client)
+        handle = sampling_client.get_sampler_handle()
+        assert isinstance(handle, str)
+        assert b"tml-handle-secret" not in base64.urlsafe_b64decode(handle)
+        copy = SamplingClient.from_sampler_handle(handle)
+        assert copy.sampling_session_id == sampling_client.sampling_session_id
+        assert _sample_in_worker(copy) == want
+        with concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            assert pool.submit(_sample_from_handle, handle).result(timeout=WAIT_S) == want
+    with pytest.raises(ValueError, match="handle: not a sampler handle"):
+        SamplingClient.from_sampler_handle("not-a-handle")

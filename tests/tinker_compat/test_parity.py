@@ -17,7 +17,7 @@ import tinker
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import LossHandle
 
-from tinker_compat import RestClient, ServiceClient, TrainingClient
+from tinker_compat import RestClient, SamplingClient, ServiceClient, TrainingClient
 from twinkle_server.process import start_server
 
 from .conftest import sft_data
@@ -25,11 +25,15 @@ from .conftest import sft_data
 pytestmark = pytest.mark.integration
 
 PAIRS = [(tinker.ServiceClient, ServiceClient), (tinker.TrainingClient, TrainingClient),
-         (tinker.RestClient, RestClient)]
+         (tinker.RestClient, RestClient), (tinker.SamplingClient, SamplingClient)]
 NOT_COMPARED = {
     ("ServiceClient", "holder"): "the SDK's HTTP client holder: internals, no gRPC equivalent",
     ("TrainingClient", "__init__"): "built by ServiceClient from a connection, not a holder",
     ("RestClient", "__init__"): "its first, private argument is a connection, not a holder",
+    ("SamplingClient", "__init__"): "built from a connection, not a holder",
+    ("SamplingClient", "create"): "builds a client from the SDK's HTTP client holder",
+    ("SamplingClient", "on_queue_state_change"): "the SDK's HTTP futures report queue "
+                                                 "states to it; gRPC calls have none",
 }
 
 
