@@ -114,6 +114,46 @@ def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
     return out
 
 
+MULTIMODAL: dict[str, tuple[str, str]] = {
+    "qwen3_5_text": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+}
+"""Text family -> (its multimodal config class, the architecture real checkpoints declare).
+transformers' AutoModelForCausalLM loads these as the text-only class (`*ForCausalLM`,
+`model.layers.N`), while the checkpoint's own class keeps the text model under
+`model.language_model.`."""
+
+
+def write_multimodal(root: Path, family: str, tiny_cache: Path, seed: int = 0) -> Path:
+    """A model directory as real checkpoints of `family` ship: its multimodal
+    architecture (`MULTIMODAL`) with a one-block vision tower, the text model `family`'s
+    toy config; the tiny tokenizer, random weights from `seed` (written once per root)."""
+    out = root / f"{family}_multimodal"
+    if (out / "config.json").exists():
+        return out
+    config_name, arch = MULTIMODAL[family]
+    if getattr(transformers, arch, None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {arch}")
+    tiny = build_tiny_model(tiny_cache)
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = family_config(family, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    config = getattr(transformers, config_name)(
+        text_config=text.to_dict(), tie_word_embeddings=False,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=text.hidden_size, patch_size=4,
+                           spatial_merge_size=1, temporal_patch_size=1))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, arch)(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def next_token_datums(engine: Engine, texts: list[str]) -> list[Datum]:
     """Cross-entropy datums predicting each text's next tokens, with the engine's
     tokenizer: the family tests' shared data."""

@@ -11,11 +11,28 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from twinkle_server.engine.engine import ForwardRequest, SampleRequest
+from twinkle_server.engine import checkpoint
+from twinkle_server.engine.adapter_import import base_linears, read_import
+from twinkle_server.engine.engine import Engine, ForwardRequest, SampleRequest
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
-from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec, SamplingParams
+from twinkle_server.engine.types import (
+    AdamParams,
+    EngineLimits,
+    LoraSpec,
+    LossSpec,
+    SamplingParams,
+)
 
+from ..numerics import LOGPROB_ATOL
+from .conftest import adapter_weights
 from .draws import assert_sampled_alike, sampled_alone
+from .families import (
+    MULTIMODAL,
+    next_token_datums,
+    skip_unchecked_mixers,
+    skip_unserved_experts,
+    write_multimodal,
+)
 
 CE = LossSpec("cross_entropy")
 
@@ -305,3 +322,102 @@ def test_a_decode_batch_routing_more_checkpoints_than_the_cache_holds_samples_ea
         assert_sampled_alike(sampled_alone(lambda r=live: engine.sample_batch([r])[0],
                                            params), got)
     assert len(engine.sampler_dirs()) == 2  # trimmed to the cache's size by the next call
+
+
+# ------------------------------------------------- a multimodal checkpoint's text model
+# Real Qwen3.5 checkpoints declare `Qwen3_5ForConditionalGeneration` (text weights under
+# `model.language_model.`); the engine trains the text model AutoModelForCausalLM loads
+# (`Qwen3_5ForCausalLM`, `model.layers.`). peft places an adapter by module name and
+# does not translate between the two trees: an export in the text tree's names wrapped
+# only lm_head on the declared class, silently (logprobs off by 1.02; 1.20 for MoE).
+
+
+@pytest.fixture(scope="module", params=sorted(MULTIMODAL))
+def multimodal(request, tiny_cache, tmp_path_factory) -> Engine:
+    """The engine on a tiny multimodal checkpoint of the family, with adapter "mm":
+    Tinker's default LoRA (attention, DeltaNet, MLP or experts, lm_head) trained 2 steps."""
+    skip_unchecked_mixers(request.param)
+    path = write_multimodal(tmp_path_factory.mktemp("multimodal"), request.param,
+                            tiny_cache)
+    engine = skip_unserved_experts(Engine.load(
+        str(path), cache_dir=str(tiny_cache), samples=False,
+        limits=EngineLimits(max_adapters=4, max_rank=16, max_seq_len=64,
+                            max_batch_tokens=1024)))
+    engine.add_adapter("mm", LoraSpec.from_tinker(8, seed=1))
+    datums = next_token_datums(engine, ["Hello! I am Twinkle, a helpful assistant.",
+                                        "Question: 12 + 30 = ? Answer: 42. #### 42"])
+    _train(engine, "mm", datums, 2)
+    return engine
+
+
+def _declared(engine: Engine) -> torch.nn.Module:
+    """The base as its checkpoint declares itself (config.json `architectures`)."""
+    import transformers
+
+    arch = json.loads((engine.base.model_dir / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(engine.base.model_dir,
+                                                       dtype=torch.float32)
+
+
+def test_a_multimodal_checkpoints_export_loads_in_peft_on_its_declared_architecture(
+        multimodal, tmp_path):
+    from peft import PeftModel
+
+    engine = multimodal
+    datums = next_token_datums(engine, ["You can call me Twinkle."])
+    ours = engine.forward_batch([ForwardRequest("mm", datums, CE, False)])[0].logprobs
+    engine.save_weights("mm", tmp_path / "export")
+    model = PeftModel.from_pretrained(_declared(engine), str(tmp_path / "export")).eval()
+    wrapped = [n for n, m in model.named_modules() if getattr(m, "lora_A", None)]
+    assert len(wrapped) == len(engine.adapters["mm"].weights), wrapped
+    assert not any(".visual." in n for n in wrapped)
+    # The engine and peft compute the same LoRA by different code: LOGPROB_ATOL
+    # (tests/numerics.py), as every family's export (tests/engine/test_families.py).
+    with torch.no_grad():
+        for datum, got in zip(datums, ours, strict=True):
+            np.testing.assert_allclose(got, peft_logprobs(model, datum).numpy(), rtol=0,
+                                       atol=LOGPROB_ATOL)
+
+
+def test_a_multimodal_checkpoints_export_loads_back_into_the_engine_identically(
+        multimodal, tmp_path):
+    engine = multimodal
+    want = adapter_weights(engine, "mm")
+    engine.save_state("mm", tmp_path / "state")
+    engine.save_weights("mm", tmp_path / "export")
+    # Created from the checkpoint, as a client's create-from-state: its spec, its state.
+    spec = engine.read_checkpoint_spec(tmp_path / "state")
+    engine.add_adapter("again", spec)
+    try:
+        engine.load_state("again", tmp_path / "state", include_optimizer=True,
+                          adopt_accumulation=True)
+        got = adapter_weights(engine, "again")
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        # Loaded into the live adapter: the same weights (the files were read, not skipped).
+        engine.load_state("mm", tmp_path / "export", include_optimizer=False)
+        assert all(torch.equal(adapter_weights(engine, "mm")[k], want[k]) for k in want)
+    finally:
+        engine.remove_adapter("again")
+    # Imported as an upload: the same linears and experts, the same matrices.
+    imported = read_import(tmp_path / "export", base_linears(engine.base.model_dir),
+                           max_rank=16, max_bytes=1 << 26)
+    weights = engine.adapters["mm"].weights
+    assert sorted(imported.modules) == sorted(n for n in weights if n in engine.layers)
+    exported = checkpoint.read_weights(tmp_path / "export")
+    assert imported.tensors.keys() == exported.keys()
+    assert all(torch.equal(imported.tensors[k], exported[k]) for k in exported)
+
+
+def test_an_adapter_peft_made_on_the_declared_multimodal_architecture_imports(
+        multimodal, tmp_path):
+    from peft import get_peft_model
+
+    engine = multimodal
+    model = get_peft_model(_declared(engine), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "in_proj_qkv"]))
+    model.save_pretrained(str(tmp_path / "peft"))
+    imported = read_import(tmp_path / "peft", base_linears(engine.base.model_dir),
+                           max_rank=16, max_bytes=1 << 26)
+    assert imported.modules and all(m in engine.layers for m in imported.modules)
+    assert {m.rsplit(".", 1)[-1] for m in imported.modules} == {"q_proj", "in_proj_qkv"}

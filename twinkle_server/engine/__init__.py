@@ -3,7 +3,8 @@
 `Engine` (`engine.engine`) is its one entry point: the base and its adapters there, its
 training verbs (`training`: merged passes by `forward`, `packing` (with `recurrent` for
 linear-attention and Mamba layers), `logprobs`, the
-optimizer verbs, PEFT checkpoints) beside them, losses, prompt scoring and sampling
+optimizer verbs, PEFT checkpoints named as the base checkpoint's declared architecture
+names its modules (`declared`)) beside them, losses, prompt scoring and sampling
 (`sampling/`, its decode wing), on one rank or as one of several (`parallel`). LoRA sits
 on linears (`lora`) and per expert on MoE experts (`experts`); which of them Tinker's
 switches train is read from the model's structure (`roles`), what a pass needs in memory

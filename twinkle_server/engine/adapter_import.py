@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,10 @@ from twinkle_server.engine.checkpoint import (
     WEIGHTS_FILE,
     peft_key,
     peft_renamed_leaves,
+    rename_keys,
     write_peft,
 )
+from twinkle_server.engine.declared import DeclaredNames, declared_names
 from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import ALL_LINEAR, Router
 from twinkle_server.engine.roles import layer_roles
@@ -84,13 +86,15 @@ class BaseLinears:
     """A base's linear layers as `(in_features, out_features)` by module name, the
     name of its output layer (which `'all-linear'` leaves out), each linear's role for
     Tinker's switches (`engine.roles`), its MoE experts modules (`engine.experts`; on the
-    meta device) and its `model_type`."""
+    meta device), its `model_type`, and its names in its checkpoint's declared
+    architecture (`engine.declared`). Names are the engine's."""
 
     shapes: dict[str, tuple[int, int]]
     output: str | None
     roles: Mapping[str, str | None] = field(default_factory=dict)
     experts: experts.ExpertsLayers = experts.ExpertsLayers({}, {})
     model_type: str | None = None
+    names: DeclaredNames = DeclaredNames()
 
 
 def base_linears(model_dir: Path) -> BaseLinears:
@@ -106,7 +110,8 @@ def base_linears(model_dir: Path) -> BaseLinears:
               for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     output = next((n for n, m in model.named_modules() if m is head), None)
     return BaseLinears(shapes, output, layer_roles(model, shapes, output or ""),
-                       experts.inject(model, Router()), config.model_type)
+                       experts.inject(model, Router()), config.model_type,
+                       declared_names(str(model_dir)))
 
 
 def read_import(directory: Path, base: BaseLinears, max_rank: int,
@@ -114,7 +119,11 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
     """The adapter in `directory` (its `ADAPTER_FILES`; anything else there, such as the
     README.md `peft` writes beside them, is not part of it), checked against a base whose
     linear layers are `base`'s; raises `InvalidArgument` naming the file, the field and
-    the limit."""
+    the limit.
+
+    Module names may be the base checkpoint's declared architecture's (what peft on it
+    saves, and the engine exports: `engine.declared`) or those of the class the engine
+    loads; the adapter holds the engine's."""
     missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
     if missing:
         raise InvalidArgument(f"files: an adapter is {list(ADAPTER_FILES)}; {missing} not "
@@ -125,17 +134,20 @@ def read_import(directory: Path, base: BaseLinears, max_rank: int,
         if size > limit:
             raise InvalidArgument(f"{name}: {size} bytes, over the {limit}-byte limit")
     spec, targets, excluded = _config(directory / CONFIG_FILE, max_rank)
+    spec = replace(spec, target_parameters=tuple(sorted(
+        base.names.engine(p) for p in spec.target_parameters or ())))
     _not_converted(targets, base)
     weights = _weight_targets(spec, base)
     # Names and shapes first, from the file's header: a file of other tensors is refused
     # before any is read (their size is then bounded by the base's layers and the rank).
-    shapes = _shapes(directory / WEIGHTS_FILE)
+    shapes = rename_keys(_shapes(directory / WEIGHTS_FILE), base.names.engine)
     parameters = _expert_tensors(shapes, spec, base)
     modules = _modules({k: v for k, v in shapes.items() if k not in parameters},
                        base.shapes, spec.rank)
     if targets is not None or weights:
         _targeted(modules, targets, excluded, base, weights)
-    return ImportedAdapter(spec, tuple(modules), _weights(directory / WEIGHTS_FILE),
+    return ImportedAdapter(spec, tuple(modules),
+                           rename_keys(_weights(directory / WEIGHTS_FILE), base.names.engine),
                            {m: base.roles.get(m) for m in modules},
                            tuple(sorted(set(parameters.values()))))
 
@@ -222,7 +234,7 @@ def _targeted(modules: list[str], targets: str | list[str] | None, excluded: Any
     `exclude_modules` leaves), by peft's own rules, or whose weight `target_parameters`
     names (`weights`): peft would leave the others' matrices out, and the adapter would
     mean something else. As peft, a pattern among several that matches nothing of this
-    base is no error."""
+    base is no error. A module is selected by its name in either tree (`base.names`)."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -236,7 +248,8 @@ def _targeted(modules: list[str], targets: str | list[str] | None, excluded: Any
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"{CONFIG_FILE}: target_modules or exclude_modules: "
                                   f"{exc}") from None
-        selected = {n for n in base.shapes if check_target_module_exists(config, n)} | weights
+        selected = {n for n in base.shapes if check_target_module_exists(config, n)
+                    or check_target_module_exists(config, base.names.declared(n))} | weights
     if stray := [m for m in modules if m not in selected]:
         raise InvalidArgument(f"{CONFIG_FILE}: target_modules {targets!r} does not select "
                               f"{stray[0]!r}, which {WEIGHTS_FILE} adapts (peft would leave "

@@ -33,6 +33,7 @@ from safetensors.torch import save as save_safetensors
 
 from twinkle_server.engine import optim
 from twinkle_server.engine.adapter import Adapter
+from twinkle_server.engine.declared import DeclaredNames, declared_names
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
 from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
 
@@ -41,9 +42,19 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 STATE_FILE = "training_state.pt"
 
 
+PEFT_KEY_PREFIX = "base_model.model."
+
+
 def peft_key(module: str, which: str) -> str:
     """PEFT's saved key for one LoRA matrix (`which` is `lora_A` or `lora_B`)."""
-    return f"base_model.model.{module}.{which}.weight"
+    return f"{PEFT_KEY_PREFIX}{module}.{which}.weight"
+
+
+def rename_keys(tensors: Mapping[str, torch.Tensor], rename: Callable[[str], str]
+                ) -> dict[str, torch.Tensor]:
+    """`tensors` with each PEFT key's module path renamed (`declared.DeclaredNames`)."""
+    return {PEFT_KEY_PREFIX + rename(k[len(PEFT_KEY_PREFIX):])
+            if k.startswith(PEFT_KEY_PREFIX) else k: v for k, v in tensors.items()}
 
 
 def write_atomically(path: str | Path, fill: Callable[[Path], None],
@@ -107,6 +118,10 @@ def write_state(out: Path, state: dict) -> None:
 DROPOUT_METADATA = "twinkle.lora_dropout"
 """The weights file's metadata key for an adapter's dropout where its `adapter_config.json`
 cannot hold it (see `write_peft`)."""
+NAMES_METADATA = "twinkle.declared_names"
+"""The weights file's metadata key for the module-name map its names were written with
+(`declared.DeclaredNames`, JSON; absent where empty), which `read_spec` and
+`read_weights` undo."""
 
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
@@ -120,14 +135,23 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
     peft refuses to load dropout on parameter targets. Dropout changes no output outside
     training, so such a config records 0, and the adapter's own dropout goes into the
     weights file's metadata (`DROPOUT_METADATA`, which peft ignores) for `read_spec`:
-    every checkpoint loads in peft, and training resumes with the adapter's dropout."""
+    every checkpoint loads in peft, and training resumes with the adapter's dropout.
+
+    Names (`target_modules`, `tensors`' keys, `target_parameters`) are the engine's and
+    are written as the base checkpoint's declared architecture spells them
+    (`declared.declared_names`: a multimodal checkpoint's text model is under
+    `model.language_model.` there), the map kept in the metadata (`NAMES_METADATA`)."""
     from peft import LoraConfig
 
+    names = declared_names(base_model_path)
     modules, parameters = peft_targets(target_modules, _model_type(base_model_path))
-    parameters = sorted([*parameters, *(target_parameters or ())])
+    parameters = sorted(names.declared(p) for p in [*parameters, *(target_parameters or ())])
+    modules = sorted(names.declared(m) for m in modules)
     metadata = {"format": "pt"}
     if parameters and spec.dropout:
         metadata[DROPOUT_METADATA] = repr(float(spec.dropout))
+    if names.prefixes:
+        metadata[NAMES_METADATA] = names.to_json()
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha,
         lora_dropout=0.0 if parameters else spec.dropout,
@@ -137,7 +161,8 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
     )
     config.save_pretrained(str(out))
     (out / WEIGHTS_FILE).write_bytes(save_safetensors(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata))
+        {k: v.detach().contiguous().cpu()
+         for k, v in rename_keys(tensors, names.declared).items()}, metadata=metadata))
 
 
 def peft_targets(linears: list[str], model_type: str | None
@@ -189,37 +214,50 @@ def _model_type(base_model_path: str) -> str | None:
 
 
 def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
-    """The LoRA shape and target module names recorded in a checkpoint's config (linears
-    written as parameter targets of their `.weight` by `peft_targets` stay in
-    `target_parameters`: `experts.split_parameters` reads them as linears)."""
+    """The LoRA shape and target module names recorded in a checkpoint's config, in the
+    engine's names (`NAMES_METADATA`; linears written as parameter targets of their
+    `.weight` by `peft_targets` stay in `target_parameters`: `experts.split_parameters`
+    reads them as linears)."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise NotFound(f"checkpoint: no {CONFIG_FILE} at {Path(path).name!r}")
     data = json.loads(config_path.read_text())
+    metadata = _metadata(Path(path))
+    names = _recorded_names(metadata)
     targets = data.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
+    targets = [names.engine(t) for t in ([targets] if isinstance(targets, str) else targets)]
+    dropout = float(metadata.get(DROPOUT_METADATA, 0.0))
     spec = LoraSpec(rank=int(data["r"]), alpha=float(data["lora_alpha"]),
-                    dropout=_recorded_dropout(Path(path)) or float(data.get("lora_dropout") or 0.0),
+                    dropout=dropout or float(data.get("lora_dropout") or 0.0),
                     target_modules=tuple(sorted(targets)),
                     use_rslora=bool(data.get("use_rslora", False)),
-                    target_parameters=tuple(sorted(data.get("target_parameters") or ())))
+                    target_parameters=tuple(sorted(
+                        names.engine(p) for p in data.get("target_parameters") or ())))
     return spec, targets
 
 
-def _recorded_dropout(path: Path) -> float:
-    """The dropout `write_peft` kept in the weights file's metadata (0 where none)."""
+def _metadata(path: Path) -> dict[str, str]:
+    """The weights file's metadata (empty where it has none or cannot be read)."""
     try:
         with safe_open(str(path / WEIGHTS_FILE), "pt") as weights:
-            return float((weights.metadata() or {}).get(DROPOUT_METADATA, 0.0))
+            return dict(weights.metadata() or {})
     except (OSError, ValueError, SafetensorError):
-        return 0.0
+        return {}
+
+
+def _recorded_names(metadata: Mapping[str, str]) -> DeclaredNames:
+    """The name map `write_peft` kept in the metadata (empty where none: checkpoints
+    written before it, or of a base whose declared architecture the engine loads)."""
+    text = metadata.get(NAMES_METADATA)
+    return DeclaredNames() if text is None else DeclaredNames.from_json(text)
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the engine's PEFT keys (`NAMES_METADATA`)."""
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise NotFound(f"checkpoint: no {WEIGHTS_FILE} at {Path(path).name!r}")
-    return load_file(str(weights))
+    return rename_keys(load_file(str(weights)), _recorded_names(_metadata(Path(path))).engine)
 
 
 def check_shapes(expected: dict[str, torch.Size], found: dict[str, torch.Tensor]) -> None:
