@@ -42,6 +42,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          "layer_types": ["sliding_attention",
                                                          "full_attention"]}),
     "phi3": ("Phi3Config", {}),
+    # Attention logit soft-capping (eager-only in transformers); sliding and full layers.
+    "gemma2": ("Gemma2Config", {"sliding_window": 16}),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, decoder_sparse_step=1, mlp_only_layers=[0])),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
         _MOE, num_hidden_layers=4, shared_expert_intermediate_size=32,
@@ -93,9 +95,11 @@ def family_config(family: str, vocab_size: int, **overrides: Any
 
 
 def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
-                 **overrides: Any) -> Path:
+                 qk_scale: float = 1.0, **overrides: Any) -> Path:
     """A model directory of `family` under `root` with the tiny model's tokenizer and
-    random weights from `seed`; returns it (written once per root)."""
+    random weights from `seed`; returns it (written once per root). `qk_scale` multiplies
+    every `q_proj` and `k_proj` weight, so attention logits grow by its square: random
+    weights give logits of order 1, under any real logit soft cap."""
     out = root / family
     if (out / "config.json").exists():
         return out
@@ -110,6 +114,10 @@ def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if qk_scale != 1.0 and name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.mul_(qk_scale)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -151,6 +159,24 @@ def write_multimodal(root: Path, family: str, tiny_cache: Path, seed: int = 0) -
         torch.manual_seed(seed)
         model = getattr(transformers, arch)(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+SOFT_CAPPED: dict[str, Any] = dict(attn_logit_softcapping=5.0, qk_scale=12.0)
+"""`write_family` arguments of a tiny Gemma 2 whose attention logit soft cap bites: q and
+k weights x12 give attention logits up to 3.8 where random weights give 0.03, and a cap of
+5 bends them (tanh(3.8 / 5) * 5 = 3.2); without the cap its logprobs move by 0.06."""
+
+
+def random_datums(engine: Engine, lengths: tuple[int, ...], seed: int = 0) -> list[Datum]:
+    """Cross-entropy datums of random tokens, `lengths[i]` input tokens each: lengths
+    the fixed sentences do not reach (past a sliding window, or a rope's limit)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(10, min(engine.base.vocab_size, 4000), size=n + 1).astype(np.int64)
+        out.append(Datum(ids[:-1], {"target_tokens": ids[1:],
+                                    "weights": np.ones(n, np.float32)}))
     return out
 
 

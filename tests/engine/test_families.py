@@ -28,8 +28,10 @@ from twinkle_server.engine.types import AdamParams, Datum, EngineLimits, LoraSpe
 from ..numerics import LOGPROB_ATOL, assert_trained_alike
 from .conftest import adapter_weights
 from .families import (
+    SOFT_CAPPED,
     next_token_datums,
     peft_logprobs,
+    random_datums,
     randomize_b,
     skip_unserved_experts,
     write_family,
@@ -131,6 +133,32 @@ def test_a_packed_pass_equals_each_datum_in_its_own_pass(trained):
     for datum, got in zip(datums, packed, strict=True):
         alone = _logprobs(engine, [ForwardRequest("default", [datum], CE, False)])[0][0]
         np.testing.assert_allclose(got, alone, rtol=0, atol=LOGPROB_ATOL, err_msg=name)
+
+
+def test_a_gemma2_whose_attention_soft_cap_bites_has_the_logprobs_of_transformers_and_peft(
+        tiny_cache, tmp_path):
+    # Gemma 2 passes its cap (`softcap`) to its eager attention, which packed passes
+    # replace (`packing.packed_attention`); two datums past its 16-token window, packed.
+    path = write_family(tmp_path / "models", "gemma2", tiny_cache, **SOFT_CAPPED)
+    engine = Engine.load(str(path), cache_dir=str(tiny_cache),
+                         limits=EngineLimits(max_adapters=2, max_rank=16, max_seq_len=64,
+                                             max_batch_tokens=1024, kv_pool_tokens=256))
+    assert engine.packing
+    engine.add_adapter("a", LoraSpec.from_tinker(8, seed=1))
+    randomize_b(engine, "a", 3, 0.05)
+    datums = random_datums(engine, (30, 21))
+    ours = _logprobs(engine, [ForwardRequest("a", datums, CE, False)])[0]
+    engine.save_weights("a", tmp_path / "export")
+    base = AutoModelForCausalLM.from_pretrained(engine.base.model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "export")).eval()
+    for datum, got in zip(datums, ours, strict=True):
+        np.testing.assert_allclose(got, peft_logprobs(model, datum), rtol=0,
+                                   atol=LOGPROB_ATOL)
+    # The cap bites: the same model without it is far outside the tolerance.
+    for module in model.modules():
+        if hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = None
+    assert np.abs(peft_logprobs(model, datums[0]) - ours[0]).max() > 100 * LOGPROB_ATOL
 
 
 def test_three_adamw_steps_equal_a_plain_peft_loop(family, tmp_path):

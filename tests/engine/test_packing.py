@@ -15,16 +15,19 @@ import inspect
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 from twinkle_server.config.flags import ServerConfig, add_arguments, from_args
 from twinkle_server.engine import packing
 from twinkle_server.engine.engine import ForwardRequest
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import ROWS, TOKENS, LoraWeights, MultiLoraLinear, Router
 from twinkle_server.engine.packing import PassLayout
 from twinkle_server.engine.types import Datum, LoraSpec, LossSpec
 
 from ..numerics import LOGPROB_ATOL, LOSS_RTOL, assert_grads_close
+from .families import family_config
 
 CE = LossSpec("cross_entropy")
 
@@ -289,6 +292,61 @@ def test_packed_attention_keeps_gpt_oss_attention_sinks_per_datum():
             want.append(eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end],
                                                 v[:, :, start:end], mask, scaling=0.3)[0])
         torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=1e-6)
+
+
+def test_packed_attention_applies_gemma2s_logit_soft_cap_per_datum():
+    # Gemma 2 caps its attention logits (`softcap`: tanh(s / cap) * cap before the mask);
+    # the reference is transformers' own Gemma 2 eager attention, one datum at a time.
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 2, False
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 12, 8, generator=generator) * 4
+    k, v = (torch.randn(1, 2, 12, 8, generator=generator) * 4 for _ in range(2))
+    bounds = torch.tensor([0, 5, 10, 12], dtype=torch.int32)
+    for window in (None, 3):
+        got, _ = packing.packed_attention(module, q, k, v, None, scaling=0.3, softcap=2.0,
+                                          sliding_window=window, cu_seq_lens_q=bounds)
+        uncapped, _ = packing.packed_attention(module, q, k, v, None, scaling=0.3,
+                                               sliding_window=window, cu_seq_lens_q=bounds)
+        want = []
+        for start, end in ((0, 5), (5, 10), (10, 12)):
+            i = torch.arange(end - start)
+            keep = i[:, None] >= i[None]
+            if window is not None:
+                keep &= i[:, None] - i[None] < window
+            mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
+            want.append(eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end],
+                                                v[:, :, start:end], mask, scaling=0.3,
+                                                softcap=2.0)[0])
+        torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=1e-6)
+        assert (got - uncapped).abs().max() > 0.1   # the cap bites at these scores
+
+
+def test_a_model_passing_an_attention_argument_the_engine_does_not_compute_is_refused():
+    # An argument with a value that packed and decode attention would drop (here T5's
+    # `position_bias`) is refused at load, naming it; one without a value is not.
+    torch.manual_seed(0)
+    config = family_config("llama", 300, pad_token_id=0)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    packing.check_attention(model, "LlamaForCausalLM")
+    for extra in (None, torch.zeros(1)):
+        for layer in model.model.layers:
+            layer.self_attn.forward = (lambda *a, _f=type(layer.self_attn).forward.__get__(
+                layer.self_attn), _x=extra, **kw: _f(*a, position_bias=_x, **kw))
+        if extra is None:
+            packing.check_attention(model, "LlamaForCausalLM")
+            continue
+        with pytest.raises(InvalidArgument, match=r"LlamaForCausalLM's attention layers "
+                                                  r"pass \['position_bias'\]"):
+            packing.check_attention(model, "LlamaForCausalLM")
+    assert model.config._attn_implementation == "sdpa"
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"does not compute \['position_bias'\]"):
+        packing.packed_attention(torch.nn.Module(), q, q, q, None, position_bias=q,
+                                 cu_seq_lens_q=torch.tensor([0, 4], dtype=torch.int32))
 
 
 def test_packed_attention_refuses_a_row_without_boundaries():

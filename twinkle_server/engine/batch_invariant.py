@@ -59,6 +59,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from twinkle_server.engine.packing import unserved
+
 ROW_TILE = 16
 """Rows of every matrix product in the mode: the batch's rows in tiles of this many."""
 PAGE = 32
@@ -155,14 +157,18 @@ def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor:
 def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, attention_mask: torch.Tensor | None,
                         dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+                        softcap: float | None = None, **kwargs: Any
+                        ) -> tuple[torch.Tensor, None]:
     """softmax(QK^T / sqrt(d))V for `query: [rows, heads, q, d]` (the last q of the keys'
     columns), `key`/`value: [rows, kv_heads, width, d]` and the padding mask from
     `invariant_mask`, every row's sums in an order set by its own positions (the module
-    docstring). Returns `[rows, q, heads, d]` and no weights."""
-    if dropout or kwargs.get("sliding_window") or attention_mask is None:
+    docstring); a soft cap (`softcap`, Gemma 2) applied to each score before the mask, as
+    the model's eager attention does. Returns `[rows, q, heads, d]` and no weights."""
+    if (dropout or kwargs.get("sliding_window") or kwargs.get("s_aux") is not None
+            or attention_mask is None or unserved(kwargs)):
         raise ValueError("batch-invariant attention is full causal attention without "
-                         "dropout, over the batch's padding mask")
+                         "dropout, sinks or other arguments "
+                         f"({unserved(kwargs)}), over the batch's padding mask")
     rows, heads, q_length, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -190,6 +196,8 @@ def invariant_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         values = values.masked_fill(~present[:, None, :, None], 0.0)
         seen = present[:, None, :] & (span[None, None, :] <= query_position[:, :, None])
         scores = (grouped[..., None, :] * keys[:, :, None, None]).sum(-1) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~seen[:, None, :, None, :], float("-inf"))
         new_best = torch.maximum(best, scores.amax(-1))
         anchor = torch.where(new_best == float("-inf"), 0.0, new_best)

@@ -66,6 +66,7 @@ from twinkle_server.engine.lora import (
     resolve_targets,
 )
 from twinkle_server.engine.memory import available_memory_bytes
+from twinkle_server.engine.packing import check_attention
 from twinkle_server.engine.parallel import OneRank, Parallel
 from twinkle_server.engine.prompt_scoring import PromptLogprobs, PromptScoring
 from twinkle_server.engine.protocol import rank_zero_only, replicated
@@ -110,6 +111,10 @@ class Engine(Training, Residency):
                  parallel: Parallel | None = None, samples: bool = True,
                  batch_invariant: bool = False, spill: Spill | None = None) -> None:
         self.base = base
+        # Packed passes and decode steps replace an sdpa or eager model's attention with
+        # the engine's own, which must compute every argument its layers pass (Gemma 2's
+        # soft cap, gpt-oss's sinks): one short probe forward, before anything is injected.
+        check_attention(base.model, base.arch)
         # Sampling forwards whose every row computes as it would alone
         # (`engine.batch_invariant`, `--batch-invariant on`).
         self.batch_invariant = batch_invariant

@@ -24,6 +24,11 @@ So for sdpa and eager models a packed pass switches the model to `packed_attenti
 its duration (`attention`). Other implementations get the same inputs and pack on their
 own: flash-attention kernels read `cu_seq_lens_*` (varlen), flex attention the position
 ids.
+
+What a model's attention layers hand their attention function beyond q, k and v (a
+scale, a window, Gemma 2's logit soft cap, gpt-oss's sinks) is computed here and by the
+decode pool's `decode_attention`, never dropped: anything else with a value is refused
+when the engine loads the model (`check_attention`), and raises if it arrives anyway.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from twinkle_server.engine.base_model import BaseModel
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.lora import Router
 
 PACKED_ATTENTION = "twinkle_packed_sdpa"
@@ -48,6 +54,67 @@ PACKED_ATTENTION = "twinkle_packed_sdpa"
 _REPLACED = ("sdpa", "eager")
 """Implementations a packed pass replaces with `packed_attention`: both would apply a
 dense `[T, T]` mask. Eager computes the same softmax(QK^T)V as sdpa, to rounding."""
+SERVED_ARGUMENTS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "s_aux",
+                              "is_causal"})
+"""The attention arguments `packed_attention` and the decode pool's `decode_attention`
+compute (`is_causal` only as True: these are causal functions)."""
+_CARRIED = frozenset({"position_ids", "cache_position", "use_cache", "past_key_values",
+                      "output_attentions", "output_hidden_states", "output_router_logits",
+                      "return_dict", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                      "max_length_k"})
+"""Arguments a model's forward hands on to its attention function that say nothing about
+the attention (a packed row's boundaries are read from `cu_seq_lens_q`)."""
+_PROBE = "twinkle_attention_probe"
+_probed: list[dict[str, Any]] = []
+
+
+def unserved(arguments: dict[str, Any]) -> list[str]:
+    """The names among an attention call's keyword `arguments` that carry a value the
+    engine's attention functions would not compute (None is no value: a layer without a
+    window passes `sliding_window=None`)."""
+    names = sorted(name for name, value in arguments.items() if value is not None
+                   and name not in SERVED_ARGUMENTS and name not in _CARRIED)
+    if arguments.get("is_causal") is False:
+        names.append("is_causal=False")
+    return names
+
+
+def _record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
+            ) -> tuple[torch.Tensor, None]:
+    """`check_attention`'s stand-in: notes the call's arguments, returns zeros."""
+    _probed.append(kwargs)
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+def check_attention(model: torch.nn.Module, arch: str) -> None:
+    """Refuse an sdpa or eager model whose attention layers pass an argument that
+    `packed_attention` and `decode_attention` (which replace its attention in packed
+    passes and decode steps) do not compute: they would drop it and give other numbers
+    than the model's own attention, silently. One 8-token probe forward, at load; other
+    implementations (flash, flex) keep their own attention and are not probed. Raises
+    InvalidArgument naming the arguments."""
+    config = model.config
+    previous = config._attn_implementation
+    if previous not in _REPLACED:
+        return
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    device = next(model.parameters()).device
+    ids = (torch.arange(8, device=device) * 7919 % vocab)[None]
+    _probed.clear()
+    config._attn_implementation = _PROBE
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        config._attn_implementation = previous
+    names = sorted({name for arguments in _probed for name in unserved(arguments)})
+    _probed.clear()
+    if names:
+        raise InvalidArgument(
+            f"model: {arch}'s attention layers pass {names} to their attention function, "
+            f"which the engine's packed and decode attention do not compute (they compute "
+            f"{sorted(SERVED_ARGUMENTS)}); serving it would drop them and change its numbers")
 
 
 @dataclass(frozen=True)
@@ -177,8 +244,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None,
-                     s_aux: torch.Tensor | None = None, **kwargs: Any
-                     ) -> tuple[torch.Tensor, None]:
+                     s_aux: torch.Tensor | None = None, softcap: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over one packed row: each datum's queries attend causally to its own
     keys and to nothing else.
 
@@ -188,14 +255,19 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     views, as a padded pass of equal rows would run): a batch of equal lengths costs what
     it costs padded, a mixed one `sum(n_i^2)`. A sliding-window layer gets a banded mask
     on datums longer than its window. Attention sinks (`s_aux`, gpt-oss: one learned
-    logit per head in every softmax's denominator) run `_sink_attention`, as the model's
-    own eager attention computes them. Returns `[1, T, heads, d]` and no weights, as
-    transformers' own attention functions do. Raises ValueError without boundaries or
-    with an `attention_mask` (a packed pass has none).
+    logit per head in every softmax's denominator) and a logit soft cap (`softcap`, Gemma
+    2: scores become `tanh(scores / softcap) * softcap` before the mask and softmax) run
+    `_scores_attention`, as the model's own eager attention computes them; sdpa can do
+    neither. Returns `[1, T, heads, d]` and no weights, as transformers' own attention
+    functions do. Raises ValueError without boundaries, with an `attention_mask` (a
+    packed pass has none) or with an argument it does not compute (`unserved`).
     """
     if cu_seq_lens_q is None or query.shape[0] != 1 or attention_mask is not None:
         raise ValueError("packed attention: needs one packed row, its cu_seq_lens_q and no "
                          "attention mask (PassLayout.model_inputs builds them)")
+    if names := unserved(kwargs):
+        raise ValueError(f"packed attention: does not compute {names} (check_attention "
+                         "refuses such a model at load)")
     lengths = datum_lengths(cu_seq_lens_q, query.shape[2])
     runs = [(n, len(list(group))) for n, group in itertools.groupby(lengths)]
     if len(runs) == 1:
@@ -213,8 +285,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             # transformers' sliding window: query i sees keys (i - window, i].
             i = torch.arange(n, device=q.device)
             band = ((i[:, None] >= i[None]) & (i[:, None] - i[None] < sliding_window))[None, None]
-        if s_aux is not None:
-            out = _sink_attention(module, q, k, v, band, s_aux, dropout, scaling)
+        if s_aux is not None or softcap is not None:
+            out = _scores_attention(module, q, k, v, band, dropout, scaling, s_aux, softcap)
         else:
             out = sdpa_attention_forward(module, q, k, v, band, dropout=dropout,
                                          scaling=scaling)[0]
@@ -222,30 +294,40 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
-def _sink_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, band: torch.Tensor | None, sinks: torch.Tensor,
-                    dropout: float, scaling: float | None) -> torch.Tensor:
+def _scores_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, band: torch.Tensor | None, dropout: float,
+                      scaling: float | None, sinks: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Causal attention of `[b, heads, n, d]` rows (only keys `band` keeps, when given)
-    with one sink logit per head joining each softmax and dropped after it: gpt-oss's
-    eager attention (`modeling_gpt_oss.eager_attention_forward`), which sdpa cannot do.
-    Returns `[b, n, heads, d]`."""
+    from explicit scores, as a model's eager attention computes them where sdpa cannot:
+    a soft cap `tanh(scores / softcap) * softcap` before the mask (Gemma 2,
+    `modeling_gemma2.eager_attention_forward`), and one sink logit per head joining each
+    softmax and dropped after it (gpt-oss, `modeling_gpt_oss.eager_attention_forward`).
+    The softmax runs in float32 as Gemma 2's does, or in the scores' dtype beside sinks
+    as gpt-oss's does. Returns `[b, n, heads, d]`; costs `[b, heads, n, n]` scores."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     n = query.shape[2]
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     logits = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     keep = band if band is not None else torch.ones(
         n, n, dtype=torch.bool, device=query.device).tril()[None, None]
     logits = logits.masked_fill(~keep, float("-inf"))
-    sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, n, 1).to(logits.dtype)
-    combined = torch.cat([logits, sink], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, n, 1).to(logits.dtype)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
     probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs.to(value.dtype), value).transpose(1, 2)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-# No mask function is registered under PACKED_ATTENTION on purpose: transformers'
-# `_preprocess_mask_arguments` then returns no mask at all (an implementation "without
-# equivalent mask creation"), so a packed pass builds no [T, T] mask it would not use.
+AttentionInterface.register(_PROBE, _record)
+# No mask function is registered under PACKED_ATTENTION (nor _PROBE) on purpose:
+# transformers' `_preprocess_mask_arguments` then returns no mask at all (an implementation
+# "without equivalent mask creation"), so a packed pass builds no [T, T] mask it would not use.

@@ -1,18 +1,24 @@
 """Decode attention: reading a request's shared prompt once for all its samples gives each
-row the attention it gets from its own whole cache."""
+row the attention it gets from its own whole cache; a model's attention logit soft cap
+(Gemma 2) applies in decode steps as in the trainer's passes."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from twinkle_server.engine.engine import Engine
 from twinkle_server.engine.sampling.cache_layers import new_cache
 from twinkle_server.engine.sampling.decode_attention import decode_attention, decoding
 from twinkle_server.engine.sampling.kv_batch import KVBatch
+from twinkle_server.engine.types import EngineLimits, LoraSpec, SampleRequest, SamplingParams
 
+from ...numerics import LOGPROB_ATOL
 from .. import small
+from ..families import SOFT_CAPPED, random_datums, randomize_b, write_family
 
 HEADS, KV_HEADS, DIM, PROMPT = 4, 2, 8, 6
 
@@ -93,3 +99,28 @@ def test_the_shared_copy_counts_in_what_the_batch_holds_and_is_made_only_within_
     assert batch.held() == own + 2 * PROMPT
     batch.select([0, 1, 2, 3, 4])           # uneven: the copy is dropped
     assert batch.shared_prefix(room=10**6) is None and batch.held() == 5 * own // 6
+
+
+def test_a_soft_capped_gemma2s_pool_logprobs_equal_the_trainers(tiny_cache, tmp_path):
+    # Gemma 2 passes its cap (`softcap`) to its eager attention, which decode steps
+    # replace (`decode_attention`). Two samples of a 10-token prompt (their prompt read
+    # once), 20 tokens each: past the 16-token window of its sliding layers.
+    path = write_family(tmp_path, "gemma2", tiny_cache, **SOFT_CAPPED)
+    engine = Engine.load(str(path), cache_dir=str(tiny_cache),
+                         limits=EngineLimits(max_adapters=2, max_rank=16, max_seq_len=64,
+                                             max_batch_tokens=1024, kv_pool_tokens=256))
+    engine.add_adapter("a", LoraSpec.from_tinker(8, seed=1))
+    randomize_b(engine, "a", 3, 0.05)
+    prompt = random_datums(engine, (10,))[0].input_ids
+    request = SampleRequest("a", None, prompt, 2,
+                            SamplingParams(max_tokens=20, seed=1, ignore_eos=True))
+    done = dict(engine.decode([request], [0], 0.0))
+    while 0 not in done:
+        done.update(engine.decode([], [], 0.0))
+    for sequence in done[0].sequences:
+        assert sequence.tokens.size == 20
+        # The trainer's teacher-forced pass over prompt + sample (`compute_logprobs`):
+        # other GEMM shapes, the same numbers to LOGPROB_ATOL.
+        forced = engine.compute_logprobs("a", None, np.concatenate(
+            [prompt, sequence.tokens.astype(np.int64)]))[prompt.size:]
+        np.testing.assert_allclose(sequence.logprobs, forced, rtol=0, atol=LOGPROB_ATOL)
