@@ -69,7 +69,9 @@ class ServerConfig:
                                "longest datum whose pass fits in half the memory free "
                                "after the base loads (with activation checkpointing unless "
                                "it is off); the value is logged. Above "
-                               "max_position_embeddings is refused")
+                               "max_position_embeddings is refused, and on a longrope "
+                               "model (Phi-3.5, Phi-4-mini) above its "
+                               "original_max_position_embeddings, which 0 picks")
     max_batch_tokens: int = _opt(262_144, "most tokens in one forward/forward_backward request")
     max_pass_tokens: int = _opt(0, "most tokens the base runs at once: a larger pass (one big "
                                    "request, or merged ones) runs in pieces of this many, "
