@@ -39,7 +39,7 @@ from .families import (
 
 CE = LossSpec("cross_entropy")
 DENSE = ["llama", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "glm4_moe"]
-SLIDING = ["mistral", "gemma3_text"]
+SLIDING = ["mistral", "gemma3_text", "gemma2"]
 """Sliding-window families (their decode pool holds the window: tests/engine/sampling/
 test_pool_layer_kinds.py)."""
 LOOP = ("phi3", "glm4_moe")
