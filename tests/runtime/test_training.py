@@ -142,3 +142,21 @@ def test_a_merged_pass_takes_resident_runs_first_and_pages_in_only_what_it_runs(
     page_ins, losses = asyncio.run(scenario())
     assert page_ins == 3
     assert all(np.isfinite(loss) for loss in losses)
+
+
+def test_a_retry_answered_from_the_stored_result_is_not_observed_again(runtime):
+    """/metrics counts ops and tokens through `observe_op`: a retried seq_id, answered
+    with the first call's result and nothing run, must not count again."""
+    seen = []
+    runtime.observe_op = lambda base, op, seconds, result, error: seen.append(op.kind)
+
+    async def scenario():
+        mid = await _model(runtime)
+        await runtime.training.set_loss("alice", OpRef(mid, 0), LossSpec("cross_entropy"))
+        request = runtime.training.forward_request("alice", mid, _datums(), None, True)
+        first = await runtime.training.forward("alice", OpRef(mid, 1), request)
+        for _ in range(3):
+            again = await runtime.training.forward("alice", OpRef(mid, 1), request)
+            assert again is first
+    asyncio.run(scenario())
+    assert seen.count("forward_backward") == 1, seen

@@ -274,7 +274,9 @@ class Core:
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f base=%s", op.queue_id,
                      op.seq_id, op.kind, op.tokens, seconds * 1000, served.name)
             self._trace(op, served, submitted, future, result, error)
-            if self.observe_op is not None:
+            # A retried seq_id gets the first call's future: nothing ran again, so the
+            # metrics count it once (the first call observes it).
+            if self.observe_op is not None and getattr(future, "op", op) is op:
                 self.observe_op(served.name, op, seconds, result, error)
 
     def _trace(self, op: Op, served: Served, submitted: float, future: Any, result: Any,

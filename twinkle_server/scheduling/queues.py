@@ -124,6 +124,9 @@ class OpFuture(Future):
 
     started: float | None = None
     tenants: int = 0
+    op: Op | None = None
+    """The op this is the future of (`Scheduler.submit`): a retry of its seq_id, given
+    this future, is another op."""
 
     def cancel(self) -> bool:
         return False

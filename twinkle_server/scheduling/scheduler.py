@@ -251,6 +251,7 @@ class Scheduler:
         """
         with self._cond:
             fut = OpFuture()
+            fut.op = op
             if self._closed:
                 error = SchedulerClosed("the server is shutting down; not accepting ops")
             else:
