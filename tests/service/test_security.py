@@ -13,6 +13,7 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -31,6 +32,7 @@ from twinkle_wire._proto.twinkle.v1 import (
 
 from .harness import create_key, packed_datums, small_lora
 from .transport import ProtoConnection as Connection
+from .transport import Transport
 
 pytestmark = pytest.mark.integration
 
@@ -192,6 +194,22 @@ def test_every_rpc_naming_another_tenants_object_answers_not_found(tenants, tmp_
     assert not any(objects["model"] in e.event_details_json for e in audit.entries)
     alice.call(alice.session.Heartbeat, session_pb2.HeartbeatRequest(
         session_id=objects["session"]))
+
+
+def test_the_bearer_scheme_is_read_in_any_case_as_over_http(tenants):
+    """RFC 7235: `bearer KEY` and `BEARER KEY` are `Bearer KEY`; another scheme is none."""
+    proc, keys, *_ = tenants
+    transport = Transport(proc.address)
+    try:
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            transport.metadata = (("authorization", f"{scheme} {keys['alice']}"),)
+            transport.call(transport.runs.ListRuns, runs_pb2.ListRunsRequest())
+        transport.metadata = (("authorization", f"Basic {keys['alice']}"),)
+        with pytest.raises(grpc.RpcError) as refused:
+            transport.call(transport.runs.ListRuns, runs_pb2.ListRunsRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        transport.channel.close()
 
 
 def test_keys_are_stored_only_as_hashes_and_never_logged(tenants):

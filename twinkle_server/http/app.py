@@ -33,7 +33,7 @@ from twinkle_server.engine.errors import (
 from twinkle_server.http import convert
 from twinkle_server.http.errors import SDK_FIRST_SEQ_ID, BadBody, failed_response, status_for
 from twinkle_server.http.futures import Futures
-from twinkle_server.runtime import SUBMITTED, OpRef, Runtime
+from twinkle_server.runtime import SUBMITTED, OpRef, Runtime, bearer_token
 
 log = logging.getLogger("twinkle_server.http")
 API_PREFIX = "/api/v1"
@@ -149,12 +149,10 @@ class Front:
         `while_draining`: reading an op's outcome); a legacy key the SDK sent as
         `tml-tw-...` is tried again as `tw-...`. The Bearer scheme's name is read in any
         case (RFC 7235), and an empty header counts as left out."""
-        token = request.headers.get("x-api-key") or None
-        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if token is None and scheme.lower() == "bearer":
-            token = credentials.strip()
+        token = (request.headers.get("x-api-key")
+                 or bearer_token(request.headers.get("authorization", "")))
         try:
-            return self.rt.authenticate(token or None, while_draining)
+            return self.rt.authenticate(token, while_draining)
         except Unauthenticated:
             if token and token.startswith(LEGACY_KEY_PREFIX):
                 return self.rt.authenticate(token[len("tml-"):], while_draining)

@@ -22,7 +22,7 @@ from twinkle_server.config.model_table import ModelConfig
 from twinkle_server.engine.protocol import EngineAPI
 from twinkle_server.runtime.audit import Audit
 from twinkle_server.runtime.copies import Copies
-from twinkle_server.runtime.core import SUBMITTED, Core
+from twinkle_server.runtime.core import SUBMITTED, Core, bearer_token
 from twinkle_server.runtime.external import External
 from twinkle_server.runtime.imports import Imports
 from twinkle_server.runtime.lifetimes import Lifetimes
@@ -41,7 +41,7 @@ from twinkle_server.runtime.values import (
 )
 from twinkle_server.store import Store
 
-__all__ = ["SUBMITTED", "CheckpointRef", "ModelEntry", "OpRef", "Runtime", "SamplerEntry",
+__all__ = ["SUBMITTED", "CheckpointRef", "ModelEntry", "OpRef", "Runtime", "SamplerEntry", "bearer_token",
            "check_metadata", "checkpoint_ref"]
 
 

@@ -356,6 +356,15 @@ class Core:
                 log.exception("expiry sweep %s failed", sweep.__name__)
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The key of an `authorization: Bearer <key>` header or gRPC metadata value; the
+    scheme's name is read in any case (RFC 7235). None: another scheme, or no key."""
+    scheme, _, credentials = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return credentials.strip() or None
+
+
 def _log_refusal(outcome: asyncio.Future) -> None:
     """A refusal nobody awaited still took its seq_id; its error went to the caller."""
     if not outcome.cancelled() and outcome.exception() is not None:

@@ -12,7 +12,7 @@ import grpc
 from google.protobuf import json_format
 
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.runtime import OpRef, Runtime
+from twinkle_server.runtime import OpRef, Runtime, bearer_token
 from twinkle_server.runtime.runs import RunView
 from twinkle_server.service.errors import status_for
 from twinkle_server.store import CheckpointRow, RunRow
@@ -49,10 +49,10 @@ def streaming(fn: Callable) -> Callable:
 
 
 def tenant_of(rt: Runtime, context: grpc.aio.ServicerContext) -> str:
-    """The calling tenant from `authorization: Bearer <key>` metadata."""
+    """The calling tenant from `authorization: Bearer <key>` metadata (`bearer_token`)."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            return rt.authenticate(value[7:] if value.startswith("Bearer ") else "")
+            return rt.authenticate(bearer_token(value))
     return rt.authenticate(None)
 
 
