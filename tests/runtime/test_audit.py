@@ -10,9 +10,11 @@ import time
 
 import pytest
 
+from twinkle_server.config.flags import ServerConfig
 from twinkle_server.engine.types import LoraSpec
 from twinkle_server.runtime import OpRef, Runtime, checkpoint_ref
 from twinkle_server.runtime.signed_urls import BadSignature, Signer
+from twinkle_server.store import Store
 
 
 def _entries(rt: Runtime, tenant: str = "alice") -> list:
@@ -99,3 +101,30 @@ def test_a_tenant_reads_its_own_entries_however_far_behind_the_store_writer_is(r
     finally:
         held.set()
     assert [e.details["session_id"] for e in entries] == ["s-1"]
+
+
+def test_a_stopping_server_closes_its_sessions_and_a_starting_one_those_left_open(
+        engine, tmp_path):
+    """A restart takes every model and sampler a session held, so no session stays open
+    across it to count against --max-sessions-per-tenant: a stop closes them, and a start
+    closes those a killed server (no stop) left open; each close is in the audit log."""
+    rt = Runtime(ServerConfig(data_dir=tmp_path), engine, Store(tmp_path))
+    rt.start()
+    stopped = asyncio.run(rt.runs.create_session("alice", {}))
+    rt.stop(60)
+    rt.close()
+    rt.store.close()
+    store = Store(tmp_path)
+    assert store.open_sessions("alice") == 0
+    killed = store.create_session("alice", {})   # what a SIGKILLed server leaves open
+    store.close()
+    rt = Runtime(ServerConfig(data_dir=tmp_path), engine, Store(tmp_path))
+    try:
+        entries = _entries(rt)
+        assert rt.store.open_sessions("alice") == 0
+        assert [(e.details["session_id"], e.details["reason"]) for e in entries
+                if e.event == "session_close"] == [(stopped, "server stopped"),
+                                                   (killed, "server restarted")]
+    finally:
+        rt.close()
+        rt.store.close()

@@ -4,7 +4,9 @@ The runtime records an entry (`record`) for every change to a tenant's state and
 read of its stored weights, on either front, named `<resource>_<action>` as Tinker names
 its events:
 
-    session_create, session_close        (reason "expired" when no heartbeat came)
+    session_create, session_close        (reason "expired" when no heartbeat came,
+                                          "server stopped", or "server restarted":
+                                          one a killed server left open)
     model_create, model_unload           (reason: by its owner, session closed or
                                           expired, server stopped)
     sampler_create, sampler_end          (a sampling session: on a checkpoint, the base,

@@ -88,6 +88,9 @@ class Core:
         self.open_mode = not store.has_keys()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="store-writer")
         self._closed = False
+        # Likewise no session: one the last process left open (killed before `close`)
+        # holds no model here and must not count against --max-sessions-per-tenant.
+        self._close_sessions("server restarted")
         self.sweeps: list[Callable[[], Awaitable[None]]] = []
         """What the periodic sweep runs (`expire`): each verb group adds its own."""
         self.observe_op: OpObserver | None = None
@@ -98,8 +101,8 @@ class Core:
 
     def close(self) -> None:
         """Record the models and sampling sessions the process takes with it (they are
-        gone at the next start), finish the queued store writes; the caller closes the
-        store after. A second call does nothing."""
+        gone at the next start), close the client sessions, finish the queued store
+        writes; the caller closes the store after. A second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -109,7 +112,17 @@ class Core:
         for sampling_id, sampler in self.samplers.items():
             self.record(sampler.tenant, "sampler_end", sampling_session_id=sampling_id,
                         reason="server stopped")
+        self._close_sessions("server stopped")
         self._writer.shutdown(wait=True)
+
+    def _close_sessions(self, reason: str) -> None:
+        """Close every open session in the store, each recorded with `reason`, on the
+        writer thread."""
+        def close() -> None:
+            for session_id, tenant in self.store.close_open_sessions():
+                self.store.add_audit(AuditRow(tenant, time.time(), "session_close", {
+                    "actor": tenant, "session_id": session_id, "reason": reason}))
+        self.write_later(close)
 
     # ------------------------------------------------------------------ store writes
 

@@ -61,6 +61,13 @@ class SessionTable(Database):
         self._write("UPDATE sessions SET closed_at = ? WHERE session_id = ?",
                     (time.time(), session_id))
 
+    def close_open_sessions(self) -> list[tuple[str, str]]:
+        """Close every open session, of every tenant: each closed (session_id, tenant)."""
+        rows = self._query("SELECT session_id, tenant FROM sessions WHERE closed_at IS NULL "
+                           "ORDER BY created_at, session_id")
+        self._write("UPDATE sessions SET closed_at = ? WHERE closed_at IS NULL", (time.time(),))
+        return [(r[0], r[1]) for r in rows]
+
     def open_sessions(self, tenant: str) -> int:
         return self._query("SELECT COUNT(*) FROM sessions WHERE tenant = ? AND closed_at IS "
                            "NULL", (tenant,))[0][0]
