@@ -11,8 +11,9 @@ import time
 import pytest
 
 from twinkle_server.config.flags import ServerConfig
+from twinkle_server.engine.errors import InvalidArgument
 from twinkle_server.engine.types import LoraSpec
-from twinkle_server.runtime import OpRef, Runtime, checkpoint_ref
+from twinkle_server.runtime import OpRef, Runtime, audit, checkpoint_ref
 from twinkle_server.runtime.signed_urls import BadSignature, Signer
 from twinkle_server.store import Store
 
@@ -128,3 +129,26 @@ def test_a_stopping_server_closes_its_sessions_and_a_starting_one_those_left_ope
     finally:
         rt.close()
         rt.store.close()
+
+
+def test_a_day_past_the_most_one_answer_carries_is_refused_naming_how_to_narrow_it(
+        runtime, monkeypatch):
+    """The SDK's AuditLogResponse carries no cursor nor flag: a cut answer would drop
+    entries unseen, so a day of more entries than one answer carries is refused, naming
+    the limit and how to ask for fewer (an event_type, or one event's name)."""
+    monkeypatch.setattr(audit, "MAX_ENTRIES_PER_DAY", 3)
+    for n in range(4):
+        runtime.record("alice", "checkpoint_read", purpose="sample", n=n)
+    runtime.record("alice", "checkpoint_delete", tinker_path="tinker://r/weights/w")
+
+    async def read(event_type: str) -> list:
+        return await runtime.audit.entries("alice", event_type)
+
+    for event_type in ("all", "checkpoints", "checkpoint_read"):
+        with pytest.raises(InvalidArgument, match="more than 3 entries.*event_type"):
+            asyncio.run(read(event_type))
+    [deleted] = asyncio.run(read("checkpoint_delete"))
+    assert deleted.details["tinker_path"] == "tinker://r/weights/w"
+    assert asyncio.run(read("models")) == []
+    with pytest.raises(InvalidArgument, match="event_type: 'checkpoint'"):
+        asyncio.run(read("checkpoint"))

@@ -52,7 +52,9 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
 }
 """`event_type` -> the event name prefixes it selects (none: every event)."""
 MAX_ENTRIES_PER_DAY = 10_000
-"""Most entries one answer carries (a day of a busy tenant's saves fits many times)."""
+"""Most entries one answer carries (a day of a busy tenant's saves fits many times). The
+SDK's `AuditLogResponse` has no cursor nor flag to say an answer was cut, so a day of
+more is refused, naming how to ask for fewer (`Audit.entries`)."""
 
 
 def checkpoint_details(row: CheckpointRow) -> dict[str, Any]:
@@ -74,16 +76,29 @@ class Audit:
     async def entries(self, tenant: str, event_type: str = "all", day: str = ""
                       ) -> list[AuditRow]:
         """The tenant's entries of one UTC day (`day` YYYY-MM-DD; empty: today), oldest
-        first, of the kind `event_type` names (`EVENT_TYPES`); read behind the entries
-        queued so far, so a caller sees what it has just done."""
+        first, of the kind `event_type` names (`EVENT_TYPES`, or one event's name, e.g.
+        `checkpoint_delete`); read behind the entries queued so far, so a caller sees
+        what it has just done. More than `MAX_ENTRIES_PER_DAY` is refused, not cut."""
         prefixes = EVENT_TYPES.get(event_type)
+        if prefixes is None and any(event_type.startswith(p) and event_type != p
+                                    for kinds in EVENT_TYPES.values() for p in kinds):
+            prefixes = (event_type,)   # one event: no name is the start of another's
         if prefixes is None:
             raise InvalidArgument(f"event_type: {event_type!r}; one of "
-                                  f"{', '.join(sorted(EVENT_TYPES))}")
+                                  f"{', '.join(sorted(EVENT_TYPES))}, or one event's name "
+                                  "(e.g. checkpoint_delete)")
         try:
             date = dt.date.fromisoformat(day) if day else dt.datetime.now(dt.timezone.utc).date()
         except ValueError:
             raise InvalidArgument(f"day: {day!r} is not a date (YYYY-MM-DD)") from None
         start = dt.datetime.combine(date, dt.time(), dt.timezone.utc).timestamp()
-        return await self.core.write(self.core.store.audit_entries, tenant, start,
-                                     start + 86_400, prefixes, MAX_ENTRIES_PER_DAY)
+        limit = MAX_ENTRIES_PER_DAY
+        rows = await self.core.write(self.core.store.audit_entries, tenant, start,
+                                     start + 86_400, prefixes, limit + 1)
+        if len(rows) > limit:
+            raise InvalidArgument(
+                f"day, event_type: {date} holds more than {limit} entries of event_type "
+                f"{event_type!r}, the most one answer carries; ask for fewer with an "
+                "event_type of checkpoints, models, samplers or sessions, or one event's "
+                "name (e.g. checkpoint_delete)")
+        return rows
