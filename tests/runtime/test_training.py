@@ -160,3 +160,28 @@ def test_a_retry_answered_from_the_stored_result_is_not_observed_again(runtime):
             assert again is first
     asyncio.run(scenario())
     assert seen.count("forward_backward") == 1, seen
+
+
+def test_a_sessions_ops_keep_it_alive_between_heartbeats(engine, tmp_path):
+    """The stock SDK heart-beats every 10 s: a loop training without pause under a
+    shorter --session-timeout must keep its model; its ops count as liveness, and a
+    session idle past the timeout still expires."""
+    timeout = 2.0
+    rt = Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
+                 Store(tmp_path))
+
+    async def scenario():
+        session = await rt.runs.create_session("alice", {})
+        info = await rt.training.create_model("alice", session_id=session,
+                                              spec=LoraSpec(rank=4, alpha=8, seed=0))
+        mid = info.entry.model_id
+        await asyncio.sleep(timeout + 0.5)   # no heartbeat since the session opened
+        await rt.training.set_loss("alice", OpRef(mid, 0), LossSpec("cross_entropy"))
+        await rt.lifetimes.expire_sessions()
+        assert mid in rt.models, "a session expired right after its model's op"
+        await asyncio.sleep(timeout + 0.5)
+        await rt.lifetimes.expire_sessions()
+        assert mid not in rt.models, "an idle session did not expire"
+
+    for _ in running(rt):
+        asyncio.run(scenario())

@@ -96,6 +96,10 @@ class Core:
         self.observe_op: OpObserver | None = None
         self.traces = Traces()
         """Each session's recent ops, for its trace (`runtime.traces`)."""
+        self.last_op: dict[str, float] = {}
+        """Each client session's last op start or end (`time.time()`): liveness the
+        expiry sweep reads beside heartbeats (the SDK beats every 10 s, a busy loop
+        runs ops in between), kept here, not a store write per op."""
         """Called after every op with (base model name, op, seconds, result, error):
         the metrics hook."""
 
@@ -260,6 +264,7 @@ class Core:
         """
         start, submitted = time.perf_counter(), time.monotonic()
         result = error = None
+        self._alive(op.queue_id)
         sampler = self.samplers.get(op.queue_id)
         if sampler is not None:   # in use until it ends (`Lifetimes.expire_snapshots`)
             sampler.in_flight += 1
@@ -283,6 +288,7 @@ class Core:
             if sampler is not None:
                 sampler.in_flight -= 1
                 sampler.last_used = time.monotonic()
+            self._alive(op.queue_id)
             seconds = time.perf_counter() - start
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f base=%s", op.queue_id,
                      op.seq_id, op.kind, op.tokens, seconds * 1000, served.name)
@@ -292,11 +298,19 @@ class Core:
             if self.observe_op is not None and getattr(future, "op", op) is op:
                 self.observe_op(served.name, op, seconds, result, error)
 
+    def _session_of(self, queue_id: str) -> str | None:
+        """The client session of a model's or sampling session's queue (None: none)."""
+        model, sampler = self.models.get(queue_id), self.samplers.get(queue_id)
+        return model.session_id if model else sampler.session_id if sampler else None
+
+    def _alive(self, queue_id: str) -> None:
+        if session := self._session_of(queue_id):
+            self.last_op[session] = time.time()
+
     def _trace(self, op: Op, served: Served, submitted: float, future: Any, result: Any,
                error: BaseException | None) -> None:
         """Leave the ended `op` in its session's trace, if it belongs to a session."""
-        model, sampler = self.models.get(op.queue_id), self.samplers.get(op.queue_id)
-        session = model.session_id if model else sampler.session_id if sampler else None
+        session = self._session_of(op.queue_id)
         if not session:
             return
         outcome = "ok" if error is None else getattr(error, "category", "internal")
@@ -306,8 +320,9 @@ class Core:
                 "outcome": outcome, "base_model": served.name}
         if isinstance(result, Generation):
             args["decode_slices"] = result.decode_slices
+        role = "model" if op.queue_id in self.models else "sampler"
         self.traces.op(
-            session, f"{'model' if model else 'sampler'} {op.queue_id}", op.kind, submitted,
+            session, f"{role} {op.queue_id}", op.kind, submitted,
             getattr(future, "started", None), time.monotonic(), args,
             {"queue depth": served.scheduler.stats()["queued"],
              "KV positions used": pool.kv_in_use,

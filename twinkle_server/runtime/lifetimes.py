@@ -65,10 +65,14 @@ class Lifetimes:
                                  checkpoint_type=row.kind, owner=row.tenant)
 
     async def expire_sessions(self) -> None:
-        """Close every session idle past `--session-timeout`, with its models and
-        sampling sessions."""
+        """Close every session idle past `--session-timeout` (no heartbeat and no op of
+        its models or sampling sessions: `Core.last_op`), with its models and sampling
+        sessions."""
         core = self.core
-        for session_id in core.store.expired_sessions(core.config.session_timeout):
+        timeout, now = core.config.session_timeout, time.time()
+        for session_id in core.store.expired_sessions(timeout):
+            if now - core.last_op.get(session_id, 0.0) < timeout:
+                continue
             tenant = core.store.session_tenant(session_id)
             await core.write(core.store.close_session, session_id)
             if tenant is not None:
@@ -117,6 +121,7 @@ class Lifetimes:
 
     async def close_session_models(self, session_id: str, reason: str) -> None:
         """Unload a closed session's models and end its sampling sessions."""
+        self.core.last_op.pop(session_id, None)
         for model_id in [m for m, e in self.core.models.items() if e.session_id == session_id]:
             await self.unload(model_id, reason)
         for sid in [s for s, e in self.core.samplers.items() if e.session_id == session_id]:
