@@ -115,8 +115,10 @@ class ServerConfig:
                                   "requests wait for room, one that can never fit is "
                                   "refused. 0 picks a quarter of the memory free after the "
                                   "base loads, at most 1,048,576")
-    session_timeout: float = _opt(300.0, "seconds without a heartbeat before a session's "
-                                         "adapters are unloaded (checkpoints stay)")
+    session_timeout: float = _opt(300.0, "seconds without a heartbeat or an op before a "
+                                         "session's adapters are unloaded (checkpoints "
+                                         "stay); the stock tinker SDK beats every 10 s, so "
+                                         "under that its idle clients expire")
     max_stability_records: int = _opt(
         50_000, "sampled sequences one tenant keeps recorded for stable_reinforce "
                 "(record_stability_info): past it a new record evicts the tenant's least "
