@@ -75,3 +75,16 @@ def test_a_repository_without_safetensors_is_refused_naming_the_format(repos, tm
         done = _fetch(f"http://127.0.0.1:{stand_in.server_address[1]}", tmp_path / "home",
                       "Org/Pickles")
     assert done.returncode != 0 and "'Org/Pickles' has no safetensors weights" in done.stderr
+
+
+@pytest.mark.parametrize("model", ["/no/such/Qwen3-0.6B", "./Qwen3-0.6B", "~/nowhere/m"])
+def test_a_mistyped_local_path_is_refused_as_a_missing_directory_not_downloaded(
+        repos, tmp_path, model):
+    """A path (absolute, relative or home) that is no directory is a typo to name, not a
+    hub id: once it went to the hub and came back as a validation error of the download."""
+    with hub(repos) as stand_in:
+        done = _fetch(f"http://127.0.0.1:{stand_in.server_address[1]}", tmp_path / "home",
+                      model)
+        assert done.returncode != 0
+        assert f"model: no model directory at {model!r}" in done.stderr, done.stderr
+        assert stand_in.asked == []

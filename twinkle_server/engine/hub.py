@@ -52,11 +52,14 @@ def fetch(model: str, no_network: bool = False) -> Path | None:
     Returns where its files are (None for a built-in or a local directory).
 
     Raises:
-        NotFound: it is not cached and downloads are off, or the hub has no such model.
+        NotFound: a path that is no directory; not cached and downloads are off; or
+            the hub has no such model.
         InvalidArgument: the download holds no safetensors weights.
     """
     if is_local(model):
         return None
+    if model.startswith(("/", "./", "../", "~")):   # a path, never a hub id
+        raise NotFound(f"model: no model directory at {model!r}")
     if (path := cached(model)) is not None:
         return path
     if offline(no_network):
