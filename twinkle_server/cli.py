@@ -13,6 +13,7 @@ from pathlib import Path
 from twinkle_server.config import flags
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
+from twinkle_server.store.keys import check_tenant
 from twinkle_wire import paths
 
 
@@ -147,6 +148,11 @@ def cmd_adapters(args: argparse.Namespace) -> int:
     from twinkle_server.runtime.imports import MAX_UPLOAD_BYTES, register
 
     directory = Path(args.directory)
+    try:
+        check_tenant(args.tenant)   # the store refuses it too; say so before any work
+    except ValueError as exc:
+        print(f"twinkle-server: --{exc}", file=sys.stderr)
+        return 2
     try:
         served = None
         if not (args.model or args.models or args.max_rank):

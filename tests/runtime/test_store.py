@@ -107,3 +107,17 @@ def test_a_database_from_a_newer_server_is_refused(tmp_path):
     db.close()
     with pytest.raises(RuntimeError, match="newer than this server"):
         Store(tmp_path)
+
+
+def test_no_checkpoint_dir_is_given_for_a_tenant_that_is_no_name(tmp_path):
+    """A tenant names a directory: '..' would put a checkpoint outside the data dir."""
+    store = Store(tmp_path / "data")
+    try:
+        for tenant in ("../../escaped", "a/b", "", "x" * 65):
+            with pytest.raises(ValueError, match="use 1-64 letters, digits, '-' or '_'"):
+                store.checkpoint_dir(tenant, "run-1", "external", "imported")
+        assert store.checkpoint_dir("alice_2-b", "run-1", "external", "imported") == (
+            tmp_path / "data" / "checkpoints" / "alice_2-b" / "run-1" / "external_weights"
+            / "imported")
+    finally:
+        store.close()

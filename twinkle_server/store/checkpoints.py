@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from twinkle_server.store.database import Database
+from twinkle_server.store.keys import check_tenant
 
 _CHECKPOINT_COLUMNS = ("run_id, kind, name, tenant, rel_path, size_bytes, has_optimizer, "
                        "created_at, user_metadata, public, expires_at")
@@ -43,6 +44,8 @@ class CheckpointTable(Database):
     """The `checkpoints` table's queries (a part of `Store`)."""
 
     def checkpoint_dir(self, tenant: str, run_id: str, kind: str, name: str) -> Path:
+        """Where a checkpoint's files go; ValueError for a tenant that is no name."""
+        check_tenant(tenant)
         segment = SEGMENTS[kind]
         return self.checkpoint_root / tenant / run_id / segment / name
 

@@ -17,6 +17,13 @@ KEY_PREFIX = "tml-"
 keys made before (`tw-...`) stay valid: a key is looked up by its hash."""
 
 
+def check_tenant(tenant: str) -> None:
+    """Raise ValueError unless `tenant` is 1-64 letters, digits, '-' or '_': a tenant
+    names a directory (`checkpoints/<tenant>/`), so '..' or '/' would leave the data dir."""
+    if not tenant or len(tenant) > 64 or not tenant.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"tenant {tenant!r}: use 1-64 letters, digits, '-' or '_'")
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -34,8 +41,7 @@ class KeyTable(Database):
 
     def create_key(self, tenant: str) -> tuple[str, str]:
         """A new key for `tenant`: returns (key_id, plain key); only the hash is stored."""
-        if not tenant or len(tenant) > 64 or not tenant.replace("-", "").replace("_", "").isalnum():
-            raise ValueError("tenant: use 1-64 letters, digits, '-' or '_'")
+        check_tenant(tenant)
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = secrets.token_hex(4)
         self._write("INSERT INTO api_keys VALUES (?, ?, ?, ?, NULL)",
