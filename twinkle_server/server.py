@@ -196,9 +196,11 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
     drain."""
     loop = asyncio.get_running_loop()
     rt = Runtime(config, engines, store)
-    rt.start()
-    server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    # gRPC sets SO_REUSEPORT by default: a second server on a live one's --port would
+    # start, and the kernel would split new connections between the two.
+    server = grpc.aio.server(interceptors=[RejectUndecodable()], options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)])
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(rt), server)
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(rt), server)
     sampling_pb2_grpc.add_SamplingServiceServicer_to_server(SamplingServicer(rt), server)
@@ -210,12 +212,18 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    if config.tls_cert:
-        creds = grpc.ssl_server_credentials(
-            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if config.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:   # grpc's "Failed to bind to address"
+        rt.close()
+        raise ConfigError(f"--port {config.port}: cannot listen on {address}; is another "
+                          "server using it? Pick another port (0 picks a free one)") from None
+    rt.start()
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
