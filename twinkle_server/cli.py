@@ -14,6 +14,7 @@ from twinkle_server.config import flags
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
 from twinkle_server.store.keys import check_tenant
+from twinkle_server.store.lock import holder
 from twinkle_wire import paths
 
 
@@ -38,7 +39,7 @@ def _when(ts: float | None) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from twinkle_server.engine import hub
     from twinkle_server.ranks import launch
-    from twinkle_server.server import ConfigError, GroupLost, config_problem, serve
+    from twinkle_server.server import ConfigError, GroupLost, config_problem, own_data_dir, serve
 
     cfg = flags.from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(),
@@ -63,9 +64,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
     clean = True
+    lock = None
     try:
-        problem = channel.agree(config_problem(cfg, parallel.world) if parallel.rank == 0
-                                else None)
+        problem = None
+        if parallel.rank == 0:   # it alone owns the data dir; refused, no rank loads
+            try:
+                lock = own_data_dir(cfg)
+                problem = config_problem(cfg, parallel.world)
+            except ConfigError as exc:
+                problem = str(exc)
+        problem = channel.agree(problem)
         if problem is not None:
             if parallel.rank == 0:
                 print(f"twinkle-server: {problem}", file=sys.stderr)
@@ -74,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             code = launch.run_follower(cfg, parallel, channel)
             clean = code != 1
             return code
-        asyncio.run(serve(cfg, parallel=parallel, channel=channel))
+        asyncio.run(serve(cfg, parallel=parallel, channel=channel, lock=lock))
     except (ConfigError, EngineError) as exc:
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 2
@@ -88,17 +96,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    store = Store(args.data_dir)
     if args.action == "create":
-        key_id, key = store.create_key(args.tenant)
+        held = holder(args.data_dir)
+        if held is not None and held.open_mode:
+            # It decided at its start that it is open, and would stay so beside the key,
+            # keeping every client's work as tenant 'local'.
+            print(f"twinkle-server: the server on {args.data_dir} (pid {held.pid or '?'}) runs open, "
+                  "with no API keys, and would stay open: stop it, create the key, then "
+                  "start it again", file=sys.stderr)
+            return 2
+        try:
+            key_id, key = Store(args.data_dir).create_key(args.tenant)
+        except ValueError as exc:
+            print(f"twinkle-server: --{exc}", file=sys.stderr)
+            return 2
         print(f"created key {key_id} for tenant {args.tenant}; it is shown only this once:")
         print(key)
     elif args.action == "list":
         rows = [[k.key_id, k.tenant, _when(k.created_at), _when(k.revoked_at)]
-                for k in store.list_keys()]
+                for k in Store(args.data_dir).list_keys()]
         print(_table(["KEY ID", "TENANT", "CREATED", "REVOKED"], rows))
     else:
-        if not store.revoke_key(args.key_id):
+        if not Store(args.data_dir).revoke_key(args.key_id):
             print(f"no active key {args.key_id!r}", file=sys.stderr)
             return 1
         print(f"revoked key {args.key_id}")

@@ -42,6 +42,7 @@ from twinkle_server.service.session import SessionServicer
 from twinkle_server.service.training import TrainingServicer
 from twinkle_server.service.undecodable import RejectUndecodable
 from twinkle_server.store import Store
+from twinkle_server.store.lock import DataDirInUse, DataDirLock
 from twinkle_wire import MAX_MESSAGE_BYTES
 from twinkle_wire._proto.twinkle.v1 import (
     external_pb2,
@@ -152,17 +153,41 @@ def _rank_zero_engine(config: ServerConfig, member: Member, local: Engine,
     return SplitEngine(engine, member.links, config.collective_timeout)
 
 
+def own_data_dir(config: ServerConfig) -> DataDirLock:
+    """The data dir's lock (`store.lock`), or ConfigError naming the server holding it."""
+    try:
+        return DataDirLock.take(config.data_dir)
+    except DataDirInUse as exc:
+        raise ConfigError(str(exc)) from None
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
-                parallel: Parallel | None = None, channel: Channel | None = None) -> None:
+                parallel: Parallel | None = None, channel: Channel | None = None,
+                lock: DataDirLock | None = None) -> None:
     """Run the server until SIGINT/SIGTERM, then drain and flush the store.
 
+    The data dir is the server's alone from before any cleanup to its exit: `lock`, the
+    one rank 0 of several took before they agreed to start, or one taken here.
     With `parallel` (rank 0 of several, `twinkle_server.ranks.launch`) the engine is sharded
     and every call replayed on the other ranks through `channel`; when a rank is lost
     the server drains (ops fail UNAVAILABLE), stops, and raises GroupLost."""
+    lock = lock or own_data_dir(config)
+    try:
+        await _serve_locked(config, ready, parallel, channel, lock)
+    finally:
+        lock.release()
+
+
+async def _serve_locked(config: ServerConfig, ready: asyncio.Event | None,
+                        parallel: Parallel | None, channel: Channel | None,
+                        lock: DataDirLock) -> None:
     problem = config_problem(config, parallel.world if parallel is not None else 1)
     if problem is not None:
         raise ConfigError(problem)
     store = Store(config.data_dir)
+    # `keys create` refuses while an open server holds the data dir: such a server
+    # decided it is open here, once, and would stay open beside the new key.
+    lock.record(open_mode=not store.has_keys())
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     lost: list[str] = []

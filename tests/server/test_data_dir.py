@@ -1,0 +1,91 @@
+"""One server owns a data dir and a port: a second one is refused at start, in one line,
+before it can take connections or clean the first one's files; `keys create` will not
+leave an open server open beside a key."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from twinkle_server.runtime.core import SNAPSHOT_DIR
+from twinkle_server.runtime.trace_exports import TRACE_DIR
+from twinkle_wire._proto.twinkle.v1 import runs_pb2
+
+from ..service.harness import Client, start_server, twinkle_server
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def open_server(tmp_path_factory, tiny_cache):
+    proc = start_server(tmp_path_factory.mktemp("open-server"))
+    yield proc
+    proc.stop()
+
+
+def _refused(data_dir, *extra: str) -> str:
+    """The log of a server refused at start; fails (stopping it) if it started."""
+    try:
+        started = start_server(data_dir, *extra)
+    except RuntimeError as refused:
+        log = str(refused)
+    else:
+        started.stop()
+        pytest.fail(f"a second server started: {started.address}")
+    assert log.startswith("server exited 2")
+    assert "Traceback" not in log
+    return log
+
+
+def test_a_second_server_on_a_live_servers_port_is_refused_naming_the_port(
+        open_server, tmp_path):
+    port = open_server.address.rsplit(":", 1)[1]
+    log = _refused(tmp_path / "second", "--port", port)
+    assert f"twinkle-server: --port {port}: cannot listen on" in log
+
+
+def test_a_second_server_on_a_live_servers_data_dir_is_refused_and_leaves_its_files(
+        open_server, tmp_path):
+    data_dir = open_server.data_dir
+    kept = [data_dir / SNAPSHOT_DIR / "sess-x" / "adapter_model.safetensors",
+            data_dir / TRACE_DIR / "sess-x.json"]
+    for path in kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("the first server's")
+    served = (data_dir / "served.json").read_text()
+    log = _refused(data_dir, "--http-port", "0")
+    assert (f"twinkle-server: data dir {data_dir} is in use by pid {open_server.proc.pid}"
+            in log)
+    assert all(path.read_text() == "the first server's" for path in kept)
+    assert (data_dir / "served.json").read_text() == served
+    client = Client(open_server.address)
+    client.call(client.runs.ListRuns, runs_pb2.ListRunsRequest())   # the first serves on
+
+
+def test_keys_create_beside_an_open_server_is_refused_naming_its_pid(open_server):
+    data_dir = str(open_server.data_dir)
+    out = twinkle_server("keys", "create", "--tenant", "alice", "--data-dir", data_dir)
+    assert out.returncode == 2
+    assert f"(pid {open_server.proc.pid}) runs open" in out.stderr
+    assert "stop it, create the key, then start it again" in out.stderr
+    listed = twinkle_server("keys", "list", "--data-dir", data_dir)
+    assert "alice" not in listed.stdout
+
+
+def test_a_key_created_beside_a_keyed_server_works_at_once(tmp_path, tiny_cache):
+    data_dir = tmp_path / "keyed"
+    assert twinkle_server("keys", "create", "--tenant", "alice",
+                          "--data-dir", str(data_dir)).returncode == 0
+    proc = start_server(data_dir)
+    try:
+        out = twinkle_server("keys", "create", "--tenant", "bob", "--data-dir", str(data_dir))
+        assert out.returncode == 0, out.stderr
+        bob = Client(proc.address, out.stdout.strip().splitlines()[-1])
+        bob.call(bob.runs.ListRuns, runs_pb2.ListRunsRequest())
+        stranger = Client(proc.address, "tml-nobody")
+        with pytest.raises(grpc.RpcError) as refused:
+            stranger.call(stranger.runs.ListRuns, runs_pb2.ListRunsRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        proc.stop()
+
