@@ -13,6 +13,7 @@ from pathlib import Path
 from twinkle_server.config import flags
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
+from twinkle_server.store.database import DB_FILE
 from twinkle_server.store.keys import check_tenant
 from twinkle_server.store.lock import holder
 from twinkle_wire import paths
@@ -95,7 +96,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_registry(data_dir: Path) -> bool:
+    """True, having said so, when `data_dir` holds no registry: a command that only reads
+    or changes what is there never makes one (a mistyped --data-dir is not an empty one)."""
+    if (Path(data_dir) / DB_FILE).is_file():
+        return False
+    print(f"twinkle-server: --data-dir {data_dir}: no Twinkle data dir there (no {DB_FILE}); "
+          "give the one the server was started with", file=sys.stderr)
+    return True
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
+    if args.action != "create" and _no_registry(args.data_dir):
+        return 2
     if args.action == "create":
         held = holder(args.data_dir)
         if held is not None and held.open_mode:
@@ -125,6 +138,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    if _no_registry(args.data_dir):
+        return 2
     store = Store(args.data_dir)
     if args.action == "list":
         runs, total = store.list_runs(args.tenant, args.limit, 0)
@@ -204,6 +219,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     from twinkle_server.runtime.trace_exports import operator_path
 
     data_dir = Path(args.data_dir)
+    if _no_registry(data_dir):
+        return 2
     try:
         front = served_front(data_dir)
     except EngineError as exc:

@@ -1,6 +1,7 @@
 """One server owns a data dir and a port: a second one is refused at start, in one line,
 before it can take connections or clean the first one's files; `keys create` will not
-leave an open server open beside a key."""
+leave an open server open beside a key; the commands that only read a data dir never
+make one."""
 
 from __future__ import annotations
 
@@ -88,4 +89,27 @@ def test_a_key_created_beside_a_keyed_server_works_at_once(tmp_path, tiny_cache)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("command", [("runs", "list"), ("runs", "show", "run-x"),
+                                     ("keys", "list"), ("keys", "revoke", "k1"),
+                                     ("sessions", "trace", "sess-x")])
+def test_a_command_that_reads_a_data_dir_refuses_one_that_does_not_exist(command, tmp_path):
+    missing = tmp_path / "misspelt"
+    out = twinkle_server(*command, "--data-dir", str(missing))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"twinkle-server: --data-dir {missing}: no Twinkle data "
+                                  "dir there (no twinkle.db); give the one the server was "
+                                  "started with")
+    assert not missing.exists()
+
+
+def test_adapters_import_refuses_a_tenant_that_is_no_name(tmp_path):
+    data_dir = tmp_path / "data"
+    out = twinkle_server("adapters", "import", str(tmp_path), "--tenant", "../../escaped",
+                         "--data-dir", str(data_dir))
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("twinkle-server: --tenant '../../escaped': use 1-64 "
+                                  "letters, digits, '-' or '_'")
+    assert not (tmp_path.parent / "escaped").exists()
 

@@ -54,6 +54,7 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
      "CREATE INDEX audit_by_tenant ON audit_log (tenant, at)"),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
+DB_FILE = "twinkle.db"
 
 
 class Database:
@@ -70,14 +71,14 @@ class Database:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_root = self.data_dir / "checkpoints"
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.data_dir / "twinkle.db", check_same_thread=False,
+        self._db = sqlite3.connect(self.data_dir / DB_FILE, check_same_thread=False,
                                    isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._migrate()
         self._read_lock = threading.Lock()
-        self._reader = sqlite3.connect(self.data_dir / "twinkle.db", check_same_thread=False,
+        self._reader = sqlite3.connect(self.data_dir / DB_FILE, check_same_thread=False,
                                        isolation_level=None)
 
     def _migrate(self) -> None:
@@ -93,7 +94,7 @@ class Database:
         current = self._db.execute("PRAGMA user_version").fetchone()[0]
         if current > SCHEMA_VERSION:
             self._db.close()
-            raise RuntimeError(f"{self.data_dir / 'twinkle.db'}: schema version {current} is "
+            raise RuntimeError(f"{self.data_dir / DB_FILE}: schema version {current} is "
                                f"newer than this server's {SCHEMA_VERSION}; run a newer server")
 
     def close(self) -> None:
