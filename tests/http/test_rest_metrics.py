@@ -72,6 +72,11 @@ def test_metrics_move_with_traffic(service, base_url):
                for n in range(1, 9)) == 1
     assert after[_key("twinkle_adapters_loaded")] >= 1
     assert _key("twinkle_queue_depth") in after
+    # Totals since start are counters (once gauges, which rate() must not be given).
+    types_of = {f.name: f.type for f in text_string_to_metric_families(
+        httpx.get(f"{base_url}/metrics").text)}
+    assert types_of["twinkle_passes"] == types_of["twinkle_merged_ops"] == "counter"
+    assert delta("twinkle_passes_total") >= 2
     assert not any("tenant" in dict(labels) or "model" in dict(labels)
                    or "session" in dict(labels) for _, labels in after)
 

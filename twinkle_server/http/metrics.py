@@ -98,10 +98,10 @@ class _PerModel:
             base, stats = served.name, served.scheduler.stats()
             pool, device = served.engine.decode_stats(), served.engine.base.device
             gauge("queue_depth", "Ops queued, not yet running", base, stats["queued"])
-            gauge("passes", "Batches (passes) the worker has run since start", base,
-                  stats["batches_run"])
-            gauge("merged_ops", "Ops that ran in batches of two or more", base,
-                  stats["merged_ops"])
+            counter("passes", "Batches (passes) the worker has run since start", base,
+                    stats["batches_run"])
+            counter("merged_ops", "Ops that ran in batches of two or more", base,
+                    stats["merged_ops"])
             gauge("adapters_loaded", "LoRA adapters live (resident or paged out)", base,
                   len(served.engine.adapters))
             gauge("adapters_limit", "Most adapters resident at once (max_adapters)", base,
