@@ -55,3 +55,31 @@ def test_a_hub_id_loads_from_the_local_cache_and_an_uncached_one_is_not_found(
                               "('tiny', 'tiny-large')"), \
         missing
     assert "downloads a hub id at start" in missing     # loading never downloads
+
+
+def test_a_multimodal_configs_context_and_eos_come_from_its_text_model(tiny_cache):
+    """Gemma 3's multimodal config keeps `max_position_embeddings` and `eos_token_id` in
+    its text config: the context once fell back to 4,096 without a word, and the EOS
+    ids raised AttributeError."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+
+    from twinkle_server.engine.base_model import BaseModel
+    from twinkle_server.engine.tiny_model import build_tiny_model
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=4096, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=256, sliding_window=16,
+                         eos_token_id=7),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4)
+    assert not hasattr(config, "max_position_embeddings")
+    tiny = build_tiny_model(tiny_cache)
+    base = BaseModel(Gemma3ForConditionalGeneration(config), AutoTokenizer.from_pretrained(tiny),
+                     "gemma3-mm", Path(tiny), torch.device("cpu"), torch.float32)
+    assert base.max_seq_len == 256
+    assert 7 in base.eos_token_ids

@@ -38,6 +38,13 @@ class BaseModel:
         return self.model.config
 
     @property
+    def text_config(self):
+        """The language model's config: `config` itself, or a multimodal model's text
+        part (Gemma 3's keeps its context length and EOS ids there)."""
+        config = self.config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    @property
     def tokenizer_dir(self) -> Path:
         """The directory holding the tokenizer files (`tokenizer.json`, its config)."""
         return self.model_dir
@@ -50,7 +57,7 @@ class BaseModel:
     @property
     def max_seq_len(self) -> int:
         """The model's context length (`max_position_embeddings`)."""
-        return int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        return int(getattr(self.text_config, "max_position_embeddings", 0) or 4096)
 
     @property
     def arch(self) -> str:
@@ -58,8 +65,10 @@ class BaseModel:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = self.config.eos_token_id
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        ids: list[int] = []
+        for config in (self.config, self.text_config):
+            found = getattr(config, "eos_token_id", None)
+            ids += [found] if isinstance(found, int) else list(found or [])
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             ids.append(self.tokenizer.eos_token_id)
         return tuple(sorted(set(ids)))
@@ -68,7 +77,7 @@ class BaseModel:
     def pad_token_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         if pad is None:
-            pad = self.config.pad_token_id
+            pad = getattr(self.text_config, "pad_token_id", None)
         return int(pad if pad is not None else self.eos_token_ids[0])
 
     def decode(self, ids) -> str:

@@ -231,7 +231,7 @@ class Engine(Training, Residency):
         the long ones for all of its sequences, so one datum would change the numbers of
         every other in its pass (other tenants' included), and the sampler's prefills and
         steps, whose calls hold other rows, would disagree with the trainer's."""
-        context = getattr(self.base.config, "max_position_embeddings", None)
+        context = getattr(self.base.text_config, "max_position_embeddings", None)
         rope = longrope_limit(self.base.config)
         if limits.max_seq_len != AUTO_SEQ_LEN:
             if context and limits.max_seq_len > context:
