@@ -94,11 +94,16 @@ def is_loopback(host: str) -> bool:
 def config_problem(config: ServerConfig, world: int = 1) -> str | None:
     """Why `config` cannot serve on `world` ranks (the message says how to fix it), or
     None; checked before anything loads, and on several ranks by rank 0 for all of them."""
+    if (problem := config.problem()) is not None:
+        return problem
     if bool(config.tls_cert) != bool(config.tls_key):
         return "--tls-cert and --tls-key: give both or neither"
-    if config.adapter_host_memory_gib < 0:
-        return (f"--adapter-host-memory-gib: {config.adapter_host_memory_gib} must be at "
-                "least 0 (0: no bound)")
+    if world == 1 and config.shard_group_size:
+        return (f"--shard-group-size {config.shard_group_size}: hybrid sharding needs several "
+                "ranks (--nproc-per-node N); the server runs as one process")
+    if world == 1 and config.node_rank:
+        return (f"--node-rank {config.node_rank}: a node's rank needs several nodes "
+                "(--nnodes N --rdzv-endpoint HOST:PORT); the server runs as one process")
     try:
         problem = several_ranks_problem(config, world)
         split = [m.name for m in config.model_configs() if m.sampler_ranks]

@@ -53,7 +53,7 @@ def test_the_one_model_shorthand_is_tiny_with_its_aliases():
     ("[[models]]\nname = 'a'\nrank = 3\n", "#1 ('a'): unknown key 'rank'"),
     ("[[models]]\nname = 'a'\n[[models]]\nname = 'b'\nrole = 'grade'\n",
      "#2 ('b'): key 'role' is 'grade'"),
-    ("[[models]]\nname = 'a'\nmax_rank = -1\n", "key 'max_rank' is -1; give an integer >= 0"),
+    ("[[models]]\nname = 'a'\nmax_rank = -1\n", "key 'max_rank' is -1; give an integer >= 1"),
     ("[[models]]\nname = 'a'\nmax_rank = '8'\n", "key 'max_rank' is '8'"),
     ("[[models]]\nname = 'a'\naliases = 'b'\n", "key 'aliases' is 'b'; give a list"),
     ("[[models]]\nname = 'a'\nranks = [0, 0]\n", "give a list without repeats"),
@@ -235,7 +235,7 @@ def test_a_negative_sampler_ranks_flag_is_refused_not_ignored(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     problem = config_problem(ServerConfig(sampler_ranks=-1, device="cpu"), 4)
-    assert "sampler_ranks: 'tiny' asks for -1; give 0" in problem
+    assert problem == "--sampler-ranks: -1 must be at least 0"
 
 
 def test_a_negative_host_budget_for_paged_adapters_is_refused_by_flag():

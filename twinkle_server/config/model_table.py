@@ -111,9 +111,11 @@ def shorthand(defaults: dict[str, Any], model: str, aliases: tuple[str, ...]) ->
     return ModelConfig(name=name, path=name, aliases=aliases, **defaults)
 
 
-def read_models_file(path: Path, defaults: dict[str, Any]) -> list[ModelConfig]:
-    """The models of a `--models` file, each key absent taken from `defaults` (the flags).
-    Raises `InvalidArgument` naming the file, the table and the key of the first problem."""
+def read_models_file(path: Path, defaults: dict[str, Any],
+                     least: dict[str, int] | None = None) -> list[ModelConfig]:
+    """The models of a `--models` file, each key absent taken from `defaults` (the flags),
+    each integer key at least its flag's `least` (else 0). Raises `InvalidArgument`
+    naming the file, the table and the key of the first problem."""
     where = f"--models {path}"
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -128,13 +130,14 @@ def read_models_file(path: Path, defaults: dict[str, Any]) -> list[ModelConfig]:
     tables = data.get("models")
     if not isinstance(tables, list) or not tables:
         raise InvalidArgument(f"{where}: no [[models]] table; give one per served model")
-    models = [_model(table, f"{where}: [[models]] #{i + 1}", defaults)
+    models = [_model(table, f"{where}: [[models]] #{i + 1}", defaults, least or {})
               for i, table in enumerate(tables)]
     check_names(models, where)
     return models
 
 
-def _model(table: Any, where: str, defaults: dict[str, Any]) -> ModelConfig:
+def _model(table: Any, where: str, defaults: dict[str, Any],
+           least: dict[str, int]) -> ModelConfig:
     if not isinstance(table, dict):
         raise InvalidArgument(f"{where}: not a table")
     name = table.get("name")
@@ -148,15 +151,15 @@ def _model(table: Any, where: str, defaults: dict[str, Any]) -> ModelConfig:
                               f"{sorted(KEYS)}")
     values = {**defaults, "path": name}
     for key, value in table.items():
-        values[key] = _value(key, value, where)
+        values[key] = _value(key, value, where, least.get(key, 0))
     if values.get("role", TRAIN) not in ROLES:
         raise InvalidArgument(f"{where}: key 'role' is {values['role']!r}; give one of "
                               f"{list(ROLES)}")
     return ModelConfig(**values)
 
 
-def _value(key: str, value: Any, where: str) -> Any:
-    """A table's `key`, checked for its type and range."""
+def _value(key: str, value: Any, where: str, least: int) -> Any:
+    """A table's `key`, checked for its type and range (an integer at least `least`)."""
     def bad(wanted: str) -> InvalidArgument:
         return InvalidArgument(f"{where}: key {key!r} is {value!r}; give {wanted}")
 
@@ -171,8 +174,8 @@ def _value(key: str, value: Any, where: str) -> Any:
             raise bad("a list without repeats")
         return tuple(value)
     if key in _INTS:
-        if type(value) is not int or value < 0:
-            raise bad("an integer >= 0")
+        if type(value) is not int or value < least:
+            raise bad(f"an integer >= {least}")
         return value
     if key == "memory_gib":
         if type(value) not in (int, float) or not 0 <= value < float("inf"):
