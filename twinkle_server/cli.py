@@ -42,11 +42,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from twinkle_server.ranks import launch
     from twinkle_server.server import ConfigError, GroupLost, config_problem, own_data_dir, serve
 
-    cfg = flags.from_args(args)
+    try:
+        cfg = flags.from_args(args)
+    except EngineError as exc:   # a TWINKLE_* value its flag would refuse
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not launch.under_launcher():
         try:
+            # Checked before a download, a launch or a load; the ranks of a launch check
+            # the rest (`config_problem` on their world) once they run.
+            problem = cfg.problem() if launch.wants_launch(cfg) else config_problem(cfg)
+            if problem is not None:
+                raise ConfigError(problem)
             # Hub ids are fetched here, once a node, before any rank loads from the cache.
             for model in cfg.model_configs():
                 hub.fetch(model.path, cfg.offline == "on")
@@ -56,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (ConfigError, EngineError) as exc:
             print(f"twinkle-server: {exc}", file=sys.stderr)
             return 2
+        except (OSError, RuntimeError) as exc:
+            return _cannot_serve(exc)
         return 0
     # One rank of several: rank 0 checks the configuration for all, so a bad one ends
     # every rank at once instead of leaving the others waiting in a collective.
@@ -91,6 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         clean = False
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 1
+    except (OSError, RuntimeError) as exc:
+        return _cannot_serve(exc)
     finally:
         parallel.close(clean)
     return 0
@@ -104,6 +117,15 @@ def _no_registry(data_dir: Path) -> bool:
     print(f"twinkle-server: --data-dir {data_dir}: no Twinkle data dir there (no {DB_FILE}); "
           "give the one the server was started with", file=sys.stderr)
     return True
+
+
+def _cannot_serve(exc: BaseException) -> int:
+    """A port gRPC (RuntimeError) or the HTTP front (OSError) could not bind once the
+    model had loaded (taken after `config_problem` checked it), or another error of the
+    machine: one line, exit 2; `--log-level debug` logs where it came from."""
+    logging.getLogger("twinkle_server").debug("serve failed", exc_info=exc)
+    print(f"twinkle-server: {exc}", file=sys.stderr)
+    return 2
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -293,9 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     imported.add_argument("--models", default=os.environ.get("TWINKLE_MODELS"),
                           help="the server's --models file (env TWINKLE_MODELS; default: "
                                "what the data dir's server serves)")
-    imported.add_argument("--max-rank", type=int,
-                          default=int(os.environ["TWINKLE_MAX_RANK"])
-                          if "TWINKLE_MAX_RANK" in os.environ else None,
+    # A string default is converted (and refused, by argparse) only when this command runs.
+    imported.add_argument("--max-rank", type=int, default=os.environ.get("TWINKLE_MAX_RANK"),
                           help="the server's --max-rank (env TWINKLE_MAX_RANK; default: the "
                                "data dir's server's, else 128)")
     _data_dir(imported)
@@ -319,7 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:   # a value the store refuses, e.g. a tenant's name
+        if args.func is cmd_serve:
+            raise
+        print(f"twinkle-server: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +25,7 @@ from twinkle_server.engine import Engine
 from twinkle_server.engine.errors import EngineError
 from twinkle_server.engine.parallel import Parallel
 from twinkle_server.engine.protocol import EngineAPI
-from twinkle_server.http import HTTP_OFF, HttpServer
+from twinkle_server.http import HTTP_OFF, HttpServer, bind
 from twinkle_server.ranks.channel import Channel
 from twinkle_server.ranks.launch import (
     Member,
@@ -115,6 +117,8 @@ def config_problem(config: ServerConfig, world: int = 1) -> str | None:
                 "it (paged-out adapters then stay in host memory)")
     if problem is not None:
         return problem
+    if (problem := _host_problem(config)) is not None:
+        return problem
     if is_loopback(config.host):
         return None
     store = Store(config.data_dir)
@@ -125,6 +129,41 @@ def config_problem(config: ServerConfig, world: int = 1) -> str | None:
                     "Create one with 'twinkle-server keys create --tenant NAME' first.")
     finally:
         store.close()
+    return None
+
+
+def _host_problem(config: ServerConfig) -> str | None:
+    """What of this machine the configuration cannot use: the data dir, the TLS files,
+    the ports (a port taken after this check still fails at bind, `cli`)."""
+    data_dir = config.data_dir.absolute()
+    made = next(p for p in (data_dir, *data_dir.parents) if p.exists())
+    if not made.is_dir():
+        return f"--data-dir {config.data_dir}: {made} is not a directory"
+    if not os.access(made, os.W_OK | os.X_OK):
+        return f"--data-dir {config.data_dir}: {made} is not writable"
+    if config.tls_cert and config.tls_key:
+        where = f"--tls-cert {config.tls_cert} --tls-key {config.tls_key}"
+        for path in (config.tls_cert, config.tls_key):
+            try:
+                path.read_bytes()
+            except OSError as exc:
+                return f"{where}: cannot read {path}: {exc.strerror or exc}"
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                config.tls_cert, config.tls_key, password=lambda: b"")
+        except ssl.SSLError as exc:
+            return (f"{where}: not a PEM certificate and its key (an unencrypted PEM "
+                    f"private key that matches it): {exc.reason or exc}")
+    ports = [("--port", config.port)]
+    if config.http_port != HTTP_OFF:
+        ports.append(("--http-port", config.http_port))
+    for name, port in ports:
+        try:
+            bind(config.host, port).close()
+        except OSError as exc:
+            where = f"{name} {port}" if port else f"--host {config.host}"
+            return (f"{where}: cannot listen on {config.host}:{port}: "
+                    f"{exc.strerror or exc}")
     return None
 
 
