@@ -59,6 +59,7 @@ def test_a_bad_environment_value_is_one_line_in_serve_and_harmless_elsewhere(
         monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("TWINKLE_PORT", "abc")
     monkeypatch.setenv("TWINKLE_MAX_RANK", "x")
+    assert cli.main(["keys", "create", "--tenant", "alice", "--data-dir", str(tmp_path)]) == 0
     assert cli.main(["keys", "list", "--data-dir", str(tmp_path)]) == 0
     assert cli.main(["runs", "list", "--data-dir", str(tmp_path)]) == 0
     capsys.readouterr()
@@ -71,7 +72,7 @@ def test_a_bad_tenant_name_for_a_key_is_one_line(tmp_path, capsys):
     assert cli.main(["keys", "create", "--tenant", "bad name", "--data-dir",
                      str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        "twinkle-server: tenant: use 1-64 letters, digits, '-' or '_'\n")
+        "twinkle-server: --tenant 'bad name': use 1-64 letters, digits, '-' or '_'\n")
 
 
 def test_a_port_that_cannot_be_bound_once_loaded_is_one_line_and_status_2(
