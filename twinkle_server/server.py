@@ -84,6 +84,12 @@ class GroupLost(Exception):
     """A rank of a distributed server died or hung; the server has shut down."""
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 literal in brackets (`[::1]:8000`), as gRPC targets and URLs
+    write it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return host == "localhost"
@@ -162,7 +168,7 @@ def _host_problem(config: ServerConfig) -> str | None:
             bind(config.host, port).close()
         except OSError as exc:
             where = f"{name} {port}" if port else f"--host {config.host}"
-            return (f"{where}: cannot listen on {config.host}:{port}: "
+            return (f"{where}: cannot listen on {host_port(config.host, port)}: "
                     f"{exc.strerror or exc}")
     return None
 
@@ -280,7 +286,7 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{config.host}:{config.port}"
+    address = host_port(config.host, config.port)
     try:
         if config.tls_cert:
             creds = grpc.ssl_server_credentials(
@@ -302,7 +308,7 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
         rt.observe_op = http.metrics.observe
         http.start()
         rt.external.http = Front(config.host, http.port, https=bool(config.tls_cert))
-        print(f"http listening on {config.host}:{http.port}", flush=True)
+        print(f"http listening on {host_port(config.host, http.port)}", flush=True)
     write_served(config.data_dir, [(s.model, s.engine.base.model_dir) for s in rt.bases],
                  rt.external.http)
     mode = "open (no API keys, loopback only)" if rt.open_mode else "API keys required"
@@ -310,7 +316,7 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
     for served in rt.bases:
         log.info("serving %s (role %s) on %s%s, scheduling %s, %s", served.name,
                  served.model.role, served.engine.base.device, ranks, config.scheduling, mode)
-    print(f"listening on {config.host}:{port}", flush=True)
+    print(f"listening on {host_port(config.host, port)}", flush=True)
     if ready is not None:
         ready.set()
 

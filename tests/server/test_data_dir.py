@@ -113,3 +113,19 @@ def test_adapters_import_refuses_a_tenant_that_is_no_name(tmp_path):
                                   "letters, digits, '-' or '_'")
     assert not (tmp_path.parent / "escaped").exists()
 
+
+
+def test_an_ipv6_loopback_host_serves_grpc_and_http_at_bracketed_addresses(tmp_path):
+    """`--host ::1` passes the loopback rule; gRPC was then given `::1:0`, which it could
+    not bind, after the model had loaded. The printed addresses are bracketed, as gRPC
+    targets and URLs write an IPv6 literal."""
+    import httpx
+
+    proc = start_server(tmp_path, "--host", "::1", "--http-port", "0")
+    try:
+        assert proc.address.startswith("[::1]:")           # start_server saw it SERVING
+        assert proc.http_address.startswith("[::1]:")
+        reply = httpx.get(f"http://{proc.http_address}/api/v1/healthz", timeout=30)
+        assert reply.json() == {"status": "ok"}
+    finally:
+        proc.stop()
