@@ -152,6 +152,7 @@ class RunsServiceServicer:
 
     def GetAuditLog(self, request, context):
         """The caller's audit log entries of one UTC day, oldest first; never another tenant's.
+        A day of more than 10,000 is refused (INVALID_ARGUMENT): ask for one event_type.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
