@@ -156,6 +156,19 @@ def longrope_limit(config: Any) -> int | None:
     return min(limits) if limits else None
 
 
+def _capped_attention_in_eager(model: torch.nn.Module) -> None:
+    """Run a model whose attention soft-caps its logits (Gemma 2's
+    `attn_logit_softcapping`) in eager attention: sdpa cannot cap, and transformers
+    before 5.x chose sdpa for Gemma 2 by default, dropping the cap wherever the engine
+    keeps the model's own attention."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "attn_logit_softcapping", None) and config._attn_implementation == "sdpa":
+        log.info("attention soft cap: eager attention (sdpa cannot cap)")
+        config._attn_implementation = "eager"
+        text._attn_implementation = "eager"
+
+
 # A probe this long exercises attention and the output layer, and costs one small pass.
 _PROBE_TOKENS = 8
 
@@ -249,6 +262,7 @@ def load_base_model(model: str, *, device: str = "auto", dtype: str = "auto",
             f"model: {model!r}'s files in {path} do not load: {exc}") from None
     hf_model.to(torch_device).eval()
     hf_model.requires_grad_(False)
+    _capped_attention_in_eager(hf_model)
     check_output_head(hf_model)
     return BaseModel(model=hf_model, tokenizer=tokenizer, name=model, model_dir=Path(path),
                      device=torch_device, dtype=torch_dtype)
