@@ -94,6 +94,17 @@ def family_config(family: str, vocab_size: int, **overrides: Any
                dtype="float32")
 
 
+def _tiny_tokenizer_in(out: Path, tiny_cache: Path):
+    """A new model directory `out` holding the tiny model's tokenizer files; the
+    tokenizer."""
+    tiny = build_tiny_model(tiny_cache)
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    return transformers.AutoTokenizer.from_pretrained(out)
+
+
 def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
                  qk_scale: float = 1.0, **overrides: Any) -> Path:
     """A model directory of `family` under `root` with the tiny model's tokenizer and
@@ -103,12 +114,7 @@ def write_family(root: Path, family: str, tiny_cache: Path, seed: int = 0,
     out = root / family
     if (out / "config.json").exists():
         return out
-    tiny = build_tiny_model(tiny_cache)
-    out.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, out / name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    tokenizer = _tiny_tokenizer_in(out, tiny_cache)
     config = family_config(family, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                            eos_token_id=tokenizer.eos_token_id, **overrides)
     with torch.random.fork_rng(devices=[]):
@@ -142,12 +148,7 @@ def write_multimodal(root: Path, family: str, tiny_cache: Path, seed: int = 0) -
     config_name, arch = MULTIMODAL[family]
     if getattr(transformers, arch, None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {arch}")
-    tiny = build_tiny_model(tiny_cache)
-    out.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, out / name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    tokenizer = _tiny_tokenizer_in(out, tiny_cache)
     text = family_config(family, len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     config = getattr(transformers, config_name)(

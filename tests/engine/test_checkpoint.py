@@ -59,6 +59,15 @@ def _train(engine, name, datums, steps):
         engine.optim_step(name, ADAM)
 
 
+def _native(engine, name, datums, steps):
+    """`steps` micro-steps of the native loop: forward_backward, step, zero_grad, lr_step."""
+    for _ in range(steps):
+        engine.forward_batch([ForwardRequest(name, datums[:2], None, True)])
+        engine.step(name)
+        engine.zero_grad(name)
+        engine.lr_step(name)
+
+
 def test_files_have_the_keys_shapes_and_config_peft_itself_writes(engine, add, tmp_path):
     spec = LoraSpec(rank=4, alpha=8, dropout=0.1, target_modules=("q_proj", "down_proj"),
                     seed=1)
@@ -137,27 +146,20 @@ def test_a_weights_only_load_keeps_the_native_settings_and_restarts_their_state(
     add("source", spec)
     engine.save_state("source", tmp_path / "w", include_optimizer=False)
 
-    def native(name, steps):
-        for _ in range(steps):
-            engine.forward_batch([ForwardRequest(name, datums[:2], None, True)])
-            engine.step(name)
-            engine.zero_grad(name)
-            engine.lr_step(name)
-
     for name in ("busy", "new"):
         add(name, spec)
         engine.set_loss(name, LossSpec("CrossEntropyLoss"))
         engine.set_optimizer(name, "AdamW", {"lr": 1e-2})
         engine.set_lr_scheduler(name, "CosineAnnealingLR", {"T_max": 4})
-    native("busy", 3)
+    _native(engine, "busy", datums, 3)
     for name in ("busy", "new"):
         engine.load_state(name, tmp_path / "w", include_optimizer=False)
     busy = engine.get_train_configs("busy")
     assert (busy["step"], busy["micro_step"]) == (0, 0)
     assert busy["optimizer"] == {"name": "AdamW", "kwargs": {"lr": 1e-2}}
     assert engine.adapters["busy"].learning_rate() == engine.adapters["new"].learning_rate()
-    native("busy", 2)
-    native("new", 2)
+    _native(engine, "busy", datums, 2)
+    _native(engine, "new", datums, 2)
     assert diff(snapshot("busy"), snapshot("new")) <= 1e-6
 
 
@@ -165,20 +167,14 @@ def test_native_optimizer_scheduler_counters_and_a_windows_gradients_survive_a_s
         engine, datums, add, snapshot, diff, tmp_path):
     spec = LoraSpec(rank=2, alpha=4, seed=2)
 
-    def native(name, steps):
-        for _ in range(steps):
-            engine.forward_batch([ForwardRequest(name, datums[:2], None, True)])
-            engine.step(name)
-            engine.zero_grad(name)
-            engine.lr_step(name)
-
     for name in ("a", "b"):
         add(name, spec, gradient_accumulation_steps=2)
         engine.set_loss(name, LossSpec("CrossEntropyLoss"))
         engine.set_optimizer(name, "AdamW", {"lr": 1e-2})
         engine.set_lr_scheduler(name, "CosineAnnealingLR", {"T_max": 4})
-    native("a", 6)
-    native("b", 3)  # stops mid accumulation window: its gradient so far is saved too
+    _native(engine, "a", datums, 6)
+    # b stops mid accumulation window: its gradient so far is saved too.
+    _native(engine, "b", datums, 3)
     engine.save_state("b", tmp_path / "b", include_optimizer=True)
     add("c", spec)
     engine.load_state("c", tmp_path / "b", include_optimizer=True, adopt_accumulation=True)
@@ -187,8 +183,9 @@ def test_native_optimizer_scheduler_counters_and_a_windows_gradients_survive_a_s
     assert configs["lr_scheduler"]["name"] == "CosineAnnealingLR"
     assert (configs["gradient_accumulation_steps"], configs["micro_step"]) == (2, 3)
     assert engine.adapters["c"].learning_rate() == engine.adapters["b"].learning_rate()
-    native("c", 1)  # finishes the window with the saved gradient and this micro-batch's
-    native("b", 1)
+    # c finishes the window with the saved gradient and this micro-batch's.
+    _native(engine, "c", datums, 1)
+    _native(engine, "b", datums, 1)
     assert diff(snapshot("b"), snapshot("c")) <= 1e-6
     assert engine.adapters["c"].step == engine.adapters["b"].step == 2
 

@@ -265,6 +265,21 @@ def test_packed_attention_keeps_a_sliding_window_inside_each_datum():
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)
 
 
+
+def _per_datum(attention, module, q, k, v, window, **kwargs):
+    """`attention` (a model's own eager attention) run on each datum of the packed row
+    bounded at 0, 5, 10, 12 alone, with the causal (and `window`'s) mask; concatenated."""
+    want = []
+    for start, end in ((0, 5), (5, 10), (10, 12)):
+        i = torch.arange(end - start)
+        keep = i[:, None] >= i[None]
+        if window is not None:
+            keep &= i[:, None] - i[None] < window
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
+        want.append(attention(module, q[:, :, start:end], k[:, :, start:end],
+                              v[:, :, start:end], mask, **kwargs)[0])
+    return torch.cat(want, dim=1)
+
 def test_packed_attention_keeps_gpt_oss_attention_sinks_per_datum():
     # gpt-oss adds a learned sink logit per head to each softmax (`module.sinks`, passed
     # as `s_aux`); the reference is transformers' own gpt-oss eager attention, one datum
@@ -282,16 +297,8 @@ def test_packed_attention_keeps_gpt_oss_attention_sinks_per_datum():
         got, _ = packing.packed_attention(module, q, k, v, None, scaling=0.3,
                                           sliding_window=window, cu_seq_lens_q=bounds,
                                           s_aux=module.sinks)
-        want = []
-        for start, end in ((0, 5), (5, 10), (10, 12)):
-            i = torch.arange(end - start)
-            keep = i[:, None] >= i[None]
-            if window is not None:
-                keep &= i[:, None] - i[None] < window
-            mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
-            want.append(eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end],
-                                                v[:, :, start:end], mask, scaling=0.3)[0])
-        torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=1e-6)
+        want = _per_datum(eager_attention_forward, module, q, k, v, window, scaling=0.3)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_packed_attention_applies_gemma2s_logit_soft_cap_per_datum():
@@ -310,17 +317,9 @@ def test_packed_attention_applies_gemma2s_logit_soft_cap_per_datum():
                                           sliding_window=window, cu_seq_lens_q=bounds)
         uncapped, _ = packing.packed_attention(module, q, k, v, None, scaling=0.3,
                                                sliding_window=window, cu_seq_lens_q=bounds)
-        want = []
-        for start, end in ((0, 5), (5, 10), (10, 12)):
-            i = torch.arange(end - start)
-            keep = i[:, None] >= i[None]
-            if window is not None:
-                keep &= i[:, None] - i[None] < window
-            mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
-            want.append(eager_attention_forward(module, q[:, :, start:end], k[:, :, start:end],
-                                                v[:, :, start:end], mask, scaling=0.3,
-                                                softcap=2.0)[0])
-        torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=1e-6)
+        want = _per_datum(eager_attention_forward, module, q, k, v, window, scaling=0.3,
+                          softcap=2.0)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         assert (got - uncapped).abs().max() > 0.1   # the cap bites at these scores
 
 
