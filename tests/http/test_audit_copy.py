@@ -15,6 +15,7 @@ from tinker import types
 
 from twinkle_server.runtime.copies import MAX_IDEMPOTENCY_KEY_CHARS
 
+from ..audit_days import audit_days, entries_since_yesterday
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -154,20 +155,12 @@ def test_another_tenant_copies_only_what_it_may_read(server, rest, saved):
         rest["alice"].unpublish_checkpoint_from_tinker_path(private).result()
 
 
-def _since_yesterday(admin: tinker.AdminClient, **kwargs) -> list:
-    """The caller's entries of yesterday and today (UTC), oldest first: a run that
-    passes midnight has its module's first events in yesterday's log."""
-    today = dt.datetime.now(dt.timezone.utc).date()
-    return [e for day in (today - dt.timedelta(days=1), today)
-            for e in admin.get_audit_log(day=day, **kwargs).result().entries]
-
-
 def test_the_audit_log_records_who_did_what_and_each_tenant_sees_only_its_own(
         service, server, base_url, rest, saved):
     copy = rest["alice"].copy_weights(saved["state"], "proj").result()
     admin = {t: tinker.AdminClient(base_url=base_url, api_key=server.keys[t])
              for t in ("alice", "bob")}
-    entries = _since_yesterday(admin["alice"])
+    entries = entries_since_yesterday(admin["alice"])
     events = [e.event for e in entries]
     assert {"session_create", "model_create", "checkpoint_save", "checkpoint_copy",
             "checkpoint_read"} <= set(events)
@@ -182,13 +175,13 @@ def test_the_audit_log_records_who_did_what_and_each_tenant_sees_only_its_own(
     assert saved["state"] in [e.tinker_path for e in reads]
     created = [e for e in entries if e.event == "model_create"]
     assert saved["model"] in [e.event_details["model_id"] for e in created]
-    only = _since_yesterday(admin["alice"], event_type="checkpoints")
+    only = entries_since_yesterday(admin["alice"], event_type="checkpoints")
     assert only and all(e.event.startswith("checkpoint_") for e in only)
-    before = dt.datetime.now(dt.timezone.utc).date() - dt.timedelta(days=2)
+    before = audit_days()[0] - dt.timedelta(days=1)
     assert admin["alice"].get_audit_log(day=before).result().entries == []
     # Bob's log holds none of alice's actions: not her session, her copy. (What bob
     # himself read of hers, with her leave, is his entry: `test_another_tenant_...`.)
-    bob_log = _since_yesterday(admin["bob"])
+    bob_log = entries_since_yesterday(admin["bob"])
     text = "".join(e.model_dump_json() for e in bob_log)
     for secret in (service.holder.get_session_id(), copy, '"actor":"alice"'):
         assert secret not in text
@@ -220,11 +213,11 @@ def test_tinker_compat_copies_and_reads_the_audit_log_with_the_same_isolation(
             grpc["bob"].copy_weights(saved["state"], "proj").result()
         with pytest.raises(ValueError, match="destination_project_id"):
             grpc["alice"].copy_weights(saved["state"])
-        entries = grpc["alice"].get_audit_log(event_type="checkpoints").result().entries
+        entries = entries_since_yesterday(grpc["alice"], event_type="checkpoints")
         [copied] = [e for e in entries if e.event == "checkpoint_copy" and e.tinker_path == copy]
         assert copied.event_details["source"] == saved["state"]
         assert copied.model_id == copy.split("/")[2]
-        bob_text = grpc["bob"].get_audit_log().result().model_dump_json()
+        bob_text = "".join(e.model_dump_json() for e in entries_since_yesterday(grpc["bob"]))
         assert copy not in bob_text and '"actor":"alice"' not in bob_text
         with pytest.raises(tinker.BadRequestError, match="event_type: 'everything'"):
             grpc["alice"].get_audit_log(event_type="everything").result()

@@ -18,6 +18,7 @@ import pytest
 import tinker
 from tinker import types
 
+from ..audit_days import entries_since_yesterday
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -25,12 +26,12 @@ WAIT_S = 30
 
 
 def _log(base_url: str, key: str, until=lambda entries: True) -> list[types.AuditLogEntry]:
-    """The tenant's entries today, once `until(entries)` holds (entries are written just
+    """The tenant's entries since yesterday (UTC), once `until(entries)` holds (entries are written just
     after their op answers)."""
     admin = tinker.AdminClient(base_url=base_url, api_key=key)
     deadline = time.monotonic() + WAIT_S
     while True:
-        entries = admin.get_audit_log().result().entries
+        entries = entries_since_yesterday(admin)
         if until(entries) or time.monotonic() > deadline:
             return entries
         time.sleep(0.2)

@@ -20,6 +20,7 @@ from tinker.lib.public_interfaces.custom_loss import LossHandle
 from tinker_compat import RestClient, SamplingClient, ServiceClient, TrainingClient
 from twinkle_server.process import start_server
 
+from ..audit_days import audit_days
 from .conftest import sft_data
 
 pytestmark = pytest.mark.integration
@@ -171,8 +172,9 @@ def test_the_deprecated_async_checkpoint_calls_do_what_their_sync_calls_do(servi
         await rest.set_checkpoint_ttl_from_tinker_path_async(path, 7200)
         [changed] = (await rest.list_checkpoints(tc.model_id)).checkpoints
         assert not changed.public and changed.expires_at is not None
-        log = await rest.get_audit_log_async(event_type="checkpoints")
-        events = [e.event for e in log.entries if e.tinker_path == path]
+        entries = [e for day in audit_days() for e in
+                   (await rest.get_audit_log_async(event_type="checkpoints", day=day)).entries]
+        events = [e.event for e in entries if e.tinker_path == path]
         assert events[-3:] == ["checkpoint_publish", "checkpoint_unpublish", "checkpoint_ttl_set"]
 
     with RestClient(base_url=base_url) as rest, pytest.warns(FutureWarning, match="DEPRECATED"):
