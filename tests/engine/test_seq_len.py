@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from twinkle_server.config.flags import ServerConfig
 from twinkle_server.engine import memory
@@ -174,3 +175,48 @@ def test_on_a_longrope_model_the_pools_logprobs_equal_the_trainers(longrope, tin
         forced = engine.compute_logprobs("a", None, np.concatenate(
             [prompt, sequence.tokens.astype(np.int64)]))[prompt.size:]
         np.testing.assert_allclose(sequence.logprobs, forced, rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.fixture(scope="module")
+def dynamic(tiny_cache, tmp_path_factory):
+    """A tiny Llama with dynamic NTK rope (factor 4) over a 32-token context, its
+    attention logits scaled up so a change of frequencies shows."""
+    return write_family(tmp_path_factory.mktemp("dynamic"), "llama", tiny_cache, qk_scale=4.0,
+                        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                         "factor": 4.0},
+                        max_position_embeddings=32)
+
+
+def test_a_dynamic_rope_model_is_held_to_its_context_where_no_datum_moves_another(
+        dynamic, tiny_cache):
+    # transformers' dynamic NTK rope rescales its frequencies for a whole forward call
+    # once a position in it passes max_position_embeddings (and keeps them so for later
+    # calls): past the context one sequence would change every other's numbers.
+    engine = Engine.load(str(dynamic), cache_dir=str(tiny_cache), limits=EngineLimits(
+        max_adapters=4, max_rank=16, max_seq_len=AUTO_SEQ_LEN, max_batch_tokens=1024,
+        kv_pool_tokens=512))
+    engine.add_adapter("a", LoraSpec.from_tinker(8, seed=1))
+    randomize_b(engine, "a", 3, 0.05)
+    engine.add_adapter("b", LoraSpec.from_tinker(4, seed=2))
+    assert engine.limits.max_seq_len == 32
+    short, other = random_datums(engine, (20, 30))
+    alone = engine.forward_batch([ForwardRequest("a", [short], CE, False)])[0].logprobs[0]
+    merged = engine.forward_batch([ForwardRequest("a", [short], CE, False),
+                                   ForwardRequest("b", [other], CE, False)])[0].logprobs[0]
+    np.testing.assert_allclose(merged, alone, rtol=0, atol=LOGPROB_ATOL)
+    [long_] = random_datums(engine, (50,), seed=1)
+    with pytest.raises(InvalidArgument, match="50 tokens is over the 32-token limit"):
+        engine.check_forward(ForwardRequest("b", [long_], CE, False))
+    # What the limit keeps out: in the bare model, a 50-token row moves a 20-token row of
+    # its batch (right-padded, so its own positions and attention are unchanged).
+    model = transformers.AutoModelForCausalLM.from_pretrained(dynamic).eval()
+    padded = np.concatenate([short.input_ids, np.zeros(30, np.int64)])
+    batch = torch.as_tensor(np.stack([padded, long_.input_ids]))
+    mask = torch.ones_like(batch)
+    mask[0, 20:] = 0
+    with torch.no_grad():
+        alone_bare = model(torch.as_tensor(short.input_ids)[None]).logits[0]
+        beside_long = model(batch, attention_mask=mask).logits[0, :20]
+    # 0.025 measured (q and k scaled by 4, so attention is not near uniform): a hundred
+    # times LOGPROB_ATOL, the most merged and alone may differ.
+    assert (beside_long - alone_bare).abs().max() > 100 * LOGPROB_ATOL

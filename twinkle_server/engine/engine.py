@@ -230,7 +230,9 @@ class Engine(Training, Residency):
         transformers always runs the short factors: past it a forward call switches to
         the long ones for all of its sequences, so one datum would change the numbers of
         every other in its pass (other tenants' included), and the sampler's prefills and
-        steps, whose calls hold other rows, would disagree with the trainer's."""
+        steps, whose calls hold other rows, would disagree with the trainer's. Dynamic
+        NTK rope rescales likewise past `max_position_embeddings`, which the context
+        bound already keeps every sequence within."""
         context = getattr(self.base.text_config, "max_position_embeddings", None)
         rope = longrope_limit(self.base.config)
         if limits.max_seq_len != AUTO_SEQ_LEN:
