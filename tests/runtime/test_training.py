@@ -185,3 +185,36 @@ def test_a_sessions_ops_keep_it_alive_between_heartbeats(engine, tmp_path):
 
     for _ in running(rt):
         asyncio.run(scenario())
+
+
+def test_a_session_whose_op_waits_past_the_timeout_is_not_expired_under_it(engine, tmp_path):
+    """An op queued behind a long one (another tenant's) may wait longer than
+    --session-timeout: its session is alive while it waits, and its model stays for it;
+    the timeout counts from its end."""
+    timeout = 1.0
+    rt = Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
+                 Store(tmp_path))
+
+    async def scenario():
+        session = await rt.runs.create_session("alice", {})
+        info = await rt.training.create_model("alice", session_id=session,
+                                              spec=LoraSpec(rank=4, alpha=8, seed=0))
+        mid = info.entry.model_id
+        busy, release = await _hold_worker(rt)
+        try:
+            queued = asyncio.ensure_future(rt.training.set_loss(
+                "alice", OpRef(mid, 0), LossSpec("cross_entropy")))
+            await asyncio.sleep(timeout + 0.5)
+            # Expiring it would unload its model, an op behind the held one: a bound.
+            await asyncio.wait_for(rt.lifetimes.expire_sessions(), 30)
+            assert rt.store.open_sessions("alice") == 1, \
+                "a session expired while its op waited in the queue"
+        finally:
+            release.set()
+        await busy
+        await queued
+        await rt.lifetimes.expire_sessions()
+        assert mid in rt.models, "a session expired right after its op ended"
+
+    for _ in running(rt):
+        asyncio.run(scenario())

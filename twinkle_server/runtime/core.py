@@ -14,6 +14,7 @@ import logging
 import secrets
 import shutil
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -100,6 +101,9 @@ class Core:
         """Each client session's last op start or end (`time.time()`): liveness the
         expiry sweep reads beside heartbeats (the SDK beats every 10 s, a busy loop
         runs ops in between), kept here, not a store write per op."""
+        self.ops_in_flight: Counter[str] = Counter()
+        """Each client session's ops submitted and not ended: a session is alive while
+        one waits, however long the queue holds it (`Lifetimes.expire_sessions`)."""
         """Called after every op with (base model name, op, seconds, result, error):
         the metrics hook."""
 
@@ -264,7 +268,9 @@ class Core:
         """
         start, submitted = time.perf_counter(), time.monotonic()
         result = error = None
-        self._alive(op.queue_id)
+        session = self._alive(op.queue_id)
+        if session:
+            self.ops_in_flight[session] += 1
         sampler = self.samplers.get(op.queue_id)
         if sampler is not None:   # in use until it ends (`Lifetimes.expire_snapshots`)
             sampler.in_flight += 1
@@ -288,6 +294,10 @@ class Core:
             if sampler is not None:
                 sampler.in_flight -= 1
                 sampler.last_used = time.monotonic()
+            if session:
+                self.ops_in_flight[session] -= 1
+                if not self.ops_in_flight[session]:
+                    del self.ops_in_flight[session]
             self._alive(op.queue_id)
             seconds = time.perf_counter() - start
             log.info("op model=%s seq=%s op=%s tokens=%d ms=%.1f base=%s", op.queue_id,
@@ -303,9 +313,11 @@ class Core:
         model, sampler = self.models.get(queue_id), self.samplers.get(queue_id)
         return model.session_id if model else sampler.session_id if sampler else None
 
-    def _alive(self, queue_id: str) -> None:
+    def _alive(self, queue_id: str) -> str | None:
+        """Mark the session of `queue_id` (returned; None: none) alive now."""
         if session := self._session_of(queue_id):
             self.last_op[session] = time.time()
+        return session
 
     def _trace(self, op: Op, served: Served, submitted: float, future: Any, result: Any,
                error: BaseException | None) -> None:

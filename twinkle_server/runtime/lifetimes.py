@@ -65,13 +65,14 @@ class Lifetimes:
                                  checkpoint_type=row.kind, owner=row.tenant)
 
     async def expire_sessions(self) -> None:
-        """Close every session idle past `--session-timeout` (no heartbeat and no op of
-        its models or sampling sessions: `Core.last_op`), with its models and sampling
-        sessions."""
+        """Close every session idle past `--session-timeout` (no heartbeat, no op of its
+        models or sampling sessions waiting or running, and none ended within it:
+        `Core.ops_in_flight`, `Core.last_op`), with its models and sampling sessions."""
         core = self.core
         timeout, now = core.config.session_timeout, time.time()
         for session_id in core.store.expired_sessions(timeout):
-            if now - core.last_op.get(session_id, 0.0) < timeout:
+            if (core.ops_in_flight[session_id]
+                    or now - core.last_op.get(session_id, 0.0) < timeout):
                 continue
             tenant = core.store.session_tenant(session_id)
             await core.write(core.store.close_session, session_id)
