@@ -235,7 +235,9 @@ class RestClient(WeightsTransfer, UnservedCalls):
 
     def get_weights_info_by_tinker_path(self, tinker_path: str
                                         ) -> APIFuture[types.WeightsInfoResponse]:
-        """What is needed to load a checkpoint: base model and LoRA rank.
+        """What is needed to load a checkpoint: base model, LoRA rank, and the
+        `train_attn` / `train_mlp` / `train_unembed` switches its run was made with (None
+        for a run made with module names: the native client's, an import).
 
         Example:
         ```python
@@ -248,8 +250,10 @@ class RestClient(WeightsTransfer, UnservedCalls):
 
         def run() -> types.WeightsInfoResponse:
             ckpt = call.send(self._conn)
-            return types.WeightsInfoResponse(base_model=ckpt.base_model, is_lora=True,
-                                             lora_rank=ckpt.lora_rank or None)
+            return types.WeightsInfoResponse(
+                base_model=ckpt.base_model, is_lora=True, lora_rank=ckpt.lora_rank or None,
+                train_attn=ckpt.train_attn, train_mlp=ckpt.train_mlp,
+                train_unembed=ckpt.train_unembed)
 
         return self._conn.submit(run, future_class=APIFuture)
 

@@ -125,6 +125,10 @@ def test_it_trains_on_downloads_equal_and_answers_openai(server, imported, tmp_p
     out = training.forward_backward(sft_data(n=2), "cross_entropy").result()
     assert np.isfinite(out.metrics["loss:sum"])
     rest = tinker.RestClient(base_url=base_url, api_key=server.keys["alice"])
+    # Made with module names, not Tinker's switches: none is claimed.
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == (
+        4, None, None, None)
     urls = rest.get_external_weights_urls(path).result().urls
     (tmp_path / "back").mkdir()
     for name, url in urls.items():
@@ -443,6 +447,9 @@ def test_every_door_imports_alike(server, imported, tmp_path):
         assert httpx.put(url, content=(directory / name).read_bytes(),
                          timeout=60).status_code == 200
     via_compat = rest.external_weights_upload_finish(started.upload_id).result().tinker_path
+    info = rest.get_weights_info_by_tinker_path(via_compat).result()
+    assert (info.lora_rank, info.train_attn, info.train_mlp, info.train_unembed) == (
+        4, None, None, None)
     native = init_twinkle_client(base_url=grpc_url, api_key=server.keys["alice"])
     try:
         via_native = native.import_adapter(directory, base_model="tiny")

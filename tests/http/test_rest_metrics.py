@@ -25,7 +25,7 @@ def _key(name: str, **labels: str) -> tuple[str, tuple]:
 
 
 def test_runs_and_checkpoints(service, server, base_url):
-    tc = service.create_lora_training_client(base_model="tiny", rank=4,
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, train_mlp=False,
                                              user_metadata={"team": "a"}).result()
     tc.forward_backward(sft_data(n=1), "cross_entropy").result()
     saved = tc.save_state("keep").result().path
@@ -49,6 +49,7 @@ def test_runs_and_checkpoints(service, server, base_url):
     assert run_id in session.training_run_ids
     info = rest.get_weights_info_by_tinker_path(saved).result()
     assert info.base_model == "tiny" and info.lora_rank == 4
+    assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, False, True)
 
 
 def test_metrics_move_with_traffic(service, base_url):

@@ -90,7 +90,7 @@ def test_using_the_creation_future_as_the_client_works_with_a_future_warning(bas
 def test_rest_client_pages_runs_lists_downloads_and_deletes_checkpoints(service_client,
                                                                         base_url, tmp_path):
     training_client = service_client.create_lora_training_client(
-        "tiny", rank=4, user_metadata={"purpose": "rest"}).result()
+        "tiny", rank=4, train_unembed=False, user_metadata={"purpose": "rest"}).result()
     saved = training_client.save_state("r1", user_metadata={"k": "v"}).result().path
     sampler = training_client.save_weights_for_sampler("r1-s").result().path
     with RestClient(base_url=base_url) as rest:
@@ -108,6 +108,7 @@ def test_rest_client_pages_runs_lists_downloads_and_deletes_checkpoints(service_
             "weights/r1": "training", "sampler_weights/r1-s": "sampler"}
         info = rest.get_weights_info_by_tinker_path(saved).result()
         assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
+        assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, True, False)
         folder = rest.download_checkpoint(sampler, tmp_path / "adapter").result()
         assert load_file(str(folder / "adapter_model.safetensors"))
         rest.delete_checkpoint(training_client.model_id, "weights/r1").result()

@@ -20,7 +20,9 @@ from twinkle_wire._proto.twinkle.v1 import common_pb2, runs_pb2
 def _checkpoint(c: common_pb2.Checkpoint) -> Checkpoint:
     return Checkpoint(c.checkpoint_id, c.checkpoint_type, c.path, c.run_id, c.name,
                       c.created_at, c.size_bytes, c.has_optimizer, c.base_model, c.lora_rank,
-                      dict(c.user_metadata), c.public, c.expires_at or None)
+                      dict(c.user_metadata), c.public, c.expires_at or None,
+                      *(getattr(c, name) if c.HasField(name) else None
+                        for name in ("train_attn", "train_mlp", "train_unembed")))
 
 
 def _run(r: common_pb2.TrainingRun) -> TrainingRun:

@@ -125,6 +125,10 @@ class Checkpoint:
     user_metadata: dict[str, str]
     public: bool = False                # readable by every tenant of the server
     expires_at: float | None = None     # unix seconds it is deleted at; None: never
+    # Tinker's switches its run was made with; None: made with module names.
+    train_attn: bool | None = None
+    train_mlp: bool | None = None
+    train_unembed: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,20 @@ select, resolved against the loaded model's structure (`engine.roles`). No modul
 holds a colon, so they never clash with PEFT's names."""
 
 
+TINKER_SWITCHES: tuple[str, ...] = ("train_attn", "train_mlp", "train_unembed")
+"""Tinker's `LoraConfig` switches, in `ROLE_TARGETS`' order: the role each one trains."""
+
+
+def tinker_switches(target_modules: str | Sequence[str]) -> dict[str, bool] | None:
+    """`LoraSpec.from_tinker`'s switches read back from an adapter's targets; None for
+    one targeting module names (PEFT's way: the native client's adapters, imports),
+    which no switch describes."""
+    if isinstance(target_modules, str) or not set(target_modules) <= set(ROLE_TARGETS):
+        return None
+    return {switch: role in target_modules
+            for switch, role in zip(TINKER_SWITCHES, ROLE_TARGETS, strict=True)}
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """One adapter's LoRA shape: `x -> W0 x + scaling * B A x` on every targeted linear.

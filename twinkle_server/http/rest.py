@@ -20,7 +20,7 @@ from twinkle_server.http import convert
 from twinkle_server.http.app import Front, json_body, route
 from twinkle_server.http.errors import BadBody
 from twinkle_server.runtime import CheckpointRef, checkpoint_ref
-from twinkle_server.runtime.runs import DEFAULT_PAGE, MAX_PAGE
+from twinkle_server.runtime.runs import DEFAULT_PAGE, MAX_PAGE, run_switches
 from twinkle_server.runtime.trace_exports import OPERATOR_PREFIX, TRACE_PREFIX
 from twinkle_wire import paths
 
@@ -114,7 +114,7 @@ class Rest:
         row, run = self.rt.runs.get_checkpoint(tenant, ref)
         lora = run.lora if run else {}
         return {"base_model": run.base_model if run else self.rt.bases.default.name,
-                "is_lora": True, "lora_rank": lora.get("rank")}
+                "is_lora": True, "lora_rank": lora.get("rank"), **run_switches(run)}
 
     # ------------------------------------------------------------------ sessions
 

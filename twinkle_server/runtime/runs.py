@@ -22,6 +22,7 @@ from twinkle_server.engine.errors import (
     NotFound,
     ResourceExhausted,
 )
+from twinkle_server.engine.types import tinker_switches
 from twinkle_server.runtime import audit
 from twinkle_server.runtime.bases import Served
 from twinkle_server.runtime.core import Core
@@ -73,6 +74,12 @@ def check_ttl(ttl_seconds: int | None) -> None:
         raise InvalidArgument(
             f"ttl_seconds: {ttl_seconds} is out of range; give {MIN_CHECKPOINT_TTL_SECONDS} "
             f"(1 hour) to {MAX_CHECKPOINT_TTL_SECONDS} (10 years), or null for no expiry")
+
+
+def run_switches(run: RunRow | None) -> dict[str, bool]:
+    """The Tinker switches (`train_attn`, `train_mlp`, `train_unembed`) a run was made
+    with; empty for a run made with module names, or no run."""
+    return (tinker_switches(run.lora["target_modules"]) if run else None) or {}
 
 
 def _page(limit: int, offset: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from google.protobuf import json_format
 
 from twinkle_server.engine.types import LoraSpec
 from twinkle_server.runtime import OpRef, Runtime, bearer_token
-from twinkle_server.runtime.runs import RunView
+from twinkle_server.runtime.runs import RunView, run_switches
 from twinkle_server.service.errors import status_for
 from twinkle_server.store import CheckpointRow, RunRow
 from twinkle_wire._proto.twinkle.v1 import common_pb2 as pb
@@ -99,7 +99,8 @@ def checkpoint_to_proto(row: CheckpointRow, run: RunRow | None) -> pb.Checkpoint
         path=f"twinkle://{row.run_id}/{row.checkpoint_id}", run_id=row.run_id, name=row.name,
         created_at=row.created_at, size_bytes=row.size_bytes, has_optimizer=row.has_optimizer,
         base_model=run.base_model if run else "", lora_rank=int(run.lora["rank"]) if run else 0,
-        user_metadata=row.user_metadata, public=row.public, expires_at=row.expires_at or 0.0)
+        user_metadata=row.user_metadata, public=row.public, expires_at=row.expires_at or 0.0,
+        **run_switches(run))
 
 
 def run_to_proto(view: RunView) -> pb.TrainingRun:

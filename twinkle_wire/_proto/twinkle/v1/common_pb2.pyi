@@ -99,7 +99,7 @@ class LoraConfig(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., all_linear: _Optional[bool] = ..., use_rslora: _Optional[bool] = ..., seed: _Optional[int] = ..., train_mlp: _Optional[bool] = ..., train_attn: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("checkpoint_id", "checkpoint_type", "path", "run_id", "name", "created_at", "size_bytes", "has_optimizer", "base_model", "lora_rank", "user_metadata", "public", "expires_at")
+    __slots__ = ("checkpoint_id", "checkpoint_type", "path", "run_id", "name", "created_at", "size_bytes", "has_optimizer", "base_model", "lora_rank", "user_metadata", "public", "expires_at", "train_attn", "train_mlp", "train_unembed")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,9 @@ class Checkpoint(_message.Message):
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     checkpoint_type: str
     path: str
@@ -133,7 +136,10 @@ class Checkpoint(_message.Message):
     user_metadata: _containers.ScalarMap[str, str]
     public: bool
     expires_at: float
-    def __init__(self, checkpoint_id: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., path: _Optional[str] = ..., run_id: _Optional[str] = ..., name: _Optional[str] = ..., created_at: _Optional[float] = ..., size_bytes: _Optional[int] = ..., has_optimizer: _Optional[bool] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., public: _Optional[bool] = ..., expires_at: _Optional[float] = ...) -> None: ...
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., path: _Optional[str] = ..., run_id: _Optional[str] = ..., name: _Optional[str] = ..., created_at: _Optional[float] = ..., size_bytes: _Optional[int] = ..., has_optimizer: _Optional[bool] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., public: _Optional[bool] = ..., expires_at: _Optional[float] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
 
 class TrainingRun(_message.Message):
     __slots__ = ("run_id", "base_model", "owner", "is_lora", "lora_rank", "created_at", "last_request_time", "last_checkpoint", "last_sampler_checkpoint", "user_metadata", "loaded", "corrupted")
