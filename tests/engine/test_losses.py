@@ -100,6 +100,23 @@ def test_importance_sampling_is_minus_ratio_times_advantage_ignoring_weights():
     assert metrics["clip_fraction:mean"] == 0.0
 
 
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo"])
+def test_without_weights_the_ratio_metrics_are_over_the_positions_with_an_advantage(name):
+    """The cookbook's RL datum sends no weights: its prompt positions carry old logprob 0
+    and advantage 0, score nothing, and are left out of `ratio:mean` and
+    `clip_fraction:mean` (once they were counted, each a ratio of exp(logp) near 0)."""
+    logp = [np.array([-4.0, -3.0, -0.5, -0.7, -0.2]), np.array([-5.0, -0.3, -0.4])]
+    old = [np.array([0.0, 0.0, -0.55, -0.6, -0.9]), np.array([0.0, -0.31, -0.41])]
+    adv = [np.array([0.0, 0.0, 1.0, 1.0, 1.0]), np.array([0.0, -0.5, -0.5])]
+    _, metrics, _ = _run(name, logp, old, adv, [None, None])
+    ratios = np.exp(np.concatenate(logp) - np.concatenate(old))[np.concatenate(adv) != 0]
+    assert metrics["ratio:mean"] == pytest.approx(ratios.mean(), rel=1e-12)
+    if name != "importance_sampling":
+        lo, hi = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}[name]
+        assert metrics["clip_fraction:mean"] == pytest.approx(
+            ((ratios < lo) | (ratios > hi)).mean())
+
+
 @pytest.mark.parametrize(("config", "lo", "hi"),
                          [({}, 0.8, 1.2), ({"clip_low_threshold": 0.9,
                                            "clip_high_threshold": 1.1}, 0.9, 1.1)])
@@ -358,10 +375,11 @@ def test_gspo_is_tinkers_gspo_token_with_one_clipped_sequence_ratio_per_datum():
     assert metrics["loss:sum"] == pytest.approx(loss, rel=1e-12)
     for g, (_, expected, _) in _zip(grads, refs):
         np.testing.assert_allclose(g, expected, rtol=1e-12, atol=1e-15)
-    # Every position carries its datum's ratio: 5 + 4 + 3 tokens, 7 outside [0.8, 1.2].
-    assert metrics["ratio:mean"] == pytest.approx((5 * ratios[0] + 4 * ratios[1]
-                                                   + 3 * ratios[2]) / 12, rel=1e-12)
-    assert metrics["clip_fraction:mean"] == pytest.approx(7 / 12)
+    # Every position carries its datum's ratio; the metrics count those with an
+    # advantage (no weights sent): 4 + 3 + 3 tokens, 6 outside [0.8, 1.2].
+    assert metrics["ratio:mean"] == pytest.approx((4 * ratios[0] + 3 * ratios[1]
+                                                   + 3 * ratios[2]) / 10, rel=1e-12)
+    assert metrics["clip_fraction:mean"] == pytest.approx(6 / 10)
 
 
 def test_gspo_takes_its_clip_thresholds_from_the_config():

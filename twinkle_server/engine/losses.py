@@ -57,7 +57,9 @@ positive weight is left out of the sequence mean.
 
 Metric keys are `name:reduction`: `loss:sum` (Tinker) or `loss:mean` (native),
 `tokens:sum` (positions with non-zero weight), and for the ratio losses `ratio:mean` and
-`clip_fraction:mean` over those positions (0.0 for losses that do not clip). For
+`clip_fraction:mean` over those positions (0.0 for losses that do not clip), or for a
+datum without weights over its positions with non-zero advantage (an RL datum's prompt
+scores nothing). For
 `stable_reinforce` those positions are S, and `kl:mean` is the mean of the KL estimate
 over S.
 """
@@ -229,8 +231,7 @@ def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
                 f"target_tokens' {list(item['target_tokens'].shape)}")
     logp = torch.cat([lp.reshape(-1) for lp in logprobs])
     weights = _cat(inputs, "weights", logp, default=1.0)
-    active = weights != 0
-    metrics: dict[str, float] = {"tokens:sum": float(active.sum())}
+    metrics: dict[str, float] = {"tokens:sum": float((weights != 0).sum())}
     name = spec.name
     if name in ("cross_entropy", "CrossEntropyLoss"):
         total = -(logp * weights).sum()
@@ -244,8 +245,9 @@ def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
         return _finish(loss, name, metrics)
     old = _cat(inputs, "logprobs", logp)
     adv = _cat(inputs, "advantages", logp)
+    scored = _marked(inputs, "weights", logp)
     ratio = torch.exp(logp - old)
-    metrics["ratio:mean"] = float(ratio.detach()[active].mean()) if active.any() else 1.0
+    metrics["ratio:mean"] = float(ratio.detach()[scored].mean()) if scored.any() else 1.0
     metrics["clip_fraction:mean"] = 0.0
     if name == "importance_sampling":
         loss = -(ratio * adv).sum()
@@ -253,20 +255,20 @@ def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
         lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
         clipped = torch.clamp(ratio, lo, hi)
         loss = -torch.minimum(ratio * adv, clipped * adv).sum()
-        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
+        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, scored)
     elif name == "cispo":
         lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
         loss = -(torch.clamp(ratio, lo, hi).detach() * logp * adv).sum()
-        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
+        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, scored)
     elif name == "dro":
         loss = -(logp * adv - 0.5 * config["beta"] * (logp - old) ** 2).sum()
     elif name == "gspo":
         lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
-        ratio = _gspo_ratio(logp, old, _gspo_mask(inputs, logp),
+        ratio = _gspo_ratio(logp, old, _marked(inputs, "sequence_ratio_mask", logp),
                             [lp.numel() for lp in logprobs])
         loss = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv).sum()
-        metrics["ratio:mean"] = float(ratio.detach()[active].mean()) if active.any() else 1.0
-        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
+        metrics["ratio:mean"] = float(ratio.detach()[scored].mean()) if scored.any() else 1.0
+        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, scored)
     elif name == "stable_reinforce":
         return _stable_reinforce(logp, old, adv, _cat(inputs, "sampled_mask", logp) != 0,
                                  config, metrics)
@@ -276,7 +278,7 @@ def compute_loss(spec: LossSpec, logprobs: Sequence[torch.Tensor],
         positive = weights > 0
         loss = -_sequence_mean(per_token, [lp.numel() for lp in logprobs], positive)
         loss = loss / num_micro_batches
-        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, active)
+        metrics["clip_fraction:mean"] = _clip_fraction(ratio, lo, hi, scored)
     return _finish(loss, name, metrics)
 
 
@@ -294,11 +296,11 @@ def _cat(inputs: Sequence[Mapping[str, torch.Tensor]], key: str, like: torch.Ten
     return torch.cat(parts)
 
 
-def _gspo_mask(inputs: Sequence[Mapping[str, torch.Tensor]], like: torch.Tensor
-               ) -> torch.Tensor:
-    """Each datum's sequence-ratio positions, concatenated: its `sequence_ratio_mask`, or
-    without one its positions with non-zero advantage (what cookbook rl_loop's mask marks)."""
-    key = "sequence_ratio_mask"
+def _marked(inputs: Sequence[Mapping[str, torch.Tensor]], key: str, like: torch.Tensor
+            ) -> torch.Tensor:
+    """Each datum's positions where its `key` is non-zero, concatenated on `like`'s
+    device, or without `key` its positions with non-zero advantage (what cookbook
+    rl_loop's mask marks: an RL datum's prompt carries advantage 0)."""
     return torch.cat([(item[key] if key in item else item["advantages"])
                       .reshape(-1).to(like.device) != 0 for item in inputs])
 
