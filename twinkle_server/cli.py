@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (ConfigError, EngineError) as exc:
             print(f"twinkle-server: {exc}", file=sys.stderr)
             return 2
-        except (OSError, RuntimeError) as exc:
+        except OSError as exc:
             return _cannot_serve(exc)
         return 0
     # One rank of several: rank 0 checks the configuration for all, so a bad one ends
@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         clean = False
         print(f"twinkle-server: {exc}", file=sys.stderr)
         return 1
-    except (OSError, RuntimeError) as exc:
+    except OSError as exc:
         return _cannot_serve(exc)
     finally:
         parallel.close(clean)
@@ -119,10 +119,11 @@ def _no_registry(data_dir: Path) -> bool:
     return True
 
 
-def _cannot_serve(exc: BaseException) -> int:
-    """A port gRPC (RuntimeError) or the HTTP front (OSError) could not bind once the
-    model had loaded (taken after `config_problem` checked it), or another error of the
-    machine: one line, exit 2; `--log-level debug` logs where it came from."""
+def _cannot_serve(exc: OSError) -> int:
+    """An error of the machine (a file the server cannot read or write, a device gone):
+    one line, exit 2; `--log-level debug` logs where it came from. A port taken after
+    `config_problem` checked it is `serve`'s ConfigError; any other exception is a bug,
+    and its traceback is printed."""
     logging.getLogger("twinkle_server").debug("serve failed", exc_info=exc)
     print(f"twinkle-server: {exc}", file=sys.stderr)
     return 2

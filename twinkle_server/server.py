@@ -298,13 +298,21 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
         rt.close()
         raise ConfigError(f"--port {config.port}: cannot listen on {address}; is another "
                           "server using it? Pick another port (0 picks a free one)") from None
+    http = None
+    if config.http_port != HTTP_OFF:
+        try:
+            http = HttpServer(rt, config)
+        except OSError as exc:
+            rt.close()
+            raise ConfigError(
+                f"--http-port {config.http_port}: cannot listen on "
+                f"{host_port(config.host, config.http_port)}: {exc.strerror or exc}; is "
+                "another server using it? Pick another port (0 picks a free one)") from None
     rt.start()
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    http = None
-    if config.http_port != HTTP_OFF:
-        http = HttpServer(rt, config)
+    if http is not None:
         rt.observe_op = http.metrics.observe
         http.start()
         rt.external.http = Front(config.host, http.port, https=bool(config.tls_cert))

@@ -75,13 +75,27 @@ def test_a_bad_tenant_name_for_a_key_is_one_line(tmp_path, capsys):
         "twinkle-server: --tenant 'bad name': use 1-64 letters, digits, '-' or '_'\n")
 
 
-def test_a_port_that_cannot_be_bound_once_loaded_is_one_line_and_status_2(
-        monkeypatch, tmp_path, capsys):
-    """A port taken between the check and the bind: gRPC raises RuntimeError."""
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_a_port_taken_after_the_check_is_one_line_naming_the_flag(
+        flag, held_port, tiny_cache, monkeypatch, tmp_path, capsys):
+    """Another program may take a port between `config_problem`'s check and the bind,
+    once the model has loaded: the bind's failure is one line naming the flag, status 2."""
+    monkeypatch.setattr(server, "config_problem", lambda *args, **kwargs: None)
+    ports = {"--port": "0", "--http-port": "0", flag: str(held_port)}
+    argv = ["serve", "--data-dir", str(tmp_path), *(x for p in ports.items() for x in p)]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"twinkle-server: {flag} {held_port}: cannot listen on ")
+
+
+def test_an_unexpected_error_while_serving_keeps_its_traceback(monkeypatch, tmp_path):
+    """Only the operator's mistakes and the machine's errors are one line: anything
+    else (torch's RuntimeError at load, a bug) reaches the caller whole."""
     async def serve(config, *args, **kwargs):
-        raise RuntimeError(f"Failed to bind to address {config.host}:{config.port}")
+        raise RuntimeError("an error nobody planned for")
 
     monkeypatch.setattr(server, "serve", serve)
-    assert cli.main(["serve", "--port", "45177", "--data-dir", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == (
-        "twinkle-server: Failed to bind to address 127.0.0.1:45177\n")
+    with pytest.raises(RuntimeError, match="nobody planned"):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path)])
+
+
