@@ -15,7 +15,7 @@ from twinkle_server.engine.errors import EngineError
 from twinkle_server.store import Store
 from twinkle_server.store.database import DB_FILE
 from twinkle_server.store.keys import check_tenant
-from twinkle_server.store.lock import holder
+from twinkle_server.store.lock import holder, keys_settled
 from twinkle_wire import paths
 
 
@@ -133,19 +133,20 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if args.action != "create" and _no_registry(args.data_dir):
         return 2
     if args.action == "create":
-        held = holder(args.data_dir)
-        if held is not None and held.open_mode:
-            # It decided at its start that it is open, and would stay so beside the key,
-            # keeping every client's work as tenant 'local'.
-            print(f"twinkle-server: the server on {args.data_dir} (pid {held.pid or '?'}) runs open, "
-                  "with no API keys, and would stay open: stop it, create the key, then "
-                  "start it again", file=sys.stderr)
-            return 2
-        try:
-            key_id, key = Store(args.data_dir).create_key(args.tenant)
-        except ValueError as exc:
-            print(f"twinkle-server: --{exc}", file=sys.stderr)
-            return 2
+        with keys_settled(args.data_dir):
+            held = holder(args.data_dir)
+            if held is not None and held.open_mode:
+                # It decided at its start that it is open, and would stay so beside the
+                # key, keeping every client's work as tenant 'local'.
+                print(f"twinkle-server: the server on {args.data_dir} (pid {held.pid or '?'}) "
+                      "runs open, with no API keys, and would stay open: stop it, create "
+                      "the key, then start it again", file=sys.stderr)
+                return 2
+            try:
+                key_id, key = Store(args.data_dir).create_key(args.tenant)
+            except ValueError as exc:
+                print(f"twinkle-server: --{exc}", file=sys.stderr)
+                return 2
         print(f"created key {key_id} for tenant {args.tenant}; it is shown only this once:")
         print(key)
     elif args.action == "list":

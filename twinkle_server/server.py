@@ -44,7 +44,7 @@ from twinkle_server.service.session import SessionServicer
 from twinkle_server.service.training import TrainingServicer
 from twinkle_server.service.undecodable import RejectUndecodable
 from twinkle_server.store import Store
-from twinkle_server.store.lock import DataDirInUse, DataDirLock
+from twinkle_server.store.lock import DataDirInUse, DataDirLock, keys_settled
 from twinkle_wire import MAX_MESSAGE_BYTES
 from twinkle_wire._proto.twinkle.v1 import (
     external_pb2,
@@ -237,7 +237,8 @@ async def _serve_locked(config: ServerConfig, ready: asyncio.Event | None,
     store = Store(config.data_dir)
     # `keys create` refuses while an open server holds the data dir: such a server
     # decided it is open here, once, and would stay open beside the new key.
-    lock.record(open_mode=not store.has_keys())
+    with keys_settled(config.data_dir):
+        lock.record(open_mode=not store.has_keys())
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     lost: list[str] = []

@@ -5,11 +5,17 @@ make one."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 
+from twinkle_server import cli
 from twinkle_server.runtime.core import SNAPSHOT_DIR
 from twinkle_server.runtime.trace_exports import TRACE_DIR
+from twinkle_server.store import Store
+from twinkle_server.store.lock import DataDirLock, holder, keys_settled
 from twinkle_wire._proto.twinkle.v1 import runs_pb2
 
 from ..service.harness import Client, start_server, twinkle_server
@@ -89,6 +95,40 @@ def test_a_key_created_beside_a_keyed_server_works_at_once(tmp_path, tiny_cache)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         proc.stop()
+
+
+def test_keys_create_waits_for_a_starting_servers_decision_then_honours_it(tmp_path, capsys):
+    """A server decides once, at its start, whether it serves open; a `keys create` in
+    that instant waits for the decision (held for milliseconds), then refuses an open
+    one. Unguarded, it could check before an open decision and write after it."""
+    lock = DataDirLock.take(tmp_path)              # a server started, not decided yet
+    try:
+        with keys_settled(tmp_path):               # ... and deciding now
+            creating = ThreadPoolExecutor(1).submit(cli.main, [
+                "keys", "create", "--tenant", "alice", "--data-dir", str(tmp_path)])
+            time.sleep(0.5)
+            assert not creating.done(), "keys create ran in the middle of the decision"
+            lock.record(open_mode=not Store(tmp_path).has_keys())    # no key: open
+        assert creating.result(timeout=60) == 2
+    finally:
+        lock.release()
+    assert "runs open, with no API keys" in capsys.readouterr().err
+    assert not Store(tmp_path).has_keys()
+
+
+def test_a_key_made_before_a_starting_servers_decision_makes_it_keyed(tmp_path):
+    """Between taking the data dir and reading the keys a server has decided nothing: a
+    key made then is one its decision sees, so it is not refused."""
+    lock = DataDirLock.take(tmp_path)
+    try:
+        assert holder(tmp_path).open_mode is None
+        assert cli.main(["keys", "create", "--tenant", "bob", "--data-dir",
+                         str(tmp_path)]) == 0
+        with keys_settled(tmp_path):
+            lock.record(open_mode=not Store(tmp_path).has_keys())
+        assert holder(tmp_path).open_mode is False
+    finally:
+        lock.release()
 
 
 @pytest.mark.parametrize("command", [("runs", "list"), ("runs", "show", "run-x"),

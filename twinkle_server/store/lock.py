@@ -6,6 +6,11 @@ data dir would delete the first one's files. So the server takes the lock before
 that and holds it while it lives; the kernel drops it when the process ends, however it
 ends, so a crash leaves no stale lock. The file records the holder's pid and whether it
 serves open (no API keys), for the refusals of a second server and of `keys create`.
+
+Whether a server serves open is decided once, at its start, from whether the store holds
+a key. A `keys create` beside it must not interleave with that decision (checked before a
+server decided open, then written after it read no key, it would leave an open server
+beside a key): both run under `keys_settled`, a second lock each holds for milliseconds.
 """
 
 from __future__ import annotations
@@ -13,11 +18,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 LOCK_FILE = ".lock"
+KEYS_LOCK_FILE = ".keys.lock"
 
 
 class DataDirInUse(Exception):
@@ -26,8 +34,9 @@ class DataDirInUse(Exception):
 
 @dataclass(frozen=True)
 class Holder:
-    pid: int | None      # None: it took the lock an instant ago, has not written it yet
-    open_mode: bool      # it serves with no API keys (anyone on loopback, as `local`)
+    pid: int | None         # None: it took the lock an instant ago, has not written it yet
+    open_mode: bool | None  # it serves with no API keys (anyone on loopback, as `local`);
+                            # None: not decided yet (it will see every key made before)
 
 
 class DataDirLock:
@@ -52,10 +61,10 @@ class DataDirLock:
                                f"{held.pid if held and held.pid else '?'} (a server): stop "
                                "it, or give this one another --data-dir") from None
         lock = cls(data_dir, handle)
-        lock.record(open_mode=True)   # until the server has read whether it has keys
+        lock.record(open_mode=None)   # until the server has read whether it has keys
         return lock
 
-    def record(self, open_mode: bool) -> None:
+    def record(self, open_mode: bool | None) -> None:
         """Write who holds the lock, and whether it serves open."""
         self._handle.truncate(0)
         self._handle.write(json.dumps({"pid": os.getpid(), "open": open_mode}))
@@ -80,6 +89,18 @@ def holder(data_dir: str | Path) -> Holder | None:
             pass
         try:
             record = json.loads(handle.read())
-        except ValueError:   # taken an instant ago, not yet recorded: assume the worst
-            return Holder(None, True)
+        except ValueError:   # taken an instant ago, not yet recorded: not decided
+            return Holder(None, None)
         return Holder(record["pid"], record["open"])
+
+
+@contextmanager
+def keys_settled(data_dir: str | Path) -> Iterator[None]:
+    """Exclusive, blocking: held while a starting server reads whether the store has a key
+    and records its decision, and while `keys create` reads that record and writes its key,
+    so neither happens in the middle of the other."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / KEYS_LOCK_FILE, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
