@@ -38,7 +38,7 @@ TINY_CONTEXT = 4096
 def test_the_default_is_the_models_context_bounded_by_the_request_and_pass_limits(
         tiny_cache, caplog):
     assert ServerConfig().max_seq_len == AUTO_SEQ_LEN
-    with caplog.at_level(logging.INFO, logger="twinkle_server.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="twinkle_server.engine.seq_len"):
         engine = Engine.load("tiny", cache_dir=str(tiny_cache),
                              limits=EngineLimits(max_seq_len=AUTO_SEQ_LEN))
     assert engine.base.config.max_position_embeddings == TINY_CONTEXT
@@ -122,7 +122,7 @@ def _longrope_engine(path, tiny_cache, max_seq_len=AUTO_SEQ_LEN) -> Engine:
 
 def test_a_longrope_models_default_is_its_original_max_position_embeddings(
         longrope, tiny_cache, caplog):
-    with caplog.at_level(logging.INFO, logger="twinkle_server.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="twinkle_server.engine.seq_len"):
         engine = _longrope_engine(longrope, tiny_cache)
     assert engine.base.config.max_position_embeddings == 512
     assert engine.limits.max_seq_len == 32

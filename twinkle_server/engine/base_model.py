@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -125,35 +124,6 @@ def final_logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | No
             "(final_logit_softcapping, logit_scale, logits_scaling); the engine applies at "
             "most one, in the model's own order it cannot know")
     return steps[0]
-
-
-def longrope_limit(config: Any) -> int | None:
-    """The sequence length past which the model's `longrope` rotary embedding (Phi-3.5,
-    Phi-4-mini) switches from its short factors to its long ones; None without longrope.
-
-    transformers picks the factors for a whole forward call from its longest position
-    (`modeling_rope_utils.longrope_frequency_update`: long where max(position_ids) + 1 >
-    original_max_position_embeddings), so past this length one sequence changes every
-    other's numbers in its pass. Read from the rope parameters (`rope_parameters`, per
-    layer type where nested; `rope_scaling` before transformers 5, where Phi-3 called it
-    `su`): their `original_max_position_embeddings`, else the config's, else its
-    `max_position_embeddings`, as transformers fills it in."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return None
-    nested = not ({"rope_type", "type"} & params.keys())
-    limits = []
-    for rope in (params.values() if nested else [params]):
-        if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) not in (
-                "longrope", "su"):
-            continue
-        length = (rope.get("original_max_position_embeddings")
-                  or getattr(config, "original_max_position_embeddings", None)
-                  or getattr(config, "max_position_embeddings", None))
-        if length:
-            limits.append(int(length))
-    return min(limits) if limits else None
 
 
 def _capped_attention_in_eager(model: torch.nn.Module) -> None:

@@ -51,7 +51,7 @@ import transformers
 
 from twinkle_server.engine import activations, checks, experts, heap, memory, recurrent, roles
 from twinkle_server.engine.adapter import Adapter
-from twinkle_server.engine.base_model import BaseModel, longrope_limit
+from twinkle_server.engine.base_model import BaseModel
 from twinkle_server.engine.errors import (
     EngineError,
     InvalidArgument,
@@ -73,10 +73,10 @@ from twinkle_server.engine.protocol import rank_zero_only, replicated
 from twinkle_server.engine.residency import Residency, Spill
 from twinkle_server.engine.sampling.book import PoolStats
 from twinkle_server.engine.sampling.verbs import Sampling, inflight_key
+from twinkle_server.engine.seq_len import resolve_seq_len
 from twinkle_server.engine.training import Training
 from twinkle_server.engine.types import (
     AUTO_PASS_TOKENS,
-    AUTO_SEQ_LEN,
     EngineLimits,
     ForwardRequest,
     Generation,
@@ -150,8 +150,8 @@ class Engine(Training, Residency):
         parallel.shard(base.model)
         # On several ranks a pass also gathers the base's weights, beside its activations.
         gathered = parallel.gathered_bytes()
-        limits = self.limits = self._resolve_seq_len(self.limits, activation_checkpointing,
-                                                     gathered)
+        limits = self.limits = resolve_seq_len(base, self.limits, self._free_bytes(),
+                                               activation_checkpointing, gathered)
         # Decoder layers recomputed in backward (`engine.activations`); None picks by
         # the memory free once the base is in place (`memory.auto_checkpointing`).
         if activation_checkpointing is None:
@@ -217,54 +217,6 @@ class Engine(Training, Residency):
         base = parallel.load_base(model, device=device, dtype=dtype, cache_dir=cache_dir)
         return cls(base, limits, packing, activation_checkpointing, parallel, samples,
                    batch_invariant, spill)
-
-    def _resolve_seq_len(self, limits: EngineLimits, checkpointing: bool | None,
-                         gathered: int) -> EngineLimits:
-        """`limits` with `max_seq_len` chosen when `AUTO_SEQ_LEN` (the model's context, at
-        most `max_batch_tokens`, a given `max_pass_tokens` and what memory allows:
-        `memory.auto_max_seq_len`), and logged. A value given above the model's
-        `max_position_embeddings` is refused: positions past it were never trained.
-
-        A `longrope` model (Phi-3.5, Phi-4-mini) is held to its
-        `original_max_position_embeddings` (`base_model.longrope_limit`), where
-        transformers always runs the short factors: past it a forward call switches to
-        the long ones for all of its sequences, so one datum would change the numbers of
-        every other in its pass (other tenants' included), and the sampler's prefills and
-        steps, whose calls hold other rows, would disagree with the trainer's. Dynamic
-        NTK rope rescales likewise past `max_position_embeddings`, which the context
-        bound already keeps every sequence within."""
-        context = getattr(self.base.text_config, "max_position_embeddings", None)
-        rope = longrope_limit(self.base.config)
-        if limits.max_seq_len != AUTO_SEQ_LEN:
-            if context and limits.max_seq_len > context:
-                raise InvalidArgument(
-                    f"max_seq_len: --max-seq-len {limits.max_seq_len} is over the model's "
-                    f"max_position_embeddings {context}; give at most {context}, or 0 for "
-                    "the model's own bounded by memory")
-            if rope and limits.max_seq_len > rope:
-                raise InvalidArgument(
-                    f"max_seq_len: --max-seq-len {limits.max_seq_len} is over {rope}, the "
-                    "original_max_position_embeddings of the model's longrope rotary "
-                    "embedding: longrope switches to its long factors for a whole forward "
-                    f"pass once one sequence in it is longer than {rope} tokens, so a longer "
-                    "sequence would change other tenants' numbers and the sampler's; give "
-                    f"at most {rope}, or 0")
-            log.info("sequences of at most %d tokens (--max-seq-len)", limits.max_seq_len)
-            return limits
-        bound = min(n for n in (self.base.max_seq_len, limits.max_batch_tokens,
-                                limits.max_pass_tokens, rope or 0) if n > 0)
-        if rope and rope < self.base.max_seq_len:
-            log.info("longrope model: sequences are held to its %d-token "
-                     "original_max_position_embeddings, past which its rotary embedding "
-                     "switches factors for every sequence of a pass", rope)
-        chosen = memory.auto_max_seq_len(
-            self.base.config, self.base.dtype, self.base.vocab_size, self.base.device.type,
-            self._free_bytes(), bound, checkpointing is not False, gathered)
-        log.info("sequences of at most %d tokens (--max-seq-len 0: the model's "
-                 "max_position_embeddings %d, at most --max-batch-tokens %d and what memory "
-                 "allows on %s)", chosen, self.base.max_seq_len, limits.max_batch_tokens,
-                 self.base.device.type)
-        return replace(limits, max_seq_len=chosen)
 
     @property
     def pass_tokens(self) -> int:
