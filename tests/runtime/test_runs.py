@@ -6,6 +6,7 @@ from the store."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -15,9 +16,14 @@ from twinkle_server.engine.errors import (
     InvalidArgument,
     NotFound,
 )
-from twinkle_server.engine.types import LoraSpec
+from twinkle_server.engine.types import TINKER_SWITCHES, LoraSpec
 from twinkle_server.runtime import CheckpointRef, OpRef, Runtime
-from twinkle_server.runtime.runs import MAX_CHECKPOINT_TTL_SECONDS, MIN_CHECKPOINT_TTL_SECONDS
+from twinkle_server.runtime.runs import (
+    MAX_CHECKPOINT_TTL_SECONDS,
+    MIN_CHECKPOINT_TTL_SECONDS,
+    run_switches,
+)
+from twinkle_server.runtime.training import spec_to_json
 
 
 async def _saved(rt: Runtime, names: tuple[str, ...], kind: str = "training",
@@ -141,3 +147,23 @@ def test_the_session_listing_has_every_session_of_the_tenant_newest_first(runtim
             runs.get_session("bob", first)
 
     asyncio.run(scenario())
+
+
+def test_weights_info_switches_are_from_tinkers_own_and_claimed_for_no_other_run(runtime):
+    """`run_switches` gives back exactly the switches `LoraSpec.from_tinker` took; a run
+    made otherwise claims none: an import that adapts only MoE expert parameters (PEFT's
+    `target_parameters`, no linear module) stores no target module, and is not a run
+    made with every switch off (which is refused)."""
+    store = runtime.store
+    made = [dict(zip(TINKER_SWITCHES, bits, strict=True))
+            for bits in itertools.product((True, False), repeat=3) if any(bits)]
+    for n, switches in enumerate(made):
+        spec = LoraSpec.from_tinker(4, **switches)
+        run = store.create_run(f"run-{n}", "alice", "tiny", spec_to_json(spec), {}, None)
+        assert run_switches(run) == switches
+    # What `imports.register` stores for a PEFT adapter of expert parameters only.
+    experts_only = store.create_run("run-experts", "alice", "tiny", {
+        "rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": [], "use_rslora": False,
+        "target_parameters": ["model.layers.0.mlp.experts.gate_up_proj"], "seed": None},
+        {}, None)
+    assert run_switches(experts_only) == {}

@@ -36,8 +36,10 @@ TINKER_SWITCHES: tuple[str, ...] = ("train_attn", "train_mlp", "train_unembed")
 def tinker_switches(target_modules: str | Sequence[str]) -> dict[str, bool] | None:
     """`LoraSpec.from_tinker`'s switches read back from an adapter's targets; None for
     one targeting module names (PEFT's way: the native client's adapters, imports),
-    which no switch describes."""
-    if isinstance(target_modules, str) or not set(target_modules) <= set(ROLE_TARGETS):
+    which no switch describes, or none at all (an import of expert parameters only:
+    `from_tinker` with every switch off is refused: no Tinker run has no target)."""
+    if (isinstance(target_modules, str) or not target_modules
+            or not set(target_modules) <= set(ROLE_TARGETS)):
         return None
     return {switch: role in target_modules
             for switch, role in zip(TINKER_SWITCHES, ROLE_TARGETS, strict=True)}
