@@ -218,3 +218,38 @@ def test_a_session_whose_op_waits_past_the_timeout_is_not_expired_under_it(engin
 
     for _ in running(rt):
         asyncio.run(scenario())
+
+
+@pytest.mark.xfail(strict=True, reason="review-a: Core.ops_in_flight counts an op stranded "
+                   "behind a seq_id gap, so the sweep keeps its session (and model) forever")
+def test_a_session_whose_op_waits_for_a_seq_id_its_client_never_sent_still_expires(
+        engine, tmp_path):
+    """An op that can run only once its own client sends the seq_id before it (an HTTP
+    future's task outlives the client that posted it) waits on nothing but that client:
+    a client gone quiet past --session-timeout loses its session and its model's slot,
+    and the op fails, as when nothing of it was queued."""
+    timeout = 1.0
+    rt = Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
+                 Store(tmp_path))
+
+    async def scenario():
+        session = await rt.runs.create_session("alice", {})
+        info = await rt.training.create_model("alice", session_id=session,
+                                              spec=LoraSpec(rank=4, alpha=8, seed=0))
+        mid = info.entry.model_id
+        # seq 1 posted, seq 0 lost with its client: seq 1 can never run.
+        stranded = asyncio.ensure_future(rt.training.set_loss(
+            "alice", OpRef(mid, 1), LossSpec("cross_entropy")))
+        await asyncio.sleep(timeout + 0.5)
+        await asyncio.wait_for(rt.lifetimes.expire_sessions(), 30)
+        try:
+            assert rt.store.open_sessions("alice") == 0, \
+                "a session with no heartbeat nor runnable op was never expired"
+            assert mid not in rt.models
+            with pytest.raises(FailedPrecondition, match="unloaded"):
+                await asyncio.wait_for(stranded, 30)
+        finally:
+            stranded.cancel()
+
+    for _ in running(rt):
+        asyncio.run(scenario())
