@@ -435,3 +435,22 @@ def test_echoed_prompts_carry_a_top_k_dict_with_the_chosen_token_after_the_first
         assert logprobs.top_logprobs[0] is None and logprobs.token_logprobs[0] is None
         for token, top in zip(logprobs.tokens[1:], logprobs.top_logprobs[1:], strict=True):
             assert isinstance(top, dict) and 2 <= len(top) <= 3 and token in top
+
+
+def test_text_offsets_index_the_choices_text_past_tokens_that_hold_part_of_a_character(
+        client):
+    """`text_offset` is where each token begins in the choice's text (what harnesses cut
+    a continuation from an echoed prompt by): a token holding only part of a character
+    (named `bytes:\\xNN`) counts the characters its bytes make, not its name's length.
+    Measured: with '中文' split over five tokens, every later offset was 51 characters past
+    its token (the names' lengths counted)."""
+    out = client.completions.create(model="tiny", prompt="café 中文 ok, naïve", max_tokens=1,
+                                    echo=True, logprobs=0, temperature=1.0, seed=4)
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert any(t.startswith("bytes:") for t in logprobs.tokens)   # the case in question
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+        if not token.startswith("bytes:"):
+            assert choice.text[offset:offset + len(token)] == token, (token, offset,
+                                                                      choice.text)

@@ -4,6 +4,7 @@ OpenAI's shapes (`Reply`), and OpenAI's error body for any error (`error_respons
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -134,13 +135,13 @@ class Reply:
         values += [float(v) for v in seq.logprobs]
         tops += [self._top(int(t), float(lp), seq.topk_token_ids, seq.topk_logprobs, i)
                  for i, (t, lp) in enumerate(zip(seq.tokens, seq.logprobs, strict=True))]
-        pieces = [self._piece(t) for t in tokens]
-        offsets, at = [], 0
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
-        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": tops,
-                "text_offset": offsets}
+        # The text is the prompt's and the completion's, each decoded alone.
+        echoed = len(tokens) - seq.tokens.size
+        offsets = text_offsets(self.tokenizer, tokens[:echoed])
+        offsets += text_offsets(self.tokenizer, tokens[echoed:],
+                                len(self._prompt_text(prompt)) if echoed else 0)
+        return {"tokens": [self._piece(t) for t in tokens], "token_logprobs": values,
+                "top_logprobs": tops, "text_offset": offsets}
 
     def _top(self, chosen: int, logprob: float, ids: np.ndarray | None,
              logprobs: np.ndarray | None, position: int) -> dict[str, float]:
@@ -260,6 +261,25 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
     if all(c in _BYTE_LEVEL for c in piece):
         return bytes(_BYTE_LEVEL[c] for c in piece)
     return text.encode()
+
+
+def text_offsets(tokenizer: Any, tokens: Sequence[int], start: int = 0) -> list[int]:
+    """Where each of `tokens` begins in their text as a client is shown it (special
+    tokens left out), counted from `start`: the index of the character its first byte is
+    part of, so a token that holds the end of a character begins where that character
+    does. Counted from the tokens' bytes (`token_bytes`), as UTF-8 decodes them, never
+    from their names (a part of a character is named `bytes:\\xNN`)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    special = set(tokenizer.all_special_ids)
+    offsets, at = [], start
+    for token in tokens:
+        raw = b"" if int(token) in special else token_bytes(tokenizer, int(token))
+        # Bytes held for an unfinished character that this token does not go on with
+        # become a U+FFFD of their own, before this token's text.
+        held = decoder.getstate()[0]
+        offsets.append(at + (1 if held and raw and not 0x80 <= raw[0] <= 0xBF else 0))
+        at += len(decoder.decode(raw))
+    return offsets
 
 
 def token_text(tokenizer: Any, token: int) -> str:
