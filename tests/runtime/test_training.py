@@ -220,8 +220,6 @@ def test_a_session_whose_op_waits_past_the_timeout_is_not_expired_under_it(engin
         asyncio.run(scenario())
 
 
-@pytest.mark.xfail(strict=True, reason="review-a: Core.ops_in_flight counts an op stranded "
-                   "behind a seq_id gap, so the sweep keeps its session (and model) forever")
 def test_a_session_whose_op_waits_for_a_seq_id_its_client_never_sent_still_expires(
         engine, tmp_path):
     """An op that can run only once its own client sends the seq_id before it (an HTTP

@@ -14,7 +14,6 @@ import logging
 import secrets
 import shutil
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -43,6 +42,7 @@ from twinkle_server.runtime.values import (
     SamplerEntry,
 )
 from twinkle_server.scheduling.planning import Op
+from twinkle_server.scheduling.queues import UnknownQueue
 from twinkle_server.store import AuditRow, CheckpointRow, RunRow, Store
 from twinkle_wire import paths
 
@@ -95,17 +95,18 @@ class Core:
         self.sweeps: list[Callable[[], Awaitable[None]]] = []
         """What the periodic sweep runs (`expire`): each verb group adds its own."""
         self.observe_op: OpObserver | None = None
+        """Called after every op with (base model name, op, seconds, result, error):
+        the metrics hook."""
         self.traces = Traces()
         """Each session's recent ops, for its trace (`runtime.traces`)."""
         self.last_op: dict[str, float] = {}
         """Each client session's last op start or end (`time.time()`): liveness the
         expiry sweep reads beside heartbeats (the SDK beats every 10 s, a busy loop
         runs ops in between), kept here, not a store write per op."""
-        self.ops_in_flight: Counter[str] = Counter()
+        self.ops_in_flight: dict[str, list[Op]] = {}
         """Each client session's ops submitted and not ended: a session is alive while
-        one waits, however long the queue holds it (`Lifetimes.expire_sessions`)."""
-        """Called after every op with (base model name, op, seconds, result, error):
-        the metrics hook."""
+        one of them runs or waits its turn, however long the queue holds it
+        (`session_busy`)."""
 
     def close(self) -> None:
         """Record the models and sampling sessions the process takes with it (they are
@@ -270,7 +271,7 @@ class Core:
         result = error = None
         session = self._alive(op.queue_id)
         if session:
-            self.ops_in_flight[session] += 1
+            self.ops_in_flight.setdefault(session, []).append(op)
         sampler = self.samplers.get(op.queue_id)
         if sampler is not None:   # in use until it ends (`Lifetimes.expire_snapshots`)
             sampler.in_flight += 1
@@ -295,8 +296,9 @@ class Core:
                 sampler.in_flight -= 1
                 sampler.last_used = time.monotonic()
             if session:
-                self.ops_in_flight[session] -= 1
-                if not self.ops_in_flight[session]:
+                ops = self.ops_in_flight[session]
+                ops.remove(op)
+                if not ops:
                     del self.ops_in_flight[session]
             self._alive(op.queue_id)
             seconds = time.perf_counter() - start
@@ -312,6 +314,20 @@ class Core:
         """The client session of a model's or sampling session's queue (None: none)."""
         model, sampler = self.models.get(queue_id), self.samplers.get(queue_id)
         return model.session_id if model else sampler.session_id if sampler else None
+
+    def session_busy(self, session_id: str) -> bool:
+        """Whether one of the session's ops runs or waits only for the ops before it:
+        unordered, or not ahead of its queue's next seq_id. An op ahead of a seq_id its
+        client never sent waits on that client alone, and keeps nothing alive."""
+        for op in self.ops_in_flight.get(session_id, ()):
+            if op.seq_id is None:
+                return True
+            try:
+                if op.seq_id <= self.base_of(op.queue_id).scheduler.next_seq(op.queue_id):
+                    return True
+            except UnknownQueue:
+                continue
+        return False
 
     def _alive(self, queue_id: str) -> str | None:
         """Mark the session of `queue_id` (returned; None: none) alive now."""

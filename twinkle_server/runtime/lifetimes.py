@@ -66,12 +66,12 @@ class Lifetimes:
 
     async def expire_sessions(self) -> None:
         """Close every session idle past `--session-timeout` (no heartbeat, no op of its
-        models or sampling sessions waiting or running, and none ended within it:
-        `Core.ops_in_flight`, `Core.last_op`), with its models and sampling sessions."""
+        models or sampling sessions running or waiting its turn, and none ended within
+        it: `Core.session_busy`, `Core.last_op`), with its models and sampling sessions."""
         core = self.core
         timeout, now = core.config.session_timeout, time.time()
         for session_id in core.store.expired_sessions(timeout):
-            if (core.ops_in_flight[session_id]
+            if (core.session_busy(session_id)
                     or now - core.last_op.get(session_id, 0.0) < timeout):
                 continue
             tenant = core.store.session_tenant(session_id)
