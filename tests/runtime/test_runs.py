@@ -169,8 +169,6 @@ def test_weights_info_switches_are_from_tinkers_own_and_claimed_for_no_other_run
     assert run_switches(experts_only) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="review-a: a run made from a checkpoint stores the "
-                   "checkpoint's module names, so its switches read back as unknown")
 def test_a_run_resumed_from_a_tinker_runs_checkpoint_keeps_its_switches(runtime):
     """`create_training_client_from_state` of a run made with train_mlp=False trains the
     same roles; its weights info says so, as the first run's does."""

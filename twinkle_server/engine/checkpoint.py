@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from twinkle_server.engine import optim
 from twinkle_server.engine.adapter import Adapter
 from twinkle_server.engine.declared import DeclaredNames, declared_names
 from twinkle_server.engine.errors import FailedPrecondition, InvalidArgument, NotFound
-from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec
+from twinkle_server.engine.types import AdamParams, LoraSpec, LossSpec, tinker_switches
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -122,6 +122,10 @@ NAMES_METADATA = "twinkle.declared_names"
 """The weights file's metadata key for the module-name map its names were written with
 (`declared.DeclaredNames`, JSON; absent where empty), which `read_spec` and
 `read_weights` undo."""
+ROLES_METADATA = "twinkle.target_roles"
+"""The weights file's metadata key for the roles an adapter made with Tinker's switches
+targets (`types.ROLE_TARGETS`, JSON; absent for module-name targets): `read_spec` gives
+them back, so a run resumed from the checkpoint is made with the same switches."""
 
 
 def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
@@ -152,6 +156,8 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
         metadata[DROPOUT_METADATA] = repr(float(spec.dropout))
     if names.prefixes:
         metadata[NAMES_METADATA] = names.to_json()
+    if tinker_switches(spec.target_modules) is not None:
+        metadata[ROLES_METADATA] = json.dumps(list(spec.target_modules))
     config = LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha,
         lora_dropout=0.0 if parameters else spec.dropout,
@@ -227,12 +233,15 @@ def read_spec(path: str | Path) -> tuple[LoraSpec, list[str]]:
     targets = data.get("target_modules") or []
     targets = [names.engine(t) for t in ([targets] if isinstance(targets, str) else targets)]
     dropout = float(metadata.get(DROPOUT_METADATA, 0.0))
+    roles = metadata.get(ROLES_METADATA)
     spec = LoraSpec(rank=int(data["r"]), alpha=float(data["lora_alpha"]),
                     dropout=dropout or float(data.get("lora_dropout") or 0.0),
                     target_modules=tuple(sorted(targets)),
                     use_rslora=bool(data.get("use_rslora", False)),
                     target_parameters=tuple(sorted(
                         names.engine(p) for p in data.get("target_parameters") or ())))
+    if roles is not None:   # the same layers on the same base, resolved from the roles
+        spec = replace(spec, target_modules=tuple(json.loads(roles)), target_parameters=None)
     return spec, targets
 
 
