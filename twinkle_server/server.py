@@ -302,13 +302,15 @@ async def _serve_engines(config: ServerConfig, engines: list[tuple[ModelConfig, 
     http = None
     if config.http_port != HTTP_OFF:
         try:
-            http = HttpServer(rt, config)
+            sock = bind(config.host, config.http_port)
         except OSError as exc:
+            await server.stop(None)
             rt.close()
             raise ConfigError(
                 f"--http-port {config.http_port}: cannot listen on "
                 f"{host_port(config.host, config.http_port)}: {exc.strerror or exc}; is "
                 "another server using it? Pick another port (0 picks a free one)") from None
+        http = HttpServer(rt, config, sock)
     rt.start()
     await server.start()
     for name in ("", *SERVICE_NAMES):

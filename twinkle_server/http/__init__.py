@@ -91,9 +91,10 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """The ASGI app served by uvicorn on the running loop."""
 
-    def __init__(self, rt: Runtime, config: ServerConfig) -> None:
+    def __init__(self, rt: Runtime, config: ServerConfig, sock: socket.socket) -> None:
+        """Serve on `sock`, bound by the caller (`bind`) to `config`'s host and port."""
         self.app, self.front, self.metrics = build_app(rt)
-        self.socket = bind(config.host, config.http_port)
+        self.socket = sock
         self.port = self.socket.getsockname()[1]
         ssl = ({"ssl_certfile": str(config.tls_cert), "ssl_keyfile": str(config.tls_key)}
                if config.tls_cert else {})
