@@ -234,6 +234,8 @@ def test_errors_come_in_anthropics_shape_and_name_the_field(server, client, agen
         error = reply.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
         assert error["error"]["message"].startswith(field + ":"), (field, reply.text)
+        if extra.get("tool_choice") == {"type": "any"}:   # in the caller's words
+            assert "'any' forces a call" in error["error"]["message"], reply.text
     other = httpx.get(f"http://{server.http_address}/anthropic/api/v1/models",
                       headers=headers, timeout=30)
     assert other.status_code == 404 and other.json()["error"]["type"] == "not_found_error"

@@ -65,7 +65,8 @@ def read(body: Mapping[str, Any], counting: bool = False) -> OaiRequest:
     messages, prefill = _prefill(_messages(body.get("messages"), body.get("system")))
     tools = _tool_use(body.get("tools"), body.get("tool_choice"))
     if prefill and tools is not None and tools.choice != "auto":
-        raise OaiError("tool_choice", f"{tools.choice!r} forces a call, which cannot "
+        asked = body["tool_choice"].get("type")   # "any" or "tool": the caller's words
+        raise OaiError("tool_choice", f"{asked!r} forces a call, which cannot "
                                       "follow a final assistant message (a prefill); "
                                       "leave one of them out")
     if counting:
