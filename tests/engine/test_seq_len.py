@@ -190,8 +190,8 @@ def dynamic(tiny_cache, tmp_path_factory):
 def test_a_dynamic_rope_model_is_held_to_its_context_where_no_datum_moves_another(
         dynamic, tiny_cache):
     # transformers' dynamic NTK rope rescales its frequencies for a whole forward call
-    # once a position in it passes max_position_embeddings (and keeps them so for later
-    # calls): past the context one sequence would change every other's numbers.
+    # once a position in it passes max_position_embeddings (until a later, shorter call
+    # resets them): past the context one sequence would change every other's numbers.
     engine = Engine.load(str(dynamic), cache_dir=str(tiny_cache), limits=EngineLimits(
         max_adapters=4, max_rank=16, max_seq_len=AUTO_SEQ_LEN, max_batch_tokens=1024,
         kv_pool_tokens=512))

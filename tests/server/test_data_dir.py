@@ -103,13 +103,14 @@ def test_keys_create_waits_for_a_starting_servers_decision_then_honours_it(tmp_p
     one. Unguarded, it could check before an open decision and write after it."""
     lock = DataDirLock.take(tmp_path)              # a server started, not decided yet
     try:
-        with keys_settled(tmp_path):               # ... and deciding now
-            creating = ThreadPoolExecutor(1).submit(cli.main, [
-                "keys", "create", "--tenant", "alice", "--data-dir", str(tmp_path)])
-            time.sleep(0.5)
-            assert not creating.done(), "keys create ran in the middle of the decision"
-            lock.record(open_mode=not Store(tmp_path).has_keys())    # no key: open
-        assert creating.result(timeout=60) == 2
+        with ThreadPoolExecutor(1) as pool:
+            with keys_settled(tmp_path):           # ... and deciding now
+                creating = pool.submit(cli.main, [
+                    "keys", "create", "--tenant", "alice", "--data-dir", str(tmp_path)])
+                time.sleep(0.5)
+                assert not creating.done(), "keys create ran in the middle of the decision"
+                lock.record(open_mode=not Store(tmp_path).has_keys())    # no key: open
+            assert creating.result(timeout=60) == 2
     finally:
         lock.release()
     assert "runs open, with no API keys" in capsys.readouterr().err

@@ -8,7 +8,8 @@ names its modules (`declared`)) beside them, losses, prompt scoring and sampling
 (`sampling/`, its decode wing), on one rank or as one of several (`parallel`). LoRA sits
 on linears (`lora`) and per expert on MoE experts (`experts`); which of them Tinker's
 switches train is read from the model's structure (`roles`), what a pass needs in memory
-from its layer kinds (`memory`, `layer_kinds`). A failed request comes back as an
+from its layer kinds (`memory`, `layer_kinds`), and how long a sequence may be from its
+context and rotary embedding (`seq_len`). A failed request comes back as an
 `EngineError` value, so one
 tenant's bad request never stops another's. The rest of the server sees it as
 `protocol.EngineAPI`. It imports only torch, transformers, peft, numpy, safetensors, the

@@ -12,7 +12,9 @@ One module per table, each a class of queries; `Store` is all of them over one f
     checkpoints.py  checkpoints: saved weights, publishing, expiry
     stability.py    stability_records: sampled sequences stable_reinforce trains on
     audit.py        audit_log: who did what
-    lock.py         `.lock`: the one live server that owns the data dir (not a table)
+    lock.py         `.lock`: the one live server that owns the data dir, and
+                    `.keys.lock`: its open-or-keyed decision apart from `keys create`
+                    (files, not tables)
 
 Every query is scoped by tenant: another tenant's run or checkpoint is simply not found,
 unless its owner published the checkpoint.
