@@ -295,10 +295,11 @@ class Core:
             if sampler is not None:
                 sampler.in_flight -= 1
                 sampler.last_used = time.monotonic()
-            if session:
-                ops = self.ops_in_flight[session]
-                ops.remove(op)
-                if not ops:
+            if session:   # by identity: `==` on ops compares their numpy payloads
+                ops = [o for o in self.ops_in_flight[session] if o is not op]
+                if ops:
+                    self.ops_in_flight[session] = ops
+                else:
                     del self.ops_in_flight[session]
             self._alive(op.queue_id)
             seconds = time.perf_counter() - start
