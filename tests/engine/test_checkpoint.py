@@ -90,6 +90,20 @@ def test_files_have_the_keys_shapes_and_config_peft_itself_writes(engine, add, t
     assert (spec_back.rank, spec_back.alpha, spec_back.dropout) == (4, 8.0, 0.1)
 
 
+def test_saving_the_same_adapter_again_writes_the_same_bytes(engine, add, tmp_path):
+    """safetensors writes its metadata from a hash map whose order changes with every
+    call: with more than one key (a Tinker run's role targets, a multimodal base's names),
+    two saves of the same weights once differed (an encrypted export did not decrypt to
+    the plain one's bytes). The header is written in one order."""
+    add("again", LoraSpec.from_tinker(4, seed=3))
+    files = []
+    for n in range(8):
+        engine.save_weights("again", tmp_path / str(n))
+        files.append((tmp_path / str(n) / checkpoint.WEIGHTS_FILE).read_bytes())
+    assert checkpoint.ROLES_METADATA.encode() in files[0]
+    assert all(f == files[0] for f in files)
+
+
 def test_saved_adapter_gives_the_engines_logits_in_peft(engine, datums, add, tmp_path):
     add("export", LoraSpec.from_tinker(rank=8, seed=9))  # attention, MLP and lm_head
     _train(engine, "export", datums, 2)

@@ -1,4 +1,5 @@
-"""Sampling without a session (the OpenAI route's verb) on the runtime in-process."""
+"""Sampling on the runtime in-process: without a session (the OpenAI route's verb), and a
+session's samples side by side."""
 
 from __future__ import annotations
 

@@ -166,9 +166,24 @@ def write_peft(out: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor],
         task_type="CAUSAL_LM",
     )
     config.save_pretrained(str(out))
-    (out / WEIGHTS_FILE).write_bytes(save_safetensors(
+    (out / WEIGHTS_FILE).write_bytes(_sorted_metadata(save_safetensors(
         {k: v.detach().contiguous().cpu()
-         for k, v in rename_keys(tensors, names.declared).items()}, metadata=metadata))
+         for k, v in rename_keys(tensors, names.declared).items()}, metadata=metadata)))
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """`data` (a safetensors file) with its header's metadata in key order. safetensors
+    writes the metadata from a hash map, whose order changes from one call to the next:
+    the same weights would be different bytes at each save. The header keeps its length
+    (the same JSON, reordered; padded as safetensors pads), so no offset moves."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > size:
+        raise ValueError(f"safetensors header re-encoded to {len(text)} bytes, over its {size}")
+    return data[:8] + text.ljust(size) + data[8 + size:]
 
 
 def peft_targets(linears: list[str], model_type: str | None
