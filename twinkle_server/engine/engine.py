@@ -150,7 +150,7 @@ class Engine(Training, Residency):
         parallel.shard(base.model)
         # On several ranks a pass also gathers the base's weights, beside its activations.
         gathered = parallel.gathered_bytes()
-        limits = self.limits = resolve_seq_len(base, self.limits, self._free_bytes(),
+        limits = self.limits = resolve_seq_len(base, self.limits, self._free_bytes,
                                                activation_checkpointing, gathered)
         # Decoder layers recomputed in backward (`engine.activations`); None picks by
         # the memory free once the base is in place (`memory.auto_checkpointing`).

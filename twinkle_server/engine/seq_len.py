@@ -7,6 +7,7 @@ which hold every sequence to the length where they do not.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -18,11 +19,13 @@ from twinkle_server.engine.types import AUTO_SEQ_LEN, EngineLimits
 log = logging.getLogger(__name__)
 
 
-def resolve_seq_len(base: BaseModel, limits: EngineLimits, free_bytes: int | None,
-                    checkpointing: bool | None, gathered: int) -> EngineLimits:
+def resolve_seq_len(base: BaseModel, limits: EngineLimits,
+                    free_bytes: Callable[[], int | None], checkpointing: bool | None,
+                    gathered: int) -> EngineLimits:
     """`limits` with `max_seq_len` chosen when `AUTO_SEQ_LEN` (the model's context, at
     most `max_batch_tokens`, a given `max_pass_tokens` and what memory allows:
-    `memory.auto_max_seq_len`), and logged. A value given above the model's
+    `memory.auto_max_seq_len`, read from `free_bytes` only then: on several ranks it
+    is a collective), and logged. A value given above the model's
     `max_position_embeddings` is refused: positions past it were never trained.
 
     A `longrope` model (Phi-3.5, Phi-4-mini) is held to its
@@ -59,7 +62,7 @@ def resolve_seq_len(base: BaseModel, limits: EngineLimits, free_bytes: int | Non
                  "switches factors for every sequence of a pass", rope)
     chosen = memory.auto_max_seq_len(
         base.config, base.dtype, base.vocab_size, base.device.type,
-        free_bytes, bound, checkpointing is not False, gathered)
+        free_bytes(), bound, checkpointing is not False, gathered)
     log.info("sequences of at most %d tokens (--max-seq-len 0: the model's "
              "max_position_embeddings %d, at most --max-batch-tokens %d and what memory "
              "allows on %s)", chosen, base.max_seq_len, limits.max_batch_tokens,
