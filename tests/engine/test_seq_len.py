@@ -110,7 +110,8 @@ def longrope(tiny_cache, tmp_path_factory):
                         max_position_embeddings=512)
 
 
-def _longrope_engine(path, tiny_cache, max_seq_len=AUTO_SEQ_LEN) -> Engine:
+def _two_adapters(path, tiny_cache, max_seq_len=AUTO_SEQ_LEN) -> Engine:
+    """The model at `path` with adapters "a" (trained-looking) and "b" (fresh)."""
     engine = Engine.load(str(path), cache_dir=str(tiny_cache), limits=EngineLimits(
         max_adapters=4, max_rank=16, max_seq_len=max_seq_len, max_batch_tokens=1024,
         kv_pool_tokens=512))
@@ -123,7 +124,7 @@ def _longrope_engine(path, tiny_cache, max_seq_len=AUTO_SEQ_LEN) -> Engine:
 def test_a_longrope_models_default_is_its_original_max_position_embeddings(
         longrope, tiny_cache, caplog):
     with caplog.at_level(logging.INFO, logger="twinkle_server.engine.seq_len"):
-        engine = _longrope_engine(longrope, tiny_cache)
+        engine = _two_adapters(longrope, tiny_cache)
     assert engine.base.config.max_position_embeddings == 512
     assert engine.limits.max_seq_len == 32
     assert "held to its 32-token original_max_position_embeddings" in caplog.text
@@ -134,8 +135,8 @@ def test_a_length_over_a_longrope_models_original_context_is_refused_naming_it(
     with pytest.raises(InvalidArgument, match=r"max_seq_len: --max-seq-len 64 is over 32, "
                                               r"the original_max_position_embeddings of the "
                                               r"model's longrope"):
-        _longrope_engine(longrope, tiny_cache, max_seq_len=64)
-    assert _longrope_engine(longrope, tiny_cache, 32).limits.max_seq_len == 32
+        _two_adapters(longrope, tiny_cache, max_seq_len=64)
+    assert _two_adapters(longrope, tiny_cache, 32).limits.max_seq_len == 32
 
 
 def test_on_a_longrope_model_another_tenants_datum_leaves_a_datums_logprobs_alone(
@@ -143,7 +144,7 @@ def test_on_a_longrope_model_another_tenants_datum_leaves_a_datums_logprobs_alon
     # A merged pass's positions restart per datum, and no datum passes 32 tokens, so
     # longrope keeps its short factors whatever the pass holds. Merged and alone run
     # GEMMs of other shapes: LOGPROB_ATOL.
-    engine = _longrope_engine(longrope, tiny_cache)
+    engine = _two_adapters(longrope, tiny_cache)
     short, other, long_ = random_datums(engine, (20, 30, 50))
     alone = engine.forward_batch([ForwardRequest("a", [short], CE, False)])[0].logprobs[0]
     merged = engine.forward_batch([ForwardRequest("a", [short], CE, False),
@@ -159,7 +160,7 @@ def test_on_a_longrope_model_the_pools_logprobs_equal_the_trainers(longrope, tin
     # Prefill and decode steps see their own lengths and other rows'; within 32 tokens
     # they all run the short factors, as the trainer's pass does. Other GEMM shapes:
     # LOGPROB_ATOL.
-    engine = _longrope_engine(longrope, tiny_cache)
+    engine = _two_adapters(longrope, tiny_cache)
     prompt, long_prompt = (d.input_ids for d in random_datums(engine, (10, 20)))
     request = SampleRequest("a", None, prompt, 2,
                             SamplingParams(max_tokens=22, seed=1, ignore_eos=True))
@@ -192,12 +193,7 @@ def test_a_dynamic_rope_model_is_held_to_its_context_where_no_datum_moves_anothe
     # transformers' dynamic NTK rope rescales its frequencies for a whole forward call
     # once a position in it passes max_position_embeddings (until a later, shorter call
     # resets them): past the context one sequence would change every other's numbers.
-    engine = Engine.load(str(dynamic), cache_dir=str(tiny_cache), limits=EngineLimits(
-        max_adapters=4, max_rank=16, max_seq_len=AUTO_SEQ_LEN, max_batch_tokens=1024,
-        kv_pool_tokens=512))
-    engine.add_adapter("a", LoraSpec.from_tinker(8, seed=1))
-    randomize_b(engine, "a", 3, 0.05)
-    engine.add_adapter("b", LoraSpec.from_tinker(4, seed=2))
+    engine = _two_adapters(dynamic, tiny_cache)
     assert engine.limits.max_seq_len == 32
     short, other = random_datums(engine, (20, 30))
     alone = engine.forward_batch([ForwardRequest("a", [short], CE, False)])[0].logprobs[0]

@@ -162,19 +162,29 @@ def test_a_retry_answered_from_the_stored_result_is_not_observed_again(runtime):
     assert seen.count("forward_backward") == 1, seen
 
 
+def _timing_out(engine: Engine, tmp_path, timeout: float) -> Runtime:
+    """A runtime whose sessions expire after `timeout` seconds without a sign of life."""
+    return Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
+                   Store(tmp_path))
+
+
+async def _session_model(rt: Runtime) -> str:
+    """A model of alice's in a new client session (its id)."""
+    session = await rt.runs.create_session("alice", {})
+    info = await rt.training.create_model("alice", session_id=session,
+                                          spec=LoraSpec(rank=4, alpha=8, seed=0))
+    return info.entry.model_id
+
+
 def test_a_sessions_ops_keep_it_alive_between_heartbeats(engine, tmp_path):
     """The stock SDK heart-beats every 10 s: a loop training without pause under a
     shorter --session-timeout must keep its model; its ops count as liveness, and a
     session idle past the timeout still expires."""
     timeout = 2.0
-    rt = Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
-                 Store(tmp_path))
+    rt = _timing_out(engine, tmp_path, timeout)
 
     async def scenario():
-        session = await rt.runs.create_session("alice", {})
-        info = await rt.training.create_model("alice", session_id=session,
-                                              spec=LoraSpec(rank=4, alpha=8, seed=0))
-        mid = info.entry.model_id
+        mid = await _session_model(rt)
         await asyncio.sleep(timeout + 0.5)   # no heartbeat since the session opened
         await rt.training.set_loss("alice", OpRef(mid, 0), LossSpec("cross_entropy"))
         await rt.lifetimes.expire_sessions()
@@ -192,14 +202,10 @@ def test_a_session_whose_op_waits_past_the_timeout_is_not_expired_under_it(engin
     --session-timeout: its session is alive while it waits, and its model stays for it;
     the timeout counts from its end."""
     timeout = 1.0
-    rt = Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
-                 Store(tmp_path))
+    rt = _timing_out(engine, tmp_path, timeout)
 
     async def scenario():
-        session = await rt.runs.create_session("alice", {})
-        info = await rt.training.create_model("alice", session_id=session,
-                                              spec=LoraSpec(rank=4, alpha=8, seed=0))
-        mid = info.entry.model_id
+        mid = await _session_model(rt)
         busy, release = await _hold_worker(rt)
         try:
             queued = asyncio.ensure_future(rt.training.set_loss(
@@ -227,14 +233,10 @@ def test_a_session_whose_op_waits_for_a_seq_id_its_client_never_sent_still_expir
     a client gone quiet past --session-timeout loses its session and its model's slot,
     and the op fails, as when nothing of it was queued."""
     timeout = 1.0
-    rt = Runtime(ServerConfig(data_dir=tmp_path, session_timeout=timeout), engine,
-                 Store(tmp_path))
+    rt = _timing_out(engine, tmp_path, timeout)
 
     async def scenario():
-        session = await rt.runs.create_session("alice", {})
-        info = await rt.training.create_model("alice", session_id=session,
-                                              spec=LoraSpec(rank=4, alpha=8, seed=0))
-        mid = info.entry.model_id
+        mid = await _session_model(rt)
         # seq 1 posted, seq 0 lost with its client: seq 1 can never run.
         stranded = asyncio.ensure_future(rt.training.set_loss(
             "alice", OpRef(mid, 1), LossSpec("cross_entropy")))
